@@ -1,0 +1,219 @@
+//! Opening a committed checkpoint: listing its tensors without reading data, reading boxes in
+//! a single process, and verifying every chunk.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use rayon::prelude::*;
+
+use crate::comm::LocalComm;
+use crate::error::{Error, Result};
+use crate::load::{LoadOptions, LoadReport, load};
+use crate::model::{DType, LoadTarget, Region, TensorKey};
+use crate::plan::grid;
+use crate::plan::load::StoredGeometry;
+use crate::save::io_pool;
+use crate::storage::read::{Dest, ReadCounters, read_shard};
+use crate::storage::{CheckpointMeta, Compression, TensorArray, commit};
+
+/// A committed checkpoint, opened for reading.
+#[derive(Debug, Clone)]
+pub struct Checkpoint {
+    dir: PathBuf,
+    meta: CheckpointMeta,
+}
+
+/// What the index says about one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// The key.
+    pub key: TensorKey,
+    /// Data type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// Outer chunk (shard file) shape.
+    pub chunk_shape: Vec<u64>,
+    /// Inner subchunk shape.
+    pub subchunk_shape: Vec<u64>,
+    /// Compression.
+    pub compression: Compression,
+    /// Number of shard files.
+    pub num_chunks: u64,
+    /// Logical size in bytes.
+    pub nbytes: u64,
+}
+
+/// One problem found by [`Checkpoint::verify`].
+#[derive(Debug)]
+pub struct Problem {
+    /// The tensor.
+    pub key: TensorKey,
+    /// The chunk, when one is involved.
+    pub chunk: Option<Vec<u64>>,
+    /// What is wrong (names the file).
+    pub error: Error,
+}
+
+/// The outcome of [`Checkpoint::verify`].
+#[derive(Debug, Default)]
+pub struct VerifyReport {
+    /// Tensors checked.
+    pub tensors: usize,
+    /// Shard files checked.
+    pub chunks: u64,
+    /// Bytes read.
+    pub bytes_read: u64,
+    /// Everything found wrong (empty when the checkpoint is sound).
+    pub problems: Vec<Problem>,
+}
+
+impl Checkpoint {
+    /// Opens a committed checkpoint (reads only the root `zarr.json`).
+    ///
+    /// # Errors
+    /// [`StorageError::Incomplete`] for a save that never committed, and the other index
+    /// errors of the storage layer.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_owned();
+        let meta = commit::read_index(&dir)?;
+        Ok(Checkpoint { dir, meta })
+    }
+
+    /// The directory.
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The index.
+    #[must_use]
+    pub fn meta(&self) -> &CheckpointMeta {
+        &self.meta
+    }
+
+    /// Every tensor, sorted by key.
+    #[must_use]
+    pub fn tensors(&self) -> Vec<TensorInfo> {
+        self.meta
+            .tensors
+            .iter()
+            .map(|(key, e)| TensorInfo {
+                key: key.clone(),
+                dtype: e.dtype,
+                shape: e.shape.clone(),
+                chunk_shape: e.chunk_shape.clone(),
+                subchunk_shape: e.subchunk_shape.clone(),
+                compression: e.compression,
+                num_chunks: grid::grid_shape(&e.shape, &e.chunk_shape).iter().product(),
+                nbytes: e.nbytes(),
+            })
+            .collect()
+    }
+
+    /// Information on one tensor.
+    #[must_use]
+    pub fn tensor(&self, key: &TensorKey) -> Option<TensorInfo> {
+        self.tensors().into_iter().find(|t| &t.key == key)
+    }
+
+    /// Reads a box of one tensor into `buf` (single process; see [`load`] for ranks).
+    ///
+    /// # Errors
+    /// As [`load`].
+    pub fn read_region(&self, key: &TensorKey, region: &Region, buf: &mut [u8]) -> Result<LoadReport> {
+        let e = self.meta.tensors.get(key).ok_or_else(|| Error::UnexpectedKeys {
+            path: self.dir.clone(),
+            keys: vec![key.clone()],
+            rank: 0,
+        })?;
+        let mut t = [LoadTarget::new(key.clone(), e.dtype, e.shape.clone(), region.clone(), buf)?];
+        load(&mut t, &self.dir, &LocalComm::single(), &LoadOptions::default())
+    }
+
+    /// Reads a whole tensor.
+    ///
+    /// # Errors
+    /// As [`load`].
+    pub fn read_tensor(&self, key: &TensorKey) -> Result<Vec<u8>> {
+        let e = self.meta.tensors.get(key).ok_or_else(|| Error::UnexpectedKeys {
+            path: self.dir.clone(),
+            keys: vec![key.clone()],
+            rank: 0,
+        })?;
+        let mut buf = vec![0u8; crate::model::region::num_bytes(&e.shape, e.dtype.size()).map_err(|source| {
+            Error::Tensor(crate::model::TensorError::Region { key: key.to_string(), source })
+        })?];
+        self.read_region(key, &Region::full(&e.shape), &mut buf)?;
+        Ok(buf)
+    }
+
+    /// Reads every chunk of every tensor and checks every checksum, that every chunk file
+    /// exists and that every array's `zarr.json` agrees with the index. Collects all problems
+    /// rather than stopping at the first.
+    ///
+    /// # Errors
+    /// Only when the I/O thread pool cannot start; problems go into the report.
+    pub fn verify(&self, threads: usize, progress: Option<&(dyn Fn(u64) + Sync)>) -> Result<VerifyReport> {
+        let problems = Mutex::new(Vec::new());
+        let counters = ReadCounters::default();
+        let mut chunks_total = 0u64;
+        let mut work: Vec<(TensorArray, StoredGeometry, Vec<u64>)> = Vec::new();
+        for (key, e) in &self.meta.tensors {
+            match TensorArray::open(&self.dir, key, e) {
+                Ok(arr) => {
+                    let geom = StoredGeometry {
+                        global_shape: e.shape.clone(),
+                        chunk_shape: e.chunk_shape.clone(),
+                        subchunk_shape: e.subchunk_shape.clone(),
+                        elem: e.dtype.size(),
+                    };
+                    let gs = grid::grid_shape(&e.shape, &e.chunk_shape);
+                    let mut chunks = Vec::new();
+                    grid::for_each_index(&vec![0; gs.len()], &gs, |c| chunks.push(c.to_vec()));
+                    chunks_total += chunks.len() as u64;
+                    for c in chunks {
+                        work.push((TensorArray::open(&self.dir, key, e)?, geom.clone(), c));
+                    }
+                    drop(arr);
+                }
+                Err(err) => problems.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Problem {
+                    key: key.clone(),
+                    chunk: None,
+                    error: err.into(),
+                }),
+            }
+        }
+        let pool = io_pool(threads)?;
+        pool.install(|| {
+            work.par_iter().for_each_init(Vec::new, |scratch, (arr, geom, chunk)| {
+                let region = grid::chunk_region(&geom.global_shape, &geom.chunk_shape, chunk);
+                let mut buf = vec![0u8; region.num_elements().unwrap_or(0) as usize * geom.elem];
+                let reads = geom.reads_for(&region);
+                for shard in &reads {
+                    let dest = Dest::new(&mut buf, &region, geom.elem);
+                    // SAFETY: this thread owns `buf`.
+                    if let Err(err) = unsafe { read_shard(arr, geom, shard, dest, scratch, &counters) } {
+                        problems.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Problem {
+                            key: arr.key().clone(),
+                            chunk: Some(chunk.clone()),
+                            error: err.into(),
+                        });
+                    }
+                }
+                if let Some(p) = progress {
+                    p(buf.len() as u64);
+                }
+            });
+        });
+        let mut problems = problems.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+        problems.sort_by(|a, b| (&a.key, &a.chunk).cmp(&(&b.key, &b.chunk)));
+        Ok(VerifyReport {
+            tensors: self.meta.tensors.len(),
+            chunks: chunks_total,
+            bytes_read: counters.bytes.load(std::sync::atomic::Ordering::Relaxed),
+            problems,
+        })
+    }
+}
+

@@ -1,0 +1,121 @@
+//! How ranks talk: a small [`Communicator`] trait (bytes in, bytes out, every wait bounded by a
+//! timeout) and its implementations.
+//!
+//! Every method is collective: all ranks call the same methods in the same order. A rank that
+//! dies or stops answering turns into a [`CommError`] on the others within the communicator's
+//! timeout; nothing waits forever.
+
+pub mod local;
+
+use std::time::Duration;
+
+pub use local::{LocalComm, run_local};
+
+/// The default bound on any single wait.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A failure of communication, naming the rank that saw it and the peer involved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommError {
+    /// A wait exceeded the timeout.
+    #[error("rank {rank}: {op} timed out after {after:?} waiting for {}", peer.map_or("peers".to_owned(), |p| format!("rank {p}")))]
+    Timeout {
+        /// The operation.
+        op: &'static str,
+        /// The rank that waited.
+        rank: usize,
+        /// The peer it waited for, when known.
+        peer: Option<usize>,
+        /// How long it waited.
+        after: Duration,
+    },
+    /// A peer went away (process died, connection closed, communicator dropped).
+    #[error("rank {rank}: {op} failed: rank {peer} is gone ({detail})")]
+    PeerLost {
+        /// The operation.
+        op: &'static str,
+        /// The rank that noticed.
+        rank: usize,
+        /// The peer that is gone.
+        peer: usize,
+        /// What was observed.
+        detail: String,
+    },
+    /// Ranks called different operations or sent sizes that do not match.
+    #[error("rank {rank}: {op}: protocol mismatch: {detail}")]
+    Mismatch {
+        /// The operation.
+        op: &'static str,
+        /// The rank that noticed.
+        rank: usize,
+        /// What did not match.
+        detail: String,
+    },
+    /// Setting up or using the transport failed.
+    #[error("rank {rank}: {op}: {detail}")]
+    Transport {
+        /// The operation.
+        op: &'static str,
+        /// The rank.
+        rank: usize,
+        /// What failed.
+        detail: String,
+    },
+}
+
+/// A buffer to send to a peer in [`Communicator::exchange`].
+#[derive(Debug, Clone, Copy)]
+pub struct SendBuf<'a> {
+    /// Destination rank.
+    pub peer: usize,
+    /// Bytes to send.
+    pub data: &'a [u8],
+}
+
+/// A buffer to receive into from a peer in [`Communicator::exchange`].
+#[derive(Debug)]
+pub struct RecvBuf<'a> {
+    /// Source rank.
+    pub peer: usize,
+    /// Destination; the peer sends exactly this many bytes.
+    pub buf: &'a mut [u8],
+}
+
+/// The collective operations save and load need.
+pub trait Communicator: Send + Sync {
+    /// This rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+
+    /// Every rank contributes bytes; every rank receives all contributions, indexed by rank.
+    ///
+    /// # Errors
+    /// [`CommError`] on timeout, a lost peer or a protocol mismatch.
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError>;
+
+    /// `root` sends `data` (other ranks' `data` is ignored); every rank returns it.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`].
+    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError>;
+
+    /// Waits until every rank has arrived.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`].
+    fn barrier(&self) -> Result<(), CommError> {
+        self.all_gather(&[]).map(|_| ())
+    }
+
+    /// Point-to-point transfer of large buffers. For every ordered pair of ranks, the sends of
+    /// one to the other and the receives of the other from the one match in order and size.
+    /// Sends and receives progress concurrently, so any such pattern completes. Every rank
+    /// calls `exchange`, possibly with nothing to do.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`]; a size mismatch is a [`CommError::Mismatch`].
+    fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError>;
+}

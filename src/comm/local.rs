@@ -1,0 +1,381 @@
+//! Ranks as threads of one process: the communicator for tests, single-node runs and the
+//! simulated ranks of the CLI.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{CommError, Communicator, DEFAULT_TIMEOUT, RecvBuf, SendBuf};
+
+/// Bytes a sender may queue for one receiver before it waits.
+const QUEUE_BYTES: usize = 16 << 20;
+/// Largest message piece moved through a queue.
+const PIECE_BYTES: usize = 4 << 20;
+
+struct Slot {
+    op: &'static str,
+    parts: Vec<Option<Vec<u8>>>,
+    result: Option<Arc<Vec<Vec<u8>>>>,
+    readers_left: usize,
+}
+
+#[derive(Default)]
+struct Queue {
+    pieces: VecDeque<Vec<u8>>,
+    bytes: usize,
+}
+
+struct Shared {
+    world: usize,
+    timeout: Duration,
+    slots: Mutex<(HashMap<u64, Slot>, Vec<bool>)>,
+    cv: Condvar,
+    /// `queues[dst * world + src]`.
+    queues: Vec<(Mutex<Queue>, Condvar)>,
+}
+
+/// One rank's handle on an in-process group. Dropping it tells the other ranks this rank is
+/// gone, so they fail fast instead of waiting for the timeout.
+pub struct LocalComm {
+    rank: usize,
+    seq: AtomicU64,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for LocalComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalComm").field("rank", &self.rank).field("world", &self.shared.world).finish()
+    }
+}
+
+impl LocalComm {
+    /// Handles for a group of `world` ranks with the default timeout.
+    #[must_use]
+    pub fn group(world: usize) -> Vec<LocalComm> {
+        Self::group_with_timeout(world, DEFAULT_TIMEOUT)
+    }
+
+    /// Handles for a group of `world` ranks; every wait gives up after `timeout`.
+    #[must_use]
+    pub fn group_with_timeout(world: usize, timeout: Duration) -> Vec<LocalComm> {
+        let shared = Arc::new(Shared {
+            world,
+            timeout,
+            slots: Mutex::new((HashMap::new(), vec![false; world])),
+            cv: Condvar::new(),
+            queues: (0..world * world).map(|_| (Mutex::new(Queue::default()), Condvar::new())).collect(),
+        });
+        (0..world).map(|rank| LocalComm { rank, seq: AtomicU64::new(0), shared: shared.clone() }).collect()
+    }
+
+    /// A group of one.
+    #[must_use]
+    pub fn single() -> LocalComm {
+        Self::group(1).pop().expect("one rank")
+    }
+
+    fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn collective(&self, op: &'static str, data: Vec<u8>) -> Result<Arc<Vec<Vec<u8>>>, CommError> {
+        let world = self.shared.world;
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let deadline = Instant::now() + self.shared.timeout;
+        let mut g = Self::lock(&self.shared.slots);
+        {
+            let slot = g.0.entry(seq).or_insert_with(|| Slot {
+                op,
+                parts: vec![None; world],
+                result: None,
+                readers_left: world,
+            });
+            if slot.op != op {
+                let detail = format!("operation #{seq}: this rank called {op}, another rank called {}", slot.op);
+                return Err(CommError::Mismatch { op, rank: self.rank, detail });
+            }
+            slot.parts[self.rank] = Some(data);
+            if slot.parts.iter().all(Option::is_some) {
+                let parts = slot.parts.iter_mut().map(|p| p.take().unwrap_or_default()).collect();
+                slot.result = Some(Arc::new(parts));
+                self.shared.cv.notify_all();
+            }
+        }
+        loop {
+            let (slots, gone) = &mut *g;
+            let slot = slots.get_mut(&seq).expect("slot lives until every rank has read it");
+            if let Some(result) = slot.result.clone() {
+                slot.readers_left -= 1;
+                if slot.readers_left == 0 {
+                    slots.remove(&seq);
+                }
+                return Ok(result);
+            }
+            if let Some(peer) = (0..world).find(|&r| slot.parts[r].is_none() && gone[r]) {
+                return Err(CommError::PeerLost {
+                    op,
+                    rank: self.rank,
+                    peer,
+                    detail: "its communicator was dropped before it joined".into(),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let peer = (0..world).find(|&r| slot.parts[r].is_none());
+                return Err(CommError::Timeout { op, rank: self.rank, peer, after: self.shared.timeout });
+            }
+            g = self.shared.cv.wait_timeout(g, deadline - now).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+        }
+    }
+
+    fn peer_gone(&self, peer: usize) -> bool {
+        Self::lock(&self.shared.slots).1[peer]
+    }
+
+    fn send_to(&self, peer: usize, data: &[u8]) -> Result<(), CommError> {
+        let (q, cv) = &self.shared.queues[peer * self.shared.world + self.rank];
+        let pieces: Vec<&[u8]> = if data.is_empty() { vec![data] } else { data.chunks(PIECE_BYTES).collect() };
+        for piece in pieces {
+            let mut deadline = Instant::now() + self.shared.timeout;
+            let mut g = Self::lock(q);
+            while g.bytes > 0 && g.bytes + piece.len() > QUEUE_BYTES {
+                if self.peer_gone(peer) {
+                    return Err(self.lost("exchange", peer));
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(CommError::Timeout { op: "exchange", rank: self.rank, peer: Some(peer), after: self.shared.timeout });
+                }
+                let before = g.bytes;
+                g = cv.wait_timeout(g, (deadline - now).min(Duration::from_millis(100))).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+                if g.bytes < before {
+                    deadline = Instant::now() + self.shared.timeout;
+                }
+            }
+            g.bytes += piece.len();
+            g.pieces.push_back(piece.to_vec());
+            cv.notify_all();
+        }
+        Ok(())
+    }
+
+    fn recv_from(&self, peer: usize, buf: &mut [u8]) -> Result<(), CommError> {
+        let (q, cv) = &self.shared.queues[self.rank * self.shared.world + peer];
+        let mut filled = 0;
+        loop {
+            let deadline = Instant::now() + self.shared.timeout;
+            let mut g = Self::lock(q);
+            let piece = loop {
+                if let Some(p) = g.pieces.pop_front() {
+                    g.bytes -= p.len();
+                    cv.notify_all();
+                    break p;
+                }
+                if self.peer_gone(peer) {
+                    return Err(self.lost("exchange", peer));
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(CommError::Timeout { op: "exchange", rank: self.rank, peer: Some(peer), after: self.shared.timeout });
+                }
+                g = cv.wait_timeout(g, (deadline - now).min(Duration::from_millis(100))).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+            };
+            drop(g);
+            let end = filled + piece.len();
+            if end > buf.len() || (piece.is_empty() && !buf.is_empty()) {
+                return Err(CommError::Mismatch {
+                    op: "exchange",
+                    rank: self.rank,
+                    detail: format!("rank {peer} sent more than the {} bytes expected", buf.len()),
+                });
+            }
+            buf[filled..end].copy_from_slice(&piece);
+            filled = end;
+            if filled == buf.len() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn lost(&self, op: &'static str, peer: usize) -> CommError {
+        CommError::PeerLost { op, rank: self.rank, peer, detail: "its communicator was dropped".into() }
+    }
+}
+
+impl Drop for LocalComm {
+    fn drop(&mut self) {
+        let mut g = Self::lock(&self.shared.slots);
+        g.1[self.rank] = true;
+        drop(g);
+        self.shared.cv.notify_all();
+        for (_, cv) in &self.shared.queues {
+            cv.notify_all();
+        }
+    }
+}
+
+impl Communicator for LocalComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        Ok(self.collective("all_gather", data.to_vec())?.as_ref().clone())
+    }
+
+    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
+        if root >= self.shared.world {
+            return Err(CommError::Mismatch { op: "broadcast", rank: self.rank, detail: format!("root {root} out of range") });
+        }
+        let mine = if self.rank == root { data.to_vec() } else { Vec::new() };
+        let all = self.collective("broadcast", mine)?;
+        Ok(all[root].clone())
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.collective("barrier", Vec::new()).map(|_| ())
+    }
+
+    fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {
+        for s in sends {
+            if s.peer >= self.shared.world {
+                return Err(CommError::Mismatch { op: "exchange", rank: self.rank, detail: format!("peer {} out of range", s.peer) });
+            }
+        }
+        std::thread::scope(|scope| {
+            let sender = scope.spawn(|| {
+                for s in sends {
+                    self.send_to(s.peer, s.data)?;
+                }
+                Ok::<(), CommError>(())
+            });
+            let mut result = Ok(());
+            for r in recvs.iter_mut() {
+                if r.peer >= self.shared.world {
+                    result = Err(CommError::Mismatch { op: "exchange", rank: self.rank, detail: format!("peer {} out of range", r.peer) });
+                    break;
+                }
+                if let Err(e) = self.recv_from(r.peer, r.buf) {
+                    result = Err(e);
+                    break;
+                }
+            }
+            let sent = sender.join().unwrap_or_else(|_| {
+                Err(CommError::Transport { op: "exchange", rank: self.rank, detail: "sender thread panicked".into() })
+            });
+            result.and(sent)
+        })
+    }
+}
+
+/// Runs `f` on `world` ranks, one thread each, and returns their results in rank order.
+/// A panicking rank drops its communicator, so the others fail fast.
+///
+/// # Panics
+/// Re-raises a rank's panic after every rank has finished.
+pub fn run_local<T: Send>(world: usize, timeout: Duration, f: impl Fn(LocalComm) -> T + Sync) -> Vec<T> {
+    let comms = LocalComm::group_with_timeout(world, timeout);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let f = &f;
+                std::thread::Builder::new()
+                    .name(format!("rank-{}", c.rank))
+                    .spawn_scoped(s, move || f(c))
+                    .expect("spawn rank thread")
+            })
+            .collect();
+        let results: Vec<std::thread::Result<T>> = handles.into_iter().map(|h| h.join()).collect();
+        results.into_iter().map(|r| r.unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collectives() {
+        let out = run_local(4, DEFAULT_TIMEOUT, |c| {
+            let all = c.all_gather(&[c.rank() as u8]).unwrap();
+            let b = c.broadcast(2, &[c.rank() as u8, 9]).unwrap();
+            c.barrier().unwrap();
+            (all, b)
+        });
+        for (all, b) in out {
+            assert_eq!(all, vec![vec![0], vec![1], vec![2], vec![3]]);
+            assert_eq!(b, vec![2, 9]);
+        }
+    }
+
+    #[test]
+    fn exchange_all_to_all_large() {
+        let n = 3;
+        let out = run_local(n, DEFAULT_TIMEOUT, |c| {
+            let me = c.rank();
+            let data: Vec<Vec<u8>> = (0..n).map(|p| vec![(me * 10 + p) as u8; 9 << 20]).collect();
+            let sends: Vec<SendBuf> = (0..n).filter(|&p| p != me).map(|p| SendBuf { peer: p, data: &data[p] }).collect();
+            let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 9 << 20]).collect();
+            let mut recvs: Vec<RecvBuf> = bufs
+                .iter_mut()
+                .enumerate()
+                .filter(|(p, _)| *p != me)
+                .map(|(p, b)| RecvBuf { peer: p, buf: b })
+                .collect();
+            c.exchange(&sends, &mut recvs).unwrap();
+            (me, bufs)
+        });
+        for (me, bufs) in out {
+            for (p, b) in bufs.iter().enumerate() {
+                if p != me {
+                    assert!(b.iter().all(|&x| x == (p * 10 + me) as u8));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dead_rank_is_an_error_not_a_hang() {
+        let t0 = Instant::now();
+        let out = run_local(3, Duration::from_secs(30), |c| {
+            if c.rank() == 1 {
+                drop(c);
+                return None;
+            }
+            Some(c.all_gather(b"x"))
+        });
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        for r in out.into_iter().flatten() {
+            assert!(matches!(r, Err(CommError::PeerLost { peer: 1, .. })), "{r:?}");
+        }
+    }
+
+    #[test]
+    fn silent_rank_times_out_naming_it() {
+        let out = run_local(2, Duration::from_millis(200), |c| {
+            if c.rank() == 0 {
+                std::thread::sleep(Duration::from_millis(600));
+                None
+            } else {
+                Some(c.barrier())
+            }
+        });
+        let e = out[1].clone().unwrap().unwrap_err();
+        assert!(matches!(e, CommError::Timeout { peer: Some(0), rank: 1, .. }), "{e}");
+        assert!(e.to_string().contains("rank 0"));
+    }
+
+    #[test]
+    fn mismatched_operations_are_reported() {
+        let out = run_local(2, Duration::from_secs(5), |c| {
+            if c.rank() == 0 { c.barrier().err() } else { c.all_gather(b"").err() }
+        });
+        assert!(out.iter().flatten().any(|e| matches!(e, CommError::Mismatch { .. })));
+    }
+}

@@ -1,0 +1,117 @@
+//! The crate's top-level error: one variant per layer, plus what the front doors check.
+
+use std::path::PathBuf;
+
+use crate::comm::CommError;
+use crate::model::{DType, KeyError, Region, TensorError, TensorKey};
+use crate::plan::{LayoutDecodeError, PlanError};
+use crate::storage::StorageError;
+
+/// Shows at most 20 keys, then how many more.
+fn keys_list(keys: &[TensorKey]) -> String {
+    let mut s = keys.iter().take(20).map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
+    if keys.len() > 20 {
+        s.push_str(&format!(" and {} more", keys.len() - 20));
+    }
+    s
+}
+
+/// Everything save, load and open can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A tensor piece handed in is invalid.
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    /// A key is invalid.
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    /// The ranks' declarations do not form a valid checkpoint.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// A rank sent a malformed layout description.
+    #[error(transparent)]
+    Layout(#[from] LayoutDecodeError),
+    /// Communication failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// Storage failed.
+    #[error(transparent)]
+    Storage(#[from] StorageError),
+    /// One rank holds the same piece twice, or declares one key with two data types or shapes.
+    #[error("tensor `{key}`: {detail}")]
+    InconsistentPieces {
+        /// The tensor.
+        key: TensorKey,
+        /// What is inconsistent.
+        detail: String,
+    },
+    /// Another rank failed; this rank stopped too so that no rank waits forever.
+    #[error("rank {rank} failed: {message}")]
+    RemoteFailure {
+        /// The rank that failed first.
+        rank: usize,
+        /// Its error.
+        message: String,
+    },
+    /// Keys requested but absent from the checkpoint.
+    #[error("{}: {} requested key(s) are not in the checkpoint: {}", path.display(), keys.len(), keys_list(keys))]
+    UnexpectedKeys {
+        /// The checkpoint.
+        path: PathBuf,
+        /// The keys (of the rank that requested them).
+        keys: Vec<TensorKey>,
+        /// The rank that requested them.
+        rank: usize,
+    },
+    /// Keys in the checkpoint that no rank requested (strict mode `RaiseAll`).
+    #[error("{}: {} key(s) in the checkpoint were requested by no rank: {}", path.display(), keys.len(), keys_list(keys))]
+    MissingKeys {
+        /// The checkpoint.
+        path: PathBuf,
+        /// The keys.
+        keys: Vec<TensorKey>,
+    },
+    /// The checkpoint stores another data type than requested (nothing is cast silently).
+    #[error("tensor `{key}` in {}: requested {requested}, stored {stored}", path.display())]
+    DtypeMismatch {
+        /// The tensor.
+        key: TensorKey,
+        /// The checkpoint.
+        path: PathBuf,
+        /// What was asked for.
+        requested: DType,
+        /// What is stored.
+        stored: DType,
+    },
+    /// The checkpoint stores another global shape than requested.
+    #[error("tensor `{key}` in {}: requested global shape {requested:?}, stored {stored:?}", path.display())]
+    ShapeMismatch {
+        /// The tensor.
+        key: TensorKey,
+        /// The checkpoint.
+        path: PathBuf,
+        /// What was asked for.
+        requested: Vec<u64>,
+        /// What is stored.
+        stored: Vec<u64>,
+    },
+    /// A requested box lies outside the stored tensor.
+    #[error("tensor `{key}` in {}: region {region} is out of bounds of {shape:?}", path.display())]
+    OutOfBounds {
+        /// The tensor.
+        key: TensorKey,
+        /// The checkpoint.
+        path: PathBuf,
+        /// The region.
+        region: Region,
+        /// The stored shape.
+        shape: Vec<u64>,
+    },
+    /// The I/O thread pool could not be created.
+    #[error("could not start the I/O thread pool: {0}")]
+    ThreadPool(String),
+}
+
+/// Shorthand for results of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,151 @@
+//! Copying boxes between C-order buffers: the one strided-copy routine every layer uses.
+
+use super::region::Region;
+
+/// True when a box of `box_shape` placed in a C-order buffer of `buf_shape` occupies one
+/// contiguous byte range: after the first dimension where the box is longer than 1, it must
+/// span the buffer's full extent.
+#[must_use]
+pub fn is_contiguous(box_shape: &[u64], buf_shape: &[u64]) -> bool {
+    match box_shape.iter().position(|&s| s != 1) {
+        None => true,
+        Some(k) => box_shape[k + 1..] == buf_shape[k + 1..],
+    }
+}
+
+/// Byte offset of element `index` in a C-order buffer of `shape` with `elem` bytes per element.
+/// Callers guarantee `index` lies inside `shape` and the buffer fits in memory.
+#[must_use]
+pub fn byte_offset(index: &[u64], shape: &[u64], elem: usize) -> usize {
+    let mut off: u64 = 0;
+    for (i, s) in index.iter().zip(shape) {
+        off = off * s + i;
+    }
+    usize::try_from(off).unwrap_or(usize::MAX).saturating_mul(elem)
+}
+
+/// Copies the box `region` (global coordinates) from `src` to `dst`. `src` holds the box
+/// `src_box` and `dst` the box `dst_box`, both in C order; `region` must lie inside both.
+/// Works in contiguous runs: one `memcpy` per run of the innermost contiguous dimensions.
+///
+/// # Panics
+/// Panics if the buffers are smaller than their boxes (a caller bug, never input-driven).
+pub fn copy_region(
+    src: &[u8],
+    src_box: &Region,
+    dst: &mut [u8],
+    dst_box: &Region,
+    region: &Region,
+    elem: usize,
+) {
+    for_each_run(src_box, dst_box, region, elem, |s, d, len| {
+        dst[d..d + len].copy_from_slice(&src[s..s + len]);
+    });
+}
+
+/// Calls `f(src_byte_offset, dst_byte_offset, len)` for every contiguous run of `region`
+/// copied from a buffer holding `src_box` to one holding `dst_box`.
+pub fn for_each_run(
+    src_box: &Region,
+    dst_box: &Region,
+    region: &Region,
+    elem: usize,
+    mut f: impl FnMut(usize, usize, usize),
+) {
+    let nd = region.ndim();
+    if region.is_empty() {
+        return;
+    }
+    // Merge trailing dimensions that are full in both source and destination into one run.
+    let mut k = nd; // dims k.. form one contiguous run
+    let mut run: u64 = 1;
+    while k > 0 {
+        let d = k - 1;
+        run *= region.shape[d];
+        k = d;
+        if region.shape[d] != src_box.shape[d] || region.shape[d] != dst_box.shape[d] {
+            break;
+        }
+    }
+    let run_bytes = usize::try_from(run).unwrap_or(usize::MAX) * elem;
+    // Iterate over the outer dims 0..k (odometer), computing offsets.
+    let src_rel: Vec<u64> = region.offset.iter().zip(&src_box.offset).map(|(a, b)| a - b).collect();
+    let dst_rel: Vec<u64> = region.offset.iter().zip(&dst_box.offset).map(|(a, b)| a - b).collect();
+    let mut idx = vec![0u64; k];
+    let mut pos_s = src_rel.clone();
+    let mut pos_d = dst_rel.clone();
+    loop {
+        for d in 0..k {
+            pos_s[d] = src_rel[d] + idx[d];
+            pos_d[d] = dst_rel[d] + idx[d];
+        }
+        let so = byte_offset(&pos_s, &src_box.shape, elem);
+        let dof = byte_offset(&pos_d, &dst_box.shape, elem);
+        f(so, dof, run_bytes);
+        // advance odometer
+        let mut d = k;
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < region.shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(o: &[u64], s: &[u64]) -> Region {
+        Region::new(o.to_vec(), s.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn contiguity() {
+        assert!(is_contiguous(&[2, 4], &[5, 4]));
+        assert!(!is_contiguous(&[2, 3], &[5, 4]));
+        assert!(is_contiguous(&[1, 3], &[5, 4]));
+        assert!(is_contiguous(&[1, 1, 3], &[5, 4, 7]));
+        assert!(!is_contiguous(&[1, 2, 3], &[5, 4, 7]));
+        assert!(is_contiguous(&[1, 1, 7], &[5, 4, 7]));
+        assert!(is_contiguous(&[], &[]));
+    }
+
+    #[test]
+    fn copies_boxes_elementwise() {
+        // Global 6x5 tensor with value = row*10+col, as u16.
+        let global = r(&[0, 0], &[6, 5]);
+        let mut g = Vec::new();
+        for i in 0..6u16 {
+            for j in 0..5u16 {
+                g.extend_from_slice(&(i * 10 + j).to_le_bytes());
+            }
+        }
+        let src_box = r(&[1, 1], &[4, 4]);
+        let mut src = vec![0u8; 32];
+        copy_region(&g, &global, &mut src, &src_box, &src_box, 2);
+        let dst_box = r(&[2, 0], &[3, 5]);
+        let mut dst = vec![0u8; 30];
+        let region = r(&[2, 2], &[3, 3]);
+        copy_region(&src, &src_box, &mut dst, &dst_box, &region, 2);
+        for i in 0..3usize {
+            for j in 0..5usize {
+                let v = u16::from_le_bytes([dst[(i * 5 + j) * 2], dst[(i * 5 + j) * 2 + 1]]);
+                let gi = i as u16 + 2;
+                let expect = if (2..5).contains(&j) { gi * 10 + j as u16 } else { 0 };
+                assert_eq!(v, expect, "{i},{j}");
+            }
+        }
+        // scalar
+        let s = r(&[], &[]);
+        let mut out = [0u8; 4];
+        copy_region(&[1, 2, 3, 4], &s, &mut out, &s, &s, 4);
+        assert_eq!(out, [1, 2, 3, 4]);
+    }
+}

@@ -1,0 +1,246 @@
+//! Boxes in a tensor's index space, with checked arithmetic.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The largest number of dimensions a tensor may have.
+pub const MAX_DIMS: usize = 32;
+
+/// Why a region is invalid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegionError {
+    /// Offset and shape have different lengths, or the region's rank differs from the tensor's.
+    #[error("dimension mismatch: {what} has {got} dimensions, expected {expected}")]
+    RankMismatch {
+        /// What was being compared.
+        what: &'static str,
+        /// Dimensions found.
+        got: usize,
+        /// Dimensions expected.
+        expected: usize,
+    },
+    /// More than [`MAX_DIMS`] dimensions.
+    #[error("{dims} dimensions exceed the limit of {MAX_DIMS}")]
+    TooManyDims {
+        /// Dimensions found.
+        dims: usize,
+    },
+    /// The region does not fit in the global shape.
+    #[error("region {region} is out of bounds of global shape {shape:?}")]
+    OutOfBounds {
+        /// The region.
+        region: Region,
+        /// The global shape.
+        shape: Vec<u64>,
+    },
+    /// A size computation overflowed.
+    #[error("size of {what} overflows: shape {shape:?}")]
+    Overflow {
+        /// What was being computed.
+        what: &'static str,
+        /// The shape involved.
+        shape: Vec<u64>,
+    },
+}
+
+/// A box: an offset and a shape, one entry per dimension. A zero-dimensional region (both
+/// empty) is the single element of a scalar.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Region {
+    /// Start index in every dimension.
+    pub offset: Vec<u64>,
+    /// Extent in every dimension.
+    pub shape: Vec<u64>,
+}
+
+impl fmt::Display for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[")?;
+        for (i, (o, s)) in self.offset.iter().zip(&self.shape).enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{o}..{}", o.saturating_add(*s))?;
+        }
+        f.write_str("]")
+    }
+}
+
+/// Number of elements of a shape, checked.
+///
+/// # Errors
+/// [`RegionError::Overflow`] if the product overflows `u64`.
+pub fn num_elements(shape: &[u64]) -> Result<u64, RegionError> {
+    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).ok_or_else(|| {
+        RegionError::Overflow { what: "element count", shape: shape.to_vec() }
+    })
+}
+
+/// Number of bytes of a shape of elements of `elem_size` bytes, checked and fitting `usize`.
+///
+/// # Errors
+/// [`RegionError::Overflow`] if the size does not fit in `usize`.
+pub fn num_bytes(shape: &[u64], elem_size: usize) -> Result<usize, RegionError> {
+    let n = num_elements(shape)?;
+    let overflow = || RegionError::Overflow { what: "byte size", shape: shape.to_vec() };
+    let n = usize::try_from(n).map_err(|_| overflow())?;
+    n.checked_mul(elem_size).ok_or_else(overflow)
+}
+
+impl Region {
+    /// A region; checks that offset and shape have the same rank and that the end fits `u64`.
+    ///
+    /// # Errors
+    /// [`RegionError`] on rank mismatch, too many dimensions or overflow.
+    pub fn new(offset: Vec<u64>, shape: Vec<u64>) -> Result<Self, RegionError> {
+        if offset.len() != shape.len() {
+            return Err(RegionError::RankMismatch {
+                what: "offset",
+                got: offset.len(),
+                expected: shape.len(),
+            });
+        }
+        if shape.len() > MAX_DIMS {
+            return Err(RegionError::TooManyDims { dims: shape.len() });
+        }
+        for (o, s) in offset.iter().zip(&shape) {
+            if o.checked_add(*s).is_none() {
+                return Err(RegionError::Overflow { what: "region end", shape: shape.clone() });
+            }
+        }
+        num_elements(&shape)?;
+        Ok(Region { offset, shape })
+    }
+
+    /// The whole of a tensor of `shape`.
+    #[must_use]
+    pub fn full(shape: &[u64]) -> Self {
+        Region { offset: vec![0; shape.len()], shape: shape.to_vec() }
+    }
+
+    /// Number of dimensions.
+    #[must_use]
+    pub fn ndim(&self) -> usize {
+        self.shape.len()
+    }
+
+    /// Number of elements (the product of the shape).
+    ///
+    /// # Errors
+    /// [`RegionError::Overflow`] if it overflows `u64`.
+    pub fn num_elements(&self) -> Result<u64, RegionError> {
+        num_elements(&self.shape)
+    }
+
+    /// True when the region holds no element.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.shape.contains(&0)
+    }
+
+    /// Exclusive end in dimension `d` (cannot overflow: checked at construction).
+    #[must_use]
+    pub fn end(&self, d: usize) -> u64 {
+        self.offset[d].saturating_add(self.shape[d])
+    }
+
+    /// Checks that the region lies inside a tensor of `global_shape`.
+    ///
+    /// # Errors
+    /// [`RegionError`] on rank mismatch or when the region sticks out.
+    pub fn check_within(&self, global_shape: &[u64]) -> Result<(), RegionError> {
+        if self.ndim() != global_shape.len() {
+            return Err(RegionError::RankMismatch {
+                what: "region",
+                got: self.ndim(),
+                expected: global_shape.len(),
+            });
+        }
+        for d in 0..self.ndim() {
+            if self.end(d) > global_shape[d] {
+                return Err(RegionError::OutOfBounds {
+                    region: self.clone(),
+                    shape: global_shape.to_vec(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The intersection with `other`, or `None` when it holds no element. Zero-dimensional
+    /// regions always intersect.
+    #[must_use]
+    pub fn intersect(&self, other: &Region) -> Option<Region> {
+        debug_assert_eq!(self.ndim(), other.ndim());
+        let mut offset = Vec::with_capacity(self.ndim());
+        let mut shape = Vec::with_capacity(self.ndim());
+        for d in 0..self.ndim() {
+            let lo = self.offset[d].max(other.offset[d]);
+            let hi = self.end(d).min(other.end(d));
+            if hi <= lo {
+                return None;
+            }
+            offset.push(lo);
+            shape.push(hi - lo);
+        }
+        Some(Region { offset, shape })
+    }
+
+    /// True when `other` lies entirely inside `self`.
+    #[must_use]
+    pub fn contains(&self, other: &Region) -> bool {
+        (0..self.ndim())
+            .all(|d| other.offset[d] >= self.offset[d] && other.end(d) <= self.end(d))
+    }
+
+    /// This region expressed relative to `origin` (which must not exceed the offset).
+    #[must_use]
+    pub fn relative_to(&self, origin: &[u64]) -> Region {
+        Region {
+            offset: self.offset.iter().zip(origin).map(|(o, r)| o - r).collect(),
+            shape: self.shape.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(o: &[u64], s: &[u64]) -> Region {
+        Region::new(o.to_vec(), s.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn checked_construction() {
+        assert!(Region::new(vec![0], vec![1, 2]).is_err());
+        assert!(Region::new(vec![u64::MAX], vec![2]).is_err());
+        assert!(Region::new(vec![0, 0], vec![u64::MAX, 3]).is_err());
+        assert!(num_bytes(&[u64::MAX / 2], 4).is_err());
+        assert_eq!(num_bytes(&[3, 5], 2).unwrap(), 30);
+        assert_eq!(num_elements(&[]).unwrap(), 1);
+    }
+
+    #[test]
+    fn intersect_and_contains() {
+        let a = r(&[0, 0], &[4, 4]);
+        let b = r(&[2, 3], &[4, 4]);
+        assert_eq!(a.intersect(&b), Some(r(&[2, 3], &[2, 1])));
+        assert_eq!(a.intersect(&r(&[4, 0], &[1, 1])), None);
+        assert!(a.contains(&r(&[1, 1], &[3, 3])));
+        assert!(!a.contains(&b));
+        let scalar = r(&[], &[]);
+        assert_eq!(scalar.intersect(&scalar), Some(scalar.clone()));
+        assert!(r(&[0], &[0]).is_empty());
+    }
+
+    #[test]
+    fn bounds() {
+        r(&[2], &[3]).check_within(&[5]).unwrap();
+        assert!(matches!(r(&[3], &[3]).check_within(&[5]), Err(RegionError::OutOfBounds { .. })));
+        assert!(matches!(r(&[0], &[1]).check_within(&[5, 1]), Err(RegionError::RankMismatch { .. })));
+        assert_eq!(r(&[1, 2], &[3, 4]).to_string(), "[1..4, 2..6]");
+    }
+}

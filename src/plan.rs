@@ -1,0 +1,11 @@
+//! Pure geometry and decisions: layouts, chunk grids, who writes what, what a load reads.
+//! No I/O, no zarrs, no network.
+
+pub mod grid;
+pub mod layout;
+pub mod load;
+pub mod save;
+
+pub use grid::GridOptions;
+pub use layout::{GatheredLayouts, LayoutDecodeError, PieceDecl, RankLayout, TensorDecl};
+pub use save::{PlanError, SavePlan, SavePlanOptions, TensorPlan};

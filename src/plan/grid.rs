@@ -1,0 +1,251 @@
+//! Choosing a tensor's chunk grid: outer chunks (one file each) aligned with the pieces held
+//! at save time, and inner subchunks sized for partial reads.
+
+use crate::model::Region;
+
+/// Defaults for grid choices; see `spec/format.md` § "Chunk grid".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GridOptions {
+    /// Target size of an inner subchunk in bytes.
+    pub subchunk_target_bytes: u64,
+    /// Outer chunks smaller than this (and smaller than the smallest piece) count as tiny.
+    pub min_chunk_bytes: u64,
+}
+
+impl Default for GridOptions {
+    fn default() -> Self {
+        GridOptions { subchunk_target_bytes: 1 << 20, min_chunk_bytes: 1 << 20 }
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// The aligned outer chunk shape: in each dimension, the greatest common divisor of every
+/// interior piece boundary (boundaries at 0 and at the tensor's end do not count). With no
+/// interior boundary the chunk spans the dimension (at least 1). Every piece is then a union
+/// of whole chunks.
+#[must_use]
+pub fn aligned_chunk_shape(global_shape: &[u64], pieces: &[&Region]) -> Vec<u64> {
+    global_shape
+        .iter()
+        .enumerate()
+        .map(|(d, &dim)| {
+            let g = pieces.iter().fold(0u64, |g, p| {
+                [p.offset[d], p.end(d)]
+                    .into_iter()
+                    .filter(|&b| b > 0 && b < dim)
+                    .fold(g, gcd)
+            });
+            if g == 0 { dim.max(1) } else { g }
+        })
+        .collect()
+}
+
+/// The fallback outer chunk shape used when the aligned grid is tiny: in each dimension the
+/// largest piece extent (at least 1). Pieces then no longer align with chunks and ranks send
+/// each other the parts of a chunk they hold (see the spec's "unaligned pieces").
+#[must_use]
+pub fn coarse_chunk_shape(global_shape: &[u64], pieces: &[&Region]) -> Vec<u64> {
+    (0..global_shape.len())
+        .map(|d| pieces.iter().map(|p| p.shape[d]).max().unwrap_or(global_shape[d]).max(1))
+        .collect()
+}
+
+/// Number of elements of a shape, saturating (sizes here only steer choices).
+fn product(shape: &[u64]) -> u64 {
+    shape.iter().fold(1u64, |a, &b| a.saturating_mul(b))
+}
+
+/// Picks the chunk grid for one tensor: returns the outer chunk shape and whether it is
+/// aligned with the pieces.
+#[must_use]
+pub fn choose_chunk_shape(
+    global_shape: &[u64],
+    pieces: &[&Region],
+    elem: usize,
+    opts: &GridOptions,
+) -> (Vec<u64>, bool) {
+    let aligned = aligned_chunk_shape(global_shape, pieces);
+    let chunk_bytes = product(&aligned).saturating_mul(elem as u64);
+    let smallest_piece = pieces
+        .iter()
+        .map(|p| product(&p.shape).saturating_mul(elem as u64))
+        .filter(|&b| b > 0)
+        .min()
+        .unwrap_or(0);
+    if chunk_bytes < opts.min_chunk_bytes && chunk_bytes < smallest_piece {
+        let coarse = coarse_chunk_shape(global_shape, pieces);
+        if coarse != aligned {
+            return (coarse, false);
+        }
+    }
+    (aligned, true)
+}
+
+/// Largest divisor of `n` that is at most `limit` (at least 1).
+fn largest_divisor_at_most(n: u64, limit: u64) -> u64 {
+    if limit >= n {
+        return n;
+    }
+    let mut best = 1;
+    let mut i = 1;
+    while i * i <= n {
+        if n % i == 0 {
+            for d in [i, n / i] {
+                if d <= limit && d > best {
+                    best = d;
+                }
+            }
+        }
+        i += 1;
+    }
+    best
+}
+
+/// The inner subchunk shape for an outer chunk: walking from the last dimension to the first,
+/// keep whole dimensions while the subchunk stays within the target; in the first dimension
+/// that would exceed it, take the largest divisor of the chunk's extent that fits (at least
+/// 1); earlier dimensions get 1. Every entry divides the chunk's extent, as sharding
+/// requires, and subchunks spanning whole trailing dimensions are contiguous in memory.
+#[must_use]
+pub fn subchunk_shape(chunk_shape: &[u64], elem: usize, target_bytes: u64) -> Vec<u64> {
+    let target_elems = (target_bytes / elem.max(1) as u64).max(1);
+    let mut out = vec![1u64; chunk_shape.len()];
+    let mut inner: u64 = 1;
+    for d in (0..chunk_shape.len()).rev() {
+        let c = chunk_shape[d];
+        if inner.saturating_mul(c) <= target_elems {
+            out[d] = c;
+            inner = inner.saturating_mul(c);
+        } else {
+            out[d] = largest_divisor_at_most(c, (target_elems / inner).max(1));
+            break;
+        }
+    }
+    out
+}
+
+/// Number of chunks along each dimension of a grid.
+#[must_use]
+pub fn grid_shape(global_shape: &[u64], chunk_shape: &[u64]) -> Vec<u64> {
+    global_shape.iter().zip(chunk_shape).map(|(&g, &c)| g.div_ceil(c)).collect()
+}
+
+/// The region of the chunk at grid index `idx`, clipped to the tensor.
+#[must_use]
+pub fn chunk_region(global_shape: &[u64], chunk_shape: &[u64], idx: &[u64]) -> Region {
+    let offset: Vec<u64> = idx.iter().zip(chunk_shape).map(|(i, c)| i * c).collect();
+    let shape = offset
+        .iter()
+        .zip(chunk_shape)
+        .zip(global_shape)
+        .map(|((o, c), g)| (*c).min(g - o))
+        .collect();
+    Region { offset, shape }
+}
+
+/// The range of grid indices (start, end exclusive, per dimension) of chunks of
+/// `chunk_shape` that intersect `region` (a non-empty region).
+#[must_use]
+pub fn chunks_overlapping(region: &Region, chunk_shape: &[u64]) -> (Vec<u64>, Vec<u64>) {
+    let lo = region.offset.iter().zip(chunk_shape).map(|(o, c)| o / c).collect();
+    let hi = (0..region.ndim()).map(|d| region.end(d).div_ceil(chunk_shape[d])).collect();
+    (lo, hi)
+}
+
+/// Iterates every index in the box `lo..hi` in C order.
+pub fn for_each_index(lo: &[u64], hi: &[u64], mut f: impl FnMut(&[u64])) {
+    if lo.iter().zip(hi).any(|(l, h)| l >= h) {
+        return;
+    }
+    let mut idx = lo.to_vec();
+    loop {
+        f(&idx);
+        let mut d = idx.len();
+        loop {
+            if d == 0 {
+                return;
+            }
+            d -= 1;
+            idx[d] += 1;
+            if idx[d] < hi[d] {
+                break;
+            }
+            idx[d] = lo[d];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(o: &[u64], s: &[u64]) -> Region {
+        Region::new(o.to_vec(), s.to_vec()).unwrap()
+    }
+
+    #[test]
+    fn aligned_grids() {
+        // torch.chunk(10, 4): 3,3,3,1
+        let p = [r(&[0], &[3]), r(&[3], &[3]), r(&[6], &[3]), r(&[9], &[1])];
+        let refs: Vec<&Region> = p.iter().collect();
+        assert_eq!(aligned_chunk_shape(&[10], &refs), vec![3]);
+        // uneven arbitrary: 4, 6
+        let p = [r(&[0, 0], &[4, 8]), r(&[4, 0], &[6, 8])];
+        let refs: Vec<&Region> = p.iter().collect();
+        assert_eq!(aligned_chunk_shape(&[10, 8], &refs), vec![4, 8]);
+        // column split
+        let p = [r(&[0, 0], &[5, 4]), r(&[0, 4], &[5, 4])];
+        let refs: Vec<&Region> = p.iter().collect();
+        assert_eq!(aligned_chunk_shape(&[5, 8], &refs), vec![5, 4]);
+        assert_eq!(aligned_chunk_shape(&[0, 3], &[&r(&[0, 0], &[0, 3])]), vec![1, 3]);
+    }
+
+    #[test]
+    fn tiny_grid_falls_back_to_coarse() {
+        // array_split(10 rows, 4): 3,3,2,2 -> gcd 1; rows of 1 MiB / 4 = tiny
+        let p = [r(&[0, 0], &[3, 64]), r(&[3, 0], &[3, 64]), r(&[6, 0], &[2, 64]), r(&[8, 0], &[2, 64])];
+        let refs: Vec<&Region> = p.iter().collect();
+        let (c, aligned) = choose_chunk_shape(&[10, 64], &refs, 4, &GridOptions::default());
+        assert_eq!((c, aligned), (vec![3, 64], false));
+        // the same split with 1 MiB rows stays aligned
+        let big = [r(&[0, 0], &[3, 1 << 18]), r(&[3, 0], &[2, 1 << 18]), r(&[5, 0], &[5, 1 << 18])];
+        let refs: Vec<&Region> = big.iter().collect();
+        let (c, aligned) = choose_chunk_shape(&[10, 1 << 18], &refs, 4, &GridOptions::default());
+        assert_eq!((c, aligned), (vec![1, 1 << 18], true));
+    }
+
+    #[test]
+    fn subchunks_divide_and_fit() {
+        assert_eq!(subchunk_shape(&[4096, 4096], 4, 1 << 20), vec![64, 4096]);
+        assert_eq!(subchunk_shape(&[6283, 4096], 4, 1 << 20), vec![61, 4096]);
+        assert_eq!(subchunk_shape(&[10], 4, 1 << 20), vec![10]);
+        assert_eq!(subchunk_shape(&[], 4, 1 << 20), Vec::<u64>::new());
+        assert_eq!(subchunk_shape(&[3, 1 << 20], 2, 1 << 20), vec![1, 1 << 19]);
+        for (c, e) in [([7u64, 1 << 20], 4usize), ([13, 17], 8)] {
+            let s = subchunk_shape(&c, e, 1 << 10);
+            for (ci, si) in c.iter().zip(&s) {
+                assert_eq!(ci % si, 0);
+            }
+        }
+    }
+
+    #[test]
+    fn chunk_iteration() {
+        assert_eq!(grid_shape(&[10, 8], &[3, 8]), vec![4, 1]);
+        assert_eq!(chunk_region(&[10, 8], &[3, 8], &[3, 0]), r(&[9, 0], &[1, 8]));
+        let (lo, hi) = chunks_overlapping(&r(&[2, 1], &[5, 2]), &[3, 8]);
+        assert_eq!((lo.clone(), hi.clone()), (vec![0, 0], vec![3, 1]));
+        let mut seen = Vec::new();
+        for_each_index(&[0, 0], &[2, 2], |i| seen.push(i.to_vec()));
+        assert_eq!(seen, vec![vec![0, 0], vec![0, 1], vec![1, 0], vec![1, 1]]);
+        let mut n = 0;
+        for_each_index(&[], &[], |_| n += 1);
+        assert_eq!(n, 1);
+    }
+}

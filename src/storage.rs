@@ -1,0 +1,15 @@
+//! The only layer that touches zarrs and the file system: array metadata, shard encoding and
+//! decoding, durable writes and the commit protocol.
+
+pub mod array;
+pub mod commit;
+pub mod dtype;
+pub mod error;
+pub mod fsio;
+pub mod meta;
+pub mod read;
+pub mod write;
+
+pub use array::TensorArray;
+pub use error::StorageError;
+pub use meta::{CheckpointMeta, Compression, TensorEntry};

@@ -1,0 +1,285 @@
+//! One tensor's Zarr array: its `zarr.json`, encoding a shard with zarrs, and decoding a
+//! shard's index with zarrs. The only place that builds zarrs arrays and codec chains.
+
+use std::borrow::Cow;
+use std::num::NonZeroU64;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::{Value, json};
+use zarrs::array::codec::{ShardingCodecOptions, SubchunkWriteOrder};
+use zarrs::array::{
+    Array, ArrayBytes, ArrayMetadata, ArrayToBytesCodecTraits, BytesRepresentation, CodecChain, CodecOptions,
+    CodecSpecificOptions, data_type,
+};
+use zarrs::filesystem::FilesystemStore;
+use zarrs::metadata::v3::MetadataV3;
+
+use super::dtype::{to_zarrs, zero_fill};
+use super::error::StorageError;
+use super::meta::{ATTRIBUTE, Compression, TensorEntry};
+use crate::model::{DType, TensorKey};
+
+/// zstd level used when compression is asked for.
+pub const ZSTD_LEVEL: i64 = 3;
+
+fn bytes_codec() -> Value {
+    json!({"name": "bytes", "configuration": {"endian": "little"}})
+}
+
+fn crc32c_codec() -> Value {
+    json!({"name": "crc32c", "configuration": {}})
+}
+
+/// The inner codecs for a compression choice.
+fn inner_codecs(compression: Compression, dtype: DType) -> Vec<Value> {
+    let mut c = vec![bytes_codec()];
+    match compression {
+        Compression::None => {}
+        Compression::Zstd => c.push(json!({"name": "zstd", "configuration": {"level": ZSTD_LEVEL, "checksum": false}})),
+        Compression::Blosc => c.push(json!({"name": "blosc", "configuration": {
+            "cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": dtype.size(), "blocksize": 0}})),
+    }
+    c.push(crc32c_codec());
+    c
+}
+
+/// The zero fill value in the notation each data type's `fill_value` takes.
+fn fill_value(dtype: DType) -> Value {
+    match dtype {
+        DType::Bool => json!(false),
+        DType::Float16 | DType::BFloat16 | DType::Float32 | DType::Float64 => json!(0.0),
+        DType::Float8E4M3FN | DType::Float8E5M2 => json!("0x00"),
+        _ => json!(0),
+    }
+}
+
+/// The `zarr.json` document of a tensor's array, exactly as zarrckpt writes it.
+#[must_use]
+pub fn array_metadata(key: &TensorKey, e: &TensorEntry) -> Value {
+    json!({
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": e.shape,
+        "data_type": e.dtype.name(),
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": e.chunk_shape}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "fill_value": fill_value(e.dtype),
+        "codecs": [{
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": e.subchunk_shape,
+                "codecs": inner_codecs(e.compression, e.dtype),
+                "index_codecs": [bytes_codec(), crc32c_codec()],
+                "index_location": "end",
+            }
+        }],
+        "attributes": {ATTRIBUTE: {"key": key.as_str()}},
+    })
+}
+
+/// A tensor's array, ready to encode chunks or decode shard indexes.
+pub struct TensorArray {
+    key: TensorKey,
+    entry: TensorEntry,
+    root: PathBuf,
+    dir: PathBuf,
+    array: Array<FilesystemStore>,
+    /// True when the inner codecs are `bytes` + `crc32c` exactly (the direct read path).
+    uncompressed: bool,
+    index_chain: Arc<CodecChain>,
+    index_shape: Vec<NonZeroU64>,
+    index_bytes: u64,
+}
+
+impl std::fmt::Debug for TensorArray {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorArray").field("key", &self.key).field("dir", &self.dir).finish_non_exhaustive()
+    }
+}
+
+fn nonzero(shape: &[u64]) -> Vec<NonZeroU64> {
+    shape.iter().map(|&d| NonZeroU64::new(d).unwrap_or(NonZeroU64::MIN)).collect()
+}
+
+impl TensorArray {
+    /// The array described by `metadata` (a parsed `zarr.json`) for tensor `key` under
+    /// checkpoint `root`. Does no I/O.
+    ///
+    /// # Errors
+    /// [`StorageError::Zarr`] when zarrs rejects the metadata, [`StorageError::Malformed`]
+    /// when it is not a `sharding_indexed` array whose index codecs are `bytes` + `crc32c`.
+    pub fn from_metadata(root: &Path, key: &TensorKey, entry: &TensorEntry, metadata: Value) -> Result<Self, StorageError> {
+        let dir = root.join(&entry.path);
+        let json_path = dir.join("zarr.json");
+        let malformed = |reason: String| StorageError::Malformed { path: json_path.clone(), reason };
+        let sharding = metadata
+            .get("codecs")
+            .and_then(|c| c.as_array())
+            .filter(|c| c.len() == 1)
+            .and_then(|c| c.first())
+            .filter(|c| c.get("name").and_then(Value::as_str) == Some("sharding_indexed"))
+            .and_then(|c| c.get("configuration"))
+            .cloned()
+            .ok_or_else(|| malformed("codecs must be a single sharding_indexed codec".into()))?;
+        let index_codecs: Vec<MetadataV3> = serde_json::from_value(sharding.get("index_codecs").cloned().unwrap_or(Value::Null))
+            .map_err(|e| malformed(format!("index_codecs: {e}")))?;
+        if sharding.get("index_location").and_then(Value::as_str).unwrap_or("end") != "end" {
+            return Err(malformed("index_location must be \"end\"".into()));
+        }
+        let uncompressed = sharding.get("codecs") == Some(&Value::from(inner_codecs(Compression::None, entry.dtype)));
+        let store = Arc::new(FilesystemStore::new(root).map_err(StorageError::zarr(key.as_str(), root))?);
+        let parsed: ArrayMetadata = serde_json::from_value(metadata).map_err(|e| malformed(e.to_string()))?;
+        let node_path = format!("/{}", entry.path);
+        let array = Array::new_with_metadata(store, &node_path, parsed)
+            .map_err(StorageError::zarr(key.as_str(), &json_path))?
+            .with_codec_specific_options(
+                &CodecSpecificOptions::default()
+                    .with_option(ShardingCodecOptions::default().with_subchunk_write_order(SubchunkWriteOrder::C)),
+            );
+        let index_chain =
+            Arc::new(CodecChain::from_metadata(&index_codecs).map_err(StorageError::zarr(key.as_str(), &json_path))?);
+        let per_shard: Vec<u64> = entry.chunk_shape.iter().zip(&entry.subchunk_shape).map(|(c, s)| c / s).collect();
+        let mut index_shape = nonzero(&per_shard);
+        index_shape.push(NonZeroU64::new(2).unwrap_or(NonZeroU64::MIN));
+        let index_bytes = match index_chain
+            .encoded_representation(&index_shape, &data_type::uint64(), &u64::MAX.into())
+            .map_err(StorageError::zarr(key.as_str(), &json_path))?
+        {
+            BytesRepresentation::FixedSize(n) => n,
+            _ => return Err(malformed("index codecs must have a fixed encoded size".into())),
+        };
+        Ok(TensorArray {
+            key: key.clone(),
+            entry: entry.clone(),
+            root: root.to_owned(),
+            dir,
+            array,
+            uncompressed,
+            index_chain,
+            index_shape,
+            index_bytes,
+        })
+    }
+
+    /// The array zarrckpt writes for `entry`.
+    ///
+    /// # Errors
+    /// As [`TensorArray::from_metadata`].
+    pub fn create(root: &Path, key: &TensorKey, entry: &TensorEntry) -> Result<Self, StorageError> {
+        Self::from_metadata(root, key, entry, array_metadata(key, entry))
+    }
+
+    /// Opens the array of `entry` from its `zarr.json` and checks it agrees with the index.
+    ///
+    /// # Errors
+    /// [`StorageError::Io`] if `zarr.json` cannot be read, [`StorageError::Malformed`] if it
+    /// does not parse or disagrees with the checkpoint index on data type, shape or grid.
+    pub fn open(root: &Path, key: &TensorKey, entry: &TensorEntry) -> Result<Self, StorageError> {
+        let path = root.join(&entry.path).join("zarr.json");
+        let bytes = std::fs::read(&path).map_err(StorageError::io("read", &path))?;
+        let meta: Value = serde_json::from_slice(&bytes)
+            .map_err(|e| StorageError::Malformed { path: path.clone(), reason: format!("not JSON: {e}") })?;
+        let expected = array_metadata(key, entry);
+        for field in ["node_type", "shape", "data_type", "chunk_grid"] {
+            if meta.get(field) != expected.get(field) {
+                return Err(StorageError::Malformed {
+                    path,
+                    reason: format!(
+                        "`{field}` is {} but the checkpoint index says {}",
+                        meta.get(field).unwrap_or(&Value::Null),
+                        expected.get(field).unwrap_or(&Value::Null)
+                    ),
+                });
+            }
+        }
+        let sub = meta.pointer("/codecs/0/configuration/chunk_shape");
+        if sub != expected.pointer("/codecs/0/configuration/chunk_shape") {
+            return Err(StorageError::Malformed { path, reason: "subchunk shape disagrees with the checkpoint index".into() });
+        }
+        Self::from_metadata(root, key, entry, meta)
+    }
+
+    /// The tensor's key.
+    #[must_use]
+    pub fn key(&self) -> &TensorKey {
+        &self.key
+    }
+    /// The index entry.
+    #[must_use]
+    pub fn entry(&self) -> &TensorEntry {
+        &self.entry
+    }
+    /// The array's directory.
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// True when subchunks are stored as raw little-endian bytes followed by a crc32c.
+    #[must_use]
+    pub fn uncompressed(&self) -> bool {
+        self.uncompressed
+    }
+    /// Encoded size of a shard index in bytes.
+    #[must_use]
+    pub fn index_bytes(&self) -> u64 {
+        self.index_bytes
+    }
+    /// The zarrs array (for the general decode path).
+    #[must_use]
+    pub(crate) fn zarrs(&self) -> &Array<FilesystemStore> {
+        &self.array
+    }
+
+    /// The file of the shard at grid index `chunk`.
+    #[must_use]
+    pub fn chunk_path(&self, chunk: &[u64]) -> PathBuf {
+        self.root.join(self.array.chunk_key(chunk).as_str())
+    }
+
+    /// Encodes one whole shard with zarrs. `bytes` holds the full chunk shape in C order
+    /// (edge chunks padded with zeros).
+    ///
+    /// # Errors
+    /// [`StorageError::Zarr`] when zarrs fails to encode.
+    pub fn encode_chunk<'a>(&self, chunk: &[u64], bytes: &'a [u8]) -> Result<Cow<'a, [u8]>, StorageError> {
+        let shape = nonzero(&self.entry.chunk_shape);
+        let options = CodecOptions::default().with_concurrent_target(1).with_store_empty_chunks(true);
+        self.array
+            .codecs()
+            .encode(
+                ArrayBytes::from(bytes),
+                &shape,
+                &to_zarrs(self.entry.dtype),
+                &zero_fill(self.entry.dtype),
+                &options,
+            )
+            .map_err(StorageError::zarr(self.key.as_str(), self.chunk_path(chunk)))
+    }
+
+    /// Decodes a shard index (the file's last [`TensorArray::index_bytes`] bytes) with zarrs,
+    /// checking its crc32c, into `(offset, length)` per subchunk; `None` marks an absent
+    /// subchunk (all fill value).
+    ///
+    /// # Errors
+    /// [`StorageError::CorruptChunk`] when the index does not decode or its checksum fails.
+    pub fn decode_index(&self, chunk: &[u64], encoded: &[u8]) -> Result<Vec<Option<(u64, u64)>>, StorageError> {
+        let corrupt = |detail: String| StorageError::CorruptChunk {
+            key: self.key.to_string(),
+            chunk: chunk.to_vec(),
+            path: self.chunk_path(chunk),
+            detail,
+        };
+        let decoded = self
+            .index_chain
+            .decode(Cow::Borrowed(encoded), &self.index_shape, &data_type::uint64(), &u64::MAX.into(), &CodecOptions::default())
+            .map_err(|e| corrupt(format!("shard index: {e}")))?;
+        let raw = decoded.into_fixed().map_err(|e| corrupt(format!("shard index: {e}")))?;
+        let words: Vec<u64> =
+            raw.chunks_exact(8).map(|w| u64::from_ne_bytes(w.try_into().unwrap_or([0xff; 8]))).collect();
+        Ok(words
+            .chunks_exact(2)
+            .map(|p| if p[0] == u64::MAX && p[1] == u64::MAX { None } else { Some((p[0], p[1])) })
+            .collect())
+    }
+}

@@ -1,0 +1,237 @@
+//! The checkpoint's own metadata: the `zarrckpt` attribute of the root group's `zarr.json`.
+//! See `spec/format.md` § "Root metadata" and `spec/schema/zarrckpt.schema.json`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::error::StorageError;
+use crate::model::region::{MAX_DIMS, num_elements};
+use crate::model::{DType, TensorKey};
+
+/// The format's name, the value of `format`.
+pub const FORMAT_NAME: &str = "zarrckpt";
+/// The major version this crate reads and writes.
+pub const FORMAT_MAJOR: u32 = 1;
+/// The minor version this crate writes.
+pub const FORMAT_MINOR: u32 = 0;
+/// The attribute holding the checkpoint's metadata in the root group.
+pub const ATTRIBUTE: &str = "zarrckpt";
+/// The group holding tensors.
+pub const TENSORS_GROUP: &str = "tensors";
+
+/// How chunks are compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    /// No compression: inner codecs `bytes` + `crc32c`.
+    #[default]
+    None,
+    /// `zstd` between `bytes` and `crc32c`.
+    Zstd,
+    /// `blosc` (lz4, byte shuffle) between `bytes` and `crc32c`.
+    Blosc,
+}
+
+/// One tensor in the index.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorEntry {
+    /// Node path of the array, relative to the checkpoint root.
+    pub path: String,
+    /// Data type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// Outer chunk (shard) shape.
+    pub chunk_shape: Vec<u64>,
+    /// Inner subchunk shape.
+    pub subchunk_shape: Vec<u64>,
+    /// Compression of inner chunks.
+    #[serde(default)]
+    pub compression: Compression,
+}
+
+impl TensorEntry {
+    /// Logical size in bytes (elements times element size), saturating.
+    #[must_use]
+    pub fn nbytes(&self) -> u64 {
+        num_elements(&self.shape).unwrap_or(u64::MAX).saturating_mul(self.dtype.size() as u64)
+    }
+}
+
+/// The `zarrckpt` attribute of the root group.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointMeta {
+    /// Always `"zarrckpt"`.
+    pub format: String,
+    /// `"MAJOR.MINOR"`.
+    pub version: String,
+    /// Software that wrote the checkpoint.
+    #[serde(default)]
+    pub writer: String,
+    /// Number of ranks that saved it.
+    pub world_size: u64,
+    /// Every tensor, by key.
+    pub tensors: BTreeMap<TensorKey, TensorEntry>,
+    /// Caller metadata (training step and the like), free-form JSON.
+    #[serde(default)]
+    pub user: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The path of a tensor's array: `tensors/` followed by the key's node path.
+#[must_use]
+pub fn tensor_path(key: &TensorKey) -> String {
+    format!("{TENSORS_GROUP}/{}", key.node_path())
+}
+
+fn parse_version(v: &str) -> Option<(u32, u32)> {
+    let (a, b) = v.split_once('.')?;
+    Some((a.parse().ok()?, b.parse().ok()?))
+}
+
+impl CheckpointMeta {
+    /// Parses and validates the root `zarr.json` of a checkpoint read from `path`.
+    ///
+    /// # Errors
+    /// [`StorageError::NotACheckpoint`] when it is not a zarrckpt root group,
+    /// [`StorageError::UnsupportedVersion`] for another major version, and
+    /// [`StorageError::Malformed`] for anything inconsistent (bad keys, paths that do not
+    /// follow the key mapping, shapes that overflow, grids that do not divide).
+    pub fn from_root_json(bytes: &[u8], path: &Path) -> Result<Self, StorageError> {
+        let malformed = |reason: String| StorageError::Malformed { path: path.to_owned(), reason };
+        let root: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| malformed(format!("not JSON: {e}")))?;
+        if root.get("zarr_format") != Some(&serde_json::Value::from(3)) || root.get("node_type") != Some(&"group".into()) {
+            return Err(StorageError::NotACheckpoint {
+                path: path.to_owned(),
+                reason: "the root zarr.json is not a Zarr v3 group".into(),
+            });
+        }
+        let Some(attr) = root.get("attributes").and_then(|a| a.get(ATTRIBUTE)) else {
+            return Err(StorageError::NotACheckpoint {
+                path: path.to_owned(),
+                reason: format!("the root group has no `{ATTRIBUTE}` attribute"),
+            });
+        };
+        if attr.get("format").and_then(|f| f.as_str()) != Some(FORMAT_NAME) {
+            return Err(malformed(format!("`{ATTRIBUTE}.format` is not \"{FORMAT_NAME}\"")));
+        }
+        let version = attr.get("version").and_then(|v| v.as_str()).unwrap_or("");
+        let Some((major, _minor)) = parse_version(version) else {
+            return Err(malformed(format!("`{ATTRIBUTE}.version` {version:?} is not MAJOR.MINOR")));
+        };
+        if major != FORMAT_MAJOR {
+            return Err(StorageError::UnsupportedVersion {
+                path: path.to_owned(),
+                found: version.to_owned(),
+                supported: format!("{FORMAT_MAJOR}.x"),
+            });
+        }
+        let meta: CheckpointMeta =
+            serde_json::from_value(attr.clone()).map_err(|e| malformed(format!("`{ATTRIBUTE}`: {e}")))?;
+        for (key, t) in &meta.tensors {
+            t.validate(key).map_err(|r| malformed(format!("tensor `{key}`: {r}")))?;
+        }
+        crate::model::key::check_collisions(meta.tensors.keys()).map_err(|e| malformed(e.to_string()))?;
+        Ok(meta)
+    }
+
+    /// The root `zarr.json` document.
+    #[must_use]
+    pub fn to_root_json(&self) -> Vec<u8> {
+        let doc = serde_json::json!({
+            "zarr_format": 3,
+            "node_type": "group",
+            "attributes": { ATTRIBUTE: self },
+        });
+        serde_json::to_vec_pretty(&doc).unwrap_or_default()
+    }
+
+    /// A fresh index for this crate's version.
+    #[must_use]
+    pub fn new(world_size: u64) -> Self {
+        CheckpointMeta {
+            format: FORMAT_NAME.into(),
+            version: format!("{FORMAT_MAJOR}.{FORMAT_MINOR}"),
+            writer: format!("zarrckpt {}", env!("CARGO_PKG_VERSION")),
+            world_size,
+            tensors: BTreeMap::new(),
+            user: serde_json::Map::new(),
+        }
+    }
+}
+
+impl TensorEntry {
+    fn validate(&self, key: &TensorKey) -> Result<(), String> {
+        if self.path != tensor_path(key) {
+            return Err(format!("path {:?} does not follow the key mapping (expected {:?})", self.path, tensor_path(key)));
+        }
+        let n = self.shape.len();
+        if n > MAX_DIMS {
+            return Err(format!("{n} dimensions exceed {MAX_DIMS}"));
+        }
+        if self.chunk_shape.len() != n || self.subchunk_shape.len() != n {
+            return Err("shape, chunk_shape and subchunk_shape differ in length".into());
+        }
+        num_elements(&self.shape).map_err(|e| e.to_string())?;
+        crate::model::region::num_bytes(&self.shape, self.dtype.size()).map_err(|e| e.to_string())?;
+        for d in 0..n {
+            let (c, s) = (self.chunk_shape[d], self.subchunk_shape[d]);
+            if c == 0 || s == 0 || c % s != 0 {
+                return Err(format!("subchunk_shape {:?} does not divide chunk_shape {:?}", self.subchunk_shape, self.chunk_shape));
+            }
+        }
+        crate::model::region::num_bytes(&self.chunk_shape, self.dtype.size()).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> CheckpointMeta {
+        let mut m = CheckpointMeta::new(4);
+        let key = TensorKey::new("decoder.weight").unwrap();
+        m.tensors.insert(
+            key.clone(),
+            TensorEntry {
+                path: tensor_path(&key),
+                dtype: DType::BFloat16,
+                shape: vec![8, 4],
+                chunk_shape: vec![2, 4],
+                subchunk_shape: vec![1, 4],
+                compression: Compression::None,
+            },
+        );
+        m.user.insert("step".into(), 100.into());
+        m
+    }
+
+    #[test]
+    fn round_trips() {
+        let m = sample();
+        let p = Path::new("/ckpt/zarr.json");
+        assert_eq!(CheckpointMeta::from_root_json(&m.to_root_json(), p).unwrap(), m);
+    }
+
+    #[test]
+    fn rejects_bad_versions_and_paths() {
+        let p = Path::new("/ckpt/zarr.json");
+        let mut v: serde_json::Value = serde_json::from_slice(&sample().to_root_json()).unwrap();
+        v["attributes"]["zarrckpt"]["version"] = "2.0".into();
+        let e = CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
+        assert!(matches!(e, StorageError::UnsupportedVersion { .. }), "{e}");
+        v["attributes"]["zarrckpt"]["version"] = "1.7".into();
+        v["attributes"]["zarrckpt"]["future_field"] = 1.into();
+        CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap();
+        v["attributes"]["zarrckpt"]["tensors"]["decoder.weight"]["path"] = "../../etc".into();
+        let e = CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
+        assert!(matches!(e, StorageError::Malformed { .. }), "{e}");
+        let e = CheckpointMeta::from_root_json(b"{\"zarr_format\":3,\"node_type\":\"group\",\"attributes\":{}}", p).unwrap_err();
+        assert!(matches!(e, StorageError::NotACheckpoint { .. }), "{e}");
+        let e = CheckpointMeta::from_root_json(b"{not json", p).unwrap_err();
+        assert!(matches!(e, StorageError::Malformed { .. }), "{e}");
+    }
+}

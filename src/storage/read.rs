@@ -1,0 +1,334 @@
+//! Reading requested boxes of a tensor straight into caller buffers.
+//!
+//! zarrs decodes each shard's index (and every subchunk of compressed arrays). For
+//! uncompressed subchunks (`bytes` + `crc32c`) the bytes of every whole subchunk that lands
+//! contiguously in the caller's buffer are read there directly with one `preadv` per run of
+//! adjacent subchunks, the crc32c checked in place: one copy, from the page cache to the
+//! destination, and no intermediate buffer. Other subchunks go through one reused scratch
+//! buffer.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use unsafe_cell_slice::UnsafeCellSlice;
+use zarrs::array::{ArrayBytesFixedDisjointView, ArraySubset, CodecOptions};
+
+use super::array::TensorArray;
+use super::error::StorageError;
+use crate::model::Region;
+use crate::model::copy::{byte_offset, for_each_run};
+use crate::plan::load::{ShardRead, StoredGeometry};
+
+/// Most subchunks read by one `preadv`.
+const MAX_BATCH: usize = 256;
+/// Most bytes read by one `preadv`.
+const MAX_BATCH_BYTES: u64 = 32 << 20;
+
+/// Counts what a load read from storage.
+#[derive(Debug, Default)]
+pub struct ReadCounters {
+    /// Bytes read from files (indexes and subchunks).
+    pub bytes: AtomicU64,
+}
+
+impl ReadCounters {
+    fn add(&self, n: u64) {
+        self.bytes.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// A caller's buffer holding the box `region`, shared by the threads that fill disjoint
+/// parts of it.
+#[derive(Clone, Copy)]
+pub struct Dest<'a> {
+    cells: UnsafeCellSlice<'a, u8>,
+    region: &'a Region,
+    elem: usize,
+}
+
+impl<'a> Dest<'a> {
+    /// Wraps `buf`, which holds `region` in C order.
+    pub fn new(buf: &'a mut [u8], region: &'a Region, elem: usize) -> Self {
+        Dest { cells: UnsafeCellSlice::new(buf), region, elem }
+    }
+
+    /// The bytes `[start, start+len)`.
+    ///
+    /// # Safety
+    /// No other thread may access these bytes at the same time.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, start: usize, len: usize) -> &mut [u8] {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.cells.index_mut(start..start + len) }
+    }
+
+    fn offset_of(&self, global_index: &[u64]) -> usize {
+        let rel: Vec<u64> = global_index.iter().zip(&self.region.offset).map(|(a, b)| a - b).collect();
+        byte_offset(&rel, &self.region.shape, self.elem)
+    }
+
+    /// Writes zeros over `part` (global coordinates, inside the region).
+    ///
+    /// # Safety
+    /// No other thread may access `part`'s bytes at the same time.
+    unsafe fn zero(&self, part: &Region) {
+        for_each_run(part, self.region, part, self.elem, |_, d, len| {
+            // SAFETY: forwarded to the caller.
+            unsafe { self.slice(d, len) }.fill(0);
+        });
+    }
+}
+
+fn corrupt(arr: &TensorArray, chunk: &[u64], detail: String) -> StorageError {
+    StorageError::CorruptChunk { key: arr.key().to_string(), chunk: chunk.to_vec(), path: arr.chunk_path(chunk), detail }
+}
+
+/// Opens a shard, reads and decodes its index, and checks every needed entry fits the file.
+fn open_shard(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    counters: &ReadCounters,
+) -> Result<(File, Vec<Option<(u64, u64)>>), StorageError> {
+    let path = arr.chunk_path(&shard.chunk);
+    let file = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(StorageError::MissingChunk { key: arr.key().to_string(), chunk: shard.chunk.clone(), path });
+        }
+        Err(e) => return Err(StorageError::io("open", &path)(e)),
+    };
+    let len = file.metadata().map_err(StorageError::io("stat", &path))?.len();
+    let idx = arr.index_bytes();
+    if len < idx {
+        return Err(corrupt(arr, &shard.chunk, format!("file is {len} bytes, shorter than its {idx}-byte index")));
+    }
+    let mut encoded = vec![0u8; usize::try_from(idx).unwrap_or(usize::MAX)];
+    file.read_exact_at(&mut encoded, len - idx).map_err(StorageError::io("read", &path))?;
+    counters.add(idx);
+    let index = arr.decode_index(&shard.chunk, &encoded)?;
+    let data_end = len - idx;
+    let expected = geom.subchunk_bytes() + 4;
+    for s in &shard.subchunks {
+        let entry = usize::try_from(s.linear).ok().and_then(|i| index.get(i));
+        let Some(entry) = entry else {
+            return Err(corrupt(arr, &shard.chunk, format!("index has no entry for subchunk {}", s.linear)));
+        };
+        if let Some((off, n)) = *entry {
+            if off.checked_add(n).is_none_or(|end| end > data_end) {
+                return Err(corrupt(arr, &shard.chunk, format!("subchunk {} at {off}+{n} extends past the data ({data_end} bytes)", s.linear)));
+            }
+            if arr.uncompressed() && n != expected {
+                return Err(corrupt(arr, &shard.chunk, format!("subchunk {} is {n} bytes, expected {expected}", s.linear)));
+            }
+        }
+    }
+    Ok((file, index))
+}
+
+fn check_crc(arr: &TensorArray, shard: &ShardRead, linear: u64, data: &[u8], stored: [u8; 4]) -> Result<(), StorageError> {
+    let computed = crc32c::crc32c(data);
+    let stored = u32::from_le_bytes(stored);
+    if computed == stored {
+        Ok(())
+    } else {
+        Err(StorageError::Checksum {
+            key: arr.key().to_string(),
+            chunk: shard.chunk.clone(),
+            subchunk: linear,
+            path: arr.chunk_path(&shard.chunk),
+            stored,
+            computed,
+        })
+    }
+}
+
+/// `preadv` until every iovec is full.
+fn preadv_exact(file: &File, iovs: &mut [libc::iovec], mut offset: u64) -> std::io::Result<()> {
+    let mut start = 0;
+    while start < iovs.len() {
+        let cnt = libc::c_int::try_from(iovs.len() - start).unwrap_or(libc::c_int::MAX);
+        let off = libc::off_t::try_from(offset).map_err(|_| std::io::Error::other("offset too large"))?;
+        // SAFETY: the iovecs point into live, exclusively borrowed buffers of the stated sizes.
+        let n = unsafe { libc::preadv(file.as_raw_fd(), iovs[start..].as_ptr(), cnt, off) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        let mut n = usize::try_from(n).unwrap_or(0);
+        if n == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        offset += n as u64;
+        while n > 0 && start < iovs.len() {
+            let len = iovs[start].iov_len;
+            if n >= len {
+                n -= len;
+                start += 1;
+            } else {
+                // SAFETY: advancing within the same buffer.
+                iovs[start].iov_base = unsafe { iovs[start].iov_base.cast::<u8>().add(n) }.cast();
+                iovs[start].iov_len -= n;
+                n = 0;
+            }
+        }
+        while start < iovs.len() && iovs[start].iov_len == 0 {
+            start += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Fills the parts of `dest` that lie in one shard of an uncompressed array.
+///
+/// # Safety
+/// No other thread may touch the parts of `dest` inside this shard meanwhile (reads of
+/// distinct shards of one request touch disjoint bytes).
+unsafe fn read_shard_direct(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    dest: Dest<'_>,
+    scratch: &mut Vec<u8>,
+    counters: &ReadCounters,
+) -> Result<(), StorageError> {
+    let (file, index) = open_shard(arr, geom, shard, counters)?;
+    let path = arr.chunk_path(&shard.chunk);
+    let sub_bytes = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX);
+    let entry = |linear: u64| index[usize::try_from(linear).unwrap_or(usize::MAX)];
+
+    // Batches of direct subchunks adjacent both in the file and in the destination.
+    let mut batch: Vec<(u64, usize)> = Vec::new(); // (linear, dest offset)
+    let mut batch_file_start = 0u64;
+    let flush = |batch: &mut Vec<(u64, usize)>, file_start: u64| -> Result<(), StorageError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let mut crcs = vec![[0u8; 4]; batch.len()];
+        let mut iovs = Vec::with_capacity(batch.len() * 2);
+        for ((_, d), crc) in batch.iter().zip(crcs.iter_mut()) {
+            // SAFETY: disjoint destination ranges of this shard (caller's contract).
+            let slice = unsafe { dest.slice(*d, sub_bytes) };
+            iovs.push(libc::iovec { iov_base: slice.as_mut_ptr().cast(), iov_len: sub_bytes });
+            iovs.push(libc::iovec { iov_base: crc.as_mut_ptr().cast(), iov_len: 4 });
+        }
+        preadv_exact(&file, &mut iovs, file_start).map_err(StorageError::io("read", &path))?;
+        counters.add((sub_bytes as u64 + 4) * batch.len() as u64);
+        for ((linear, d), crc) in batch.iter().zip(&crcs) {
+            // SAFETY: as above; the reads have completed.
+            let data = unsafe { dest.slice(*d, sub_bytes) };
+            check_crc(arr, shard, *linear, data, *crc)?;
+        }
+        batch.clear();
+        Ok(())
+    };
+
+    for s in &shard.subchunks {
+        match entry(s.linear) {
+            Some((off, n)) if s.direct => {
+                let d = dest.offset_of(&s.needed.offset);
+                let joins = batch.last().is_some_and(|&(_, last_d)| {
+                    let file_end = batch_file_start + (sub_bytes as u64 + 4) * batch.len() as u64;
+                    off == file_end
+                        && d == last_d + sub_bytes
+                        && batch.len() < MAX_BATCH
+                        && (batch.len() as u64 + 1) * n <= MAX_BATCH_BYTES
+                });
+                if !joins {
+                    flush(&mut batch, batch_file_start)?;
+                    batch_file_start = off;
+                }
+                batch.push((s.linear, d));
+            }
+            Some((off, n)) => {
+                flush(&mut batch, batch_file_start)?;
+                scratch.resize(usize::try_from(n).unwrap_or(usize::MAX), 0);
+                file.read_exact_at(scratch, off).map_err(StorageError::io("read", &path))?;
+                counters.add(n);
+                let (data, crc) = scratch.split_at(scratch.len() - 4);
+                check_crc(arr, shard, s.linear, data, [crc[0], crc[1], crc[2], crc[3]])?;
+                for_each_run(&s.stored, dest.region, &s.needed, dest.elem, |so, d, len| {
+                    // SAFETY: disjoint destination ranges (caller's contract).
+                    unsafe { dest.slice(d, len) }.copy_from_slice(&data[so..so + len]);
+                });
+            }
+            None => {
+                flush(&mut batch, batch_file_start)?;
+                // SAFETY: disjoint destination ranges (caller's contract).
+                unsafe { dest.zero(&s.needed) };
+            }
+        }
+    }
+    flush(&mut batch, batch_file_start)
+}
+
+/// Fills the parts of `dest` in one shard of a compressed array through zarrs.
+///
+/// # Safety
+/// As [`read_shard_direct`].
+unsafe fn read_shard_zarrs(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    dest: Dest<'_>,
+    counters: &ReadCounters,
+) -> Result<(), StorageError> {
+    let (_file, index) = open_shard(arr, geom, shard, counters)?;
+    let needed: u64 = shard
+        .subchunks
+        .iter()
+        .filter_map(|s| index[usize::try_from(s.linear).unwrap_or(usize::MAX)].map(|(_, n)| n))
+        .sum();
+    counters.add(needed);
+    // The union of the needed boxes: the request clipped to this chunk.
+    let nd = geom.global_shape.len();
+    let mut lo = vec![u64::MAX; nd];
+    let mut hi = vec![0u64; nd];
+    for s in &shard.subchunks {
+        for d in 0..nd {
+            lo[d] = lo[d].min(s.needed.offset[d]);
+            hi[d] = hi[d].max(s.needed.end(d));
+        }
+    }
+    let shape: Vec<u64> = lo.iter().zip(&hi).map(|(l, h)| h - l).collect();
+    let subset = ArraySubset::new_with_start_shape(lo.clone(), shape.clone())
+        .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))?;
+    let rel = Region { offset: lo, shape }.relative_to(&dest.region.offset);
+    let in_dest = ArraySubset::new_with_start_shape(rel.offset, rel.shape)
+        .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))?;
+    // SAFETY: `dest` covers the request box; the view touches only `in_dest`, which no other
+    // thread touches (caller's contract).
+    let mut view = unsafe { ArrayBytesFixedDisjointView::new(dest.cells, dest.elem, &dest.region.shape, in_dest) }
+        .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))?;
+    arr.zarrs()
+        .retrieve_array_subset_into_opt(&subset, (&mut view).into(), &CodecOptions::default())
+        .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))
+}
+
+/// Fills the parts of `dest` that lie in `shard`.
+///
+/// # Safety
+/// No other thread may touch the bytes of `dest` inside this shard meanwhile; reads of
+/// distinct shards touch disjoint bytes.
+pub unsafe fn read_shard(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    dest: Dest<'_>,
+    scratch: &mut Vec<u8>,
+    counters: &ReadCounters,
+) -> Result<(), StorageError> {
+    // SAFETY: forwarded.
+    unsafe {
+        if arr.uncompressed() {
+            read_shard_direct(arr, geom, shard, dest, scratch, counters)
+        } else {
+            read_shard_zarrs(arr, geom, shard, dest, counters)
+        }
+    }
+}
