@@ -107,17 +107,35 @@ fn largest_divisor_at_most(n: u64, limit: u64) -> u64 {
     best
 }
 
-/// The inner subchunk shape for an outer chunk: walking from the last dimension to the first,
-/// keep whole dimensions while the subchunk stays within the target; in the first dimension
-/// that would exceed it, take the largest divisor of the chunk's extent that fits (at least
-/// 1); earlier dimensions get 1. Every entry divides the chunk's extent, as sharding
-/// requires, and subchunks spanning whole trailing dimensions are contiguous in memory.
+/// The subchunk size target for an outer chunk of `chunk_bytes`: a sixteenth of the chunk,
+/// clamped to `[min(64 KiB, max_target), max_target]`. Small enough that a load splitting a
+/// chunk reads little it does not need, large enough to keep the index and syscalls few.
 #[must_use]
-pub fn subchunk_shape(chunk_shape: &[u64], elem: usize, target_bytes: u64) -> Vec<u64> {
-    let target_elems = (target_bytes / elem.max(1) as u64).max(1);
-    let mut out = vec![1u64; chunk_shape.len()];
+pub fn subchunk_target(chunk_bytes: u64, max_target: u64) -> u64 {
+    let lo = (64u64 << 10).min(max_target);
+    (chunk_bytes / 16).clamp(lo, max_target.max(1))
+}
+
+/// The inner subchunk shape for an outer chunk of a tensor of `global_shape`.
+///
+/// Dimensions are taken in this order: first the dimensions the grid does not split (the
+/// chunk spans the tensor), last to first, then the split ones, last to first. Whole extents
+/// are kept while the subchunk stays within the target (see [`subchunk_target`]); the first
+/// dimension that would exceed it gets the largest divisor of its extent that fits (at least
+/// 1), and the remaining dimensions get 1. So subchunks are thin along the axes the pieces
+/// were split on (the axes a load in another topology most likely splits too), every entry
+/// divides the chunk's extent as sharding requires, and when only the first axis is split
+/// subchunks span whole trailing dimensions and are contiguous in memory.
+#[must_use]
+pub fn subchunk_shape(chunk_shape: &[u64], global_shape: &[u64], elem: usize, max_target: u64) -> Vec<u64> {
+    let chunk_bytes = product(chunk_shape).saturating_mul(elem as u64);
+    let target_elems = (subchunk_target(chunk_bytes, max_target) / elem.max(1) as u64).max(1);
+    let nd = chunk_shape.len();
+    let split = |d: usize| chunk_shape[d] < global_shape[d];
+    let order = (0..nd).rev().filter(|&d| !split(d)).chain((0..nd).rev().filter(|&d| split(d)));
+    let mut out = vec![1u64; nd];
     let mut inner: u64 = 1;
-    for d in (0..chunk_shape.len()).rev() {
+    for d in order {
         let c = chunk_shape[d];
         if inner.saturating_mul(c) <= target_elems {
             out[d] = c;
@@ -222,13 +240,23 @@ mod tests {
 
     #[test]
     fn subchunks_divide_and_fit() {
-        assert_eq!(subchunk_shape(&[4096, 4096], 4, 1 << 20), vec![64, 4096]);
-        assert_eq!(subchunk_shape(&[6283, 4096], 4, 1 << 20), vec![61, 4096]);
-        assert_eq!(subchunk_shape(&[10], 4, 1 << 20), vec![10]);
-        assert_eq!(subchunk_shape(&[], 4, 1 << 20), Vec::<u64>::new());
-        assert_eq!(subchunk_shape(&[3, 1 << 20], 2, 1 << 20), vec![1, 1 << 19]);
+        const M: u64 = 1 << 20;
+        // 64 MiB unsplit chunk: 1 MiB row blocks
+        assert_eq!(subchunk_shape(&[4096, 4096], &[4096, 4096], 4, M), vec![64, 4096]);
+        // rows split: thin in rows, whole rows (contiguous)
+        assert_eq!(subchunk_shape(&[6283, 4096], &[25132, 4096], 4, M), vec![61, 4096]);
+        // columns split (row-parallel weight): thin in columns
+        assert_eq!(subchunk_shape(&[2048, 512], &[2048, 2048], 2, M), vec![2048, 32]);
+        // 2 MiB chunk split along rows: 128 KiB subchunks
+        assert_eq!(subchunk_shape(&[512, 2048], &[2048, 2048], 2, M), vec![32, 2048]);
+        assert_eq!(subchunk_shape(&[10], &[10], 4, M), vec![10]);
+        assert_eq!(subchunk_shape(&[], &[], 4, M), Vec::<u64>::new());
+        assert_eq!(subchunk_shape(&[3, 1 << 20], &[3, 1 << 20], 2, M), vec![1, 1 << 17]);
+        assert_eq!(subchunk_target(1 << 30, M), M);
+        assert_eq!(subchunk_target(1 << 10, M), 64 << 10);
+        assert_eq!(subchunk_target(1 << 10, 1 << 10), 1 << 10);
         for (c, e) in [([7u64, 1 << 20], 4usize), ([13, 17], 8)] {
-            let s = subchunk_shape(&c, e, 1 << 10);
+            let s = subchunk_shape(&c, &[c[0] * 3, c[1]], e, 1 << 10);
             for (ci, si) in c.iter().zip(&s) {
                 assert_eq!(ci % si, 0);
             }

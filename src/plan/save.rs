@@ -432,7 +432,8 @@ impl SavePlan {
                 let refs: Vec<&Region> = pieces.iter().map(|p| &p.region).collect();
                 let elem = acc.dtype.size();
                 let (chunk_shape, aligned) = grid::choose_chunk_shape(&acc.shape, &refs, elem, &opts.grid);
-                let subchunk_shape = grid::subchunk_shape(&chunk_shape, elem, opts.grid.subchunk_target_bytes);
+                let subchunk_shape =
+                    grid::subchunk_shape(&chunk_shape, &acc.shape, elem, opts.grid.subchunk_target_bytes);
                 let metadata_writer = pieces.first().map_or(0, |p| p.writer);
                 TensorPlan {
                     key: acc.key,
