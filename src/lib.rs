@@ -21,6 +21,7 @@ pub mod model;
 pub mod plan;
 pub mod save;
 pub mod storage;
+pub mod synth;
 
 pub use checkpoint::{Checkpoint, TensorInfo};
 pub use comm::{CommError, Communicator, LocalComm};

@@ -1,0 +1,201 @@
+//! `zarrckpt import`: safetensors files to a checkpoint, written as N in-process ranks.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use zarrckpt::comm::run_local;
+use zarrckpt::{Communicator, DType, Region, SaveOptions, ShardedTensor, TensorKey, save};
+
+use crate::progress;
+
+/// Arguments of `zarrckpt import`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// safetensors files (a multi-file model: all its shards).
+    #[arg(required = true)]
+    files: Vec<PathBuf>,
+    /// The checkpoint directory to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Number of in-process ranks; each tensor is split this many ways along its first axis.
+    #[arg(long, default_value_t = 1)]
+    ranks: u64,
+    /// Replace an existing checkpoint at `--out`.
+    #[arg(long)]
+    overwrite: bool,
+    /// Compress chunks: none, zstd or blosc.
+    #[arg(long, default_value = "none")]
+    compression: String,
+}
+
+/// The checkpoint data type of a safetensors data type.
+pub fn dtype_of(d: Dtype) -> Option<DType> {
+    Some(match d {
+        Dtype::BOOL => DType::Bool,
+        Dtype::U8 => DType::UInt8,
+        Dtype::I8 => DType::Int8,
+        Dtype::I16 => DType::Int16,
+        Dtype::U16 => DType::UInt16,
+        Dtype::F16 => DType::Float16,
+        Dtype::BF16 => DType::BFloat16,
+        Dtype::I32 => DType::Int32,
+        Dtype::U32 => DType::UInt32,
+        Dtype::F32 => DType::Float32,
+        Dtype::F64 => DType::Float64,
+        Dtype::I64 => DType::Int64,
+        Dtype::U64 => DType::UInt64,
+        // safetensors' F8_E4M3 is the finite-only e4m3fn of PyTorch and OCP.
+        Dtype::F8_E4M3 => DType::Float8E4M3FN,
+        Dtype::F8_E5M2 => DType::Float8E5M2,
+        _ => return None,
+    })
+}
+
+/// The safetensors data type of a checkpoint data type.
+pub fn safetensors_dtype(d: DType) -> Dtype {
+    match d {
+        DType::Bool => Dtype::BOOL,
+        DType::UInt8 => Dtype::U8,
+        DType::Int8 => Dtype::I8,
+        DType::Int16 => Dtype::I16,
+        DType::UInt16 => Dtype::U16,
+        DType::Float16 => Dtype::F16,
+        DType::BFloat16 => Dtype::BF16,
+        DType::Int32 => Dtype::I32,
+        DType::UInt32 => Dtype::U32,
+        DType::Float32 => Dtype::F32,
+        DType::Float64 => Dtype::F64,
+        DType::Int64 => Dtype::I64,
+        DType::UInt64 => Dtype::U64,
+        DType::Float8E4M3FN => Dtype::F8_E4M3,
+        DType::Float8E5M2 => Dtype::F8_E5M2,
+        _ => Dtype::U8,
+    }
+}
+
+/// Parses a compression name.
+pub fn parse_compression(s: &str) -> anyhow::Result<zarrckpt::Compression> {
+    Ok(match s {
+        "none" => zarrckpt::Compression::None,
+        "zstd" => zarrckpt::Compression::Zstd,
+        "blosc" => zarrckpt::Compression::Blosc,
+        other => bail!("unknown compression `{other}` (none, zstd, blosc)"),
+    })
+}
+
+struct Source {
+    key: TensorKey,
+    dtype: DType,
+    shape: Vec<u64>,
+    file: usize,
+    name: String,
+}
+
+/// Rank `r`'s box of a tensor split `n` ways along axis 0, torch.chunk style.
+fn split_first_axis(shape: &[u64], r: u64, n: u64) -> Region {
+    let mut region = Region::full(shape);
+    if let Some(&dim) = shape.first() {
+        let size = dim.div_ceil(n);
+        let o = (r * size).min(dim);
+        region.offset[0] = o;
+        region.shape[0] = size.min(dim - o);
+    }
+    region
+}
+
+pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
+    if a.ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    let compression = parse_compression(&a.compression)?;
+    let maps: Vec<Mmap> = a
+        .files
+        .iter()
+        .map(|p| {
+            let f = File::open(p).with_context(|| format!("open {}", p.display()))?;
+            // SAFETY: the file is opened read-only; we do not guard against concurrent writers,
+            // as every safetensors reader.
+            unsafe { Mmap::map(&f) }.with_context(|| format!("map {}", p.display()))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let parsed: Vec<SafeTensors> = maps
+        .iter()
+        .zip(&a.files)
+        .map(|(m, p)| SafeTensors::deserialize(m).with_context(|| format!("parse {}", p.display())))
+        .collect::<anyhow::Result<_>>()?;
+    let mut sources: BTreeMap<String, Source> = BTreeMap::new();
+    let mut st_meta = serde_json::Map::new();
+    for (fi, (st, path)) in parsed.iter().zip(&a.files).enumerate() {
+        let (_, header) = SafeTensors::read_metadata(&maps[fi]).with_context(|| format!("parse {}", path.display()))?;
+        if let Some(m) = header.metadata() {
+            for (k, v) in m {
+                st_meta.insert(k.clone(), v.clone().into());
+            }
+        }
+        for (name, view) in st.tensors() {
+            let dtype = dtype_of(view.dtype())
+                .with_context(|| format!("{}: tensor `{name}` has unsupported dtype {:?}", path.display(), view.dtype()))?;
+            let key = TensorKey::new(name.clone()).with_context(|| format!("{}: tensor name `{name}`", path.display()))?;
+            let shape = view.shape().iter().map(|&d| d as u64).collect();
+            let prev = sources.insert(name.clone(), Source { key, dtype, shape, file: fi, name: name.clone() });
+            if let Some(prev) = prev {
+                bail!("tensor `{name}` appears in both {} and {}", a.files[prev.file].display(), path.display());
+            }
+        }
+    }
+    let total: u64 = sources.values().map(|s| s.shape.iter().product::<u64>() * s.dtype.size() as u64).sum();
+    let pb = progress::bytes(total, "import");
+    let mut opts = SaveOptions { overwrite: a.overwrite, compression, progress: Some(progress::callback(&pb)), ..Default::default() };
+    opts.user_metadata.insert("source".into(), "safetensors".into());
+    opts.user_metadata.insert(
+        "files".into(),
+        a.files.iter().map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()).collect(),
+    );
+    if !st_meta.is_empty() {
+        opts.user_metadata.insert("safetensors_metadata".into(), st_meta.into());
+    }
+    let t0 = Instant::now();
+    let n = a.ranks;
+    let reports = run_local(n as usize, Duration::from_secs(300), |comm| {
+        let r = comm.rank() as u64;
+        let mut pieces = Vec::with_capacity(sources.len());
+        for s in sources.values() {
+            let view = parsed[s.file].tensor(&s.name).expect("listed tensor");
+            // 0-d tensors: rank 0 holds the main replica, the others hold copies.
+            let region = split_first_axis(&s.shape, r, n);
+            let replica = u32::from(s.shape.is_empty() && r != 0);
+            let elem = s.dtype.size();
+            let row: usize = s.shape.iter().skip(1).product::<u64>() as usize * elem;
+            let (start, len) = if s.shape.is_empty() {
+                (0, elem)
+            } else {
+                (region.offset[0] as usize * row, region.shape[0] as usize * row)
+            };
+            let data = &view.data()[start..start + len];
+            pieces.push(ShardedTensor::new(s.key.clone(), s.dtype, s.shape.clone(), region, replica, data)?);
+        }
+        save(&pieces, &a.out, &comm, &opts)
+    });
+    pb.finish_and_clear();
+    let mut file_bytes = 0;
+    for r in reports {
+        file_bytes += r?.file_bytes;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "imported {} tensors ({:.3} GB) from {} file(s) into {} with {n} ranks in {secs:.2} s ({:.2} GB/s); {:.3} GB on disk",
+        sources.len(),
+        total as f64 / 1e9,
+        a.files.len(),
+        a.out.display(),
+        total as f64 / 1e9 / secs.max(1e-9),
+        file_bytes as f64 / 1e9
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,93 @@
+//! `zarrckpt inspect`: what a checkpoint holds, without reading tensor data.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use serde_json::json;
+use zarrckpt::Checkpoint;
+
+/// Arguments of `zarrckpt inspect`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The checkpoint directory.
+    ckpt: PathBuf,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn dir_bytes(p: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(p) else { return 0 };
+    rd.flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(_) => e.metadata().map_or(0, |m| m.len()),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+fn dims(v: &[u64]) -> String {
+    format!("[{}]", v.iter().map(u64::to_string).collect::<Vec<_>>().join(", "))
+}
+
+/// Formats bytes for people.
+pub fn human(b: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{b} B") } else { format!("{v:.1} {}", units[u]) }
+}
+
+pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
+    let ckpt = Checkpoint::open(&a.ckpt)?;
+    let tensors = ckpt.tensors();
+    let total: u64 = tensors.iter().map(|t| t.nbytes).sum();
+    let chunks: u64 = tensors.iter().map(|t| t.num_chunks).sum();
+    let on_disk = dir_bytes(&a.ckpt);
+    let meta = ckpt.meta();
+    if a.json {
+        let list: Vec<_> = tensors
+            .iter()
+            .map(|t| {
+                json!({
+                    "key": t.key.as_str(), "dtype": t.dtype.name(), "shape": t.shape,
+                    "chunk_shape": t.chunk_shape, "subchunk_shape": t.subchunk_shape,
+                    "compression": t.compression, "chunks": t.num_chunks, "bytes": t.nbytes,
+                })
+            })
+            .collect();
+        let doc = json!({
+            "path": a.ckpt.display().to_string(), "format": meta.format, "version": meta.version,
+            "writer": meta.writer, "world_size": meta.world_size, "user": meta.user,
+            "tensors": list, "total_tensors": tensors.len(), "total_bytes": total,
+            "total_chunks": chunks, "bytes_on_disk": on_disk,
+        });
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("{}: {} {} written by {} ({} ranks)", a.ckpt.display(), meta.format, meta.version, meta.writer, meta.world_size);
+    if !meta.user.is_empty() {
+        println!("user metadata: {}", serde_json::Value::Object(meta.user.clone()));
+    }
+    let kw = tensors.iter().map(|t| t.key.as_str().len()).max().unwrap_or(3).clamp(3, 70);
+    println!("{:<kw$}  {:<13} {:<18} {:<18} {:<18} {:>6} {:>10}", "key", "dtype", "shape", "chunk", "subchunk", "chunks", "size");
+    for t in &tensors {
+        println!(
+            "{:<kw$}  {:<13} {:<18} {:<18} {:<18} {:>6} {:>10}",
+            t.key.as_str(),
+            t.dtype.name(),
+            dims(&t.shape),
+            dims(&t.chunk_shape),
+            dims(&t.subchunk_shape),
+            t.num_chunks,
+            human(t.nbytes)
+        );
+    }
+    println!("total: {} tensors, {} chunk files, {} of data, {} on disk", tensors.len(), chunks, human(total), human(on_disk));
+    Ok(ExitCode::SUCCESS)
+}

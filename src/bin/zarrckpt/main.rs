@@ -1,0 +1,61 @@
+//! The `zarrckpt` command-line tool.
+
+mod bench;
+mod demo;
+mod export;
+mod import;
+mod inspect;
+mod progress;
+mod verify;
+mod workload;
+
+use clap::{Parser, Subcommand};
+
+/// Distributed training checkpoints as Zarr v3 arrays.
+#[derive(Parser)]
+#[command(name = "zarrckpt", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Save a synthetic model state with 4 in-process ranks, load it back with 3 ranks in
+    /// another split, check every byte and show what was written.
+    Demo(demo::Args),
+    /// Write a checkpoint from safetensors files, as N ranks would (each tensor split N ways
+    /// along its first axis).
+    Import(import::Args),
+    /// Write a checkpoint's full tensors into one safetensors file.
+    Export(export::Args),
+    /// List a checkpoint's tensors: data types, shapes, chunking, sizes.
+    Inspect(inspect::Args),
+    /// Read every chunk, check every checksum and that every chunk exists.
+    Verify(verify::Args),
+    /// Measure save and load against the machine's own limits, measured in the same run.
+    Bench(bench::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("ZARRCKPT_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo(a) => demo::run(&a),
+        Command::Import(a) => import::run(&a),
+        Command::Export(a) => export::run(&a),
+        Command::Inspect(a) => inspect::run(&a),
+        Command::Verify(a) => verify::run(&a),
+        Command::Bench(a) => bench::run(&a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! Synthetic model states with deterministic contents: for demos, benchmarks, examples and
+//! tests. Any rank can generate (or check) any box of any tensor without holding the rest.
+
+use crate::model::copy::for_each_run;
+use crate::model::{DType, Region, TensorKey};
+
+/// One tensor of a synthetic model and how tensor parallelism splits it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SynthTensor {
+    /// Key.
+    pub key: TensorKey,
+    /// Data type.
+    pub dtype: DType,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// The axis tensor parallelism splits; `None` for tensors every rank holds whole.
+    pub split_axis: Option<usize>,
+    /// Seed of the contents.
+    pub seed: u64,
+}
+
+impl SynthTensor {
+    /// Bytes of the whole tensor.
+    #[must_use]
+    pub fn nbytes(&self) -> u64 {
+        self.shape.iter().product::<u64>() * self.dtype.size() as u64
+    }
+
+    /// The box held by tensor-parallel rank `tp_rank` of `tp`: a torch.chunk-style split
+    /// (ceil-sized pieces, the last ones shorter or empty) along the split axis, or the
+    /// whole tensor.
+    #[must_use]
+    pub fn region(&self, tp_rank: u64, tp: u64) -> Region {
+        let mut r = Region::full(&self.shape);
+        if let Some(axis) = self.split_axis {
+            let dim = self.shape[axis];
+            let size = dim.div_ceil(tp.max(1));
+            let o = (tp_rank * size).min(dim);
+            r.offset[axis] = o;
+            r.shape[axis] = size.min(dim - o);
+        }
+        r
+    }
+
+    /// Fills `buf`, which holds `region` of this tensor, with its deterministic contents.
+    pub fn fill(&self, region: &Region, buf: &mut [u8]) {
+        let elem = self.dtype.size();
+        let full = Region::full(&self.shape);
+        let bool_ = self.dtype == DType::Bool;
+        for_each_run(&full, region, region, elem, |g, d, len| {
+            fill_bytes(self.seed, g as u64, &mut buf[d..d + len]);
+            if bool_ {
+                buf[d..d + len].iter_mut().for_each(|b| *b &= 1);
+            }
+        });
+    }
+
+    /// Checks that `buf` holds `region` of this tensor; returns the first wrong byte offset.
+    #[must_use]
+    pub fn check(&self, region: &Region, buf: &[u8]) -> Option<usize> {
+        let elem = self.dtype.size();
+        let full = Region::full(&self.shape);
+        let mut first = None;
+        let mut expect = Vec::new();
+        for_each_run(&full, region, region, elem, |g, d, len| {
+            if first.is_some() {
+                return;
+            }
+            expect.resize(len, 0);
+            fill_bytes(self.seed, g as u64, &mut expect);
+            if self.dtype == DType::Bool {
+                expect.iter_mut().for_each(|b| *b &= 1);
+            }
+            if let Some(i) = expect.iter().zip(&buf[d..d + len]).position(|(a, b)| a != b) {
+                first = Some(d + i);
+            }
+        });
+        first
+    }
+}
+
+fn word(seed: u64, i: u64) -> u64 {
+    // splitmix64 of (seed, i)
+    let mut z = seed.wrapping_add(i.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The bytes at global byte offsets `start..start+out.len()` of a tensor with `seed`.
+fn fill_bytes(seed: u64, start: u64, out: &mut [u8]) {
+    let mut pos = start;
+    let mut i = 0;
+    // head, up to a word boundary
+    while i < out.len() && pos % 8 != 0 {
+        out[i] = word(seed, pos / 8).to_le_bytes()[(pos % 8) as usize];
+        i += 1;
+        pos += 1;
+    }
+    let words = (out.len() - i) / 8;
+    for (k, chunk) in out[i..i + words * 8].chunks_exact_mut(8).enumerate() {
+        chunk.copy_from_slice(&word(seed, pos / 8 + k as u64).to_le_bytes());
+    }
+    i += words * 8;
+    pos += words as u64 * 8;
+    while i < out.len() {
+        out[i] = word(seed, pos / 8).to_le_bytes()[(pos % 8) as usize];
+        i += 1;
+        pos += 1;
+    }
+}
+
+/// A synthetic model: a GPT-style mix of bf16 weights split by tensor parallelism along
+/// their first (column-parallel) or second (row-parallel) axis, replicated fp32 norms, fp32
+/// optimizer moments with the same splits, and a replicated int64 step counter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SynthModel {
+    /// The tensors.
+    pub tensors: Vec<SynthTensor>,
+}
+
+impl SynthModel {
+    /// A model of about `target_bytes` (at least one layer) with hidden size `hidden`.
+    #[must_use]
+    pub fn gpt(target_bytes: u64, hidden: u64) -> Self {
+        let h = hidden.max(8);
+        let vocab = 8 * h + 3; // not divisible by common TP sizes: uneven splits
+        let per_layer = 12 * h * h * 10 + 9 * h * 4 * 3; // bf16 weights + 2 fp32 moments
+        let embed = vocab * h * 10;
+        let layers = (target_bytes.saturating_sub(embed) / per_layer).max(1);
+        let mut b = Builder::default();
+        b.param("embedding.word_embeddings.weight", vec![vocab, h], Some(0));
+        for l in 0..layers {
+            let p = format!("decoder.layers.{l}");
+            b.norm(&format!("{p}.input_layernorm.weight"), h);
+            b.param(&format!("{p}.self_attention.linear_qkv.weight"), vec![3 * h, h], Some(0));
+            b.param(&format!("{p}.self_attention.linear_qkv.bias"), vec![3 * h], Some(0));
+            b.param(&format!("{p}.self_attention.linear_proj.weight"), vec![h, h], Some(1));
+            b.norm(&format!("{p}.pre_mlp_layernorm.weight"), h);
+            b.param(&format!("{p}.mlp.linear_fc1.weight"), vec![4 * h, h], Some(0));
+            b.param(&format!("{p}.mlp.linear_fc2.weight"), vec![h, 4 * h], Some(1));
+        }
+        b.norm("decoder.final_layernorm.weight", h);
+        b.push("optimizer/step", DType::Int64, vec![], None);
+        let tensors = b.tensors;
+        SynthModel { tensors }
+    }
+
+    /// Total bytes.
+    #[must_use]
+    pub fn nbytes(&self) -> u64 {
+        self.tensors.iter().map(SynthTensor::nbytes).sum()
+    }
+}
+
+#[derive(Default)]
+struct Builder {
+    tensors: Vec<SynthTensor>,
+}
+
+impl Builder {
+    fn push(&mut self, key: &str, dtype: DType, shape: Vec<u64>, split_axis: Option<usize>) {
+        let seed = self.tensors.len() as u64 + 1;
+        let key = TensorKey::new(key).expect("generated keys are valid");
+        self.tensors.push(SynthTensor { key, dtype, shape, split_axis, seed });
+    }
+
+    /// A bf16 weight with its two fp32 Adam moments.
+    fn param(&mut self, name: &str, shape: Vec<u64>, split: Option<usize>) {
+        self.push(name, DType::BFloat16, shape.clone(), split);
+        self.push(&format!("optimizer/exp_avg/{name}"), DType::Float32, shape.clone(), split);
+        self.push(&format!("optimizer/exp_avg_sq/{name}"), DType::Float32, shape, split);
+    }
+
+    /// A replicated fp32 norm weight.
+    fn norm(&mut self, name: &str, h: u64) {
+        self.push(name, DType::Float32, vec![h], None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn regions_fill_and_check_agree() {
+        let m = SynthModel::gpt(1 << 20, 16);
+        assert!(m.nbytes() > 0);
+        for t in &m.tensors {
+            let full = Region::full(&t.shape);
+            let mut whole = vec![0u8; t.nbytes() as usize];
+            t.fill(&full, &mut whole);
+            for tp in [1, 3, 4] {
+                let mut total = 0;
+                for r in 0..tp {
+                    let reg = t.region(r, tp);
+                    let mut b = vec![0u8; reg.num_elements().unwrap() as usize * t.dtype.size()];
+                    t.fill(&reg, &mut b);
+                    assert_eq!(t.check(&reg, &b), None);
+                    let mut expect = vec![0u8; b.len()];
+                    crate::model::copy::copy_region(&whole, &full, &mut expect, &reg, &reg, t.dtype.size());
+                    assert_eq!(b, expect, "{} {r}/{tp}", t.key);
+                    if !b.is_empty() {
+                        b[0] ^= 1;
+                        assert_eq!(t.check(&reg, &b), Some(0));
+                    }
+                    total += reg.num_elements().unwrap();
+                }
+                let n = if t.split_axis.is_some() { 1 } else { tp };
+                assert_eq!(total, full.num_elements().unwrap() * n);
+            }
+        }
+    }
+
+    #[test]
+    fn scales_with_target() {
+        let small = SynthModel::gpt(64 << 20, 256).nbytes();
+        let big = SynthModel::gpt(512 << 20, 256).nbytes();
+        assert!(big > 4 * small, "{small} {big}");
+        assert!((big as f64) < 1.3 * (512u64 << 20) as f64);
+    }
+}
