@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::comm::{Communicator, RecvBuf, SendBuf};
 use crate::error::{Error, Result};
-use crate::model::copy::{byte_offset, copy_region, is_contiguous};
+use crate::model::copy::copy_region;
 use crate::model::{Region, ShardedTensor, TensorKey};
 use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
 use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan};
@@ -208,26 +208,23 @@ fn full_chunk_box(tp: &TensorPlan, chunk: &[u64]) -> Region {
     }
 }
 
-/// The bytes of one chunk: borrowed from the local piece when the chunk is a contiguous,
-/// unpadded part of it; otherwise assembled (zero padding at the tensor's edge).
-fn chunk_bytes<'a>(
+/// The source of one chunk: the local piece holding the whole (unpadded) chunk, or else a
+/// buffer assembled from local and received parts with zero padding at the tensor's edge.
+/// Returns the bytes and the box they hold.
+fn chunk_source<'a>(
     tp: &TensorPlan,
     w: &ChunkWrite,
     local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'a>>,
     received: &[Vec<u8>],
-) -> Cow<'a, [u8]> {
+) -> (Cow<'a, [u8]>, Region) {
     let elem = tp.dtype.size();
     let full = full_chunk_box(tp, &w.chunk);
     if let [part] = w.parts.as_slice()
         && let Source::Local(piece_region) = &part.source
         && w.region == full
         && let Some(piece) = local.get(&(&tp.key, piece_region))
-        && is_contiguous(&full.shape, &piece_region.shape)
     {
-        let rel: Vec<u64> = full.offset.iter().zip(&piece_region.offset).map(|(a, b)| a - b).collect();
-        let start = byte_offset(&rel, &piece_region.shape, elem);
-        let len = full.shape.iter().product::<u64>() as usize * elem;
-        return Cow::Borrowed(&piece.data()[start..start + len]);
+        return (Cow::Borrowed(piece.data()), piece_region.clone());
     }
     let len = full.shape.iter().product::<u64>() as usize * elem;
     let mut buf = vec![0u8; len];
@@ -244,7 +241,7 @@ fn chunk_bytes<'a>(
             }
         }
     }
-    Cow::Owned(buf)
+    (Cow::Owned(buf), full)
 }
 
 /// Sends and receives the parts of unaligned chunks. Returns, per write, the received parts
@@ -317,8 +314,9 @@ fn write_files(
             .zip(received.par_iter())
             .map(|(w, recv)| -> Result<(u64, u64)> {
                 let tp = &plan.tensors[w.tensor];
-                let bytes = chunk_bytes(tp, w, local, recv);
-                let n = write::write_shard(&arrays[&w.tensor], &w.chunk, &bytes)?;
+                let (src, src_box) = chunk_source(tp, w, local, recv);
+                let arr = &arrays[&w.tensor];
+                let n = write::write_shard(arr, &w.chunk, &src, &src_box, &full_chunk_box(tp, &w.chunk))?;
                 let data = w.region.num_elements().unwrap_or(0) * tp.dtype.size() as u64;
                 if let Some(p) = &opts.progress {
                     p(data);
@@ -326,6 +324,7 @@ fn write_files(
                 Ok((data, n))
             })
             .try_reduce(|| (0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1)))?;
+        tasks.writes.par_iter().try_for_each(|w| write::sync_file(&arrays[&w.tensor].chunk_path(&w.chunk)))?;
         dirs.par_iter().try_for_each(|d| fsio::fsync_dir(d))?;
         Ok(totals)
     })?;

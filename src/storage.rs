@@ -9,6 +9,7 @@ pub mod foreign;
 pub mod fsio;
 pub mod meta;
 pub mod read;
+pub mod shard;
 pub mod write;
 
 pub use array::TensorArray;

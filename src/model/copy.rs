@@ -43,8 +43,19 @@ pub fn copy_region(
     });
 }
 
+/// C-order byte strides of a shape.
+fn strides(shape: &[u64], elem: usize) -> Vec<usize> {
+    let mut out = vec![0usize; shape.len()];
+    let mut acc = elem;
+    for d in (0..shape.len()).rev() {
+        out[d] = acc;
+        acc = acc.saturating_mul(usize::try_from(shape[d]).unwrap_or(usize::MAX));
+    }
+    out
+}
+
 /// Calls `f(src_byte_offset, dst_byte_offset, len)` for every contiguous run of `region`
-/// copied from a buffer holding `src_box` to one holding `dst_box`.
+/// copied from a buffer holding `src_box` to one holding `dst_box`, in C order.
 pub fn for_each_run(
     src_box: &Region,
     dst_box: &Region,
@@ -68,21 +79,28 @@ pub fn for_each_run(
         }
     }
     let run_bytes = usize::try_from(run).unwrap_or(usize::MAX) * elem;
-    // Iterate over the outer dims 0..k (odometer), computing offsets.
-    let src_rel: Vec<u64> = region.offset.iter().zip(&src_box.offset).map(|(a, b)| a - b).collect();
-    let dst_rel: Vec<u64> = region.offset.iter().zip(&dst_box.offset).map(|(a, b)| a - b).collect();
-    let mut idx = vec![0u64; k];
-    let mut pos_s = src_rel.clone();
-    let mut pos_d = dst_rel.clone();
-    loop {
-        for d in 0..k {
-            pos_s[d] = src_rel[d] + idx[d];
-            pos_d[d] = dst_rel[d] + idx[d];
-        }
-        let so = byte_offset(&pos_s, &src_box.shape, elem);
-        let dof = byte_offset(&pos_d, &dst_box.shape, elem);
+    let ss = strides(&src_box.shape, elem);
+    let ds = strides(&dst_box.shape, elem);
+    let rel = |d: usize, b: &Region| usize::try_from(region.offset[d] - b.offset[d]).unwrap_or(usize::MAX);
+    let mut so: usize = (0..nd).map(|d| rel(d, src_box) * ss[d]).sum();
+    let mut dof: usize = (0..nd).map(|d| rel(d, dst_box) * ds[d]).sum();
+    if k == 0 {
         f(so, dof, run_bytes);
-        // advance odometer
+        return;
+    }
+    if k == 1 {
+        for _ in 0..region.shape[0] {
+            f(so, dof, run_bytes);
+            so += ss[0];
+            dof += ds[0];
+        }
+        return;
+    }
+    // Odometer over the outer dims 0..k with incremental offsets.
+    let ext: Vec<usize> = (0..k).map(|d| usize::try_from(region.shape[d]).unwrap_or(usize::MAX)).collect();
+    let mut idx = vec![0usize; k];
+    loop {
+        f(so, dof, run_bytes);
         let mut d = k;
         loop {
             if d == 0 {
@@ -90,9 +108,13 @@ pub fn for_each_run(
             }
             d -= 1;
             idx[d] += 1;
-            if idx[d] < region.shape[d] {
+            so += ss[d];
+            dof += ds[d];
+            if idx[d] < ext[d] {
                 break;
             }
+            so -= ss[d] * ext[d];
+            dof -= ds[d] * ext[d];
             idx[d] = 0;
         }
     }

@@ -129,7 +129,7 @@ fn open_shard(
 }
 
 fn check_crc(arr: &TensorArray, shard: &ShardRead, linear: u64, data: &[u8], stored: [u8; 4]) -> Result<(), StorageError> {
-    let computed = crc32c::crc32c(data);
+    let computed = super::shard::crc32c(data);
     let stored = u32::from_le_bytes(stored);
     if computed == stored {
         Ok(())

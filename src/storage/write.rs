@@ -1,10 +1,16 @@
-//! Writing a rank's files: array metadata and whole shards, each durable before commit.
+//! Writing a rank's files: array metadata and whole shards (one writer per shard, written
+//! whole), made durable before commit.
 
+use std::fs::{File, OpenOptions};
+use std::io::Write;
 use std::path::Path;
 
 use super::array::TensorArray;
 use super::error::StorageError;
 use super::fsio::{create_dir_durable, write_durable};
+use super::shard::{start_writeback, write_uncompressed};
+use crate::model::Region;
+use crate::model::copy::copy_region;
 
 /// Writes the array's `zarr.json` (creating its directory).
 ///
@@ -17,21 +23,51 @@ pub fn write_array_metadata(arr: &TensorArray) -> Result<(), StorageError> {
     write_durable(&arr.dir().join("zarr.json"), &[&bytes]).map(|_| ())
 }
 
-/// Encodes one whole shard with zarrs and writes it durably (one writer per shard, written
-/// whole). Returns the bytes written.
+/// Writes the shard of the chunk at grid index `chunk`, whose full (unclipped) box is
+/// `chunk_box`, from `src`, a C-order buffer holding `src_box` (which contains `chunk_box`).
+/// Uncompressed arrays are written straight from `src`; compressed ones are encoded by zarrs.
+/// The file is not yet durable: call [`sync_file`] on it before committing. Returns the bytes
+/// written.
 ///
 /// # Errors
 /// Encoding or I/O errors naming the tensor, chunk and path.
-pub fn write_shard(arr: &TensorArray, chunk: &[u64], chunk_bytes: &[u8]) -> Result<u64, StorageError> {
-    let encoded = arr.encode_chunk(chunk, chunk_bytes)?;
+pub fn write_shard(
+    arr: &TensorArray,
+    chunk: &[u64],
+    src: &[u8],
+    src_box: &Region,
+    chunk_box: &Region,
+) -> Result<u64, StorageError> {
     let path = arr.chunk_path(chunk);
-    ensure_parent(&path)?;
-    write_durable(&path, &[&encoded])
+    let elem = arr.entry().dtype.size();
+    if arr.uncompressed() {
+        return write_uncompressed(&path, src, src_box, chunk_box, &arr.entry().subchunk_shape, elem);
+    }
+    let owned;
+    let bytes = if src_box == chunk_box {
+        src
+    } else {
+        let mut buf = vec![0u8; chunk_box.num_elements().unwrap_or(0) as usize * elem];
+        copy_region(src, src_box, &mut buf, chunk_box, chunk_box, elem);
+        owned = buf;
+        &owned
+    };
+    let encoded = arr.encode_chunk(chunk, bytes)?;
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .map_err(StorageError::io("create", &path))?;
+    f.write_all(&encoded).map_err(StorageError::io("write", &path))?;
+    start_writeback(&f);
+    Ok(encoded.len() as u64)
 }
 
-fn ensure_parent(path: &Path) -> Result<(), StorageError> {
-    match path.parent() {
-        Some(p) if !p.is_dir() => create_dir_durable(p),
-        _ => Ok(()),
-    }
+/// Makes a written file durable (fsync).
+///
+/// # Errors
+/// I/O errors naming the path.
+pub fn sync_file(path: &Path) -> Result<(), StorageError> {
+    File::open(path).and_then(|f| f.sync_data()).map_err(StorageError::io("fsync", path))
 }
