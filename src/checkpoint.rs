@@ -158,10 +158,11 @@ impl Checkpoint {
         let problems = Mutex::new(Vec::new());
         let counters = ReadCounters::default();
         let mut chunks_total = 0u64;
-        let mut work: Vec<(TensorArray, StoredGeometry, Vec<u64>)> = Vec::new();
+        let mut work: Vec<(std::sync::Arc<TensorArray>, StoredGeometry, Vec<u64>)> = Vec::new();
         for (key, e) in &self.meta.tensors {
             match TensorArray::open(&self.dir, key, e) {
                 Ok(arr) => {
+                    let arr = std::sync::Arc::new(arr);
                     let geom = StoredGeometry {
                         global_shape: e.shape.clone(),
                         chunk_shape: e.chunk_shape.clone(),
@@ -173,9 +174,8 @@ impl Checkpoint {
                     grid::for_each_index(&vec![0; gs.len()], &gs, |c| chunks.push(c.to_vec()));
                     chunks_total += chunks.len() as u64;
                     for c in chunks {
-                        work.push((TensorArray::open(&self.dir, key, e)?, geom.clone(), c));
+                        work.push((arr.clone(), geom.clone(), c));
                     }
-                    drop(arr);
                 }
                 Err(err) => problems.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Problem {
                     key: key.clone(),

@@ -58,6 +58,15 @@ pub enum KeyError {
         /// The character.
         ch: char,
     },
+    /// A segment is named `zarr.json` (in any letter case): it would clash with the metadata
+    /// file of the group holding it.
+    #[error("key `{key}` has the reserved segment `{segment}`")]
+    ReservedSegment {
+        /// The key.
+        key: String,
+        /// The segment.
+        segment: String,
+    },
     /// A segment is too long once encoded as a file name.
     #[error("key `{key}`: segment `{segment}` is {len} bytes once encoded; the limit is {MAX_SEGMENT_BYTES}")]
     SegmentTooLong {
@@ -171,6 +180,9 @@ fn validate(key: &str) -> Result<(), KeyError> {
         if segment.chars().all(|c| c == '.') {
             return Err(KeyError::DotSegment { key: shown(key), segment: segment.to_owned() });
         }
+        if segment.eq_ignore_ascii_case("zarr.json") {
+            return Err(KeyError::ReservedSegment { key: shown(key), segment: segment.to_owned() });
+        }
         let len = encode_segment(segment).len();
         if len > MAX_SEGMENT_BYTES {
             return Err(KeyError::SegmentTooLong {
@@ -202,45 +214,46 @@ fn encode_segment(segment: &str) -> String {
     out
 }
 
-/// Checks that no two keys collide once mapped to paths: identical paths cannot happen (the
-/// mapping is injective), but a key whose path is an ancestor of another's (`a` and `a/b`)
-/// would make one node both an array and a group, and keys whose paths differ only in case
-/// would overwrite each other on case-insensitive file systems.
+/// Checks that no two keys collide once mapped to paths. Identical paths cannot happen (the
+/// mapping is injective), but a key's array path may be a group on another key's path
+/// (`a` and `a/b`: one node cannot be both), and paths that differ only in letter case would
+/// overwrite each other on case-insensitive file systems (`W` and `w`, or `A` and `a/b`).
+/// Every array path and every group path above it is compared after lower-casing.
 ///
 /// # Errors
 /// [`KeyError::Collision`] naming the first colliding pair found.
 pub fn check_collisions<'a>(keys: impl IntoIterator<Item = &'a TensorKey>) -> Result<(), KeyError> {
-    let mut by_folded: HashMap<String, &TensorKey> = HashMap::new();
-    let mut paths: Vec<(String, &TensorKey)> = Vec::new();
+    // folded path -> (exact path, is_array, a key that needs it)
+    let mut nodes: HashMap<String, (String, bool, &TensorKey)> = HashMap::new();
     for key in keys {
         let path = key.node_path();
-        let folded = path.to_lowercase();
-        if let Some(other) = by_folded.insert(folded, key)
-            && other != key
-        {
-            return Err(KeyError::Collision {
-                first: other.to_string(),
-                second: key.to_string(),
-                reason: "paths differ only in letter case",
-            });
-        }
-        paths.push((path, key));
-    }
-    // An ancestor sorts right before its descendants once `/` sorts lowest: compare
-    // neighbours after sorting by path with `/` mapped to the lowest character.
-    paths.sort_by(|a, b| a.0.replace('/', "\u{1}").cmp(&b.0.replace('/', "\u{1}")));
-    paths.dedup_by(|a, b| a.1 == b.1);
-    for pair in paths.windows(2) {
-        let (parent, child) = (&pair[0], &pair[1]);
-        if child.0.len() > parent.0.len()
-            && child.0.starts_with(&parent.0)
-            && child.0.as_bytes()[parent.0.len()] == b'/'
-        {
-            return Err(KeyError::Collision {
-                first: parent.1.to_string(),
-                second: child.1.to_string(),
-                reason: "one key's path is a group containing the other",
-            });
+        let mut prefixes: Vec<(String, bool)> = path
+            .match_indices('/')
+            .map(|(i, _)| (path[..i].to_owned(), false))
+            .collect();
+        prefixes.push((path.clone(), true));
+        for (p, is_array) in prefixes {
+            let folded = p.to_lowercase();
+            match nodes.get(&folded) {
+                None => {
+                    nodes.insert(folded, (p, is_array, key));
+                }
+                Some((other_path, other_array, other_key)) => {
+                    if *other_path == p && *other_array == is_array && (!is_array || *other_key == key) {
+                        continue; // the same group, or the same key again
+                    }
+                    let reason = if *other_path != p {
+                        "paths differ only in letter case"
+                    } else {
+                        "one key's path is a group containing the other"
+                    };
+                    return Err(KeyError::Collision {
+                        first: other_key.to_string(),
+                        second: key.to_string(),
+                        reason,
+                    });
+                }
+            }
         }
     }
     Ok(())
@@ -281,6 +294,9 @@ mod tests {
         assert!(matches!(TensorKey::new("a\\..\\b"), Err(KeyError::ForbiddenChar { .. })));
         assert!(matches!(TensorKey::new("x".repeat(2000)), Err(KeyError::TooLong { .. })));
         assert!(matches!(TensorKey::new("é".repeat(50)), Err(KeyError::SegmentTooLong { .. })));
+        assert!(matches!(TensorKey::new("x/zarr.json"), Err(KeyError::ReservedSegment { .. })));
+        assert!(matches!(TensorKey::new("ZARR.JSON"), Err(KeyError::ReservedSegment { .. })));
+        TensorKey::new("zarr.json.bak").unwrap();
     }
 
     #[test]
@@ -301,6 +317,14 @@ mod tests {
         assert!(matches!(check_collisions(&case), Err(KeyError::Collision { .. })));
         let dup = [k("x"), k("x")];
         check_collisions(&dup).unwrap();
+        let groups = [k("g/a"), k("g/b"), k("g/h/c")];
+        check_collisions(&groups).unwrap();
+        let case_group = [k("A"), k("a/b")];
+        assert!(matches!(check_collisions(&case_group), Err(KeyError::Collision { .. })));
+        let case_groups = [k("A/x"), k("a/y")];
+        assert!(matches!(check_collisions(&case_groups), Err(KeyError::Collision { .. })));
+        let child_first = [k("a/b"), k("a")];
+        assert!(matches!(check_collisions(&child_first), Err(KeyError::Collision { .. })));
     }
 
     #[test]

@@ -20,6 +20,16 @@ pub enum TensorError {
         #[source]
         source: RegionError,
     },
+    /// A `bool` piece holds a byte other than 0 or 1.
+    #[error("tensor `{key}`: bool element at byte {offset} is {value:#04x}; bool bytes must be 0 or 1")]
+    InvalidBool {
+        /// The tensor.
+        key: TensorKey,
+        /// Byte offset in the piece's buffer.
+        offset: usize,
+        /// The byte.
+        value: u8,
+    },
     /// The buffer does not hold exactly the region's bytes.
     #[error("tensor `{key}`: region {region} of {dtype} needs {expected} bytes, the buffer has {got}")]
     BufferSize {
@@ -93,6 +103,11 @@ impl<'a> ShardedTensor<'a> {
         data: &'a [u8],
     ) -> Result<Self, TensorError> {
         check_piece(&key, dtype, &global_shape, &region, data.len())?;
+        if dtype == DType::Bool
+            && let Some(offset) = data.iter().position(|&b| b > 1)
+        {
+            return Err(TensorError::InvalidBool { key, offset, value: data[offset] });
+        }
         Ok(ShardedTensor { key, dtype, global_shape, region, replica_id, data })
     }
 
@@ -242,6 +257,10 @@ mod tests {
         let err = ShardedTensor::from_slice("w", &[4, 3], &[0, 0], &data, &[1, 3], 0).unwrap_err();
         assert!(matches!(err, TensorError::BufferSize { expected: 12, got: 24, .. }), "{err}");
         assert!(err.to_string().contains("`w`"));
+        let bad = [0u8, 1, 2];
+        let key = TensorKey::new("m").unwrap();
+        let err = ShardedTensor::new(key, DType::Bool, vec![3], Region::full(&[3]), 0, &bad).unwrap_err();
+        assert!(matches!(err, TensorError::InvalidBool { offset: 2, value: 2, .. }), "{err}");
         let mut buf = vec![0u16; 3];
         let t = LoadTarget::from_slice("b", &[3], &[0], &mut buf, &[3]).unwrap();
         assert_eq!(t.dtype(), DType::UInt16);

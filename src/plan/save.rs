@@ -429,7 +429,8 @@ impl SavePlan {
             .zip(pieces)
             .map(|(acc, mut pieces)| {
                 pieces.sort_by(|a, b| a.region.cmp(&b.region));
-                let refs: Vec<&Region> = pieces.iter().map(|p| &p.region).collect();
+                // Empty pieces hold nothing: their boundaries do not constrain the grid.
+                let refs: Vec<&Region> = pieces.iter().map(|p| &p.region).filter(|r| !r.is_empty()).collect();
                 let elem = acc.dtype.size();
                 let (chunk_shape, aligned) = grid::choose_chunk_shape(&acc.shape, &refs, elem, &opts.grid);
                 let subchunk_shape =

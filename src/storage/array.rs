@@ -181,21 +181,21 @@ impl TensorArray {
         let meta: Value = serde_json::from_slice(&bytes)
             .map_err(|e| StorageError::Malformed { path: path.clone(), reason: format!("not JSON: {e}") })?;
         let expected = array_metadata(key, entry);
-        for field in ["node_type", "shape", "data_type", "chunk_grid"] {
+        let fields = ["zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"];
+        for field in fields {
             if meta.get(field) != expected.get(field) {
                 return Err(StorageError::Malformed {
                     path,
                     reason: format!(
-                        "`{field}` is {} but the checkpoint index says {}",
+                        "`{field}` is {} but a zarrckpt array with this index entry has {}",
                         meta.get(field).unwrap_or(&Value::Null),
                         expected.get(field).unwrap_or(&Value::Null)
                     ),
                 });
             }
         }
-        let sub = meta.pointer("/codecs/0/configuration/chunk_shape");
-        if sub != expected.pointer("/codecs/0/configuration/chunk_shape") {
-            return Err(StorageError::Malformed { path, reason: "subchunk shape disagrees with the checkpoint index".into() });
+        if meta.get("storage_transformers").and_then(Value::as_array).is_some_and(|t| !t.is_empty()) {
+            return Err(StorageError::Malformed { path, reason: "storage transformers are not allowed".into() });
         }
         Self::from_metadata(root, key, entry, meta)
     }

@@ -16,9 +16,30 @@ pub const ROOT_JSON: &str = "zarr.json";
 
 const GROUP_JSON: &[u8] = br#"{"zarr_format":3,"node_type":"group","attributes":{}}"#;
 
-/// True when `dir` looks like a zarrckpt checkpoint, complete or not.
+/// True when the root `zarr.json` of `dir` is a group carrying the `zarrckpt` attribute.
+fn has_checkpoint_root(dir: &Path) -> bool {
+    let Ok(bytes) = fs::read(dir.join(ROOT_JSON)) else { return false };
+    let Ok(doc) = serde_json::from_slice::<serde_json::Value>(&bytes) else { return false };
+    doc.get("node_type").and_then(|v| v.as_str()) == Some("group")
+        && doc.get("attributes").and_then(|a| a.get(super::meta::ATTRIBUTE)).is_some()
+}
+
+/// True when `dir` holds a zarrckpt checkpoint, complete or not, and nothing else: a root
+/// `zarr.json` carrying the `zarrckpt` attribute, or no root `zarr.json` but a `tensors/`
+/// directory; and no top-level entries but `zarr.json`, `tensors` and leftover temporary
+/// files of the commit. Only such a directory is ever deleted by an overwrite.
 fn looks_like_checkpoint(dir: &Path) -> bool {
-    dir.join(TENSORS_GROUP).is_dir() || dir.join(ROOT_JSON).is_file()
+    let root = dir.join(ROOT_JSON);
+    let shaped = if root.exists() { has_checkpoint_root(dir) } else { dir.join(TENSORS_GROUP).is_dir() };
+    if !shaped {
+        return false;
+    }
+    let Ok(entries) = fs::read_dir(dir) else { return false };
+    entries.flatten().all(|e| {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        name == ROOT_JSON || name == TENSORS_GROUP || name.starts_with(".zarr.json.tmp-")
+    })
 }
 
 /// Prepares `dir` for a new save (run by one rank before any other writes): creates it, or,
@@ -105,7 +126,7 @@ pub fn read_index(dir: &Path) -> Result<CheckpointMeta, StorageError> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if !dir.exists() {
                 Err(StorageError::NotACheckpoint { path: dir.to_owned(), reason: "no such directory".into() })
-            } else if looks_like_checkpoint(dir) {
+            } else if dir.join(TENSORS_GROUP).is_dir() {
                 Err(StorageError::Incomplete { path: dir.to_owned() })
             } else {
                 Err(StorageError::NotACheckpoint { path: dir.to_owned(), reason: "no root zarr.json".into() })

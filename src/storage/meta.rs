@@ -85,9 +85,14 @@ pub fn tensor_path(key: &TensorKey) -> String {
     format!("{TENSORS_GROUP}/{}", key.node_path())
 }
 
+/// Parses `MAJOR.MINOR`: ASCII digits only, no sign, no leading zeros.
 fn parse_version(v: &str) -> Option<(u32, u32)> {
     let (a, b) = v.split_once('.')?;
-    Some((a.parse().ok()?, b.parse().ok()?))
+    let part = |p: &str| {
+        let ok = !p.is_empty() && p.bytes().all(|c| c.is_ascii_digit()) && (p == "0" || !p.starts_with('0'));
+        if ok { p.parse::<u32>().ok() } else { None }
+    };
+    Some((part(a)?, part(b)?))
 }
 
 impl CheckpointMeta {
@@ -223,6 +228,11 @@ mod tests {
         v["attributes"]["zarrckpt"]["version"] = "2.0".into();
         let e = CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
         assert!(matches!(e, StorageError::UnsupportedVersion { .. }), "{e}");
+        for bad in ["+1.0", "01.0", "1.00", "1", "1.0.0", "1.x", ""] {
+            v["attributes"]["zarrckpt"]["version"] = bad.into();
+            let e = CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
+            assert!(matches!(e, StorageError::Malformed { .. }), "{bad}: {e}");
+        }
         v["attributes"]["zarrckpt"]["version"] = "1.7".into();
         v["attributes"]["zarrckpt"]["future_field"] = 1.into();
         CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap();
