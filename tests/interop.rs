@@ -347,15 +347,11 @@ fn save_checkpoint(
         let regions: Vec<Region> = specs.iter().map(|s| region(s, world, r)).collect();
         let datas: Vec<Vec<u8>> =
             specs.iter().zip(&fulls).zip(&regions).map(|((s, f), reg)| cut(f, &s.shape, reg, s.dtype.size())).collect();
-        // A rank whose piece of a non-empty tensor is empty declares nothing for it. Workaround:
-        // SavePlan::build (src/plan/save.rs) rejects the same empty box declared main on
-        // several ranks ("main replicas overlap: [1..1] on ranks [1, 2, 3]"), as torch.chunk-
-        // style splits produce; an empty box covers nothing and should be exempt.
+        // Ranks whose torch.chunk-style piece is empty declare it too, as main replicas.
         let pieces: Vec<ShardedTensor> = specs
             .iter()
             .zip(&regions)
             .zip(&datas)
-            .filter(|((s, reg), _)| !(reg.is_empty() && s.shape.iter().all(|&d| d > 0)))
             .map(|((s, reg), data)| {
                 let replica = u32::from(matches!(s.split, Split::Replicated) && r != 0);
                 ShardedTensor::new(
@@ -440,34 +436,7 @@ fn zarr_python_and_tensorstore_read_zarrckpt_checkpoints() {
 /// Foreign arrays this zarrckpt cannot read yet: (array names, `*` ending a prefix; text the
 /// error must contain; cause and fix). Each must still fail with that error, so a different
 /// failure is not masked; once one reads exactly, the test fails and asks for its removal.
-const KNOWN_ISSUES: &[(&[&str], &str, &str)] = &[
-    (
-        &["ts_gzip_*", "ts_shard_float32", "zp_shard_int64", "zp_shard_int8"],
-        "codec gzip is not supported",
-        "zarrs is built without its `gzip` feature (Cargo.toml: default-features = false)",
-    ),
-    (
-        &["ts_transpose_be_*"],
-        "codec transpose is not supported",
-        "zarrs is built without its `transpose` feature (Cargo.toml: default-features = false)",
-    ),
-    (
-        &["ts_plain_float8_e5m2", "ts_missing_float8_e5m2_numeric_fill"],
-        "invalid fill value metadata for data type `float8_e5m2`",
-        "tensorstore writes float8 fill values as numbers (0.0); zarrs parses those for float8_e5m2 only with \
-         its `microfloat` feature",
-    ),
-    (
-        &["ts_missing_float8_e4m3fn_fill448", "ts_missing_float8_e4m3fn_fillnan"],
-        "invalid fill value metadata for data type `float8_e4m3fn`",
-        "Float8E4M3FN::fill_value (src/storage/dtype.rs) accepts only 0 and hex strings, not 448.0 or \"NaN\"",
-    ),
-    (
-        &["ts_empty_int8", "zp_empty_float32"],
-        "out-of-bounds",
-        "read_array (src/storage/foreign.rs) asks zarrs for the subset [0, 0] of an array with a zero-size dimension",
-    ),
-];
+const KNOWN_ISSUES: &[(&[&str], &str, &str)] = &[];
 
 fn known_issue(name: &str) -> Option<(&'static str, &'static str)> {
     KNOWN_ISSUES.iter().find_map(|(names, needle, why)| {

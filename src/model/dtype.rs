@@ -155,6 +155,58 @@ impl From<DType> for String {
     }
 }
 
+/// The value of a float8 byte: `float8_e4m3fn` (finite only, NaN = S.1111.111) or
+/// `float8_e5m2` (IEEE-like); `None` for other data types.
+#[must_use]
+pub fn float8_value(dtype: DType, b: u8) -> Option<f64> {
+    let sign = if b & 0x80 == 0 { 1.0 } else { -1.0 };
+    let (e, m, mbits, bias) = match dtype {
+        DType::Float8E4M3FN => {
+            let (e, m) = (i32::from((b >> 3) & 0xF), f64::from(b & 7));
+            if e == 15 && m == 7.0 {
+                return Some(f64::NAN);
+            }
+            (e, m, 8.0, 7)
+        }
+        DType::Float8E5M2 => {
+            let (e, m) = (i32::from((b >> 2) & 0x1F), f64::from(b & 3));
+            if e == 31 {
+                return Some(if m == 0.0 { sign * f64::INFINITY } else { f64::NAN });
+            }
+            (e, m, 4.0, 15)
+        }
+        _ => return None,
+    };
+    Some(if e == 0 { sign * m / mbits * 2f64.powi(1 - bias) } else { sign * (1.0 + m / mbits) * 2f64.powi(e - bias) })
+}
+
+/// The float8 byte for a Zarr `fill_value` given as a number or `"NaN"` / `"Infinity"` /
+/// `"-Infinity"`; `None` when not exactly representable (or not a float8 type).
+#[must_use]
+pub fn float8_bits(dtype: DType, fill: &serde_json::Value) -> Option<u8> {
+    let target = match fill {
+        serde_json::Value::Number(n) => n.as_f64()?,
+        serde_json::Value::String(s) => match s.as_str() {
+            "NaN" => f64::NAN,
+            "Infinity" => f64::INFINITY,
+            "-Infinity" => f64::NEG_INFINITY,
+            _ => return None,
+        },
+        _ => return None,
+    };
+    if target.is_nan() {
+        // The canonical positive NaN.
+        return match dtype {
+            DType::Float8E4M3FN => Some(0x7F),
+            DType::Float8E5M2 => Some(0x7E),
+            _ => None,
+        };
+    }
+    (0..=255u8).find(|&b| {
+        float8_value(dtype, b).is_some_and(|v| v == target && v.is_sign_negative() == target.is_sign_negative())
+    })
+}
+
 /// Rust element types that map to one [`DType`], for typed constructors.
 ///
 /// # Safety

@@ -368,7 +368,7 @@ impl SavePlan {
                     continue;
                 }
                 let n_main: usize = b.main_layouts.iter().map(|&u| g.ranks[u as usize].len()).sum();
-                if n_main > 1 {
+                if n_main > 1 && !region.is_empty() {
                     let ranks = ranks_of(g, &b.main_layouts);
                     return Err(PlanError::Overlap {
                         key: acc.key.clone(),

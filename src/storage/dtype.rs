@@ -46,11 +46,11 @@ impl DataTypeTraits for Float8E4M3FN {
         {
             return Ok(FillValue::from(b));
         }
-        // Only zero is representable without a float8 library; it is all this crate writes.
-        match fill.as_f64() {
-            Some(f) if f == 0.0 => Ok(FillValue::from(if f.is_sign_negative() { 0x80u8 } else { 0u8 })),
-            _ => Err(DataTypeFillValueMetadataError),
-        }
+        // Numbers and "NaN" as tensorstore writes them, when exactly representable.
+        let json = serde_json::to_value(fill).map_err(|_| DataTypeFillValueMetadataError)?;
+        crate::model::dtype::float8_bits(DType::Float8E4M3FN, &json)
+            .map(FillValue::from)
+            .ok_or(DataTypeFillValueMetadataError)
     }
 
     fn metadata_fill_value(&self, fill: &FillValue) -> Result<FillValueMetadata, DataTypeFillValueError> {
