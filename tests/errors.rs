@@ -363,39 +363,34 @@ fn key_collision_unit() {
 }
 
 #[test]
-#[ignore = "bug: check_collisions misses an array/group collision that differs only in case (`A` vs `a/b`)"]
 fn key_collision_case_and_group_prefix() {
     // On a case-insensitive file system `tensors/A/zarr.json` (array) and `tensors/a/zarr.json`
-    // (group of `a/b`) are the same file.
+    // (group of `a/b`) are the same file (regression: this pair used to pass).
+    expect_collision("A", "a/b", "case");
     let k = |s: &str| TensorKey::new(s).unwrap();
     let e = check_collisions(&[k("A"), k("a/b")]);
     assert!(matches!(e, Err(KeyError::Collision { .. })), "{e:?}");
 }
 
 #[test]
-#[ignore = "bug: a key segment `zarr.json` maps onto the group metadata file; save fails late with an I/O error"]
-fn key_segment_zarr_json_is_rejected_or_escaped() {
-    // `tensors/zarr.json` is the `tensors` group's metadata file; a tensor with key `zarr.json`
-    // needs a directory of that name. The key passes validation, the plan succeeds, the
-    // target is prepared (an overwritten checkpoint is already deleted), and only then the
-    // write fails with `Io { op: "create directory" }`.
-    match TensorKey::new("zarr.json") {
-        Err(_) => {}
-        Ok(k) => {
-            assert_ne!(
-                k.node_path(),
-                "zarr.json",
-                "the key must be escaped if accepted"
-            );
-            let tmp = tempfile::tempdir().unwrap();
-            let dir = tmp.path().join("ck");
-            let res = save_ranks(&dir, 1, &SaveOptions::default(), |_| {
-                vec![p("zarr.json", DType::Float32, &[2], &[0], &[2], 0)]
-            });
-            res.into_iter().next().unwrap().unwrap();
-            assert_loads(&dir, "zarr.json", DType::Float32, &[2]);
-        }
+fn key_reserved_segment_zarr_json() {
+    // `tensors/zarr.json` is the `tensors` group's metadata file: a tensor (or group) of that
+    // name would need a directory there. Rejected up front, in any letter case (regression:
+    // it used to pass validation and fail with an I/O error after prepare).
+    for (raw, seg) in [
+        ("zarr.json", "zarr.json"),
+        ("opt/ZARR.JSON", "ZARR.JSON"),
+        ("a/Zarr.Json/b", "Zarr.Json"),
+    ] {
+        let e = TensorKey::new(raw).unwrap_err();
+        assert!(
+            matches!(&e, KeyError::ReservedSegment { key, segment } if key == raw && segment == seg),
+            "{raw}: {e:?}"
+        );
+        has(&e.to_string(), &[raw, "reserved"]);
     }
+    TensorKey::new("zarr.jsonx").unwrap();
+    TensorKey::new("my.zarr.json.bak").unwrap();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -500,6 +495,34 @@ fn sharded_tensor_wrong_buffer_size() {
         "{e:?}"
     );
     has(&e.to_string(), &["`w`", "12", "10", "bfloat16"]);
+}
+
+#[test]
+fn sharded_tensor_invalid_bool_byte() {
+    let data = [0u8, 1, 1, 0xFE, 0];
+    let e = ShardedTensor::new(
+        TensorKey::new("mask").unwrap(),
+        DType::Bool,
+        vec![5],
+        Region::full(&[5]),
+        0,
+        &data,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&e, TensorError::InvalidBool { key, offset: 3, value: 0xFE } if key.as_str() == "mask"),
+        "{e:?}"
+    );
+    has(&e.to_string(), &["`mask`", "byte 3", "0xfe"]);
+    ShardedTensor::new(
+        TensorKey::new("mask").unwrap(),
+        DType::Bool,
+        vec![2],
+        Region::full(&[2]),
+        0,
+        &[0, 1],
+    )
+    .unwrap();
 }
 
 #[test]
@@ -1401,7 +1424,6 @@ fn array_metadata_disagrees_with_index() {
 }
 
 #[test]
-#[ignore = "bug: TensorArray::from_metadata documents that index codecs must be bytes + crc32c but accepts any"]
 fn array_metadata_index_codecs_without_checksum_rejected() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");
@@ -1580,7 +1602,6 @@ fn overwrite_refuses_a_directory_that_is_not_a_checkpoint() {
 }
 
 #[test]
-#[ignore = "bug: overwrite deletes any directory holding a zarr.json (e.g. a plain Zarr store) or a `tensors` folder"]
 fn overwrite_refuses_a_plain_zarr_store_or_tensors_folder() {
     let tmp = tempfile::tempdir().unwrap();
     let opts = SaveOptions {
