@@ -24,7 +24,7 @@ use crate::plan::load::{ShardRead, StoredGeometry};
 /// Most subchunks read by one `preadv`.
 const MAX_BATCH: usize = 256;
 /// Most bytes read by one `preadv`.
-const MAX_BATCH_BYTES: u64 = 32 << 20;
+const MAX_BATCH_BYTES: u64 = 2 << 20;
 
 /// Counts what a load read from storage.
 #[derive(Debug, Default)]

@@ -63,11 +63,6 @@ impl Held {
             })
             .collect()
     }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> u64 {
-        self.pieces.iter().map(|p| p.3.len() as u64).sum()
-    }
 }
 
 /// One rank's load buffers.
@@ -113,10 +108,5 @@ impl Wanted {
             }
         }
         Ok(())
-    }
-
-    /// Bytes wanted.
-    pub fn bytes(&self) -> u64 {
-        self.pieces.iter().map(|p| p.2.len() as u64).sum()
     }
 }
