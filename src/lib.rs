@@ -30,3 +30,8 @@ pub use load::{LoadOptions, LoadReport, StrictMode, load};
 pub use model::{DType, LoadTarget, Region, ShardedTensor, TensorKey};
 pub use save::{SaveOptions, SaveReport, save};
 pub use storage::Compression;
+
+/// The README's examples, compiled as doc tests so they cannot rot.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
