@@ -291,13 +291,13 @@ pub fn launch(
         if let Some(out) = child.stdout.take() {
             let sink = opts.stdout.clone();
             forwarders.push(std::thread::spawn(move || {
-                output::forward(rank, out, &sink)
+                output::forward(rank, out, &sink);
             }));
         }
         if let Some(err) = child.stderr.take() {
             let sink = opts.stderr.clone();
             forwarders.push(std::thread::spawn(move || {
-                output::forward(rank, err, &sink)
+                output::forward(rank, err, &sink);
             }));
         }
         children.push(child);

@@ -451,3 +451,50 @@ fn rendezvous_failures_are_clear() {
     assert!(matches!(e, CommError::Timeout { peer: Some(0), .. }), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(3));
 }
+
+/// Exchange partners that are not tree neighbours get a link on first use; if the partner is
+/// gone by then, the error names it (connecting: refused at once; accepting: within the
+/// timeout).
+#[test]
+fn exchange_with_a_vanished_partner_names_it() {
+    let timeout = Duration::from_secs(1);
+    for gone in [0, 3] {
+        let out = run_tcp(4, timeout, |c| {
+            c.barrier().unwrap();
+            let me = c.rank();
+            if me == gone {
+                drop(c);
+                return None;
+            }
+            thread::sleep(Duration::from_millis(100));
+            let t = Instant::now();
+            let mut buf = [0u8; 3];
+            let r = match (me, gone) {
+                (3, 0) => c.exchange(
+                    &[],
+                    &mut [RecvBuf {
+                        peer: 0,
+                        buf: &mut buf,
+                    }],
+                ),
+                (0, 3) => c.exchange(
+                    &[SendBuf {
+                        peer: 3,
+                        data: b"abc",
+                    }],
+                    &mut [],
+                ),
+                _ => return None,
+            };
+            Some((r, t.elapsed()))
+        });
+        let (r, took) = out.into_iter().flatten().next().unwrap();
+        let e = r.unwrap_err();
+        match e {
+            CommError::PeerLost { peer, .. } => assert_eq!(peer, gone),
+            CommError::Timeout { peer, .. } => assert_eq!(peer, Some(gone)),
+            other => panic!("{other}"),
+        }
+        assert!(took < Duration::from_millis(2500), "{took:?}");
+    }
+}

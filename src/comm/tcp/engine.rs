@@ -192,8 +192,6 @@ fn drive(
             ));
         }
     }
-    let hb_every = ctx.hb_every();
-    let first_hb = ctx.started + hb_every / 2;
     let others: Vec<usize> = links
         .keys()
         .copied()
@@ -234,93 +232,17 @@ fn drive(
             if std::mem::take(r)
                 && let Some(link) = links.get_mut(p)
             {
-                watch(link, me)?;
+                link.watch(me)?;
             }
         }
         if work.iter().all(|w| !w.busy()) {
             return Ok(());
         }
-        // Deadlines.
-        let mut wake = now + MAX_POLL;
-        for w in work.iter().filter(|w| w.busy()) {
-            let deadline = w.last_progress + ctx.timeout;
-            if now >= deadline {
-                let detail = format!(
-                    "{}: no progress from rank {} for {:?}",
-                    ctx.describe(),
-                    w.peer,
-                    ctx.timeout
-                );
-                return Err(Failure::timeout(me, Some(w.peer), ctx.timeout, detail));
-            }
-            wake = wake.min(deadline);
-        }
-        let cap = ctx.last_data + 2 * ctx.timeout;
-        if now >= cap {
-            let peer = work
-                .iter()
-                .find(|w| !w.inq.is_empty())
-                .or_else(|| work.iter().find(|w| w.busy()))
-                .map(|w| w.peer);
-            let detail = format!(
-                "{}: peers alive but nothing arrived for {:?}",
-                ctx.describe(),
-                2 * ctx.timeout
-            );
-            return Err(Failure::timeout(me, peer, ctx.timeout, detail));
-        }
-        wake = wake.min(cap);
-        // Heartbeats to involved peers, between data frames only.
+        let mut wake = deadlines(ctx, work, now)?;
         if ctx.heartbeats {
-            for w in work.iter().filter(|w| w.involved) {
-                let due = ctx.hb_next.entry(w.peer).or_insert(first_hb);
-                if *due <= now {
-                    *due = now + hb_every;
-                    let link = links
-                        .get_mut(&w.peer)
-                        .ok_or_else(|| Failure::transport(me, "link vanished"))?;
-                    if !link.has_ctrl() && w.out.front().is_none_or(|f| f.done == 0) {
-                        let h = Header {
-                            kind: Kind::Heartbeat,
-                            op: ctx.op,
-                            seq: ctx.seq,
-                            arg: ctx.arg,
-                            len: 0,
-                        };
-                        link.queue_control(h, &[]);
-                    }
-                }
-                wake = wake.min(*due);
-            }
+            wake = wake.min(heartbeats(links, ctx, work, now)?);
         }
-        // Wait.
-        fds.clear();
-        for w in work.iter() {
-            let link = &links[&w.peer];
-            let want_in = link.closed.is_none() && (link.pending.is_none() || !w.inq.is_empty());
-            let want_out = !w.out.is_empty() || link.has_ctrl();
-            let mut events = 0;
-            if want_in {
-                events |= libc::POLLIN;
-            }
-            if want_out {
-                events |= libc::POLLOUT;
-            }
-            fds.push(libc::pollfd {
-                fd: if events == 0 { -1 } else { link.fd() },
-                events,
-                revents: 0,
-            });
-        }
-        for p in &others {
-            let link = &links[p];
-            let idle = link.closed.is_some() || link.pending.is_some();
-            fds.push(libc::pollfd {
-                fd: if idle { -1 } else { link.fd() },
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
+        poll_set(&mut fds, links, work, &others);
         let wait = wake.saturating_duration_since(Instant::now());
         poll(&mut fds, wait).map_err(|e| Failure::transport(me, format!("poll failed: {e}")))?;
         let bad = libc::POLLERR | libc::POLLHUP;
@@ -333,6 +255,114 @@ fn drive(
         for (r, f) in other_ready.iter_mut().zip(&fds[work.len()..]) {
             *r = f.revents != 0;
         }
+    }
+}
+
+/// Fails on a link that made no progress for the timeout, or an operation that moved no data
+/// for twice the timeout (heartbeats alone do not keep it alive forever). Returns when to
+/// check again.
+fn deadlines(ctx: &OpCtx, work: &[Work<'_>], now: Instant) -> Result<Instant, Failure> {
+    let mut wake = now + MAX_POLL;
+    for w in work.iter().filter(|w| w.busy()) {
+        let deadline = w.last_progress + ctx.timeout;
+        if now >= deadline {
+            let detail = format!(
+                "{}: no progress from rank {} for {:?}",
+                ctx.describe(),
+                w.peer,
+                ctx.timeout
+            );
+            return Err(Failure::timeout(ctx.me, Some(w.peer), ctx.timeout, detail));
+        }
+        wake = wake.min(deadline);
+    }
+    let cap = ctx.last_data + 2 * ctx.timeout;
+    if now >= cap {
+        let peer = work
+            .iter()
+            .find(|w| !w.inq.is_empty())
+            .or_else(|| work.iter().find(|w| w.busy()))
+            .map(|w| w.peer);
+        let detail = format!(
+            "{}: peers alive but nothing arrived for {:?}",
+            ctx.describe(),
+            2 * ctx.timeout
+        );
+        return Err(Failure::timeout(ctx.me, peer, ctx.timeout, detail));
+    }
+    Ok(wake.min(cap))
+}
+
+/// Queues heartbeats that are due to involved peers, between data frames only. Returns when
+/// the next one is due.
+fn heartbeats(
+    links: &mut HashMap<usize, Link>,
+    ctx: &mut OpCtx,
+    work: &[Work<'_>],
+    now: Instant,
+) -> Result<Instant, Failure> {
+    let every = ctx.hb_every();
+    let first = ctx.started + every / 2;
+    let mut wake = now + every;
+    for w in work.iter().filter(|w| w.involved) {
+        let due = ctx.hb_next.entry(w.peer).or_insert(first);
+        if *due <= now {
+            *due = now + every;
+            let link = links
+                .get_mut(&w.peer)
+                .ok_or_else(|| Failure::transport(ctx.me, "link vanished"))?;
+            if !link.has_ctrl() && w.out.front().is_none_or(|f| f.done == 0) {
+                let h = Header {
+                    kind: Kind::Heartbeat,
+                    op: ctx.op,
+                    seq: ctx.seq,
+                    arg: ctx.arg,
+                    len: 0,
+                };
+                link.queue_control(h, &[]);
+            }
+        }
+        wake = wake.min(*due);
+    }
+    Ok(wake)
+}
+
+/// The descriptors to wait on: the step's links for what they await, the other links for
+/// abort notices; links with nothing to wait for are left out (fd -1).
+fn poll_set(
+    fds: &mut Vec<libc::pollfd>,
+    links: &HashMap<usize, Link>,
+    work: &[Work<'_>],
+    others: &[usize],
+) {
+    fds.clear();
+    for w in work {
+        let link = &links[&w.peer];
+        let want_in = link.closed.is_none() && (link.pending.is_none() || !w.inq.is_empty());
+        let want_out = !w.out.is_empty() || link.has_ctrl();
+        let mut events = 0;
+        if want_in {
+            events |= libc::POLLIN;
+        }
+        if want_out {
+            events |= libc::POLLOUT;
+        }
+        let fd = if events == 0 { -1 } else { link.fd() };
+        fds.push(libc::pollfd {
+            fd,
+            events,
+            revents: 0,
+        });
+    }
+    for p in others {
+        let link = &links[p];
+        let idle = link.closed.is_some() || link.pending.is_some();
+        let fd = if idle { -1 } else { link.fd() };
+        fds.push(libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        });
     }
 }
 
@@ -447,16 +477,5 @@ fn receive(
         w.last_progress = now;
         ctx.last_data = now;
         w.inq.pop_front();
-    }
-}
-
-/// Reads control frames from a link this step does not use, to learn of aborts quickly.
-fn watch(link: &mut Link, me: usize) -> Result<(), Failure> {
-    loop {
-        match link.next_event().map_err(|e| Failure::transport(me, e))? {
-            Event::Abort(f) => return Err(f),
-            Event::Heartbeat(_) => {}
-            Event::Data(_) | Event::Closed | Event::WouldBlock => return Ok(()),
-        }
     }
 }

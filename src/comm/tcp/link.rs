@@ -185,6 +185,21 @@ impl Link {
         Ok(ev)
     }
 
+    /// Reads control frames without blocking, to learn of aborts on a link the current step
+    /// does not use; stops at a data frame.
+    ///
+    /// # Errors
+    /// The abort notice received, or a malformed frame.
+    pub(crate) fn watch(&mut self, me: usize) -> Result<(), Failure> {
+        loop {
+            match self.next_event().map_err(|e| Failure::transport(me, e))? {
+                Event::Abort(f) => return Err(f),
+                Event::Heartbeat(_) => {}
+                Event::Data(_) | Event::Closed | Event::WouldBlock => return Ok(()),
+            }
+        }
+    }
+
     /// Reads payload bytes of the pending frame into `dst` without blocking.
     pub(crate) fn read_payload(&mut self, dst: &mut [u8]) -> Got {
         if dst.is_empty() {

@@ -409,13 +409,29 @@ pub(super) fn ensure_links(
             let detail = format!("rank {p} never connected to this rank within {timeout:?}");
             return Err(Failure::timeout(me, Some(p), timeout, detail));
         }
-        let mut fds = [libc::pollfd {
-            fd: listener.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        }];
+        // Also watch the existing links: an abort notice ends the wait early.
+        let watched: Vec<usize> = links
+            .iter()
+            .filter(|(_, l)| l.closed.is_none() && l.pending.is_none())
+            .map(|(&q, _)| q)
+            .collect();
+        let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
+            .chain(watched.iter().map(|q| links[q].fd()))
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
         poll(&mut fds, wait.min(Duration::from_millis(500)))
             .map_err(|e| Failure::transport(me, format!("poll: {e}")))?;
+        for (q, f) in watched.iter().zip(&fds[1..]) {
+            if f.revents != 0
+                && let Some(l) = links.get_mut(q)
+            {
+                l.watch(me)?;
+            }
+        }
         let (mut s, from) = match listener.accept() {
             Ok(c) => c,
             Err(e)
