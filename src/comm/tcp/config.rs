@@ -19,7 +19,7 @@ pub struct TcpConfig {
     pub local_rank: Option<usize>,
     /// Host name or address of rank 0.
     pub master_addr: String,
-    /// Port rank 0 listens on for the rendezvous; 0 lets [`TcpMaster::bind`] pick one.
+    /// Port rank 0 listens on for the rendezvous; 0 lets [`TcpMaster::bind`](super::TcpMaster::bind) pick one.
     pub master_port: u16,
     /// Bound on every wait, and on the whole rendezvous.
     pub timeout: Duration,
