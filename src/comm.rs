@@ -6,10 +6,12 @@
 //! timeout; nothing waits forever.
 
 pub mod local;
+pub mod tcp;
 
 use std::time::Duration;
 
 pub use local::{LocalComm, run_local};
+pub use tcp::{TcpComm, TcpConfig, TcpMaster};
 
 /// The default bound on any single wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);

@@ -16,6 +16,7 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod error;
+pub mod launch;
 pub mod load;
 pub mod model;
 pub mod plan;

@@ -1,0 +1,682 @@
+//! Ranks as processes on one or many hosts, talking TCP: [`TcpComm`].
+//!
+//! Configured like `torchrun` ([`TcpComm::from_env`] reads `RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, `ZARRCKPT_TIMEOUT_S`) or explicitly
+//! ([`TcpComm::connect`] with a [`TcpConfig`]; [`TcpMaster`] when rank 0 must pick its port
+//! itself).
+//!
+//! # Protocol
+//! - Rendezvous: rank 0 listens on the master address; every rank opens a listener of its own
+//!   and registers its address (as seen from the socket it reached the master with); rank 0
+//!   answers with the table of all addresses and a session token.
+//! - Links: the lower rank of a pair connects to the higher one and introduces itself, so
+//!   simultaneous connects cannot race. Links to tree neighbours open at setup; links for
+//!   [`Communicator::exchange`] open the first time a pair exchanges data.
+//! - Collectives run over a binary tree rooted at rank 0 (parent of `r` is `(r - 1) / 2`):
+//!   contributions travel up, results travel down, so each rank holds at most three links for
+//!   them whatever the world size. A broadcast from another root first travels up the tree
+//!   path from the root to rank 0.
+//! - Every message has a 32-byte header (kind, operation, sequence number, argument, length),
+//!   checked on arrival: a different operation, sequence or size is a [`CommError::Mismatch`],
+//!   and a payload never lands outside the caller's buffer.
+//! - Liveness: every wait is bounded. A link with work pending that moves nothing for the
+//!   timeout is a [`CommError::Timeout`] naming the peer; during collectives ranks send
+//!   heartbeats to their tree neighbours, so only the neighbours of a silent rank time out and
+//!   they name it. A closed connection is a [`CommError::PeerLost`] naming the peer.
+//! - Failure: the first error poisons the communicator. It sends an abort notice (kind of
+//!   failure, culprit, detail) to every peer it is linked to and shuts its sockets, so the
+//!   notice spreads through the tree and every rank fails fast with an error naming the same
+//!   culprit. Later calls return the first error at once. Dropping a communicator says goodbye
+//!   to its peers and closes its sockets.
+
+mod config;
+mod engine;
+mod frame;
+mod link;
+mod setup;
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use super::{CommError, Communicator, RecvBuf, SendBuf};
+pub use config::TcpConfig;
+use engine::{OpCtx, Step, Target};
+use frame::{Failure, Header, Kind, Op};
+use link::Link;
+use setup::Table;
+
+/// Largest contribution accepted in a collective, as a guard against absurd allocations.
+const MAX_COLLECTIVE_BYTES: u64 = 1 << 40;
+
+/// Rank 0's rendezvous listener, bound but not yet serving: lets a program learn the port
+/// (when it asked for port 0) before the other ranks are told where to connect.
+#[derive(Debug)]
+pub struct TcpMaster {
+    cfg: TcpConfig,
+    master: TcpListener,
+    peers: TcpListener,
+}
+
+impl TcpMaster {
+    /// Binds the rendezvous listener on `cfg.master_port` (0: any free port) and rank 0's
+    /// peer listener.
+    ///
+    /// # Errors
+    /// [`CommError::Transport`] if `cfg.rank` is not 0, the configuration is invalid, the
+    /// master address does not resolve, or binding fails (port in use, ...).
+    pub fn bind(cfg: TcpConfig) -> Result<TcpMaster, CommError> {
+        cfg.check("bind")?;
+        let err = |detail: String| CommError::Transport {
+            op: "bind",
+            rank: cfg.rank,
+            detail,
+        };
+        if cfg.rank != 0 {
+            return Err(err(format!(
+                "only rank 0 binds the master port; this is rank {}",
+                cfg.rank
+            )));
+        }
+        let ip = match cfg.bind_addr {
+            Some(ip) => ip,
+            None => {
+                let first = (cfg.master_addr.as_str(), cfg.master_port)
+                    .to_socket_addrs()
+                    .map_err(|e| {
+                        err(format!(
+                            "cannot resolve MASTER_ADDR {:?}: {e}",
+                            cfg.master_addr
+                        ))
+                    })?
+                    .next()
+                    .ok_or_else(|| {
+                        err(format!(
+                            "MASTER_ADDR {:?} resolves to nothing",
+                            cfg.master_addr
+                        ))
+                    })?;
+                setup::unspecified(first.ip())
+            }
+        };
+        let master = setup::bind_listener(ip, cfg.master_port).map_err(|e| {
+            err(format!(
+                "cannot listen on {ip} port {}: {e}",
+                cfg.master_port
+            ))
+        })?;
+        let peers = setup::bind_listener(ip, 0)
+            .map_err(|e| err(format!("cannot open a listener for peers: {e}")))?;
+        Ok(TcpMaster { cfg, master, peers })
+    }
+
+    /// The bound rendezvous address.
+    ///
+    /// # Errors
+    /// [`CommError::Transport`] if the socket cannot say (should not happen).
+    pub fn local_addr(&self) -> Result<SocketAddr, CommError> {
+        self.master.local_addr().map_err(|e| CommError::Transport {
+            op: "bind",
+            rank: 0,
+            detail: e.to_string(),
+        })
+    }
+
+    /// The bound rendezvous port, to hand to the other ranks as their `master_port`.
+    ///
+    /// # Errors
+    /// As [`TcpMaster::local_addr`].
+    pub fn port(&self) -> Result<u16, CommError> {
+        self.local_addr().map(|a| a.port())
+    }
+
+    /// Waits until every other rank has registered, then completes the setup like
+    /// [`TcpComm::connect`].
+    ///
+    /// # Errors
+    /// [`CommError::Timeout`] naming the first rank that never registered; otherwise as
+    /// [`TcpComm::connect`].
+    pub fn accept(self) -> Result<TcpComm, CommError> {
+        let own = self.peers.local_addr().map_err(|e| CommError::Transport {
+            op: "connect",
+            rank: 0,
+            detail: e.to_string(),
+        })?;
+        let table = setup::serve_rendezvous(
+            &self.master,
+            self.cfg.world_size,
+            own.port(),
+            self.cfg.timeout,
+        )
+        .map_err(|f| f.to_error("rendezvous", 0))?;
+        drop(self.master);
+        TcpComm::finish(&self.cfg, table, self.peers)
+    }
+}
+
+/// What a [`TcpComm`] owns behind its lock.
+struct Inner {
+    table: Table,
+    listener: Option<TcpListener>,
+    links: HashMap<usize, Link>,
+    seq: u64,
+    poison: Option<CommError>,
+}
+
+impl Inner {
+    /// Remembers the first error and tells every linked peer, then stops listening.
+    fn poison(&mut self, failure: &Failure, error: CommError) {
+        if self.poison.is_some() {
+            return;
+        }
+        self.poison = Some(error);
+        let notice = failure.encode();
+        let h = Header::control(Kind::Abort, 0, notice.len());
+        for link in self.links.values_mut() {
+            link.say_last_words(h, &notice);
+        }
+        self.listener = None;
+    }
+}
+
+/// One rank's handle on a group of processes connected by TCP. See the [module
+/// docs](self) for the protocol.
+pub struct TcpComm {
+    rank: usize,
+    world: usize,
+    local_rank: Option<usize>,
+    timeout: Duration,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for TcpComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpComm")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TcpComm {
+    /// Joins the group described by the `torchrun` environment variables (see
+    /// [`TcpConfig::from_env`]).
+    ///
+    /// # Errors
+    /// [`CommError::Transport`] naming a missing or invalid variable; otherwise as
+    /// [`TcpComm::connect`].
+    pub fn from_env() -> Result<TcpComm, CommError> {
+        Self::connect(TcpConfig::from_env()?)
+    }
+
+    /// Joins the group: rank 0 binds `master_port` and serves the rendezvous, the others
+    /// connect to it (retrying until the timeout, so they may start first). Returns once
+    /// every rank has joined and links to tree neighbours are up.
+    ///
+    /// # Errors
+    /// [`CommError::Timeout`] if the master or some rank does not show up in time (naming it);
+    /// [`CommError::Transport`] for an invalid configuration, a refused registration
+    /// (world size disagreement, duplicate rank) or a socket error;
+    /// [`CommError::PeerLost`] if a rank goes away during setup.
+    pub fn connect(cfg: TcpConfig) -> Result<TcpComm, CommError> {
+        cfg.check("connect")?;
+        if cfg.world_size == 1 {
+            let table = Table {
+                addrs: Vec::new(),
+                session: 0,
+            };
+            return Ok(Self::new(&cfg, table, None));
+        }
+        if cfg.rank == 0 {
+            return TcpMaster::bind(cfg)?.accept();
+        }
+        let (table, listener) = setup::join_rendezvous(
+            cfg.rank,
+            cfg.world_size,
+            &cfg.master_addr,
+            cfg.master_port,
+            cfg.bind_addr,
+            cfg.timeout,
+        )
+        .map_err(|f| f.to_error("rendezvous", cfg.rank))?;
+        Self::finish(&cfg, table, listener)
+    }
+
+    fn new(cfg: &TcpConfig, table: Table, listener: Option<TcpListener>) -> TcpComm {
+        TcpComm {
+            rank: cfg.rank,
+            world: cfg.world_size,
+            local_rank: cfg.local_rank,
+            timeout: cfg.timeout,
+            inner: Mutex::new(Inner {
+                table,
+                listener,
+                links: HashMap::new(),
+                seq: 0,
+                poison: None,
+            }),
+        }
+    }
+
+    /// Opens the tree links and checks that everyone got there with a barrier.
+    fn finish(cfg: &TcpConfig, table: Table, listener: TcpListener) -> Result<TcpComm, CommError> {
+        let comm = Self::new(cfg, table, Some(listener));
+        comm.run(Op::Barrier, 0, |c, inner, ctx| {
+            c.links_to(inner, &c.neighbours())?;
+            c.up_down(inner, ctx, Vec::new(), false).map(|_| ())
+        })
+        .map_err(|e| match e {
+            CommError::Timeout {
+                rank, peer, after, ..
+            } => CommError::Timeout {
+                op: "connect",
+                rank,
+                peer,
+                after,
+            },
+            CommError::PeerLost {
+                rank, peer, detail, ..
+            } => CommError::PeerLost {
+                op: "connect",
+                rank,
+                peer,
+                detail,
+            },
+            other => other,
+        })?;
+        Ok(comm)
+    }
+
+    /// This rank within its host, when the configuration said.
+    #[must_use]
+    pub fn local_rank(&self) -> Option<usize> {
+        self.local_rank
+    }
+
+    /// The bound on every wait.
+    #[must_use]
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn parent(&self) -> Option<usize> {
+        (self.rank > 0).then(|| (self.rank - 1) / 2)
+    }
+
+    fn children(&self) -> Vec<usize> {
+        [2 * self.rank + 1, 2 * self.rank + 2]
+            .into_iter()
+            .filter(|&c| c < self.world)
+            .collect()
+    }
+
+    fn neighbours(&self) -> Vec<usize> {
+        self.parent().into_iter().chain(self.children()).collect()
+    }
+
+    /// Runs one operation under the lock: numbers it, and poisons the communicator if it fails.
+    fn run<T>(
+        &self,
+        op: Op,
+        arg: u64,
+        f: impl FnOnce(&Self, &mut Inner, &mut OpCtx) -> Result<T, Failure>,
+    ) -> Result<T, CommError> {
+        let mut inner = self.lock();
+        if let Some(e) = &inner.poison {
+            return Err(e.clone());
+        }
+        let seq = inner.seq;
+        inner.seq += 1;
+        let mut ctx = OpCtx::new(self.rank, op, seq, arg, self.timeout, op != Op::Exchange);
+        f(self, &mut inner, &mut ctx).map_err(|failure| {
+            let e = failure.to_error(op.name(), self.rank);
+            tracing::debug!("rank {}: {e}", self.rank);
+            inner.poison(&failure, e.clone());
+            e
+        })
+    }
+
+    fn links_to(&self, inner: &mut Inner, peers: &[usize]) -> Result<(), Failure> {
+        let Inner {
+            table,
+            listener,
+            links,
+            ..
+        } = inner;
+        setup::ensure_links(
+            self.rank,
+            self.world,
+            table,
+            listener.as_ref(),
+            links,
+            peers,
+            self.timeout,
+        )
+    }
+
+    /// Sends `mine` (plus, when `concat`, the children's contributions) up the tree and returns
+    /// what comes back down from rank 0: the concatenation of everything, or rank 0's value.
+    fn up_down(
+        &self,
+        inner: &mut Inner,
+        ctx: &mut OpCtx,
+        mine: Vec<u8>,
+        concat: bool,
+    ) -> Result<Vec<u8>, Failure> {
+        let parent = self.parent();
+        let children = self.children();
+        let all = self.neighbours();
+        let alloc = || Target::Alloc {
+            buf: Vec::new(),
+            max: MAX_COLLECTIVE_BYTES,
+        };
+        let mut up = mine;
+        if !children.is_empty() {
+            let recvs = children.iter().map(|&c| (c, alloc())).collect();
+            let got = engine::run(
+                &mut inner.links,
+                ctx,
+                Step {
+                    sends: Vec::new(),
+                    recvs,
+                    involved: all.clone(),
+                },
+            )?;
+            if concat {
+                for t in got {
+                    if let Target::Alloc { buf, .. } = t {
+                        up.extend_from_slice(&buf);
+                    }
+                }
+            }
+        }
+        let down = match parent {
+            Some(p) => {
+                let step = Step {
+                    sends: vec![(p, &up[..])],
+                    recvs: vec![(p, alloc())],
+                    involved: all,
+                };
+                match engine::run(&mut inner.links, ctx, step)?.pop() {
+                    Some(Target::Alloc { buf, .. }) => buf,
+                    _ => Vec::new(),
+                }
+            }
+            None => up,
+        };
+        if !children.is_empty() {
+            let sends = children.iter().map(|&c| (c, &down[..])).collect();
+            engine::run(
+                &mut inner.links,
+                ctx,
+                Step {
+                    sends,
+                    recvs: Vec::new(),
+                    involved: Vec::new(),
+                },
+            )?;
+        }
+        Ok(down)
+    }
+
+    /// Whether `r` is `root` or one of its ancestors in the tree.
+    fn on_path(r: usize, root: usize) -> bool {
+        let mut x = root;
+        loop {
+            if x == r {
+                return true;
+            }
+            if x == 0 || x < r {
+                return false;
+            }
+            x = (x - 1) / 2;
+        }
+    }
+
+    fn broadcast_tree(
+        &self,
+        inner: &mut Inner,
+        ctx: &mut OpCtx,
+        root: usize,
+        data: &[u8],
+    ) -> Result<Vec<u8>, Failure> {
+        let me = self.rank;
+        let all = self.neighbours();
+        let alloc = || Target::Alloc {
+            buf: Vec::new(),
+            max: MAX_COLLECTIVE_BYTES,
+        };
+        let take = |mut got: Vec<Target<'_>>| match got.pop() {
+            Some(Target::Alloc { buf, .. }) => buf,
+            _ => Vec::new(),
+        };
+        let mut sends_to: Vec<usize> = Vec::new();
+        let value = if Self::on_path(me, root) {
+            // Up the path from the root to rank 0, then down everywhere else.
+            let value = if me == root {
+                data.to_vec()
+            } else {
+                let from = self
+                    .children()
+                    .into_iter()
+                    .find(|&c| Self::on_path(c, root))
+                    .unwrap_or(root);
+                let step = Step {
+                    sends: Vec::new(),
+                    recvs: vec![(from, alloc())],
+                    involved: all,
+                };
+                take(engine::run(&mut inner.links, ctx, step)?)
+            };
+            sends_to.extend(self.parent());
+            sends_to.extend(
+                self.children()
+                    .into_iter()
+                    .filter(|&c| !Self::on_path(c, root)),
+            );
+            value
+        } else {
+            let parent = self.parent().unwrap_or(0);
+            let step = Step {
+                sends: Vec::new(),
+                recvs: vec![(parent, alloc())],
+                involved: all,
+            };
+            let value = take(engine::run(&mut inner.links, ctx, step)?);
+            sends_to.extend(self.children());
+            value
+        };
+        if !sends_to.is_empty() {
+            let sends = sends_to.iter().map(|&p| (p, &value[..])).collect();
+            engine::run(
+                &mut inner.links,
+                ctx,
+                Step {
+                    sends,
+                    recvs: Vec::new(),
+                    involved: Vec::new(),
+                },
+            )?;
+        }
+        Ok(value)
+    }
+
+    fn exchange_inner(
+        &self,
+        inner: &mut Inner,
+        ctx: &mut OpCtx,
+        sends: &[SendBuf<'_>],
+        recvs: &mut [RecvBuf<'_>],
+    ) -> Result<(), Failure> {
+        let me = self.rank;
+        if let Some(p) = sends
+            .iter()
+            .map(|s| s.peer)
+            .chain(recvs.iter().map(|r| r.peer))
+            .find(|&p| p >= self.world)
+        {
+            return Err(Failure::mismatch(
+                me,
+                format!("peer {p} out of range for world size {}", self.world),
+            ));
+        }
+        // Messages to self are copied in order.
+        let mut own = sends.iter().filter(|s| s.peer == me);
+        for (i, r) in recvs.iter_mut().filter(|r| r.peer == me).enumerate() {
+            let s = own.next().ok_or_else(|| {
+                Failure::mismatch(me, format!("receive {i} from itself has no matching send"))
+            })?;
+            if s.data.len() != r.buf.len() {
+                let detail = format!(
+                    "message {i} to itself has {} bytes, its receive expects {}",
+                    s.data.len(),
+                    r.buf.len()
+                );
+                return Err(Failure::mismatch(me, detail));
+            }
+            r.buf.copy_from_slice(s.data);
+        }
+        if own.next().is_some() {
+            return Err(Failure::mismatch(
+                me,
+                "more sends to itself than receives from itself",
+            ));
+        }
+        let mut peers: Vec<usize> = sends
+            .iter()
+            .map(|s| s.peer)
+            .chain(recvs.iter().map(|r| r.peer))
+            .filter(|&p| p != me)
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        if peers.is_empty() {
+            return Ok(());
+        }
+        self.links_to(inner, &peers)?;
+        let step = Step {
+            sends: sends
+                .iter()
+                .filter(|s| s.peer != me)
+                .map(|s| (s.peer, s.data))
+                .collect(),
+            recvs: recvs
+                .iter_mut()
+                .filter(|r| r.peer != me)
+                .map(|r| (r.peer, Target::Into(&mut *r.buf)))
+                .collect(),
+            involved: Vec::new(),
+        };
+        engine::run(&mut inner.links, ctx, step).map(|_| ())
+    }
+}
+
+impl Drop for TcpComm {
+    fn drop(&mut self) {
+        let inner = self
+            .inner
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        inner.listener = None;
+        let poisoned = inner.poison.is_some();
+        for link in inner.links.values_mut() {
+            if !poisoned {
+                link.say_last_words(Header::control(Kind::Bye, 0, 0), &[]);
+            }
+            link.drain();
+        }
+    }
+}
+
+impl Communicator for TcpComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        self.run(Op::AllGather, 0, |c, inner, ctx| {
+            let mut mine = Vec::with_capacity(data.len() + 16);
+            frame::pack_part(&mut mine, c.rank, data);
+            let all = c.up_down(inner, ctx, mine, true)?;
+            frame::unpack_all(&all, c.world).map_err(|e| Failure::mismatch(c.rank, e))
+        })
+    }
+
+    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
+        self.run(Op::Broadcast, root as u64, |c, inner, ctx| {
+            if root >= c.world {
+                return Err(Failure::mismatch(
+                    c.rank,
+                    format!("root {root} out of range for world size {}", c.world),
+                ));
+            }
+            c.broadcast_tree(inner, ctx, root, data)
+        })
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.run(Op::Barrier, 0, |c, inner, ctx| {
+            c.up_down(inner, ctx, Vec::new(), false).map(|_| ())
+        })
+    }
+
+    fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {
+        self.run(Op::Exchange, 0, |c, inner, ctx| {
+            c.exchange_inner(inner, ctx, sends, recvs)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tree_paths() {
+        assert!(TcpComm::on_path(0, 5));
+        assert!(TcpComm::on_path(2, 5));
+        assert!(TcpComm::on_path(5, 5));
+        assert!(!TcpComm::on_path(1, 5));
+        assert!(!TcpComm::on_path(6, 5));
+        assert!(TcpComm::on_path(0, 0));
+        assert!(!TcpComm::on_path(3, 0));
+    }
+
+    #[test]
+    fn single_rank_needs_no_network() {
+        let c = TcpComm::connect(TcpConfig::new(0, 1, "invalid.invalid", 1)).unwrap();
+        assert_eq!(c.all_gather(b"x").unwrap(), vec![b"x".to_vec()]);
+        assert_eq!(c.broadcast(0, b"y").unwrap(), b"y");
+        c.barrier().unwrap();
+        let mut out = [0u8; 2];
+        c.exchange(
+            &[SendBuf {
+                peer: 0,
+                data: b"ab",
+            }],
+            &mut [RecvBuf {
+                peer: 0,
+                buf: &mut out,
+            }],
+        )
+        .unwrap();
+        assert_eq!(&out, b"ab");
+        assert!(matches!(
+            c.broadcast(1, b""),
+            Err(CommError::Mismatch { .. })
+        ));
+        assert!(c.barrier().is_err(), "poisoned after a failure");
+    }
+}

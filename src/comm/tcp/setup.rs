@@ -1,0 +1,473 @@
+//! Getting connected: the rendezvous at rank 0 (every rank registers the address of its own
+//! listener and receives the full table) and the handshakes that open peer links, the lower
+//! rank always connecting to the higher one.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use super::frame::{Cursor, Failure, HEADER_LEN, Header, Kind, MAX_CONTROL_LEN, put_blob};
+use super::link::{Link, poll};
+
+/// Largest address table accepted at rendezvous.
+const MAX_TABLE_LEN: u64 = 256 << 20;
+/// Backlog of every listener: many ranks may connect at once.
+const BACKLOG: libc::c_int = 4096;
+/// Longest wait for the handshake of one accepted connection.
+const HELLO_WAIT: Duration = Duration::from_secs(5);
+
+/// What the rendezvous yields: every rank's listening address and the job's session token.
+pub(super) struct Table {
+    pub addrs: Vec<SocketAddr>,
+    pub session: u64,
+}
+
+/// The unspecified address of the family of `like`.
+pub(super) fn unspecified(like: IpAddr) -> IpAddr {
+    match like {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
+/// Binds a listener with a backlog large enough for hundreds of simultaneous connects.
+pub(super) fn bind_listener(ip: IpAddr, port: u16) -> io::Result<TcpListener> {
+    let l = TcpListener::bind((ip, port))?;
+    // SAFETY: re-listening on a listening socket only changes its backlog.
+    unsafe { libc::listen(l.as_raw_fd(), BACKLOG) };
+    Ok(l)
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+/// A positive wait for blocking socket calls (zero would mean "forever").
+fn positive(d: Duration) -> Duration {
+    d.max(Duration::from_millis(1))
+}
+
+fn write_frame(s: &mut TcpStream, h: Header, payload: &[u8], deadline: Instant) -> io::Result<()> {
+    s.set_write_timeout(Some(positive(remaining(deadline))))?;
+    let mut buf = h.encode().to_vec();
+    buf.extend_from_slice(payload);
+    s.write_all(&buf)
+}
+
+/// Reads one frame with a blocking socket, refusing payloads over `max`.
+fn read_frame(s: &mut TcpStream, max: u64, deadline: Instant) -> io::Result<(Header, Vec<u8>)> {
+    s.set_read_timeout(Some(positive(remaining(deadline))))?;
+    let mut raw = [0u8; HEADER_LEN];
+    s.read_exact(&mut raw)?;
+    let h = Header::decode(&raw).map_err(io::Error::other)?;
+    if h.len > max {
+        return Err(io::Error::other(format!(
+            "{:?} frame of {} bytes exceeds {max}",
+            h.kind, h.len
+        )));
+    }
+    let mut payload = vec![0u8; usize::try_from(h.len).map_err(io::Error::other)?];
+    s.read_exact(&mut payload)?;
+    Ok((h, payload))
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
+
+/// Rank 0's side: accepts registrations on `master` until all `world - 1` workers are in,
+/// then sends each the table. `own` is rank 0's peer listener port.
+pub(super) fn serve_rendezvous(
+    master: &TcpListener,
+    world: usize,
+    own: u16,
+    timeout: Duration,
+) -> Result<Table, Failure> {
+    let deadline = Instant::now() + timeout;
+    let tr = |e: String| Failure::transport(0, e);
+    master
+        .set_nonblocking(true)
+        .map_err(|e| tr(format!("listener: {e}")))?;
+    let mut entries: Vec<Option<(String, u16)>> = vec![None; world];
+    entries[0] = Some((String::new(), own));
+    let mut conns: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+    let mut joined = 1;
+    while joined < world {
+        let wait = remaining(deadline);
+        if wait.is_zero() {
+            let missing: Vec<usize> = (0..world).filter(|&r| entries[r].is_none()).collect();
+            let shown: Vec<String> = missing.iter().take(16).map(ToString::to_string).collect();
+            let detail = format!(
+                "rendezvous: {} of {world} ranks never registered: {}",
+                missing.len(),
+                shown.join(", ")
+            );
+            return Err(Failure::timeout(
+                0,
+                missing.first().copied(),
+                timeout,
+                detail,
+            ));
+        }
+        let mut fds = [libc::pollfd {
+            fd: master.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        poll(&mut fds, wait.min(Duration::from_millis(500)))
+            .map_err(|e| tr(format!("poll: {e}")))?;
+        let (mut s, from) = match master.accept() {
+            Ok(c) => c,
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
+                continue;
+            }
+            Err(e) => return Err(tr(format!("accepting registrations failed: {e}"))),
+        };
+        let hello_deadline = Instant::now() + HELLO_WAIT.min(remaining(deadline));
+        let _ = s.set_nonblocking(false);
+        let _ = s.set_nodelay(true);
+        let (h, payload) = match read_frame(&mut s, MAX_CONTROL_LEN, hello_deadline) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!("rendezvous: ignoring connection from {from}: {e}");
+                continue;
+            }
+        };
+        let parsed = (|| {
+            let mut c = Cursor::new(&payload);
+            let w = c.u64()?;
+            let port = u16::try_from(c.u64()?).ok()?;
+            let ip = std::str::from_utf8(c.blob()?).ok()?.to_owned();
+            ip.parse::<IpAddr>().ok()?;
+            Some((w, port, ip))
+        })();
+        let refuse = |s: &mut TcpStream, reason: &str| {
+            let _ = write_frame(
+                s,
+                Header::control(Kind::Reject, 0, reason.len()),
+                reason.as_bytes(),
+                hello_deadline,
+            );
+        };
+        let (Kind::Register, Some((w, port, ip))) = (h.kind, parsed) else {
+            refuse(&mut s, "malformed registration");
+            tracing::warn!("rendezvous: ignoring a malformed registration from {from}");
+            continue;
+        };
+        let problem = if w != world as u64 {
+            Some(format!(
+                "rank {} at {from} says WORLD_SIZE={w}, rank 0 has WORLD_SIZE={world}",
+                h.arg
+            ))
+        } else if h.arg == 0 || h.arg >= world as u64 {
+            Some(format!(
+                "a process at {from} registered as rank {}, outside 1..{world}",
+                h.arg
+            ))
+        } else if let Some((ip0, _)) = usize::try_from(h.arg)
+            .ok()
+            .and_then(|r| entries[r].as_ref())
+        {
+            Some(format!(
+                "rank {} registered twice (from {ip0} and from {from}); two jobs sharing MASTER_PORT?",
+                h.arg
+            ))
+        } else {
+            None
+        };
+        if let Some(reason) = problem {
+            refuse(&mut s, &reason);
+            for c in conns.iter_mut().flatten() {
+                refuse(c, &reason);
+            }
+            return Err(tr(format!("rendezvous: {reason}")));
+        }
+        let r = usize::try_from(h.arg).unwrap_or(0);
+        entries[r] = Some((ip, port));
+        conns[r] = Some(s);
+        joined += 1;
+    }
+    let session = session_token(own);
+    let mut table = Vec::new();
+    table.extend_from_slice(&session.to_le_bytes());
+    table.extend_from_slice(&(world as u64).to_le_bytes());
+    for (ip, port) in entries.iter().flatten() {
+        put_blob(&mut table, ip.as_bytes());
+        table.extend_from_slice(&u64::from(*port).to_le_bytes());
+    }
+    let h = Header::control(Kind::Table, 0, table.len());
+    let send_deadline = Instant::now() + timeout;
+    for (r, c) in conns.iter_mut().enumerate() {
+        if let Some(s) = c {
+            write_frame(s, h, &table, send_deadline).map_err(|e| {
+                Failure::lost(0, r, format!("sending the address table failed: {e}"))
+            })?;
+        }
+    }
+    // Rank 0's peers reach it where they reached the master.
+    let addrs = entries
+        .iter()
+        .flatten()
+        .map(|(ip, port)| {
+            SocketAddr::new(ip.parse().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)), *port)
+        })
+        .collect();
+    Ok(Table { addrs, session })
+}
+
+/// A token that differs between jobs, so that a stray process of an earlier job that reused
+/// the same ports cannot join this one.
+fn session_token(salt: u16) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u16(salt);
+    h.write_u32(std::process::id());
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish()
+}
+
+/// A worker's side: connects to the master (retrying until `timeout`, since workers may
+/// start first), binds its own listener, registers and receives the table.
+pub(super) fn join_rendezvous(
+    rank: usize,
+    world: usize,
+    master_addr: &str,
+    master_port: u16,
+    bind: Option<IpAddr>,
+    timeout: Duration,
+) -> Result<(Table, TcpListener), Failure> {
+    let deadline = Instant::now() + timeout;
+    let tr = |e: String| Failure::transport(rank, e);
+    let mut backoff = Duration::from_millis(10);
+    let mut last = String::from("no attempt made");
+    let mut s = loop {
+        match (master_addr, master_port).to_socket_addrs() {
+            Ok(addrs) => {
+                let mut found = None;
+                for a in addrs {
+                    match TcpStream::connect_timeout(
+                        &a,
+                        positive(remaining(deadline).min(Duration::from_secs(2))),
+                    ) {
+                        Ok(s) => {
+                            found = Some(s);
+                            break;
+                        }
+                        Err(e) => last = format!("{a}: {e}"),
+                    }
+                }
+                if let Some(s) = found {
+                    break s;
+                }
+            }
+            Err(e) => last = format!("cannot resolve MASTER_ADDR {master_addr:?}: {e}"),
+        }
+        if remaining(deadline).is_zero() {
+            let detail =
+                format!("could not reach the master at {master_addr}:{master_port} ({last})");
+            return Err(Failure::timeout(rank, Some(0), timeout, detail));
+        }
+        std::thread::sleep(backoff.min(remaining(deadline)));
+        backoff = (backoff * 2).min(Duration::from_millis(250));
+    };
+    let _ = s.set_nodelay(true);
+    let local = s
+        .local_addr()
+        .map_err(|e| tr(format!("local address: {e}")))?;
+    let master = s
+        .peer_addr()
+        .map_err(|e| tr(format!("master address: {e}")))?;
+    let listener = bind_listener(bind.unwrap_or_else(|| unspecified(local.ip())), 0)
+        .map_err(|e| tr(format!("cannot open a listener for peers: {e}")))?;
+    let port = listener
+        .local_addr()
+        .map_err(|e| tr(format!("listener address: {e}")))?
+        .port();
+    let mut reg = Vec::new();
+    reg.extend_from_slice(&(world as u64).to_le_bytes());
+    reg.extend_from_slice(&u64::from(port).to_le_bytes());
+    put_blob(&mut reg, local.ip().to_string().as_bytes());
+    let lost = |e: io::Error| {
+        if is_timeout(&e) {
+            Failure::timeout(
+                rank,
+                Some(0),
+                timeout,
+                format!("rendezvous: no address table from the master: {e}"),
+            )
+        } else {
+            Failure::lost(rank, 0, format!("rendezvous with the master failed: {e}"))
+        }
+    };
+    write_frame(
+        &mut s,
+        Header::control(Kind::Register, rank as u64, reg.len()),
+        &reg,
+        deadline,
+    )
+    .map_err(lost)?;
+    let (h, payload) = read_frame(&mut s, MAX_TABLE_LEN, deadline).map_err(lost)?;
+    if h.kind == Kind::Reject {
+        return Err(tr(format!(
+            "the master refused this rank: {}",
+            String::from_utf8_lossy(&payload)
+        )));
+    }
+    let bad = || tr("malformed address table from the master".to_owned());
+    if h.kind != Kind::Table {
+        return Err(bad());
+    }
+    let mut c = Cursor::new(&payload);
+    let session = c.u64().ok_or_else(bad)?;
+    if c.u64() != Some(world as u64) {
+        return Err(bad());
+    }
+    let mut addrs = Vec::with_capacity(world);
+    for r in 0..world {
+        let ip = std::str::from_utf8(c.blob().ok_or_else(bad)?).map_err(|_| bad())?;
+        let port = u16::try_from(c.u64().ok_or_else(bad)?).map_err(|_| bad())?;
+        let ip: IpAddr = if r == 0 && ip.is_empty() {
+            master.ip()
+        } else {
+            ip.parse().map_err(|_| bad())?
+        };
+        addrs.push(SocketAddr::new(ip, port));
+    }
+    Ok((Table { addrs, session }, listener))
+}
+
+fn hello_payload(session: u64, world: usize) -> Vec<u8> {
+    let mut p = session.to_le_bytes().to_vec();
+    p.extend_from_slice(&(world as u64).to_le_bytes());
+    p
+}
+
+/// Opens links to every peer in `peers` that has none yet: connecting to higher ranks,
+/// accepting from lower ones. Connections from other peers accepted meanwhile are kept.
+pub(super) fn ensure_links(
+    me: usize,
+    world: usize,
+    table: &Table,
+    listener: Option<&TcpListener>,
+    links: &mut HashMap<usize, Link>,
+    peers: &[usize],
+    timeout: Duration,
+) -> Result<(), Failure> {
+    let deadline = Instant::now() + timeout;
+    for &p in peers.iter().filter(|&&p| p > me) {
+        if links.contains_key(&p) {
+            continue;
+        }
+        let addr = table.addrs[p];
+        let mut s = TcpStream::connect_timeout(&addr, positive(remaining(deadline))).map_err(|e| {
+            if is_timeout(&e) {
+                Failure::timeout(me, Some(p), timeout, format!("connecting to rank {p} at {addr}: {e}"))
+            } else {
+                Failure::lost(me, p, format!("cannot connect to it at {addr}: {e} (its communicator is closed or it exited)"))
+            }
+        })?;
+        let hello = hello_payload(table.session, world);
+        write_frame(
+            &mut s,
+            Header::control(Kind::Hello, me as u64, hello.len()),
+            &hello,
+            deadline,
+        )
+        .map_err(|e| Failure::lost(me, p, format!("handshake failed: {e}")))?;
+        let link =
+            Link::new(p, s).map_err(|e| Failure::transport(me, format!("socket setup: {e}")))?;
+        links.insert(p, link);
+    }
+    let Some(listener) = listener else {
+        return match peers.iter().find(|&&p| p < me && !links.contains_key(&p)) {
+            Some(&p) => Err(Failure::lost(
+                me,
+                p,
+                "this communicator no longer accepts connections",
+            )),
+            None => Ok(()),
+        };
+    };
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| Failure::transport(me, format!("listener: {e}")))?;
+    while let Some(&p) = peers.iter().find(|&&p| p < me && !links.contains_key(&p)) {
+        let wait = remaining(deadline);
+        if wait.is_zero() {
+            let detail = format!("rank {p} never connected to this rank within {timeout:?}");
+            return Err(Failure::timeout(me, Some(p), timeout, detail));
+        }
+        // Also watch the existing links: an abort notice ends the wait early.
+        let watched: Vec<usize> = links
+            .iter()
+            .filter(|(_, l)| l.closed.is_none() && l.pending.is_none())
+            .map(|(&q, _)| q)
+            .collect();
+        let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
+            .chain(watched.iter().map(|q| links[q].fd()))
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        poll(&mut fds, wait.min(Duration::from_millis(500)))
+            .map_err(|e| Failure::transport(me, format!("poll: {e}")))?;
+        for (q, f) in watched.iter().zip(&fds[1..]) {
+            if f.revents != 0
+                && let Some(l) = links.get_mut(q)
+            {
+                l.watch(me)?;
+            }
+        }
+        let (mut s, from) = match listener.accept() {
+            Ok(c) => c,
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    || e.kind() == io::ErrorKind::Interrupted =>
+            {
+                continue;
+            }
+            Err(e) => {
+                return Err(Failure::transport(
+                    me,
+                    format!("accepting peer connections failed: {e}"),
+                ));
+            }
+        };
+        let _ = s.set_nonblocking(false);
+        let hello_deadline = Instant::now() + HELLO_WAIT.min(wait);
+        let ok = match read_frame(&mut s, MAX_CONTROL_LEN, hello_deadline) {
+            Ok((h, payload))
+                if h.kind == Kind::Hello && payload == hello_payload(table.session, world) =>
+            {
+                usize::try_from(h.arg)
+                    .ok()
+                    .filter(|&q| q < me && !links.contains_key(&q))
+            }
+            _ => None,
+        };
+        let Some(q) = ok else {
+            tracing::warn!(
+                "rank {me}: ignoring a connection from {from} without a valid handshake for this job"
+            );
+            continue;
+        };
+        let link =
+            Link::new(q, s).map_err(|e| Failure::transport(me, format!("socket setup: {e}")))?;
+        links.insert(q, link);
+    }
+    Ok(())
+}
