@@ -25,7 +25,7 @@ pub mod storage;
 pub mod synth;
 
 pub use checkpoint::{Checkpoint, TensorInfo};
-pub use comm::{CommError, Communicator, LocalComm};
+pub use comm::{CommError, Communicator, LocalComm, TcpComm};
 pub use error::{Error, Result};
 pub use load::{LoadOptions, LoadReport, StrictMode, load};
 pub use model::{DType, LoadTarget, Region, ShardedTensor, TensorKey};

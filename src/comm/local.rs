@@ -15,15 +15,26 @@ const PIECE_BYTES: usize = 4 << 20;
 
 struct Slot {
     op: &'static str,
+    /// An argument every rank must pass identically (the root of a broadcast).
+    tag: u64,
     parts: Vec<Option<Vec<u8>>>,
     result: Option<Arc<Vec<Vec<u8>>>>,
     readers_left: usize,
 }
 
+/// Pieces of messages from one rank to another; the flag marks a message's last piece.
 #[derive(Default)]
 struct Queue {
-    pieces: VecDeque<Vec<u8>>,
+    pieces: VecDeque<(Vec<u8>, bool)>,
     bytes: usize,
+}
+
+/// Wakes a receiving rank when any of its queues gets data (the count guards against lost
+/// wake-ups).
+#[derive(Default)]
+struct Doorbell {
+    rings: Mutex<u64>,
+    cv: Condvar,
 }
 
 struct Shared {
@@ -31,8 +42,10 @@ struct Shared {
     timeout: Duration,
     slots: Mutex<(HashMap<u64, Slot>, Vec<bool>)>,
     cv: Condvar,
-    /// `queues[dst * world + src]`.
+    /// `queues[dst * world + src]`; the condvar wakes a sender waiting for space.
     queues: Vec<(Mutex<Queue>, Condvar)>,
+    /// One per receiving rank.
+    doorbells: Vec<Doorbell>,
 }
 
 /// One rank's handle on an in-process group. Dropping it tells the other ranks this rank is
@@ -65,6 +78,7 @@ impl LocalComm {
             slots: Mutex::new((HashMap::new(), vec![false; world])),
             cv: Condvar::new(),
             queues: (0..world * world).map(|_| (Mutex::new(Queue::default()), Condvar::new())).collect(),
+            doorbells: (0..world).map(|_| Doorbell::default()).collect(),
         });
         (0..world).map(|rank| LocalComm { rank, seq: AtomicU64::new(0), shared: shared.clone() }).collect()
     }
@@ -79,7 +93,7 @@ impl LocalComm {
         m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn collective(&self, op: &'static str, data: Vec<u8>) -> Result<Arc<Vec<Vec<u8>>>, CommError> {
+    fn collective(&self, op: &'static str, tag: u64, data: Vec<u8>) -> Result<Arc<Vec<Vec<u8>>>, CommError> {
         let world = self.shared.world;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let deadline = Instant::now() + self.shared.timeout;
@@ -87,12 +101,17 @@ impl LocalComm {
         {
             let slot = g.0.entry(seq).or_insert_with(|| Slot {
                 op,
+                tag,
                 parts: vec![None; world],
                 result: None,
                 readers_left: world,
             });
             if slot.op != op {
                 let detail = format!("operation #{seq}: this rank called {op}, another rank called {}", slot.op);
+                return Err(CommError::Mismatch { op, rank: self.rank, detail });
+            }
+            if slot.tag != tag {
+                let detail = format!("operation #{seq}: this rank passed root {tag}, another rank root {}", slot.tag);
                 return Err(CommError::Mismatch { op, rank: self.rank, detail });
             }
             slot.parts[self.rank] = Some(data);
@@ -136,7 +155,8 @@ impl LocalComm {
     fn send_to(&self, peer: usize, data: &[u8]) -> Result<(), CommError> {
         let (q, cv) = &self.shared.queues[peer * self.shared.world + self.rank];
         let pieces: Vec<&[u8]> = if data.is_empty() { vec![data] } else { data.chunks(PIECE_BYTES).collect() };
-        for piece in pieces {
+        let last = pieces.len() - 1;
+        for (i, piece) in pieces.into_iter().enumerate() {
             let mut deadline = Instant::now() + self.shared.timeout;
             let mut g = Self::lock(q);
             while g.bytes > 0 && g.bytes + piece.len() > QUEUE_BYTES {
@@ -154,46 +174,85 @@ impl LocalComm {
                 }
             }
             g.bytes += piece.len();
-            g.pieces.push_back(piece.to_vec());
-            cv.notify_all();
+            g.pieces.push_back((piece.to_vec(), i == last));
+            drop(g);
+            let bell = &self.shared.doorbells[peer];
+            *Self::lock(&bell.rings) += 1;
+            bell.cv.notify_all();
         }
         Ok(())
     }
 
-    fn recv_from(&self, peer: usize, buf: &mut [u8]) -> Result<(), CommError> {
-        let (q, cv) = &self.shared.queues[self.rank * self.shared.world + peer];
-        let mut filled = 0;
-        loop {
-            let deadline = Instant::now() + self.shared.timeout;
-            let mut g = Self::lock(q);
-            let piece = loop {
-                if let Some(p) = g.pieces.pop_front() {
-                    g.bytes -= p.len();
-                    cv.notify_all();
-                    break p;
-                }
-                if self.peer_gone(peer) {
-                    return Err(self.lost("exchange", peer));
-                }
-                let now = Instant::now();
-                if now >= deadline {
-                    return Err(CommError::Timeout { op: "exchange", rank: self.rank, peer: Some(peer), after: self.shared.timeout });
-                }
-                g = cv.wait_timeout(g, (deadline - now).min(Duration::from_millis(100))).unwrap_or_else(std::sync::PoisonError::into_inner).0;
-            };
-            drop(g);
-            let end = filled + piece.len();
-            if end > buf.len() || (piece.is_empty() && !buf.is_empty()) {
-                return Err(CommError::Mismatch {
-                    op: "exchange",
-                    rank: self.rank,
-                    detail: format!("rank {peer} sent more than the {} bytes expected", buf.len()),
-                });
+    /// Fills the receive buffers, taking data from whichever peer has some, so that the
+    /// order of receives across peers never blocks a pattern that can complete.
+    fn recv_all(&self, recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {
+        let world = self.shared.world;
+        // Per peer: the indices of its receive buffers in order, a cursor, and bytes filled.
+        let mut order: Vec<Vec<usize>> = vec![Vec::new(); world];
+        for (i, r) in recvs.iter().enumerate() {
+            if r.peer >= world {
+                return Err(CommError::Mismatch { op: "exchange", rank: self.rank, detail: format!("peer {} out of range", r.peer) });
             }
-            buf[filled..end].copy_from_slice(&piece);
-            filled = end;
-            if filled == buf.len() {
-                return Ok(());
+            order[r.peer].push(i);
+        }
+        let mut cursor = vec![0usize; world];
+        let mut filled = vec![0usize; world];
+        let bell = &self.shared.doorbells[self.rank];
+        let mut deadline = Instant::now() + self.shared.timeout;
+        loop {
+            let rings = *Self::lock(&bell.rings);
+            let mut progress = false;
+            let mut waiting_for = None;
+            for peer in 0..world {
+                while cursor[peer] < order[peer].len() {
+                    let (q, cv) = &self.shared.queues[self.rank * world + peer];
+                    let Some((piece, last)) = ({
+                        let mut g = Self::lock(q);
+                        let p = g.pieces.pop_front();
+                        if let Some((data, _)) = &p {
+                            g.bytes -= data.len();
+                            cv.notify_all();
+                        }
+                        p
+                    }) else {
+                        waiting_for = waiting_for.or(Some(peer));
+                        break;
+                    };
+                    progress = true;
+                    let buf = &mut *recvs[order[peer][cursor[peer]]].buf;
+                    let end = filled[peer] + piece.len();
+                    if end > buf.len() || (last && end < buf.len()) {
+                        let detail = format!(
+                            "rank {peer} sent a message of {} bytes where {} were expected",
+                            if last { end.to_string() } else { format!("more than {}", buf.len()) },
+                            buf.len()
+                        );
+                        return Err(CommError::Mismatch { op: "exchange", rank: self.rank, detail });
+                    }
+                    buf[filled[peer]..end].copy_from_slice(&piece);
+                    filled[peer] = end;
+                    if last {
+                        cursor[peer] += 1;
+                        filled[peer] = 0;
+                    }
+                }
+            }
+            let Some(peer) = waiting_for else { return Ok(()) };
+            if progress {
+                deadline = Instant::now() + self.shared.timeout;
+                continue;
+            }
+            if self.peer_gone(peer) {
+                return Err(self.lost("exchange", peer));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Timeout { op: "exchange", rank: self.rank, peer: Some(peer), after: self.shared.timeout });
+            }
+            let g = Self::lock(&bell.rings);
+            if *g == rings {
+                let wait = (deadline - now).min(Duration::from_millis(100));
+                drop(bell.cv.wait_timeout(g, wait).unwrap_or_else(std::sync::PoisonError::into_inner));
             }
         }
     }
@@ -212,6 +271,9 @@ impl Drop for LocalComm {
         for (_, cv) in &self.shared.queues {
             cv.notify_all();
         }
+        for bell in &self.shared.doorbells {
+            bell.cv.notify_all();
+        }
     }
 }
 
@@ -225,7 +287,7 @@ impl Communicator for LocalComm {
     }
 
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        Ok(self.collective("all_gather", data.to_vec())?.as_ref().clone())
+        Ok(self.collective("all_gather", 0, data.to_vec())?.as_ref().clone())
     }
 
     fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
@@ -233,12 +295,12 @@ impl Communicator for LocalComm {
             return Err(CommError::Mismatch { op: "broadcast", rank: self.rank, detail: format!("root {root} out of range") });
         }
         let mine = if self.rank == root { data.to_vec() } else { Vec::new() };
-        let all = self.collective("broadcast", mine)?;
+        let all = self.collective("broadcast", root as u64, mine)?;
         Ok(all[root].clone())
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        self.collective("barrier", Vec::new()).map(|_| ())
+        self.collective("barrier", 0, Vec::new()).map(|_| ())
     }
 
     fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {
@@ -254,17 +316,7 @@ impl Communicator for LocalComm {
                 }
                 Ok::<(), CommError>(())
             });
-            let mut result = Ok(());
-            for r in recvs.iter_mut() {
-                if r.peer >= self.shared.world {
-                    result = Err(CommError::Mismatch { op: "exchange", rank: self.rank, detail: format!("peer {} out of range", r.peer) });
-                    break;
-                }
-                if let Err(e) = self.recv_from(r.peer, r.buf) {
-                    result = Err(e);
-                    break;
-                }
-            }
+            let result = self.recv_all(recvs);
             let sent = sender.join().unwrap_or_else(|_| {
                 Err(CommError::Transport { op: "exchange", rank: self.rank, detail: "sender thread panicked".into() })
             });
@@ -338,6 +390,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every rank sends 20 MiB to the next and receives from both neighbours, the previous
+    /// one listed last: receiving in list order would wait forever on a full queue.
+    #[test]
+    fn cyclic_pattern_beyond_queue_capacity_completes() {
+        let n = 3;
+        let out = run_local(n, Duration::from_secs(20), |c| {
+            let me = c.rank();
+            let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+            let big = vec![me as u8; 20 << 20];
+            let small = [me as u8; 8];
+            let sends = [SendBuf { peer: next, data: &big }, SendBuf { peer: prev, data: &small }];
+            let mut from_next = [0u8; 8];
+            let mut from_prev = vec![0u8; 20 << 20];
+            let mut recvs = [RecvBuf { peer: next, buf: &mut from_next }, RecvBuf { peer: prev, buf: &mut from_prev }];
+            c.exchange(&sends, &mut recvs).unwrap();
+            assert!(from_prev.iter().all(|&b| b == prev as u8));
+            assert_eq!(from_next, [next as u8; 8]);
+        });
+        assert_eq!(out.len(), n);
+    }
+
+    #[test]
+    fn message_boundaries_and_roots_are_checked() {
+        let out = run_local(2, Duration::from_secs(5), |c| {
+            if c.rank() == 0 {
+                let _ = c.exchange(&[SendBuf { peer: 1, data: &[1, 2] }, SendBuf { peer: 1, data: &[3, 4] }], &mut []);
+                None
+            } else {
+                let mut buf = [0u8; 4];
+                Some(c.exchange(&[], &mut [RecvBuf { peer: 0, buf: &mut buf }]))
+            }
+        });
+        let e = out[1].clone().unwrap().unwrap_err();
+        assert!(matches!(e, CommError::Mismatch { .. }), "{e}");
+        let out = run_local(2, Duration::from_secs(5), |c| c.broadcast(c.rank(), b"x").err());
+        assert!(out.iter().flatten().any(|e| matches!(e, CommError::Mismatch { .. })));
     }
 
     #[test]
