@@ -13,7 +13,8 @@ use crate::model::{DType, LoadTarget, Region, TensorKey};
 use crate::plan::grid;
 use crate::plan::load::StoredGeometry;
 use crate::save::io_pool;
-use crate::storage::read::{Dest, ReadCounters, read_shard};
+use crate::model::copy::DisjointBuf as Dest;
+use crate::storage::read::{ReadCounters, read_shard};
 use crate::storage::{CheckpointMeta, Compression, TensorArray, commit};
 
 /// A committed checkpoint, opened for reading.

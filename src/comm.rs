@@ -1,9 +1,12 @@
 //! How ranks talk: a small [`Communicator`] trait (bytes in, bytes out, every wait bounded by a
 //! timeout) and its implementations.
 //!
-//! Every method is collective: all ranks call the same methods in the same order. A rank that
-//! dies or stops answering turns into a [`CommError`] on the others within the communicator's
-//! timeout; nothing waits forever.
+//! Every method is collective: all ranks call the same methods in the same order, one at a
+//! time per communicator (calls from several threads must not overlap). A rank that dies or
+//! stops answering turns into a [`CommError`] on the others within the communicator's
+//! timeout; nothing waits forever. A successful call means this rank's part is done: a peer
+//! may still fail afterwards, which callers learn at their next collective (save and load end
+//! with one).
 
 pub mod local;
 pub mod tcp;

@@ -12,7 +12,10 @@ use crate::model::{LoadTarget, TensorKey};
 use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
 use crate::plan::load::{ShardRead, StoredGeometry};
 use crate::save::{Progress, agree, gather_layouts, io_pool};
-use crate::storage::read::{Dest, ReadCounters, read_shard};
+use crate::comm::{RecvBuf, SendBuf};
+use crate::model::copy::DisjointBuf;
+use crate::plan::exchange::{ExchangePlan, SharedRead};
+use crate::storage::read::{ReadCounters, read_shard};
 use crate::storage::{CheckpointMeta, TensorArray, commit};
 
 /// How to treat keys requested but absent ("unexpected", per rank) and keys present but
@@ -49,19 +52,33 @@ impl StrictMode {
 }
 
 /// How to load.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct LoadOptions {
     /// Key checks.
     pub strict: StrictMode,
     /// Threads reading files on this rank; 0 picks the number of CPUs (at most 8).
     pub io_threads: usize,
+    /// Read every box that several ranks need (data-parallel replicas) from storage once and
+    /// send it to the others over the communicator (default). With no such box, nothing is
+    /// exchanged.
+    pub exchange: bool,
     /// Progress callback, in bytes loaded into this rank's buffers.
     pub progress: Option<Progress>,
 }
 
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { strict: StrictMode::default(), io_threads: 0, exchange: true, progress: None }
+    }
+}
+
 impl std::fmt::Debug for LoadOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LoadOptions").field("strict", &self.strict).field("io_threads", &self.io_threads).finish_non_exhaustive()
+        f.debug_struct("LoadOptions")
+            .field("strict", &self.strict)
+            .field("io_threads", &self.io_threads)
+            .field("exchange", &self.exchange)
+            .finish_non_exhaustive()
     }
 }
 
@@ -72,6 +89,10 @@ pub struct LoadReport {
     pub loaded_bytes: u64,
     /// Bytes this rank read from storage (shard indexes and subchunks).
     pub bytes_read: u64,
+    /// Bytes this rank received from other ranks instead of reading them.
+    pub bytes_received: u64,
+    /// Bytes this rank sent to other ranks.
+    pub bytes_sent: u64,
     /// Keys this rank requested that the checkpoint lacks (skipped), when the mode reports them.
     pub unexpected: Vec<TensorKey>,
     /// Keys in the checkpoint no rank requested, when the mode computes them.
@@ -194,40 +215,72 @@ pub fn load(targets: &mut [LoadTarget<'_>], dir: &Path, comm: &dyn Communicator,
     let layout = agree(comm, request_layout(targets))?;
     let (gathered, _) = gather_layouts(comm, &layout)?;
     let (unexpected, missing) = check_requests(dir, &meta, &gathered, me, opts.strict)?;
+    let geometry = |key: &TensorKey| {
+        meta.tensors.get(key).map(|e| StoredGeometry {
+            global_shape: e.shape.clone(),
+            chunk_shape: e.chunk_shape.clone(),
+            subchunk_shape: e.subchunk_shape.clone(),
+            elem: e.dtype.size(),
+        })
+    };
+    let plan = if opts.exchange && comm.world_size() > 1 {
+        ExchangePlan::build(&gathered, geometry)
+    } else {
+        ExchangePlan::default()
+    };
+    // This rank's part in the shared reads: for each, the first of its targets that needs it.
+    let me32 = u32::try_from(me).unwrap_or(u32::MAX);
+    let mut mine: HashMap<(&TensorKey, &[u64], &crate::model::Region), usize> = HashMap::new();
+    for (u, r) in plan.reads.iter().enumerate() {
+        if r.ranks.binary_search(&me32).is_ok() {
+            mine.insert((&r.key, r.chunk.as_slice(), &r.region), u);
+        }
+    }
+    let mut first_target: HashMap<usize, usize> = HashMap::new();
 
-    let local = (|| -> Result<LoadReport> {
+    let keys: Vec<TensorKey> = targets.iter().map(|t| t.key().clone()).collect();
+    let regions: Vec<crate::model::Region> = targets.iter().map(|t| t.region().clone()).collect();
+    let loaded: u64 = targets.iter().filter(|t| meta.tensors.contains_key(t.key())).map(|t| t.buf().len() as u64).sum();
+    let dests: Vec<DisjointBuf> = targets
+        .iter_mut()
+        .zip(&regions)
+        .map(|(t, region)| {
+            let elem = t.dtype().size();
+            DisjointBuf::new(t.buf_mut(), region, elem)
+        })
+        .collect();
+    let counters = ReadCounters::default();
+
+    let local = (|| -> Result<()> {
         // Open each needed array once.
-        let mut arrays: BTreeMap<TensorKey, (TensorArray, StoredGeometry)> = BTreeMap::new();
-        for t in targets.iter() {
-            if let (Some(entry), false) = (meta.tensors.get(t.key()), arrays.contains_key(t.key())) {
-                let arr = TensorArray::open(dir, t.key(), entry)?;
-                let geom = StoredGeometry {
-                    global_shape: entry.shape.clone(),
-                    chunk_shape: entry.chunk_shape.clone(),
-                    subchunk_shape: entry.subchunk_shape.clone(),
-                    elem: entry.dtype.size(),
-                };
-                arrays.insert(t.key().clone(), (arr, geom));
+        let mut arrays: BTreeMap<&TensorKey, (TensorArray, StoredGeometry)> = BTreeMap::new();
+        for key in &keys {
+            if let (Some(entry), false) = (meta.tensors.get(key), arrays.contains_key(key)) {
+                let arr = TensorArray::open(dir, key, entry)?;
+                arrays.insert(key, (arr, geometry(key).unwrap_or_else(|| unreachable!("present"))));
             }
         }
         let mut items: Vec<(usize, ShardRead)> = Vec::new();
-        let mut loaded = 0u64;
-        for (i, t) in targets.iter().enumerate() {
-            if let Some((_, geom)) = arrays.get(t.key()) {
-                loaded += t.buf().len() as u64;
-                items.extend(geom.reads_for(t.region()).into_iter().map(|s| (i, s)));
+        for (i, key) in keys.iter().enumerate() {
+            let Some((_, geom)) = arrays.get(key) else { continue };
+            for shard in geom.reads_for(&regions[i]) {
+                let chunk_box = crate::model::Region {
+                    offset: shard.chunk.iter().zip(&geom.chunk_shape).map(|(c, s)| c * s).collect(),
+                    shape: geom.chunk_shape.clone(),
+                };
+                let inner = regions[i].intersect(&chunk_box);
+                let unit = inner.as_ref().and_then(|b| mine.get(&(key, shard.chunk.as_slice(), b)).copied());
+                if let Some(u) = unit
+                    && !first_target.contains_key(&u)
+                {
+                    first_target.insert(u, i);
+                    if plan.reads[u].reader != me32 {
+                        continue; // received from the reader
+                    }
+                }
+                items.push((i, shard));
             }
         }
-        let keys: Vec<TensorKey> = targets.iter().map(|t| t.key().clone()).collect();
-        let dests: Vec<Dest> = targets
-            .iter_mut()
-            .map(|t| {
-                let elem = t.dtype().size();
-                let (region, buf) = t.region_and_buf();
-                Dest::new(buf, region, elem)
-            })
-            .collect();
-        let counters = ReadCounters::default();
         let pool = io_pool(opts.io_threads)?;
         pool.install(|| {
             items.par_iter().try_for_each_init(Vec::new, |scratch, (i, shard)| {
@@ -242,9 +295,23 @@ pub fn load(targets: &mut [LoadTarget<'_>], dir: &Path, comm: &dyn Communicator,
                 Ok::<(), Error>(())
             })
         })?;
-        Ok(LoadReport { loaded_bytes: loaded, bytes_read: counters.bytes.load(Ordering::Relaxed), unexpected: Vec::new(), missing: Vec::new() })
+        Ok(())
     })();
-    let mut report = agree(comm, local)?;
+    agree(comm, local)?;
+
+    let (sent, received) = if plan.reads.is_empty() {
+        (0, 0)
+    } else {
+        let shared = exchange_shared(comm, &plan, me32, &first_target, &dests, opts);
+        agree(comm, shared)?
+    };
+    let mut report = LoadReport {
+        loaded_bytes: loaded,
+        bytes_read: counters.bytes.load(Ordering::Relaxed),
+        bytes_received: received,
+        bytes_sent: sent,
+        ..LoadReport::default()
+    };
     if matches!(opts.strict, StrictMode::ReturnUnexpected | StrictMode::ReturnAll) {
         report.unexpected = unexpected;
     }
@@ -252,4 +319,91 @@ pub fn load(targets: &mut [LoadTarget<'_>], dir: &Path, comm: &dyn Communicator,
         report.missing = missing;
     }
     Ok(report)
+}
+
+/// Bytes of shared reads moved through one exchange round at most: bounds what a rank stages
+/// for boxes that are not contiguous in its buffers.
+const ROUND_BYTES: u64 = 32 << 20;
+
+/// Sends the boxes this rank read for others and receives the ones others read for it, in
+/// rounds of bounded size. Returns (bytes sent, bytes received).
+fn exchange_shared(
+    comm: &dyn Communicator,
+    plan: &ExchangePlan,
+    me: u32,
+    first_target: &HashMap<usize, usize>,
+    dests: &[DisjointBuf<'_>],
+    opts: &LoadOptions,
+) -> Result<(u64, u64)> {
+    let (mut sent, mut received) = (0u64, 0u64);
+    for round in plan.rounds(ROUND_BYTES) {
+        let reads: Vec<(usize, &SharedRead)> = round.map(|u| (u, &plan.reads[u])).collect();
+        // Sends: straight from this rank's buffer when the box is contiguous there.
+        let mut packed: Vec<(usize, Vec<u8>)> = Vec::new();
+        for &(u, r) in &reads {
+            if r.reader == me
+                && let Some(&t) = first_target.get(&u)
+                && dests[t].contiguous_range(&r.region).is_none()
+            {
+                let mut v = Vec::new();
+                // SAFETY: the exchange only reads this rank's own filled boxes and writes
+                // boxes received from others: distinct shards, disjoint bytes.
+                unsafe { dests[t].pack(&r.region, &mut v) };
+                packed.push((u, v));
+            }
+        }
+        let mut sends: Vec<SendBuf> = Vec::new();
+        for &(u, r) in &reads {
+            let Some(&t) = first_target.get(&u) else { continue };
+            if r.reader != me {
+                continue;
+            }
+            let data: &[u8] = match dests[t].contiguous_range(&r.region) {
+                // SAFETY: as above.
+                Some((start, len)) => unsafe { dests[t].slice(start, len) },
+                None => packed.iter().find(|p| p.0 == u).map_or(&[][..], |p| p.1.as_slice()),
+            };
+            for &peer in r.ranks.iter().filter(|&&p| p != me) {
+                sends.push(SendBuf { peer: peer as usize, data });
+                sent += data.len() as u64;
+            }
+        }
+        // Receives: straight into this rank's buffer when the box is contiguous there.
+        let mut staged: Vec<(usize, Vec<u8>)> = Vec::new();
+        let mut recvs: Vec<RecvBuf> = Vec::new();
+        for &(u, r) in &reads {
+            let Some(&t) = first_target.get(&u) else { continue };
+            if r.reader == me {
+                continue;
+            }
+            if dests[t].contiguous_range(&r.region).is_none() {
+                staged.push((u, vec![0u8; usize::try_from(r.bytes).unwrap_or(usize::MAX)]));
+            }
+        }
+        let mut staged_iter = staged.iter_mut();
+        for &(u, r) in &reads {
+            let Some(&t) = first_target.get(&u) else { continue };
+            if r.reader == me {
+                continue;
+            }
+            let buf: &mut [u8] = match dests[t].contiguous_range(&r.region) {
+                // SAFETY: as above.
+                Some((start, len)) => unsafe { dests[t].slice(start, len) },
+                None => staged_iter.next().map_or(&mut [][..], |s| s.1.as_mut_slice()),
+            };
+            received += buf.len() as u64;
+            recvs.push(RecvBuf { peer: r.reader as usize, buf });
+        }
+        comm.exchange(&sends, &mut recvs)?;
+        drop(recvs);
+        for (u, data) in &staged {
+            let t = first_target[u];
+            // SAFETY: as above.
+            unsafe { dests[t].unpack(&plan.reads[*u].region, data) };
+        }
+        if let Some(p) = &opts.progress {
+            p(reads.iter().filter(|(u, r)| r.reader != me && first_target.contains_key(u)).map(|(_, r)| r.bytes).sum());
+        }
+    }
+    Ok((sent, received))
 }

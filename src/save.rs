@@ -362,7 +362,9 @@ pub fn save(pieces: &[ShardedTensor<'_>], dir: &Path, comm: &dyn Communicator, o
     agree(comm, prepared)?;
 
     let received = if plan.tensors.iter().any(|t| !t.aligned) {
-        exchange_parts(comm, &plan, &tasks, &local)?
+        // Agreed on, so that a rank whose exchange failed cannot fall out of step with the
+        // others' next collective.
+        agree(comm, exchange_parts(comm, &plan, &tasks, &local))?
     } else {
         vec![Vec::new(); tasks.writes.len()]
     };

@@ -104,3 +104,57 @@ fn four_save_three_load_every_dtype() {
     load_ranks(&dir, 1);
     load_ranks(&dir, 5);
 }
+
+/// Data-parallel replicas asking for the same boxes: with exchange on, every shard box is read
+/// from storage once per group and sent to the others; with it off each rank reads its own.
+#[test]
+fn data_parallel_load_reads_once_and_shares() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    save_ranks(&dir, 4);
+    let specs = specs();
+    let fulls: Vec<Vec<u8>> = specs.iter().enumerate().map(|(i, s)| tensor_bytes(i as u64, &s.shape, s.dtype)).collect();
+    let (tp, dp) = (3u64, 3u64);
+    let mut reads = Vec::new();
+    for exchange in [true, false] {
+        let reports = run_local((tp * dp) as usize, Duration::from_secs(30), |comm| {
+            let r = zarrckpt::Communicator::rank(&comm) as u64;
+            let tp_rank = r % tp;
+            let regions: Vec<Region> = specs
+                .iter()
+                .map(|s| if s.shape.is_empty() { Region::full(&[]) } else { piece(&s.shape, s.shape.len() - 1, tp, tp_rank) })
+                .collect();
+            let mut bufs: Vec<Vec<u8>> =
+                specs.iter().zip(&regions).map(|(s, reg)| vec![0xAA; reg.shape.iter().product::<u64>() as usize * s.dtype.size()]).collect();
+            let mut targets: Vec<LoadTarget> = specs
+                .iter()
+                .zip(&regions)
+                .zip(bufs.iter_mut())
+                .map(|((s, reg), b)| LoadTarget::new(TensorKey::new(s.key).unwrap(), s.dtype, s.shape.clone(), reg.clone(), b).unwrap())
+                .collect();
+            let opts = LoadOptions { exchange, io_threads: 1, ..LoadOptions::default() };
+            let report = load(&mut targets, &dir, &comm, &opts).unwrap();
+            drop(targets);
+            for ((s, reg), (b, full)) in specs.iter().zip(&regions).zip(bufs.iter().zip(&fulls)) {
+                assert_eq!(b, &cut(full, &s.shape, reg, s.dtype.size()), "{} rank {r} exchange {exchange}", s.key);
+            }
+            report
+        });
+        let read: u64 = reports.iter().map(|r| r.bytes_read).sum();
+        let loaded: u64 = reports.iter().map(|r| r.loaded_bytes).sum();
+        let received: u64 = reports.iter().map(|r| r.bytes_received).sum();
+        let sent: u64 = reports.iter().map(|r| r.bytes_sent).sum();
+        assert_eq!(sent, received);
+        if exchange {
+            // Every rank but the reader of each box receives it: about (dp-1)/dp of the bytes.
+            assert!(received * dp > loaded * (dp - 1) * 9 / 10, "received {received} of {loaded}");
+        } else {
+            assert_eq!(received, 0);
+            assert!(read >= loaded, "read {read} for {loaded}");
+        }
+        reads.push(read);
+    }
+    // Each shared box is read once per data-parallel group instead of dp times (the unshared
+    // scalar is read by every rank either way).
+    assert!(reads[0] * dp <= reads[1] + reads[1] / 20, "with exchange {} vs without {}", reads[0], reads[1]);
+}

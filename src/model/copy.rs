@@ -1,5 +1,7 @@
 //! Copying boxes between C-order buffers: the one strided-copy routine every layer uses.
 
+use unsafe_cell_slice::UnsafeCellSlice;
+
 use super::region::Region;
 
 /// True when a box of `box_shape` placed in a C-order buffer of `buf_shape` occupies one
@@ -117,6 +119,101 @@ pub fn for_each_run(
             dof -= ds[d] * ext[d];
             idx[d] = 0;
         }
+    }
+}
+
+/// A caller's C-order buffer holding the box `region`, shared by threads that each fill (or
+/// read) disjoint parts of it.
+#[derive(Clone, Copy)]
+pub struct DisjointBuf<'a> {
+    cells: UnsafeCellSlice<'a, u8>,
+    region: &'a Region,
+    elem: usize,
+}
+
+impl<'a> DisjointBuf<'a> {
+    /// Wraps `buf`, which holds `region` in C order.
+    pub fn new(buf: &'a mut [u8], region: &'a Region, elem: usize) -> Self {
+        DisjointBuf { cells: UnsafeCellSlice::new(buf), region, elem }
+    }
+
+    /// The box the buffer holds.
+    #[must_use]
+    pub fn region(&self) -> &'a Region {
+        self.region
+    }
+
+    /// Bytes per element.
+    #[must_use]
+    pub fn elem(&self) -> usize {
+        self.elem
+    }
+
+    /// The underlying cells (for zarrs views).
+    #[must_use]
+    pub fn cells(&self) -> UnsafeCellSlice<'a, u8> {
+        self.cells
+    }
+
+    /// The bytes `[start, start+len)`.
+    ///
+    /// # Safety
+    /// No other thread may access these bytes at the same time.
+    #[allow(clippy::mut_from_ref)]
+    #[must_use]
+    pub unsafe fn slice(&self, start: usize, len: usize) -> &mut [u8] {
+        // SAFETY: forwarded to the caller.
+        unsafe { self.cells.index_mut(start..start + len) }
+    }
+
+    /// Byte offset of a global index inside the buffer.
+    #[must_use]
+    pub fn offset_of(&self, global_index: &[u64]) -> usize {
+        let rel: Vec<u64> = global_index.iter().zip(&self.region.offset).map(|(a, b)| a - b).collect();
+        byte_offset(&rel, &self.region.shape, self.elem)
+    }
+
+    /// The byte range of `part` (inside the region) when it is contiguous in the buffer.
+    #[must_use]
+    pub fn contiguous_range(&self, part: &Region) -> Option<(usize, usize)> {
+        is_contiguous(&part.shape, &self.region.shape).then(|| {
+            let len = usize::try_from(part.num_elements().unwrap_or(0)).unwrap_or(usize::MAX) * self.elem;
+            (self.offset_of(&part.offset), len)
+        })
+    }
+
+    /// Writes zeros over `part` (global coordinates, inside the region).
+    ///
+    /// # Safety
+    /// No other thread may access `part`'s bytes at the same time.
+    pub unsafe fn zero(&self, part: &Region) {
+        for_each_run(part, self.region, part, self.elem, |_, d, len| {
+            // SAFETY: forwarded to the caller.
+            unsafe { self.slice(d, len) }.fill(0);
+        });
+    }
+
+    /// Copies `part` out into `out` (packed in C order).
+    ///
+    /// # Safety
+    /// No other thread may write `part`'s bytes at the same time.
+    pub unsafe fn pack(&self, part: &Region, out: &mut Vec<u8>) {
+        out.clear();
+        for_each_run(self.region, part, part, self.elem, |s, _, len| {
+            // SAFETY: forwarded to the caller.
+            out.extend_from_slice(unsafe { self.slice(s, len) });
+        });
+    }
+
+    /// Copies `data` (holding `part` packed in C order) into `part` of the buffer.
+    ///
+    /// # Safety
+    /// No other thread may access `part`'s bytes at the same time.
+    pub unsafe fn unpack(&self, part: &Region, data: &[u8]) {
+        for_each_run(part, self.region, part, self.elem, |s, d, len| {
+            // SAFETY: forwarded to the caller.
+            unsafe { self.slice(d, len) }.copy_from_slice(&data[s..s + len]);
+        });
     }
 }
 

@@ -12,13 +12,12 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use unsafe_cell_slice::UnsafeCellSlice;
 use zarrs::array::{ArrayBytesFixedDisjointView, ArraySubset, CodecOptions};
 
 use super::array::TensorArray;
 use super::error::StorageError;
 use crate::model::Region;
-use crate::model::copy::{byte_offset, for_each_run};
+use crate::model::copy::{DisjointBuf as Dest, for_each_run};
 use crate::plan::load::{ShardRead, StoredGeometry};
 
 /// Most subchunks read by one `preadv`.
@@ -36,48 +35,6 @@ pub struct ReadCounters {
 impl ReadCounters {
     fn add(&self, n: u64) {
         self.bytes.fetch_add(n, Ordering::Relaxed);
-    }
-}
-
-/// A caller's buffer holding the box `region`, shared by the threads that fill disjoint
-/// parts of it.
-#[derive(Clone, Copy)]
-pub struct Dest<'a> {
-    cells: UnsafeCellSlice<'a, u8>,
-    region: &'a Region,
-    elem: usize,
-}
-
-impl<'a> Dest<'a> {
-    /// Wraps `buf`, which holds `region` in C order.
-    pub fn new(buf: &'a mut [u8], region: &'a Region, elem: usize) -> Self {
-        Dest { cells: UnsafeCellSlice::new(buf), region, elem }
-    }
-
-    /// The bytes `[start, start+len)`.
-    ///
-    /// # Safety
-    /// No other thread may access these bytes at the same time.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice(&self, start: usize, len: usize) -> &mut [u8] {
-        // SAFETY: forwarded to the caller.
-        unsafe { self.cells.index_mut(start..start + len) }
-    }
-
-    fn offset_of(&self, global_index: &[u64]) -> usize {
-        let rel: Vec<u64> = global_index.iter().zip(&self.region.offset).map(|(a, b)| a - b).collect();
-        byte_offset(&rel, &self.region.shape, self.elem)
-    }
-
-    /// Writes zeros over `part` (global coordinates, inside the region).
-    ///
-    /// # Safety
-    /// No other thread may access `part`'s bytes at the same time.
-    unsafe fn zero(&self, part: &Region) {
-        for_each_run(part, self.region, part, self.elem, |_, d, len| {
-            // SAFETY: forwarded to the caller.
-            unsafe { self.slice(d, len) }.fill(0);
-        });
     }
 }
 
@@ -252,7 +209,7 @@ unsafe fn read_shard_direct(
                 counters.add(n);
                 let (data, crc) = scratch.split_at(scratch.len() - 4);
                 check_crc(arr, shard, s.linear, data, [crc[0], crc[1], crc[2], crc[3]])?;
-                for_each_run(&s.stored, dest.region, &s.needed, dest.elem, |so, d, len| {
+                for_each_run(&s.stored, dest.region(), &s.needed, dest.elem(), |so, d, len| {
                     // SAFETY: disjoint destination ranges (caller's contract).
                     unsafe { dest.slice(d, len) }.copy_from_slice(&data[so..so + len]);
                 });
@@ -298,12 +255,12 @@ unsafe fn read_shard_zarrs(
     let shape: Vec<u64> = lo.iter().zip(&hi).map(|(l, h)| h - l).collect();
     let subset = ArraySubset::new_with_start_shape(lo.clone(), shape.clone())
         .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))?;
-    let rel = Region { offset: lo, shape }.relative_to(&dest.region.offset);
+    let rel = Region { offset: lo, shape }.relative_to(&dest.region().offset);
     let in_dest = ArraySubset::new_with_start_shape(rel.offset, rel.shape)
         .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))?;
     // SAFETY: `dest` covers the request box; the view touches only `in_dest`, which no other
     // thread touches (caller's contract).
-    let mut view = unsafe { ArrayBytesFixedDisjointView::new(dest.cells, dest.elem, &dest.region.shape, in_dest) }
+    let mut view = unsafe { ArrayBytesFixedDisjointView::new(dest.cells(), dest.elem(), &dest.region().shape, in_dest) }
         .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))?;
     arr.zarrs()
         .retrieve_array_subset_into_opt(&subset, (&mut view).into(), &CodecOptions::default())

@@ -5,6 +5,7 @@ mod demo;
 mod export;
 mod import;
 mod inspect;
+mod launch;
 mod progress;
 mod verify;
 mod workload;
@@ -35,6 +36,9 @@ enum Command {
     Verify(verify::Args),
     /// Measure save and load against the machine's own limits, measured in the same run.
     Bench(bench::Args),
+    /// Run N local processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
+    /// set (as torchrun does), output prefixed by rank; fail fast when one fails.
+    Launch(launch::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -50,6 +54,7 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(a) => inspect::run(&a),
         Command::Verify(a) => verify::run(&a),
         Command::Bench(a) => bench::run(&a),
+        Command::Launch(a) => launch::run(&a),
     };
     match result {
         Ok(code) => code,
