@@ -2,7 +2,7 @@
 //! tests. Any rank can generate (or check) any box of any tensor without holding the rest.
 
 use crate::model::copy::for_each_run;
-use crate::model::{DType, Region, TensorKey};
+use crate::model::{DType, LoadTarget, Region, ShardedTensor, TensorKey};
 
 /// One tensor of a synthetic model and how tensor parallelism splits it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,23 +56,27 @@ impl SynthTensor {
     }
 
     /// Checks that `buf` holds `region` of this tensor; returns the first wrong byte offset.
+    /// Works in blocks of at most 64 KiB, so checking allocates almost nothing.
     #[must_use]
     pub fn check(&self, region: &Region, buf: &[u8]) -> Option<usize> {
+        const BLOCK: usize = 64 << 10;
         let elem = self.dtype.size();
         let full = Region::full(&self.shape);
         let mut first = None;
-        let mut expect = Vec::new();
+        let mut expect = vec![0u8; BLOCK];
         for_each_run(&full, region, region, elem, |g, d, len| {
-            if first.is_some() {
-                return;
-            }
-            expect.resize(len, 0);
-            fill_bytes(self.seed, g as u64, &mut expect);
-            if self.dtype == DType::Bool {
-                expect.iter_mut().for_each(|b| *b &= 1);
-            }
-            if let Some(i) = expect.iter().zip(&buf[d..d + len]).position(|(a, b)| a != b) {
-                first = Some(d + i);
+            let mut done = 0;
+            while first.is_none() && done < len {
+                let n = (len - done).min(BLOCK);
+                let e = &mut expect[..n];
+                fill_bytes(self.seed, (g + done) as u64, e);
+                if self.dtype == DType::Bool {
+                    e.iter_mut().for_each(|b| *b &= 1);
+                }
+                if let Some(i) = e.iter().zip(&buf[d + done..d + done + n]).position(|(a, b)| a != b) {
+                    first = Some(d + done + i);
+                }
+                done += n;
             }
         });
         first
@@ -175,6 +179,113 @@ impl Builder {
     /// A replicated fp32 norm weight.
     fn norm(&mut self, name: &str, h: u64) {
         self.push(name, DType::Float32, vec![h], None);
+    }
+}
+
+/// Tensor parallelism x data parallelism: rank r has tensor-parallel rank `r % tp` and
+/// data-parallel rank `r / tp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Topology {
+    /// Tensor-parallel size.
+    pub tp: u64,
+    /// Data-parallel size.
+    pub dp: u64,
+}
+
+impl Topology {
+    /// Number of ranks.
+    pub fn world(&self) -> u64 {
+        self.tp * self.dp
+    }
+
+    /// The box and replica id of `t` on `rank`.
+    pub fn piece(&self, t: &SynthTensor, rank: u64) -> (Region, u32) {
+        let (tp_rank, dp_rank) = (rank % self.tp, rank / self.tp);
+        let region = t.region(tp_rank, self.tp);
+        let replica = if t.split_axis.is_some() { dp_rank } else { rank };
+        (region, u32::try_from(replica).unwrap_or(u32::MAX))
+    }
+}
+
+/// One rank's pieces with their generated contents.
+pub struct Held {
+    /// (tensor index, box, replica id, bytes).
+    pub pieces: Vec<(usize, Region, u32, Vec<u8>)>,
+}
+
+impl Held {
+    /// Generates rank `rank`'s pieces of `model` under `topo`.
+    pub fn generate(model: &SynthModel, topo: Topology, rank: u64) -> Held {
+        let pieces = model
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let (region, replica) = topo.piece(t, rank);
+                let mut buf = vec![0u8; region.num_elements().unwrap_or(0) as usize * t.dtype.size()];
+                t.fill(&region, &mut buf);
+                (i, region, replica, buf)
+            })
+            .collect();
+        Held { pieces }
+    }
+
+    /// The pieces as the library takes them.
+    pub fn sharded<'a>(&'a self, model: &SynthModel) -> Vec<ShardedTensor<'a>> {
+        self.pieces
+            .iter()
+            .map(|(i, region, replica, buf)| {
+                let t = &model.tensors[*i];
+                ShardedTensor::new(t.key.clone(), t.dtype, t.shape.clone(), region.clone(), *replica, buf)
+                    .expect("generated pieces are valid")
+            })
+            .collect()
+    }
+}
+
+/// One rank's load buffers.
+pub struct Wanted {
+    /// (tensor index, box, buffer).
+    pub pieces: Vec<(usize, Region, Vec<u8>)>,
+}
+
+impl Wanted {
+    /// Allocates rank `rank`'s buffers under `topo`, touching every page (as a model's
+    /// parameters would be) so that timing excludes first-touch page faults.
+    pub fn allocate(model: &SynthModel, topo: Topology, rank: u64) -> Wanted {
+        let pieces = model
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let (region, _) = topo.piece(t, rank);
+                let buf = vec![0x5Au8; region.num_elements().unwrap_or(0) as usize * t.dtype.size()];
+                (i, region, buf)
+            })
+            .collect();
+        Wanted { pieces }
+    }
+
+    /// Load targets over the buffers.
+    pub fn targets<'a>(&'a mut self, model: &SynthModel) -> Vec<LoadTarget<'a>> {
+        self.pieces
+            .iter_mut()
+            .map(|(i, region, buf)| {
+                let t = &model.tensors[*i];
+                LoadTarget::new(t.key.clone(), t.dtype, t.shape.clone(), region.clone(), buf).expect("valid targets")
+            })
+            .collect()
+    }
+
+    /// Checks every byte; returns the first wrong (key, byte offset).
+    pub fn check(&self, model: &SynthModel) -> Result<(), String> {
+        for (i, region, buf) in &self.pieces {
+            let t = &model.tensors[*i];
+            if let Some(off) = t.check(region, buf) {
+                return Err(format!("tensor `{}` region {region}: wrong byte at offset {off}", t.key));
+            }
+        }
+        Ok(())
     }
 }
 

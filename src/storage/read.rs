@@ -18,12 +18,12 @@ use super::array::TensorArray;
 use super::error::StorageError;
 use crate::model::Region;
 use crate::model::copy::{DisjointBuf as Dest, for_each_run};
-use crate::plan::load::{ShardRead, StoredGeometry};
+use crate::plan::load::{ShardRead, StoredGeometry, SubchunkRead};
 
 /// Most subchunks read by one `preadv`.
 const MAX_BATCH: usize = 256;
 /// Most bytes read by one `preadv`.
-const MAX_BATCH_BYTES: u64 = 2 << 20;
+const MAX_BATCH_BYTES: u64 = 512 << 10;
 
 /// Counts what a load read from storage.
 #[derive(Debug, Default)]
@@ -185,6 +185,9 @@ unsafe fn read_shard_direct(
         Ok(())
     };
 
+    // Whole subchunks landing contiguously are read in place (batched); the others are
+    // gathered into the scratch buffer in groups and copied out afterwards.
+    let mut gathered: Vec<(&SubchunkRead, u64)> = Vec::new();
     for s in &shard.subchunks {
         match entry(s.linear) {
             Some((off, n)) if s.direct => {
@@ -202,26 +205,83 @@ unsafe fn read_shard_direct(
                 }
                 batch.push((s.linear, d));
             }
-            Some((off, n)) => {
-                flush(&mut batch, batch_file_start)?;
-                scratch.resize(usize::try_from(n).unwrap_or(usize::MAX), 0);
-                file.read_exact_at(scratch, off).map_err(StorageError::io("read", &path))?;
-                counters.add(n);
-                let (data, crc) = scratch.split_at(scratch.len() - 4);
-                check_crc(arr, shard, s.linear, data, [crc[0], crc[1], crc[2], crc[3]])?;
-                for_each_run(&s.stored, dest.region(), &s.needed, dest.elem(), |so, d, len| {
-                    // SAFETY: disjoint destination ranges (caller's contract).
-                    unsafe { dest.slice(d, len) }.copy_from_slice(&data[so..so + len]);
-                });
-            }
+            Some((off, _)) => gathered.push((s, off)),
             None => {
-                flush(&mut batch, batch_file_start)?;
                 // SAFETY: disjoint destination ranges (caller's contract).
                 unsafe { dest.zero(&s.needed) };
             }
         }
     }
-    flush(&mut batch, batch_file_start)
+    flush(&mut batch, batch_file_start)?;
+    let per_group = (GATHER_BYTES / (sub_bytes + 4)).max(1);
+    for group in gathered.chunks(per_group) {
+        scratch.resize(group.len() * (sub_bytes + 4), 0);
+        for (k, (s, off)) in group.iter().enumerate() {
+            let slot = &mut scratch[k * (sub_bytes + 4)..(k + 1) * (sub_bytes + 4)];
+            file.read_exact_at(slot, *off).map_err(StorageError::io("read", &path))?;
+            counters.add(sub_bytes as u64 + 4);
+            let (data, crc) = slot.split_at(sub_bytes);
+            check_crc(arr, shard, s.linear, data, [crc[0], crc[1], crc[2], crc[3]])?;
+        }
+        // SAFETY: disjoint destination ranges (caller's contract).
+        unsafe { scatter(group.iter().map(|(s, _)| *s), scratch, sub_bytes + 4, dest) };
+    }
+    Ok(())
+}
+
+/// Bytes of gathered subchunks copied out together.
+const GATHER_BYTES: usize = 4 << 20;
+
+/// Copies `run.len()` bytes; short runs with fixed-size moves the compiler inlines.
+#[inline]
+fn copy_run(dst: &mut [u8], src: &[u8]) {
+    if src.len() > 256 {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let mut d = dst.chunks_exact_mut(32);
+    let mut s = src.chunks_exact(32);
+    for (dc, sc) in (&mut d).zip(&mut s) {
+        let block: [u8; 32] = sc.try_into().unwrap_or([0; 32]);
+        dc.copy_from_slice(&block);
+    }
+    d.into_remainder().copy_from_slice(s.remainder());
+}
+
+/// Copies the needed parts of gathered subchunks (slot `k` of `scratch` holds the `k`-th, each
+/// slot `slot_bytes` long) into `dest`. When the subchunks have the same run structure (column
+/// strips of the same rows, the common case) their runs are interleaved so that the
+/// destination is written in order, row by row.
+///
+/// # Safety
+/// No other thread may touch the needed parts of `dest` meanwhile.
+unsafe fn scatter<'s>(subs: impl Iterator<Item = &'s SubchunkRead>, scratch: &[u8], slot_bytes: usize, dest: Dest<'_>) {
+    let lists: Vec<Vec<(usize, usize, usize)>> = subs
+        .enumerate()
+        .map(|(k, s)| {
+            let mut runs = Vec::new();
+            for_each_run(&s.stored, dest.region(), &s.needed, dest.elem(), |so, d, len| {
+                runs.push((k * slot_bytes + so, d, len));
+            });
+            runs
+        })
+        .collect();
+    let same = lists.windows(2).all(|w| w[0].len() == w[1].len());
+    let mut copy = |(so, d, len): (usize, usize, usize)| {
+        // SAFETY: forwarded to the caller.
+        copy_run(unsafe { dest.slice(d, len) }, &scratch[so..so + len]);
+    };
+    if same && lists.len() > 1 {
+        for i in 0..lists[0].len() {
+            for l in &lists {
+                copy(l[i]);
+            }
+        }
+    } else {
+        for l in lists {
+            l.into_iter().for_each(&mut copy);
+        }
+    }
 }
 
 /// Fills the parts of `dest` in one shard of a compressed array through zarrs.

@@ -1,21 +1,21 @@
 //! `zarrckpt bench`: save and load a synthetic model state and compare with the machine's own
 //! limits, measured in the same run on the same directory, alternating pair by pair.
 
+use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use serde_json::json;
+use serde_json::{Value, json};
 use zarrckpt::comm::run_local;
 use zarrckpt::synth::SynthModel;
-use zarrckpt::{Communicator, LoadOptions, SaveOptions, load, save};
 
 use crate::inspect::human;
-use crate::workload::{Held, Topology, Wanted};
+use crate::rss;
+use crate::worker::{self, Job};
 
 /// Arguments of `zarrckpt bench`.
 #[derive(clap::Args)]
@@ -23,12 +23,19 @@ pub struct Args {
     /// Approximate size of the model state in bytes.
     #[arg(long, default_value_t = 2 << 30)]
     size: u64,
-    /// Ranks saving (tensor-parallel split).
+    /// Ranks saving (tensor-parallel split), per data-parallel replica.
     #[arg(long, default_value_t = 4)]
     save_ranks: u64,
-    /// Ranks loading (another tensor-parallel split).
+    /// Ranks loading (another tensor-parallel split), per data-parallel replica.
     #[arg(long, default_value_t = 3)]
     load_ranks: u64,
+    /// Data-parallel replicas (both for saving and loading): world = ranks x dp.
+    #[arg(long, default_value_t = 1)]
+    dp: u64,
+    /// Run the ranks as real processes talking TCP on loopback (through `zarrckpt launch`)
+    /// instead of threads of this process.
+    #[arg(long)]
+    processes: bool,
     /// Directory for the checkpoint and the raw-limit files (removed afterwards).
     #[arg(long, default_value = "zarrckpt-bench")]
     dir: PathBuf,
@@ -49,25 +56,30 @@ pub struct Args {
     json: bool,
 }
 
+/// Flushes all dirty data (`sync(2)`), so that one measurement's writeback does not slow the
+/// next one down.
+fn sync_all() {
+    // SAFETY: sync takes no arguments and cannot fail.
+    unsafe { libc::sync() };
+}
+
 fn cores() -> usize {
     std::thread::available_parallelism().map_or(2, std::num::NonZero::get)
 }
 
-fn median(v: &mut [f64]) -> f64 {
+fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
-    if n == 0 {
-        0.0
-    } else if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 
 /// Writes `total` bytes as `streams` files in parallel, each written sequentially from a reused
 /// buffer and fsynced; returns the wall time.
-fn raw_write(dir: &Path, total: u64, streams: usize) -> anyhow::Result<Duration> {
+fn raw_write(dir: &Path, total: u64, streams: usize) -> anyhow::Result<f64> {
     fs::create_dir_all(dir)?;
     let per = total.div_ceil(streams as u64);
     let mut block = vec![0u8; 16 << 20];
@@ -102,7 +114,7 @@ fn raw_write(dir: &Path, total: u64, streams: usize) -> anyhow::Result<Duration>
         }
         Ok(())
     })?;
-    let dt = t0.elapsed();
+    let dt = t0.elapsed().as_secs_f64();
     fs::remove_dir_all(dir)?;
     Ok(dt)
 }
@@ -120,9 +132,9 @@ fn files_under(dir: &Path, out: &mut Vec<(PathBuf, u64)>) -> std::io::Result<()>
     Ok(())
 }
 
-/// Reads `files` with `streams` threads (files dealt round-robin by size) into reused
-/// buffers; returns the wall time.
-fn raw_read(files: &[(PathBuf, u64)], streams: usize) -> anyhow::Result<Duration> {
+/// Reads `files` with `streams` threads (files dealt out by size) into reused buffers;
+/// returns the wall time.
+fn raw_read(files: &[(PathBuf, u64)], streams: usize) -> anyhow::Result<f64> {
     let mut sorted: Vec<&(PathBuf, u64)> = files.iter().collect();
     sorted.sort_by_key(|f| std::cmp::Reverse(f.1));
     let mut lists: Vec<Vec<&Path>> = vec![Vec::new(); streams];
@@ -152,212 +164,262 @@ fn raw_read(files: &[(PathBuf, u64)], streams: usize) -> anyhow::Result<Duration
         }
         Ok(())
     })?;
-    Ok(t0.elapsed())
+    Ok(t0.elapsed().as_secs_f64())
 }
 
-/// Peak resident memory of this process since the last reset, in bytes.
-fn peak_rss() -> u64 {
-    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
+/// The ranks of one save or load: threads of this process or launched processes. Returns
+/// every rank's report, and (in-process) the process's peak RSS during the run.
+fn run_ranks(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<(Vec<Value>, u64, u64)> {
+    if a.processes {
+        let report = a.dir.join("report");
+        let mut w = w.clone();
+        w.report = Some(report.clone());
+        let exe = std::env::current_exe()?;
+        let mut cmd: Vec<OsString> = vec![exe.into(), "worker".into()];
+        cmd.extend(worker_args(&w));
+        let mut opts = zarrckpt::launch::LaunchOptions::default();
+        opts.stdout = zarrckpt::launch::Sink::Stderr;
+        zarrckpt::launch::launch(world as usize, &cmd, &opts).context("launching the ranks")?;
+        let reports = (0..world)
+            .map(|r| {
+                let p = report.with_extension(format!("{r}"));
+                let v = serde_json::from_slice(&fs::read(&p)?)?;
+                fs::remove_file(&p)?;
+                Ok(v)
+            })
+            .collect::<anyhow::Result<Vec<Value>>>()?;
+        Ok((reports, 0, 0))
+    } else {
+        let before = rss::current();
+        let reset = rss::reset_peak();
+        let results = run_local(world as usize, Duration::from_secs(600), |comm| worker::run_rank(w, &comm));
+        let peak = if reset { rss::peak() } else { 0 };
+        let reports = results.into_iter().collect::<anyhow::Result<Vec<Value>>>()?;
+        Ok((reports, peak, before))
+    }
 }
 
-/// Current resident memory, in bytes.
-fn rss() -> u64 {
-    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
+/// The command-line form of worker arguments.
+fn worker_args(w: &worker::Args) -> Vec<OsString> {
+    let mut v: Vec<OsString> = vec![
+        if w.job == Job::Save { "save" } else { "load" }.into(),
+        "--dir".into(),
+        w.dir.clone().into(),
+        "--size".into(),
+        w.size.to_string().into(),
+        "--hidden".into(),
+        w.hidden.to_string().into(),
+        "--tp".into(),
+        w.tp.to_string().into(),
+        "--dp".into(),
+        w.dp.to_string().into(),
+        "--io-threads".into(),
+        w.io_threads.to_string().into(),
+    ];
+    if w.no_exchange {
+        v.push("--no-exchange".into());
+    }
+    if w.overwrite {
+        v.push("--overwrite".into());
+    }
+    if let Some(r) = &w.report {
+        v.push("--report".into());
+        v.push(r.clone().into());
+    }
+    v
 }
 
-/// Resets the peak-RSS counter (Linux `clear_refs` value 5).
-fn reset_peak_rss() -> bool {
-    fs::write("/proc/self/clear_refs", "5").is_ok()
+fn sum(reports: &[Value], field: &str) -> u64 {
+    reports.iter().filter_map(|r| r.get(field).and_then(Value::as_u64)).sum()
 }
 
-struct Pair {
-    raw_s: f64,
-    raw_streams: usize,
-    ckpt_s: f64,
+fn max_secs(reports: &[Value]) -> f64 {
+    reports.iter().filter_map(|r| r.get("secs").and_then(Value::as_f64)).fold(0.0, f64::max)
+}
+
+struct LoadRun {
+    secs: f64,
+    loaded: u64,
+    read: u64,
+    received: u64,
+    /// Largest memory over the loaded bytes: the process's (threads) or the worst process's.
+    overhead: u64,
+    peak: u64,
+    verified: bool,
+}
+
+fn load_run(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<LoadRun> {
+    let (reports, peak, before) = run_ranks(a, w, world)?;
+    let loaded = sum(&reports, "loaded_bytes");
+    let (peak, overhead) = if a.processes {
+        let worst = reports
+            .iter()
+            .map(|r| {
+                let p = r.get("peak_rss").and_then(Value::as_u64).unwrap_or(0);
+                (p, p.saturating_sub(r.get("loaded_bytes").and_then(Value::as_u64).unwrap_or(0)))
+            })
+            .max_by_key(|x| x.1)
+            .unwrap_or((0, 0));
+        worst
+    } else {
+        // The in-process ranks allocate their buffers inside the run: count them as loaded.
+        if std::env::var_os("ZARRCKPT_BENCH_DEBUG").is_some() {
+            eprintln!("bench: rss before load {before}, peak {peak}, loaded {loaded}");
+        }
+        (peak, peak.saturating_sub(loaded))
+    };
+    Ok(LoadRun {
+        secs: max_secs(&reports),
+        loaded,
+        read: sum(&reports, "bytes_read"),
+        received: sum(&reports, "bytes_received"),
+        overhead,
+        peak,
+        verified: reports.iter().all(|r| r.get("verified").and_then(Value::as_bool) == Some(true)),
+    })
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
-    if a.save_ranks == 0 || a.load_ranks == 0 || a.rounds == 0 {
-        bail!("ranks and rounds must be at least 1");
+    if a.save_ranks == 0 || a.load_ranks == 0 || a.rounds == 0 || a.dp == 0 {
+        bail!("ranks, dp and rounds must be at least 1");
     }
+    fs::create_dir_all(&a.dir).with_context(|| format!("create {}", a.dir.display()))?;
     let ckpt = a.dir.join("ckpt");
     let rawdir = a.dir.join("raw");
-    fs::create_dir_all(&a.dir).with_context(|| format!("create {}", a.dir.display()))?;
     let model = SynthModel::gpt(a.size, a.hidden);
     let bytes = model.nbytes();
-    let (n, m) = (a.save_ranks, a.load_ranks);
-    let save_threads = if a.io_threads > 0 { a.io_threads } else { (cores() / n as usize).max(1) };
-    let load_threads = if a.io_threads > 0 { a.io_threads } else { (cores() / m as usize).max(1) };
+    let (n, m, dp) = (a.save_ranks, a.load_ranks, a.dp);
+    let (save_world, load_world) = (n * dp, m * dp);
+    let threads = |world: u64| if a.io_threads > 0 { a.io_threads } else { (cores() / world as usize).max(1) };
     let say = |s: String| {
         if !a.json {
             println!("{s}");
         }
     };
     say(format!(
-        "model: {} tensors, {} ({} bytes); save {n} ranks x {save_threads} I/O threads, load {m} ranks x {load_threads}; {} cores; dir {}",
+        "model: {} tensors, {} ({bytes} bytes); save {n}x{dp} ranks, load {m}x{dp} ranks (tp x dp) as {}; {} cores; dir {}",
         model.tensors.len(),
         human(bytes),
-        bytes,
+        if a.processes { "processes over TCP" } else { "threads" },
         cores(),
         a.dir.display()
     ));
+    let base = worker::Args {
+        job: Job::Save,
+        dir: ckpt.clone(),
+        size: a.size,
+        hidden: a.hidden,
+        tp: n,
+        dp,
+        io_threads: threads(save_world),
+        no_exchange: false,
+        overwrite: false,
+        report: None,
+        die_after_bytes: None,
+        die_rank: 0,
+    };
 
-    // ---- save phase ----
-    let save_topo = Topology { tp: n, dp: 1 };
-    let held: Vec<Held> = (0..n).map(|r| Held::generate(&model, save_topo, r)).collect();
-    let mut save_pairs = Vec::new();
-    let mut file_bytes = 0u64;
+    // ---- save: (zarrckpt, raw) pairs ----
+    let mut save_rounds = Vec::new();
+    let mut file_bytes = 0;
     let mut balance = 1.0;
     for round in 0..a.rounds {
-        let barrier = Barrier::new(n as usize);
-        let results = run_local(n as usize, Duration::from_secs(600), |comm| -> zarrckpt::Result<(f64, zarrckpt::SaveReport)> {
-            let pieces = held[comm.rank()].sharded(&model);
-            let opts = SaveOptions { overwrite: true, io_threads: save_threads, ..Default::default() };
-            barrier.wait();
-            let t0 = Instant::now();
-            let rep = save(&pieces, &ckpt, &comm, &opts)?;
-            Ok((t0.elapsed().as_secs_f64(), rep))
-        });
-        let mut secs: f64 = 0.0;
-        file_bytes = 0;
-        for r in results {
-            let (s, rep) = r.context("save")?;
-            secs = secs.max(s);
-            file_bytes += rep.file_bytes;
-            balance = rep.write_balance;
+        // A checkpoint goes to a new directory, as training jobs write one per step: remove
+        // the previous round's (untimed) and let the kernel finish its writeback first.
+        if ckpt.exists() {
+            fs::remove_dir_all(&ckpt).with_context(|| format!("remove {}", ckpt.display()))?;
         }
-        let one = raw_write(&rawdir, file_bytes, 1)?.as_secs_f64();
-        let many = raw_write(&rawdir, file_bytes, n as usize)?.as_secs_f64();
-        let (raw_s, raw_streams) = if one <= many { (one, 1) } else { (many, n as usize) };
+        sync_all();
+        let (reports, _, _) = run_ranks(a, &base, save_world)?;
+        let secs = max_secs(&reports);
+        file_bytes = sum(&reports, "file_bytes");
+        balance = reports.first().and_then(|r| r.get("write_balance")).and_then(Value::as_f64).unwrap_or(1.0);
+        sync_all();
+        let one = raw_write(&rawdir, file_bytes, 1)?;
+        sync_all();
+        let many = raw_write(&rawdir, file_bytes, save_world as usize)?;
+        let raw = one.min(many);
         say(format!(
-            "save round {round}: zarrckpt {:.3} s = {:.2} GB/s | raw write+fsync {:.3} s = {:.2} GB/s ({} stream(s); 1: {:.2}, {n}: {:.2} GB/s) | ratio {:.2}",
-            secs,
+            "save round {round}: zarrckpt {secs:.3} s = {:.2} GB/s | raw write+fsync {raw:.3} s = {:.2} GB/s (1 stream {:.2}, {save_world} streams {:.2}) | ratio {:.2}",
             bytes as f64 / secs / 1e9,
-            raw_s,
-            file_bytes as f64 / raw_s / 1e9,
-            raw_streams,
+            file_bytes as f64 / raw / 1e9,
             file_bytes as f64 / one / 1e9,
             file_bytes as f64 / many / 1e9,
-            raw_s / secs
+            raw / secs
         ));
-        save_pairs.push(Pair { raw_s, raw_streams, ckpt_s: secs });
-    }
-    drop(held);
-    // SAFETY: malloc_trim only returns free memory to the system.
-    unsafe {
-        libc::malloc_trim(0);
+        save_rounds.push((secs, raw));
     }
 
-    // ---- load phase ----
-    let load_topo = Topology { tp: m, dp: 1 };
+    // ---- load: (raw, zarrckpt[, zarrckpt without exchange]) ----
     let mut files = Vec::new();
     files_under(&ckpt, &mut files)?;
-    let mut load_pairs = Vec::new();
-    let mut amplification = 0.0;
-    let mut loaded_bytes = 0u64;
-    let mut peak = 0u64;
-    let mut baseline = 0u64;
+    let load_args = worker::Args { job: Job::Load, tp: m, io_threads: threads(load_world), overwrite: false, ..base.clone() };
+    let plain_args = worker::Args { no_exchange: true, ..load_args.clone() };
+    let mut load_rounds = Vec::new();
+    let mut plain_rounds = Vec::new();
+    let mut last = None;
     let mut verified = true;
-    let mut wanted: Vec<Wanted> = (0..m).map(|r| Wanted::allocate(&model, load_topo, r)).collect();
     for round in 0..a.rounds {
-        let one = raw_read(&files, 1)?.as_secs_f64();
-        let many = raw_read(&files, m as usize)?.as_secs_f64();
-        let (raw_s, raw_streams) = if one <= many { (one, 1) } else { (many, m as usize) };
-        baseline = rss();
-        let reset = reset_peak_rss();
-        let barrier = Barrier::new(m as usize);
-        let slots: Vec<std::sync::Mutex<Option<Wanted>>> = wanted.drain(..).map(|w| std::sync::Mutex::new(Some(w))).collect();
-        let results = run_local(m as usize, Duration::from_secs(600), |comm| -> zarrckpt::Result<(f64, zarrckpt::LoadReport, Wanted)> {
-            let mut w = slots[comm.rank()].lock().expect("slot").take().expect("buffers");
-            let opts = LoadOptions { io_threads: load_threads, ..Default::default() };
-            let mut targets = w.targets(&model);
-            barrier.wait();
-            let t0 = Instant::now();
-            let rep = load(&mut targets, &ckpt, &comm, &opts)?;
-            let dt = t0.elapsed().as_secs_f64();
-            drop(targets);
-            Ok((dt, rep, w))
-        });
-        let round_peak = if reset { peak_rss() } else { 0 };
-        let mut secs: f64 = 0.0;
-        let (mut read, mut loaded) = (0u64, 0u64);
-        for r in results {
-            let (s, rep, w) = r.context("load")?;
-            secs = secs.max(s);
-            read += rep.bytes_read;
-            loaded += rep.loaded_bytes;
-            wanted.push(w);
-        }
-        for w in &wanted {
-            if let Err(e) = w.check(&model) {
-                verified = false;
-                eprintln!("VERIFY FAILED: {e}");
-            }
-        }
-        for w in &mut wanted {
-            for p in &mut w.pieces {
-                p.2.fill(0x5A);
-            }
-        }
-        amplification = read as f64 / loaded.max(1) as f64;
-        loaded_bytes = loaded;
-        peak = peak.max(round_peak);
+        let one = raw_read(&files, 1)?;
+        let many = raw_read(&files, load_world.min(cores() as u64 * 2) as usize)?;
+        let raw = one.min(many);
+        let raw_gbps = file_bytes as f64 / raw / 1e9;
+        let run = load_run(a, &load_args, load_world)?;
+        verified &= run.verified;
+        let gbps = run.loaded as f64 / run.secs / 1e9;
         say(format!(
-            "load round {round}: zarrckpt {:.3} s = {:.2} GB/s | raw page-cache read {:.3} s = {:.2} GB/s ({} stream(s); 1: {:.2}, {m}: {:.2} GB/s) | ratio {:.2} | read/needed {:.4} | peak RSS {} (before load {})",
-            secs,
-            loaded as f64 / secs / 1e9,
-            raw_s,
-            file_bytes as f64 / raw_s / 1e9,
-            raw_streams,
-            file_bytes as f64 / one / 1e9,
-            file_bytes as f64 / many / 1e9,
-            raw_s / secs * loaded as f64 / file_bytes as f64,
-            amplification,
-            human(round_peak),
-            human(baseline)
+            "load round {round}: zarrckpt {:.3} s = {gbps:.2} GB/s | raw page-cache read {raw:.3} s = {raw_gbps:.2} GB/s | ratio {:.2} | read/needed {:.4} | peak RSS {} for {} loaded",
+            run.secs,
+            gbps / raw_gbps,
+            run.read as f64 / (run.loaded as f64 / dp as f64),
+            human(run.peak),
+            human(run.loaded)
         ));
-        load_pairs.push(Pair { raw_s, raw_streams, ckpt_s: secs });
+        load_rounds.push((run.secs, raw));
+        if dp > 1 {
+            let plain = load_run(a, &plain_args, load_world)?;
+            verified &= plain.verified;
+            say(format!(
+                "         without exchange: {:.3} s = {:.2} GB/s, read/needed {:.4}",
+                plain.secs,
+                plain.loaded as f64 / plain.secs / 1e9,
+                plain.read as f64 / (plain.loaded as f64 / dp as f64)
+            ));
+            plain_rounds.push((plain.secs, plain.read));
+        }
+        last = Some(run);
     }
     if !a.keep {
         fs::remove_dir_all(&a.dir).with_context(|| format!("remove {}", a.dir.display()))?;
     }
+    let run = last.context("no load round ran")?;
 
-    let gbps = |b: u64, s: f64| b as f64 / s / 1e9;
-    let mut v: Vec<f64> = save_pairs.iter().map(|p| gbps(bytes, p.ckpt_s)).collect();
-    let save_gbps = median(&mut v);
-    let mut v: Vec<f64> = save_pairs.iter().map(|p| gbps(file_bytes, p.raw_s)).collect();
-    let raw_write_gbps = median(&mut v);
-    let mut v: Vec<f64> = save_pairs.iter().map(|p| p.raw_s / p.ckpt_s).collect();
-    let save_ratio = median(&mut v);
-    let mut v: Vec<f64> = load_pairs.iter().map(|p| gbps(loaded_bytes, p.ckpt_s)).collect();
-    let load_gbps = median(&mut v);
-    let mut v: Vec<f64> = load_pairs.iter().map(|p| gbps(file_bytes, p.raw_s)).collect();
-    let raw_read_gbps = median(&mut v);
-    // Rates, not times: the load fills `loaded_bytes` while the raw read moves `file_bytes`.
-    let mut v: Vec<f64> = load_pairs.iter().map(|p| gbps(loaded_bytes, p.ckpt_s) / gbps(file_bytes, p.raw_s)).collect();
-    let load_ratio = median(&mut v);
-    let overhead = peak.saturating_sub(loaded_bytes);
+    let save_gbps = median(save_rounds.iter().map(|p| bytes as f64 / p.0 / 1e9).collect());
+    let raw_write_gbps = median(save_rounds.iter().map(|p| file_bytes as f64 / p.1 / 1e9).collect());
+    let save_ratio = median(save_rounds.iter().map(|p| p.1 / p.0).collect());
+    let load_gbps = median(load_rounds.iter().map(|p| run.loaded as f64 / p.0 / 1e9).collect());
+    let raw_read_gbps = median(load_rounds.iter().map(|p| file_bytes as f64 / p.1 / 1e9).collect());
+    // Rates, not times: the load fills `loaded` bytes while the raw read moves `file_bytes`.
+    let load_ratio = median(load_rounds.iter().map(|p| (run.loaded as f64 / p.0) / (file_bytes as f64 / p.1)).collect());
+    let needed = run.loaded as f64 / dp as f64;
+    let amplification = run.read as f64 / needed;
+    let mut doc = json!({
+        "size_bytes": bytes, "file_bytes": file_bytes, "loaded_bytes": run.loaded,
+        "save_ranks": n, "load_ranks": m, "dp": dp, "processes": a.processes, "rounds": a.rounds, "cores": cores(),
+        "save_gbps": save_gbps, "raw_write_gbps": raw_write_gbps, "save_ratio": save_ratio,
+        "load_gbps": load_gbps, "raw_read_gbps": raw_read_gbps, "load_ratio": load_ratio,
+        "read_amplification": amplification, "peak_rss_bytes": run.peak, "load_overhead_bytes": run.overhead,
+        "bytes_received": run.received, "write_balance": balance, "verified": verified,
+        "save_rounds": save_rounds.iter().map(|p| json!({"zarrckpt_s": p.0, "raw_s": p.1})).collect::<Vec<_>>(),
+        "load_rounds": load_rounds.iter().map(|p| json!({"zarrckpt_s": p.0, "raw_s": p.1})).collect::<Vec<_>>(),
+    });
+    if dp > 1 {
+        let plain_gbps = median(plain_rounds.iter().map(|p| run.loaded as f64 / p.0 / 1e9).collect());
+        let plain_read = plain_rounds.last().map_or(0, |p| p.1);
+        doc["load_no_exchange_gbps"] = json!(plain_gbps);
+        doc["read_amplification_no_exchange"] = json!(plain_read as f64 / needed);
+    }
     if a.json {
-        let doc = json!({
-            "size_bytes": bytes, "file_bytes": file_bytes, "loaded_bytes": loaded_bytes,
-            "save_ranks": n, "load_ranks": m, "rounds": a.rounds, "cores": cores(),
-            "save_gbps": save_gbps, "raw_write_gbps": raw_write_gbps, "save_ratio": save_ratio,
-            "load_gbps": load_gbps, "raw_read_gbps": raw_read_gbps, "load_ratio": load_ratio,
-            "read_amplification": amplification, "peak_rss_bytes": peak, "rss_before_load_bytes": baseline,
-            "load_overhead_bytes": overhead, "write_balance": balance, "verified": verified,
-            "save_rounds": save_pairs.iter().map(|p| json!({"zarrckpt_s": p.ckpt_s, "raw_s": p.raw_s, "raw_streams": p.raw_streams})).collect::<Vec<_>>(),
-            "load_rounds": load_pairs.iter().map(|p| json!({"zarrckpt_s": p.ckpt_s, "raw_s": p.raw_s, "raw_streams": p.raw_streams})).collect::<Vec<_>>(),
-        });
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         println!(
@@ -365,12 +427,19 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             save_ratio * 100.0
         );
         println!("         load {load_gbps:.2} GB/s vs raw page-cache read {raw_read_gbps:.2} GB/s -> {:.0}% (target 80%)", load_ratio * 100.0);
-        println!("         bytes read / bytes needed {amplification:.4} (target <= 1.05)");
+        println!("         bytes read from storage / bytes needed {amplification:.4} (target <= 1.05)");
+        if dp > 1 {
+            println!(
+                "         without exchange: {:.2} GB/s, bytes read / bytes needed {:.4}",
+                doc["load_no_exchange_gbps"].as_f64().unwrap_or(0.0),
+                doc["read_amplification_no_exchange"].as_f64().unwrap_or(0.0)
+            );
+        }
         println!(
             "         peak RSS during load {} for {} loaded: {} over (target <= 64 MiB); write balance max/mean {balance:.3}",
-            human(peak),
-            human(loaded_bytes),
-            human(overhead)
+            human(run.peak),
+            human(run.loaded),
+            human(run.overhead)
         );
         println!("         every loaded byte verified: {}", if verified { "yes" } else { "NO" });
     }

@@ -10,7 +10,7 @@ use zarrckpt::synth::SynthModel;
 use zarrckpt::{Checkpoint, Communicator, LoadOptions, SaveOptions, load, save};
 
 use crate::inspect::human;
-use crate::workload::{Held, Topology, Wanted};
+use zarrckpt::synth::{Held, Topology, Wanted};
 
 /// Arguments of `zarrckpt demo`.
 #[derive(clap::Args)]

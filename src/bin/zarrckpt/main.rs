@@ -1,14 +1,16 @@
 //! The `zarrckpt` command-line tool.
 
 mod bench;
+mod bench_plan;
 mod demo;
 mod export;
 mod import;
 mod inspect;
 mod launch;
 mod progress;
+mod rss;
 mod verify;
-mod workload;
+mod worker;
 
 use clap::{Parser, Subcommand};
 
@@ -36,12 +38,24 @@ enum Command {
     Verify(verify::Args),
     /// Measure save and load against the machine's own limits, measured in the same run.
     Bench(bench::Args),
+    /// Measure one rank's planning cost (save and load) for very large simulated jobs.
+    BenchPlan(bench_plan::Args),
     /// Run N local processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
     /// set (as torchrun does), output prefixed by rank; fail fast when one fails.
     Launch(launch::Args),
+    /// One rank of a synthetic save or load (used by `bench --processes` and tests).
+    #[command(hide = true)]
+    Worker(worker::Args),
 }
 
 fn main() -> std::process::ExitCode {
+    // Large buffers (tensor pieces, load targets) come and go in big blocks; with a fixed mmap
+    // threshold glibc returns them to the system when freed instead of keeping them in
+    // per-thread arenas (which would inflate the memory figures `bench` reports).
+    // SAFETY: mallopt only tunes the allocator; called before any other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_env("ZARRCKPT_LOG"))
         .with_writer(std::io::stderr)
@@ -54,7 +68,9 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(a) => inspect::run(&a),
         Command::Verify(a) => verify::run(&a),
         Command::Bench(a) => bench::run(&a),
+        Command::BenchPlan(a) => bench_plan::run(&a),
         Command::Launch(a) => launch::run(&a),
+        Command::Worker(a) => worker::run(&a),
     };
     match result {
         Ok(code) => code,
