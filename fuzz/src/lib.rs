@@ -325,18 +325,19 @@ fn fixtures() -> &'static [Fixture; 2] {
     })
 }
 
-/// The seed inputs of `shard_read`: each fixture's pristine shard behind its selector byte.
+/// The seed inputs of `shard_read`: each fixture's pristine shard behind its selector byte,
+/// with and without the checksum fix-up.
 #[must_use]
 pub fn shard_seeds() -> Vec<Vec<u8>> {
-    fixtures()
-        .iter()
-        .enumerate()
-        .map(|(i, f)| {
-            let mut v = vec![u8::try_from(i).unwrap()];
+    let mut out = Vec::new();
+    for fix in [0u8, 2] {
+        for (i, f) in fixtures().iter().enumerate() {
+            let mut v = vec![u8::try_from(i).unwrap() | fix];
             v.extend_from_slice(&f.pristine);
-            v
-        })
-        .collect()
+            out.push(v);
+        }
+    }
+    out
 }
 
 /// What zarrs itself reads for the whole tensor (the oracle for accepted shards).
@@ -392,8 +393,39 @@ pub fn assert_names_file(e: &Error, file: &Path) {
     );
 }
 
-/// Replaces the fixture's second shard (rows 4..8) with `data[1..]` (`data[0]` picks the
-/// uncompressed or zstd checkpoint) and loads the whole tensor: the load must not panic; an
+/// Subchunks per shard of the fixture.
+pub const SUBCHUNKS: usize = 2;
+
+/// Recomputes, in place, the crc32c of the index at the end of `shard` and of every subchunk
+/// its entries point at (inside the data), so that fuzzed bytes get past the checksums and
+/// reach the index geometry checks and the decompressors behind them.
+pub fn fix_checksums(shard: &mut [u8]) {
+    let idx_len = SUBCHUNKS * 16 + 4;
+    let Some(data_end) = shard.len().checked_sub(idx_len) else {
+        return;
+    };
+    for i in 0..SUBCHUNKS {
+        let at = data_end + 16 * i;
+        let off = u64::from_le_bytes(shard[at..at + 8].try_into().unwrap());
+        let n = u64::from_le_bytes(shard[at + 8..at + 16].try_into().unwrap());
+        let (Ok(off), Ok(n)) = (usize::try_from(off), usize::try_from(n)) else {
+            continue;
+        };
+        match off.checked_add(n) {
+            Some(end) if end <= data_end && n >= 4 => {
+                let crc = crc32c::crc32c(&shard[off..end - 4]);
+                shard[end - 4..end].copy_from_slice(&crc.to_le_bytes());
+            }
+            _ => {}
+        }
+    }
+    let crc = crc32c::crc32c(&shard[data_end..data_end + SUBCHUNKS * 16]);
+    shard[data_end + SUBCHUNKS * 16..].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Replaces the fixture's second shard (rows 4..8) with `data[1..]` and loads the whole
+/// tensor. `data[0]`: bit 0 picks the uncompressed or zstd checkpoint; bit 1 has the harness
+/// fix up every checksum first ([`fix_checksums`]). The load must not panic or abort; an
 /// error must be a storage error naming the shard file; success must give the first shard's
 /// rows intact and the rows zarrs itself decodes from the replaced shard.
 pub fn check_shard_read(data: &[u8]) {
@@ -401,6 +433,14 @@ pub fn check_shard_read(data: &[u8]) {
         return;
     };
     let f = &fixtures()[usize::from(sel & 1)];
+    let mut fixed;
+    let bytes = if sel & 2 != 0 {
+        fixed = bytes.to_vec();
+        fix_checksums(&mut fixed);
+        fixed.as_slice()
+    } else {
+        bytes
+    };
     std::fs::write(&f.shard, bytes).unwrap();
     let result = load_a(&f.dir);
     match result {
