@@ -339,6 +339,35 @@ enum Stop {
     Signal(i32),
 }
 
+/// One thread per child notes when it exits (`waitid` with `WNOWAIT`: the child is not reaped,
+/// so its process id stays valid for signals until `try_wait` collects it), so that the rank
+/// that failed first is known even when several exit between two polls.
+fn exit_watchers(children: &[Child]) -> std::sync::Arc<std::sync::Mutex<Vec<Option<Instant>>>> {
+    let died = std::sync::Arc::new(std::sync::Mutex::new(vec![None; children.len()]));
+    for (rank, c) in children.iter().enumerate() {
+        let pid: libc::id_t = c.id();
+        let died = died.clone();
+        std::thread::spawn(move || {
+            loop {
+                // SAFETY: waitid with WNOWAIT only observes the child; `info` is a valid
+                // out-parameter.
+                let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+                let r = unsafe { libc::waitid(libc::P_PID, pid, &mut info, libc::WEXITED | libc::WNOWAIT) };
+                if r == 0 {
+                    if let Ok(mut d) = died.lock() {
+                        d[rank] = Some(Instant::now());
+                    }
+                    return;
+                }
+                if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                    return;
+                }
+            }
+        });
+    }
+    died
+}
+
 /// Waits for every child, stopping them all when one fails (with `fail_fast`), on timeout or
 /// on a signal. Returns the statuses and the first reason to stop.
 fn supervise(
@@ -349,10 +378,13 @@ fn supervise(
     let n = children.len();
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; n];
     let mut stop: Option<Stop> = None;
+    let died = exit_watchers(children);
     // When stopping: the time SIGKILL is due, and whether it was sent.
     let mut kill_at: Option<Instant> = None;
     let mut killed_at: Option<Instant> = None;
     loop {
+        // Failures seen in this pass; the first to die is the one that failed first.
+        let mut failed: Vec<(Option<Instant>, usize, ExitStatus)> = Vec::new();
         for (rank, c) in children.iter_mut().enumerate() {
             if statuses[rank].is_some() {
                 continue;
@@ -360,8 +392,9 @@ fn supervise(
             match c.try_wait() {
                 Ok(Some(st)) => {
                     statuses[rank] = Some(st);
-                    if !st.success() && stop.is_none() {
-                        stop = Some(Stop::Failed(rank, st));
+                    if !st.success() {
+                        let at = died.lock().ok().and_then(|d| d[rank]);
+                        failed.push((at, rank, st));
                     }
                 }
                 Ok(None) => {}
@@ -370,6 +403,11 @@ fn supervise(
                     return Err(LaunchError::Wait { rank, source });
                 }
             }
+        }
+        if stop.is_none()
+            && let Some(&(_, rank, st)) = failed.iter().min_by_key(|f| (f.0.is_none(), f.0, f.1))
+        {
+            stop = Some(Stop::Failed(rank, st));
         }
         if statuses.iter().all(Option::is_some) {
             return Ok((statuses, stop));

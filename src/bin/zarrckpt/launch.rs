@@ -18,6 +18,10 @@ pub struct Args {
     /// Seconds between SIGTERM and SIGKILL when stopping ranks after a failure.
     #[arg(long, default_value_t = 5)]
     grace: u64,
+    /// Let the other ranks run on when one fails (they must notice the failure themselves);
+    /// the exit status still reports the first failure.
+    #[arg(long)]
+    no_fail_fast: bool,
     /// Stop everything after this many seconds.
     #[arg(long)]
     timeout: Option<u64>,
@@ -31,6 +35,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     opts.master_port = a.master_port;
     opts.grace = Duration::from_secs(a.grace);
     opts.timeout = a.timeout.map(Duration::from_secs);
+    opts.fail_fast = !a.no_fail_fast;
     match launch(a.n, &a.command, &opts) {
         Ok(summary) => {
             eprintln!("launch: {} ranks exited 0 in {:.2} s", a.n, summary.elapsed.as_secs_f64());
