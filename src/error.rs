@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use crate::comm::CommError;
-use crate::model::{DType, KeyError, Region, TensorError, TensorKey};
+use crate::model::{DType, KeyError, TensorError, TensorKey};
 use crate::plan::{LayoutDecodeError, PlanError};
 use crate::storage::StorageError;
 
@@ -73,10 +73,12 @@ pub enum Error {
         keys: Vec<TensorKey>,
     },
     /// The checkpoint stores another data type than requested (nothing is cast silently).
-    #[error("tensor `{key}` in {}: requested {requested}, stored {stored}", path.display())]
+    #[error("tensor `{key}` in {}: rank {rank} requested {requested}, stored {stored}", path.display())]
     DtypeMismatch {
         /// The tensor.
         key: TensorKey,
+        /// The (lowest) rank that made the request.
+        rank: usize,
         /// The checkpoint.
         path: PathBuf,
         /// What was asked for.
@@ -85,28 +87,18 @@ pub enum Error {
         stored: DType,
     },
     /// The checkpoint stores another global shape than requested.
-    #[error("tensor `{key}` in {}: requested global shape {requested:?}, stored {stored:?}", path.display())]
+    #[error("tensor `{key}` in {}: rank {rank} requested global shape {requested:?}, stored {stored:?}", path.display())]
     ShapeMismatch {
         /// The tensor.
         key: TensorKey,
+        /// The (lowest) rank that made the request.
+        rank: usize,
         /// The checkpoint.
         path: PathBuf,
         /// What was asked for.
         requested: Vec<u64>,
         /// What is stored.
         stored: Vec<u64>,
-    },
-    /// A requested box lies outside the stored tensor.
-    #[error("tensor `{key}` in {}: region {region} is out of bounds of {shape:?}", path.display())]
-    OutOfBounds {
-        /// The tensor.
-        key: TensorKey,
-        /// The checkpoint.
-        path: PathBuf,
-        /// The region.
-        region: Region,
-        /// The stored shape.
-        shape: Vec<u64>,
     },
     /// The I/O thread pool could not be created.
     #[error("could not start the I/O thread pool: {0}")]

@@ -150,11 +150,18 @@ fn check_requests(
                 Some(e) => {
                     let path = dir.to_owned();
                     if e.dtype != t.dtype {
-                        return Err(Error::DtypeMismatch { key: t.key.clone(), path, requested: t.dtype, stored: e.dtype });
+                        return Err(Error::DtypeMismatch {
+                            key: t.key.clone(),
+                            rank: lowest,
+                            path,
+                            requested: t.dtype,
+                            stored: e.dtype,
+                        });
                     }
                     if e.shape != t.global_shape {
                         return Err(Error::ShapeMismatch {
                             key: t.key.clone(),
+                            rank: lowest,
                             path,
                             requested: t.global_shape.clone(),
                             stored: e.shape.clone(),

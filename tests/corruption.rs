@@ -416,7 +416,6 @@ fn flipped_compressed_byte_is_a_typed_error_naming_the_file() {
 }
 
 #[test]
-#[ignore = "bug: a checksum failure in a compressed subchunk is StorageError::Zarr, not Checksum naming chunk and subchunk"]
 fn flipped_compressed_byte_is_a_checksum_error() {
     let (_t, dir) = fixture(Compression::Zstd);
     let path = w_shard(&dir);
@@ -992,7 +991,6 @@ fn zstd_bomb(content_size: u64) -> Vec<u8> {
 }
 
 #[test]
-#[ignore = "bug: a zstd subchunk whose frame header declares a huge content size aborts the process (zarrs allocates the declared size)"]
 fn zstd_frame_declaring_a_huge_size_is_an_error_not_an_abort() {
     // The crc32c covers the compressed bytes only, so a crafted (or bit-rotted then
     // re-checksummed) subchunk passes it. zarrs' zstd codec sizes its output buffer from the
@@ -1042,7 +1040,7 @@ fn zstd_frame_declaring_a_huge_size_is_an_error_not_an_abort() {
 /// `fuzz/regressions/<target>/bug-<name>`; each replays in a child process, since some abort.
 /// Once the bug is fixed, drop the `bug-` prefix so `fuzz_*_inputs` replays it by default.
 #[test]
-#[ignore = "bug: known fuzz crashes under fuzz/regressions/*/bug-* (see each file's test or the fuzz README)"]
+#[ignore = "tool: replays fuzz crashes not fixed yet (fuzz/regressions/*/bug-*), each in a child process"]
 fn fuzz_known_crashes_are_fixed() {
     const CHILD: &str = "ZARRCKPT_TEST_FUZZ_CHILD";
     if let Some(file) = std::env::var_os(CHILD) {

@@ -800,7 +800,7 @@ fn load_wrong_dtype() {
     let mut t = [LoadTarget::from_slice("w", &[8, 6], &[0, 0], &mut buf, &[8, 6]).unwrap()];
     let e = load(&mut t, &dir, &LocalComm::single(), &LoadOptions::default()).unwrap_err();
     assert!(
-        matches!(&e, Error::DtypeMismatch { key, path, requested: DType::Float64, stored: DType::Float32 } if key.as_str() == "w" && path == &dir),
+        matches!(&e, Error::DtypeMismatch { key, path, rank: 0, requested: DType::Float64, stored: DType::Float32 } if key.as_str() == "w" && path == &dir),
         "{e:?}"
     );
     has(
@@ -826,7 +826,6 @@ fn load_wrong_global_shape() {
 }
 
 #[test]
-#[ignore = "bug: DtypeMismatch/ShapeMismatch do not say which rank made the bad request"]
 fn load_mismatch_on_another_rank_names_that_rank() {
     // Rank 1 asks for float64; rank 0 asks correctly but is told "requested float64".
     let tmp = tempfile::tempdir().unwrap();
@@ -1319,7 +1318,6 @@ fn malformed_root_metadata() {
 }
 
 #[test]
-#[ignore = "bug: Malformed errors from serde do not name the field or tensor (e.g. `invalid type: string \"8x6\", expected a sequence`)"]
 fn malformed_root_metadata_names_the_field() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");
@@ -1494,11 +1492,10 @@ fn hostile_case(
         }
         Ok(Err(_)) => {}
     }
-    let outcome = std::panic::catch_unwind(|| {
-        Checkpoint::open(&dir)
-            .unwrap()
-            .verify(1, None)
-            .map(|r| r.problems.len())
+    // Opening may already refuse the geometry (a typed error counts as one problem).
+    let outcome = std::panic::catch_unwind(|| match Checkpoint::open(&dir) {
+        Ok(c) => c.verify(1, None).map(|r| r.problems.len()),
+        Err(_) => Ok(1),
     });
     match outcome {
         Err(_) => Err(format!("case {i} {chunk:?}/{sub:?}: verify panicked")),
@@ -1522,7 +1519,6 @@ fn large_but_sane_geometry_is_an_error_not_a_panic() {
 }
 
 #[test]
-#[ignore = "bug: a shard index size that overflows (chunk/subchunk counts from the metadata) panics in zarrs"]
 fn hostile_geometry_is_an_error_not_a_panic() {
     // The index holds 16 bytes per subchunk: 2^62 subchunks per shard overflow u64 while
     // computing its size (zarrs' bytes codec multiplies unchecked).

@@ -90,6 +90,7 @@ pub struct TensorArray {
     index_chain: Arc<CodecChain>,
     index_shape: Vec<NonZeroU64>,
     index_bytes: u64,
+    inner_chain: Arc<CodecChain>,
 }
 
 impl std::fmt::Debug for TensorArray {
@@ -124,6 +125,8 @@ impl TensorArray {
             .ok_or_else(|| malformed("codecs must be a single sharding_indexed codec".into()))?;
         let index_codecs: Vec<MetadataV3> = serde_json::from_value(sharding.get("index_codecs").cloned().unwrap_or(Value::Null))
             .map_err(|e| malformed(format!("index_codecs: {e}")))?;
+        let inner_codecs_meta: Vec<MetadataV3> = serde_json::from_value(sharding.get("codecs").cloned().unwrap_or(Value::Null))
+            .map_err(|e| malformed(format!("codecs: {e}")))?;
         if sharding.get("index_location").and_then(Value::as_str).unwrap_or("end") != "end" {
             return Err(malformed("index_location must be \"end\"".into()));
         }
@@ -139,6 +142,8 @@ impl TensorArray {
             );
         let index_chain =
             Arc::new(CodecChain::from_metadata(&index_codecs).map_err(StorageError::zarr(key.as_str(), &json_path))?);
+        let inner_chain =
+            Arc::new(CodecChain::from_metadata(&inner_codecs_meta).map_err(StorageError::zarr(key.as_str(), &json_path))?);
         let per_shard: Vec<u64> = entry.chunk_shape.iter().zip(&entry.subchunk_shape).map(|(c, s)| c / s).collect();
         let mut index_shape = nonzero(&per_shard);
         index_shape.push(NonZeroU64::new(2).unwrap_or(NonZeroU64::MIN));
@@ -159,6 +164,7 @@ impl TensorArray {
             index_chain,
             index_shape,
             index_bytes,
+            inner_chain,
         })
     }
 
@@ -225,11 +231,6 @@ impl TensorArray {
     pub fn index_bytes(&self) -> u64 {
         self.index_bytes
     }
-    /// The zarrs array (for the general decode path).
-    #[must_use]
-    pub(crate) fn zarrs(&self) -> &Array<FilesystemStore> {
-        &self.array
-    }
 
     /// The file of the shard at grid index `chunk`.
     #[must_use]
@@ -255,6 +256,32 @@ impl TensorArray {
                 &options,
             )
             .map_err(StorageError::zarr(self.key.as_str(), self.chunk_path(chunk)))
+    }
+
+    /// Decodes one encoded subchunk (compressed arrays) with zarrs' inner codec chain, which
+    /// checks its crc32c again and decompresses it. The caller has checked the crc32c and the
+    /// decoded size the compressed stream declares.
+    ///
+    /// # Errors
+    /// [`StorageError::CorruptChunk`] when zarrs cannot decode it or the size is wrong.
+    pub fn decode_subchunk(&self, chunk: &[u64], linear: u64, encoded: &[u8]) -> Result<Vec<u8>, StorageError> {
+        let corrupt = |detail: String| StorageError::CorruptChunk {
+            key: self.key.to_string(),
+            chunk: chunk.to_vec(),
+            path: self.chunk_path(chunk),
+            detail,
+        };
+        let shape = nonzero(&self.entry.subchunk_shape);
+        let decoded = self
+            .inner_chain
+            .decode(Cow::Borrowed(encoded), &shape, &to_zarrs(self.entry.dtype), &zero_fill(self.entry.dtype), &CodecOptions::default())
+            .map_err(|e| corrupt(format!("subchunk {linear}: {e}")))?;
+        let raw = decoded.into_fixed().map_err(|e| corrupt(format!("subchunk {linear}: {e}")))?.into_owned();
+        let expected = self.entry.subchunk_shape.iter().product::<u64>() as usize * self.entry.dtype.size();
+        if raw.len() != expected {
+            return Err(corrupt(format!("subchunk {linear} decodes to {} bytes, expected {expected}", raw.len())));
+        }
+        Ok(raw)
     }
 
     /// Decodes a shard index (the file's last [`TensorArray::index_bytes`] bytes) with zarrs,

@@ -18,6 +18,11 @@ pub const FORMAT_MAJOR: u32 = 1;
 pub const FORMAT_MINOR: u32 = 0;
 /// The attribute holding the checkpoint's metadata in the root group.
 pub const ATTRIBUTE: &str = "zarrckpt";
+/// Most subchunks one shard may have (its index is 16 bytes per subchunk).
+pub const MAX_SUBCHUNKS_PER_SHARD: u64 = 1 << 24;
+/// Most shard files one tensor may have.
+pub const MAX_CHUNKS_PER_TENSOR: u64 = 1 << 24;
+
 /// The group holding tensors.
 pub const TENSORS_GROUP: &str = "tensors";
 
@@ -122,9 +127,10 @@ impl CheckpointMeta {
         if attr.get("format").and_then(|f| f.as_str()) != Some(FORMAT_NAME) {
             return Err(malformed(format!("`{ATTRIBUTE}.format` is not \"{FORMAT_NAME}\"")));
         }
-        let version = attr.get("version").and_then(|v| v.as_str()).unwrap_or("");
+        let version_value = attr.get("version").cloned().unwrap_or(serde_json::Value::Null);
+        let version = version_value.as_str().unwrap_or("");
         let Some((major, _minor)) = parse_version(version) else {
-            return Err(malformed(format!("`{ATTRIBUTE}.version` {version:?} is not MAJOR.MINOR")));
+            return Err(malformed(format!("`{ATTRIBUTE}.version` {version_value} is not a \"MAJOR.MINOR\" string")));
         };
         if major != FORMAT_MAJOR {
             return Err(StorageError::UnsupportedVersion {
@@ -133,8 +139,17 @@ impl CheckpointMeta {
                 supported: format!("{FORMAT_MAJOR}.x"),
             });
         }
-        let meta: CheckpointMeta =
-            serde_json::from_value(attr.clone()).map_err(|e| malformed(format!("`{ATTRIBUTE}`: {e}")))?;
+        let meta: CheckpointMeta = serde_path_to_error::deserialize(attr.clone()).map_err(|e| {
+            use serde_path_to_error::Segment;
+            let segments: Vec<&Segment> = e.path().iter().collect();
+            let field = |rest: &[&Segment]| rest.iter().map(ToString::to_string).collect::<Vec<_>>().join(".");
+            match segments.as_slice() {
+                [Segment::Map { key: group }, Segment::Map { key }, rest @ ..] if group == "tensors" => {
+                    malformed(format!("tensor `{key}`: field `{}`: {}", field(rest), e.inner()))
+                }
+                _ => malformed(format!("field `{ATTRIBUTE}.{}`: {}", e.path(), e.inner())),
+            }
+        })?;
         for (key, t) in &meta.tensors {
             t.validate(key).map_err(|r| malformed(format!("tensor `{key}`: {r}")))?;
         }
@@ -188,6 +203,14 @@ impl TensorEntry {
             }
         }
         crate::model::region::num_bytes(&self.chunk_shape, self.dtype.size()).map_err(|e| e.to_string())?;
+        let per_shard = self.chunk_shape.iter().zip(&self.subchunk_shape).try_fold(1u64, |acc, (c, s)| acc.checked_mul(c / s));
+        if per_shard.is_none_or(|n| n > MAX_SUBCHUNKS_PER_SHARD) {
+            return Err(format!("more than {MAX_SUBCHUNKS_PER_SHARD} subchunks per shard"));
+        }
+        let chunks = self.shape.iter().zip(&self.chunk_shape).try_fold(1u64, |acc, (d, c)| acc.checked_mul(d.div_ceil(*c)));
+        if chunks.is_none_or(|n| n > MAX_CHUNKS_PER_TENSOR) {
+            return Err(format!("more than {MAX_CHUNKS_PER_TENSOR} shard files"));
+        }
         Ok(())
     }
 }

@@ -12,11 +12,10 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use zarrs::array::{ArrayBytesFixedDisjointView, ArraySubset, CodecOptions};
 
 use super::array::TensorArray;
 use super::error::StorageError;
-use crate::model::Region;
+use super::meta::Compression;
 use crate::model::copy::{DisjointBuf as Dest, for_each_run};
 use crate::plan::load::{ShardRead, StoredGeometry, SubchunkRead};
 
@@ -284,47 +283,78 @@ unsafe fn scatter<'s>(subs: impl Iterator<Item = &'s SubchunkRead>, scratch: &[u
     }
 }
 
-/// Fills the parts of `dest` in one shard of a compressed array through zarrs.
+/// Checks that a compressed subchunk declares exactly the decoded size it must have, before
+/// anything is allocated for it: a crafted stream with a valid crc32c must not make the
+/// decoder allocate what its header claims.
+fn check_declared_size(compression: Compression, payload: &[u8], expected: usize) -> Result<(), String> {
+    let declared = match compression {
+        Compression::Zstd => match zstd::zstd_safe::get_frame_content_size(payload) {
+            Ok(Some(n)) => n,
+            Ok(None) => return Err("zstd frame does not declare its size".into()),
+            Err(_) => return Err("not a zstd frame".into()),
+        },
+        Compression::Blosc => {
+            // blosc header: version, versionlz, flags, typesize, nbytes (u32 LE), blocksize, cbytes
+            let field = |at: usize| payload.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let (Some(nbytes), Some(cbytes)) = (field(4), field(12)) else {
+                return Err("blosc header truncated".into());
+            };
+            if cbytes as usize != payload.len() {
+                return Err(format!("blosc header says {cbytes} compressed bytes, the subchunk has {}", payload.len()));
+            }
+            u64::from(nbytes)
+        }
+        Compression::None => return Ok(()),
+    };
+    if declared == expected as u64 {
+        Ok(())
+    } else {
+        Err(format!("the compressed stream declares {declared} bytes, expected {expected}"))
+    }
+}
+
+/// Fills the parts of `dest` in one shard of a compressed array: each needed subchunk is read,
+/// its crc32c checked, its declared size checked, then decoded by zarrs and copied out.
 ///
 /// # Safety
 /// As [`read_shard_direct`].
-unsafe fn read_shard_zarrs(
+unsafe fn read_shard_compressed(
     arr: &TensorArray,
     geom: &StoredGeometry,
     shard: &ShardRead,
     dest: Dest<'_>,
+    scratch: &mut Vec<u8>,
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
-    let (_file, index) = open_shard(arr, geom, shard, counters)?;
-    let needed: u64 = shard
-        .subchunks
-        .iter()
-        .filter_map(|s| index[usize::try_from(s.linear).unwrap_or(usize::MAX)].map(|(_, n)| n))
-        .sum();
-    counters.add(needed);
-    // The union of the needed boxes: the request clipped to this chunk.
-    let nd = geom.global_shape.len();
-    let mut lo = vec![u64::MAX; nd];
-    let mut hi = vec![0u64; nd];
+    let (file, index) = open_shard(arr, geom, shard, counters)?;
+    let path = arr.chunk_path(&shard.chunk);
+    let sub_bytes = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX);
     for s in &shard.subchunks {
-        for d in 0..nd {
-            lo[d] = lo[d].min(s.needed.offset[d]);
-            hi[d] = hi[d].max(s.needed.end(d));
+        match index[usize::try_from(s.linear).unwrap_or(usize::MAX)] {
+            None => {
+                // SAFETY: disjoint destination ranges (caller's contract).
+                unsafe { dest.zero(&s.needed) };
+            }
+            Some((off, n)) => {
+                if n < 4 {
+                    return Err(corrupt(arr, &shard.chunk, format!("subchunk {} is only {n} bytes", s.linear)));
+                }
+                scratch.resize(usize::try_from(n).unwrap_or(usize::MAX), 0);
+                file.read_exact_at(scratch, off).map_err(StorageError::io("read", &path))?;
+                counters.add(n);
+                let (payload, crc) = scratch.split_at(scratch.len() - 4);
+                check_crc(arr, shard, s.linear, payload, [crc[0], crc[1], crc[2], crc[3]])?;
+                check_declared_size(arr.entry().compression, payload, sub_bytes)
+                    .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
+                let decoded = arr.decode_subchunk(&shard.chunk, s.linear, scratch)?;
+                for_each_run(&s.stored, dest.region(), &s.needed, dest.elem(), |so, d, len| {
+                    // SAFETY: disjoint destination ranges (caller's contract).
+                    copy_run(unsafe { dest.slice(d, len) }, &decoded[so..so + len]);
+                });
+            }
         }
     }
-    let shape: Vec<u64> = lo.iter().zip(&hi).map(|(l, h)| h - l).collect();
-    let subset = ArraySubset::new_with_start_shape(lo.clone(), shape.clone())
-        .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))?;
-    let rel = Region { offset: lo, shape }.relative_to(&dest.region().offset);
-    let in_dest = ArraySubset::new_with_start_shape(rel.offset, rel.shape)
-        .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))?;
-    // SAFETY: `dest` covers the request box; the view touches only `in_dest`, which no other
-    // thread touches (caller's contract).
-    let mut view = unsafe { ArrayBytesFixedDisjointView::new(dest.cells(), dest.elem(), &dest.region().shape, in_dest) }
-        .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))?;
-    arr.zarrs()
-        .retrieve_array_subset_into_opt(&subset, (&mut view).into(), &CodecOptions::default())
-        .map_err(StorageError::zarr(arr.key().as_str(), arr.chunk_path(&shard.chunk)))
+    Ok(())
 }
 
 /// Fills the parts of `dest` that lie in `shard`.
@@ -345,7 +375,7 @@ pub unsafe fn read_shard(
         if arr.uncompressed() {
             read_shard_direct(arr, geom, shard, dest, scratch, counters)
         } else {
-            read_shard_zarrs(arr, geom, shard, dest, counters)
+            read_shard_compressed(arr, geom, shard, dest, scratch, counters)
         }
     }
 }

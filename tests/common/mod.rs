@@ -35,10 +35,12 @@ pub fn cut(full: &[u8], shape: &[u64], region: &Region, elem: usize) -> Vec<u8> 
 /// or empty). Returns (offset, len) pairs.
 pub fn chunk_split(dim: u64, n: u64) -> Vec<(u64, u64)> {
     let size = dim.div_ceil(n.max(1));
-    (0..n).map(|i| {
-        let o = (i * size).min(dim);
-        (o, size.min(dim - o))
-    }).collect()
+    (0..n)
+        .map(|i| {
+            let o = (i * size).min(dim);
+            (o, size.min(dim - o))
+        })
+        .collect()
 }
 
 /// The region of piece `i` of `n` along `axis`.
