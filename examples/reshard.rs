@@ -50,11 +50,20 @@ fn main() -> anyhow::Result<()> {
     let (rank, world) = (comm.rank(), comm.world_size() as u64);
     let model = SynthModel::gpt(a.size, 256);
     if a.save_tp > 0 {
-        let topo = Topology { tp: a.save_tp, dp: a.save_dp };
-        anyhow::ensure!(topo.world() == world, "save tp x dp must equal the world size {world}");
+        let topo = Topology {
+            tp: a.save_tp,
+            dp: a.save_dp,
+        };
+        anyhow::ensure!(
+            topo.world() == world,
+            "save tp x dp must equal the world size {world}"
+        );
         let held = Held::generate(&model, topo, rank as u64);
         let t0 = Instant::now();
-        let opts = SaveOptions { overwrite: true, ..Default::default() };
+        let opts = SaveOptions {
+            overwrite: true,
+            ..Default::default()
+        };
         let report = zarrckpt::save(&held.sharded(&model), &a.dir, &comm, &opts)?;
         println!(
             "saved as tp {} x dp {}: this rank wrote {} shard files ({} bytes) in {:.2} s; write balance max/mean {:.3}",
@@ -67,11 +76,20 @@ fn main() -> anyhow::Result<()> {
         );
     }
     if a.load_tp > 0 {
-        let topo = Topology { tp: a.load_tp, dp: a.load_dp };
-        anyhow::ensure!(topo.world() == world, "load tp x dp must equal the world size {world}");
+        let topo = Topology {
+            tp: a.load_tp,
+            dp: a.load_dp,
+        };
+        anyhow::ensure!(
+            topo.world() == world,
+            "load tp x dp must equal the world size {world}"
+        );
         let mut wanted = Wanted::allocate(&model, topo, rank as u64);
         let t0 = Instant::now();
-        let opts = LoadOptions { strict: StrictMode::RaiseAll, ..Default::default() };
+        let opts = LoadOptions {
+            strict: StrictMode::RaiseAll,
+            ..Default::default()
+        };
         let report = zarrckpt::load(&mut wanted.targets(&model), &a.dir, &comm, &opts)?;
         wanted.check(&model).map_err(anyhow::Error::msg)?;
         println!(

@@ -9,11 +9,11 @@ use rayon::prelude::*;
 use crate::comm::LocalComm;
 use crate::error::{Error, Result};
 use crate::load::{LoadOptions, LoadReport, load};
+use crate::model::copy::DisjointBuf as Dest;
 use crate::model::{DType, LoadTarget, Region, TensorKey};
 use crate::plan::grid;
 use crate::plan::load::StoredGeometry;
 use crate::save::io_pool;
-use crate::model::copy::DisjointBuf as Dest;
 use crate::storage::read::{ReadCounters, read_shard};
 use crate::storage::{CheckpointMeta, Compression, TensorArray, commit};
 
@@ -122,14 +122,34 @@ impl Checkpoint {
     ///
     /// # Errors
     /// As [`load`].
-    pub fn read_region(&self, key: &TensorKey, region: &Region, buf: &mut [u8]) -> Result<LoadReport> {
-        let e = self.meta.tensors.get(key).ok_or_else(|| Error::UnexpectedKeys {
-            path: self.dir.clone(),
-            keys: vec![key.clone()],
-            rank: 0,
-        })?;
-        let mut t = [LoadTarget::new(key.clone(), e.dtype, e.shape.clone(), region.clone(), buf)?];
-        load(&mut t, &self.dir, &LocalComm::single(), &LoadOptions::default())
+    pub fn read_region(
+        &self,
+        key: &TensorKey,
+        region: &Region,
+        buf: &mut [u8],
+    ) -> Result<LoadReport> {
+        let e = self
+            .meta
+            .tensors
+            .get(key)
+            .ok_or_else(|| Error::UnexpectedKeys {
+                path: self.dir.clone(),
+                keys: vec![key.clone()],
+                rank: 0,
+            })?;
+        let mut t = [LoadTarget::new(
+            key.clone(),
+            e.dtype,
+            e.shape.clone(),
+            region.clone(),
+            buf,
+        )?];
+        load(
+            &mut t,
+            &self.dir,
+            &LocalComm::single(),
+            &LoadOptions::default(),
+        )
     }
 
     /// Reads a whole tensor.
@@ -137,14 +157,25 @@ impl Checkpoint {
     /// # Errors
     /// As [`load`].
     pub fn read_tensor(&self, key: &TensorKey) -> Result<Vec<u8>> {
-        let e = self.meta.tensors.get(key).ok_or_else(|| Error::UnexpectedKeys {
-            path: self.dir.clone(),
-            keys: vec![key.clone()],
-            rank: 0,
-        })?;
-        let mut buf = vec![0u8; crate::model::region::num_bytes(&e.shape, e.dtype.size()).map_err(|source| {
-            Error::Tensor(crate::model::TensorError::Region { key: key.to_string(), source })
-        })?];
+        let e = self
+            .meta
+            .tensors
+            .get(key)
+            .ok_or_else(|| Error::UnexpectedKeys {
+                path: self.dir.clone(),
+                keys: vec![key.clone()],
+                rank: 0,
+            })?;
+        let mut buf =
+            vec![
+                0u8;
+                crate::model::region::num_bytes(&e.shape, e.dtype.size()).map_err(|source| {
+                    Error::Tensor(crate::model::TensorError::Region {
+                        key: key.to_string(),
+                        source,
+                    })
+                })?
+            ];
         self.read_region(key, &Region::full(&e.shape), &mut buf)?;
         Ok(buf)
     }
@@ -155,7 +186,11 @@ impl Checkpoint {
     ///
     /// # Errors
     /// Only when the I/O thread pool cannot start; problems go into the report.
-    pub fn verify(&self, threads: usize, progress: Option<&(dyn Fn(u64) + Sync)>) -> Result<VerifyReport> {
+    pub fn verify(
+        &self,
+        threads: usize,
+        progress: Option<&(dyn Fn(u64) + Sync)>,
+    ) -> Result<VerifyReport> {
         let problems = Mutex::new(Vec::new());
         let counters = ReadCounters::default();
         let mut chunks_total = 0u64;
@@ -178,36 +213,48 @@ impl Checkpoint {
                         work.push((arr.clone(), geom.clone(), c));
                     }
                 }
-                Err(err) => problems.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Problem {
-                    key: key.clone(),
-                    chunk: None,
-                    error: err.into(),
-                }),
+                Err(err) => problems
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .push(Problem {
+                        key: key.clone(),
+                        chunk: None,
+                        error: err.into(),
+                    }),
             }
         }
         let pool = io_pool(threads)?;
         pool.install(|| {
-            work.par_iter().for_each_init(Vec::new, |scratch, (arr, geom, chunk)| {
-                let region = grid::chunk_region(&geom.global_shape, &geom.chunk_shape, chunk);
-                let mut buf = vec![0u8; region.num_elements().unwrap_or(0) as usize * geom.elem];
-                let reads = geom.reads_for(&region);
-                for shard in &reads {
-                    let dest = Dest::new(&mut buf, &region, geom.elem);
-                    // SAFETY: this thread owns `buf`.
-                    if let Err(err) = unsafe { read_shard(arr, geom, shard, dest, scratch, &counters) } {
-                        problems.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(Problem {
-                            key: arr.key().clone(),
-                            chunk: Some(chunk.clone()),
-                            error: err.into(),
-                        });
+            work.par_iter()
+                .for_each_init(Vec::new, |scratch, (arr, geom, chunk)| {
+                    let region = grid::chunk_region(&geom.global_shape, &geom.chunk_shape, chunk);
+                    let mut buf =
+                        vec![0u8; region.num_elements().unwrap_or(0) as usize * geom.elem];
+                    let reads = geom.reads_for(&region);
+                    for shard in &reads {
+                        let dest = Dest::new(&mut buf, &region, geom.elem);
+                        // SAFETY: this thread owns `buf`.
+                        if let Err(err) =
+                            unsafe { read_shard(arr, geom, shard, dest, scratch, &counters) }
+                        {
+                            problems
+                                .lock()
+                                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                                .push(Problem {
+                                    key: arr.key().clone(),
+                                    chunk: Some(chunk.clone()),
+                                    error: err.into(),
+                                });
+                        }
                     }
-                }
-                if let Some(p) = progress {
-                    p(buf.len() as u64);
-                }
-            });
+                    if let Some(p) = progress {
+                        p(buf.len() as u64);
+                    }
+                });
         });
-        let mut problems = problems.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut problems = problems
+            .into_inner()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         problems.sort_by(|a, b| (&a.key, &a.chunk).cmp(&(&b.key, &b.chunk)));
         Ok(VerifyReport {
             tensors: self.meta.tensors.len(),
@@ -217,4 +264,3 @@ impl Checkpoint {
         })
     }
 }
-

@@ -9,7 +9,12 @@ use crate::storage::StorageError;
 
 /// Shows at most 20 keys, then how many more.
 fn keys_list(keys: &[TensorKey]) -> String {
-    let mut s = keys.iter().take(20).map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
+    let mut s = keys
+        .iter()
+        .take(20)
+        .map(|k| format!("`{k}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
     if keys.len() > 20 {
         s.push_str(&format!(" and {} more", keys.len() - 20));
     }

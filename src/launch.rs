@@ -352,7 +352,9 @@ fn exit_watchers(children: &[Child]) -> std::sync::Arc<std::sync::Mutex<Vec<Opti
                 // SAFETY: waitid with WNOWAIT only observes the child; `info` is a valid
                 // out-parameter.
                 let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-                let r = unsafe { libc::waitid(libc::P_PID, pid, &mut info, libc::WEXITED | libc::WNOWAIT) };
+                let r = unsafe {
+                    libc::waitid(libc::P_PID, pid, &mut info, libc::WEXITED | libc::WNOWAIT)
+                };
                 if r == 0 {
                     if let Ok(mut d) = died.lock() {
                         d[rank] = Some(Instant::now());

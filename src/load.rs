@@ -7,14 +7,14 @@ use std::sync::atomic::Ordering;
 use rayon::prelude::*;
 
 use crate::comm::Communicator;
+use crate::comm::{RecvBuf, SendBuf};
 use crate::error::{Error, Result};
+use crate::model::copy::DisjointBuf;
 use crate::model::{LoadTarget, TensorKey};
+use crate::plan::exchange::{ExchangePlan, SharedRead};
 use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
 use crate::plan::load::{ShardRead, StoredGeometry};
 use crate::save::{Progress, agree, gather_layouts, io_pool};
-use crate::comm::{RecvBuf, SendBuf};
-use crate::model::copy::DisjointBuf;
-use crate::plan::exchange::{ExchangePlan, SharedRead};
 use crate::storage::read::{ReadCounters, read_shard};
 use crate::storage::{CheckpointMeta, TensorArray, commit};
 
@@ -44,10 +44,16 @@ pub enum StrictMode {
 
 impl StrictMode {
     fn needs_missing(self) -> bool {
-        matches!(self, StrictMode::LogAll | StrictMode::RaiseAll | StrictMode::ReturnAll)
+        matches!(
+            self,
+            StrictMode::LogAll | StrictMode::RaiseAll | StrictMode::ReturnAll
+        )
     }
     fn raises_unexpected(self) -> bool {
-        matches!(self, StrictMode::RaiseUnexpected | StrictMode::RaiseAll | StrictMode::AssumeOkUnexpected)
+        matches!(
+            self,
+            StrictMode::RaiseUnexpected | StrictMode::RaiseAll | StrictMode::AssumeOkUnexpected
+        )
     }
 }
 
@@ -68,7 +74,12 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { strict: StrictMode::default(), io_threads: 0, exchange: true, progress: None }
+        LoadOptions {
+            strict: StrictMode::default(),
+            io_threads: 0,
+            exchange: true,
+            progress: None,
+        }
     }
 }
 
@@ -109,19 +120,33 @@ fn request_layout(targets: &[LoadTarget<'_>]) -> Result<RankLayout> {
                 if d.dtype != t.dtype() || d.global_shape != t.global_shape() {
                     return Err(Error::InconsistentPieces {
                         key: t.key().clone(),
-                        detail: format!("requests on this rank declare {} {:?} and {} {:?}", d.dtype, d.global_shape, t.dtype(), t.global_shape()),
+                        detail: format!(
+                            "requests on this rank declare {} {:?} and {} {:?}",
+                            d.dtype,
+                            d.global_shape,
+                            t.dtype(),
+                            t.global_shape()
+                        ),
                     });
                 }
                 id
             }
             None => {
                 let id = u32::try_from(layout.tensors.len()).unwrap_or(u32::MAX);
-                layout.tensors.push(TensorDecl { key: t.key().clone(), dtype: t.dtype(), global_shape: t.global_shape().to_vec() });
+                layout.tensors.push(TensorDecl {
+                    key: t.key().clone(),
+                    dtype: t.dtype(),
+                    global_shape: t.global_shape().to_vec(),
+                });
                 ids.insert(t.key(), id);
                 id
             }
         };
-        layout.pieces.push(PieceDecl { tensor: id, region: t.region().clone(), main: false });
+        layout.pieces.push(PieceDecl {
+            tensor: id,
+            region: t.region().clone(),
+            main: false,
+        });
     }
     Ok(layout)
 }
@@ -178,20 +203,35 @@ fn check_requests(
     }
     if strict.raises_unexpected() {
         if !my_unexpected.is_empty() {
-            return Err(Error::UnexpectedKeys { path: dir.to_owned(), keys: my_unexpected, rank: me });
+            return Err(Error::UnexpectedKeys {
+                path: dir.to_owned(),
+                keys: my_unexpected,
+                rank: me,
+            });
         }
         if let Some((rank, keys)) = first_other {
-            return Err(Error::UnexpectedKeys { path: dir.to_owned(), keys, rank });
+            return Err(Error::UnexpectedKeys {
+                path: dir.to_owned(),
+                keys,
+                rank,
+            });
         }
     }
     let missing: Vec<TensorKey> = if strict.needs_missing() {
-        meta.tensors.keys().filter(|k| !requested.contains(k)).cloned().collect()
+        meta.tensors
+            .keys()
+            .filter(|k| !requested.contains(k))
+            .cloned()
+            .collect()
     } else {
         Vec::new()
     };
     match strict {
         StrictMode::RaiseAll if !missing.is_empty() => {
-            return Err(Error::MissingKeys { path: dir.to_owned(), keys: missing });
+            return Err(Error::MissingKeys {
+                path: dir.to_owned(),
+                keys: missing,
+            });
         }
         StrictMode::LogUnexpected | StrictMode::LogAll => {
             if !my_unexpected.is_empty() {
@@ -216,7 +256,12 @@ fn check_requests(
 /// disagrees with what is stored; [`Error::UnexpectedKeys`] / [`Error::MissingKeys`]
 /// according to the strict mode; [`Error::Comm`] or [`Error::RemoteFailure`] when another
 /// rank dies or fails.
-pub fn load(targets: &mut [LoadTarget<'_>], dir: &Path, comm: &dyn Communicator, opts: &LoadOptions) -> Result<LoadReport> {
+pub fn load(
+    targets: &mut [LoadTarget<'_>],
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<LoadReport> {
     let me = comm.rank();
     let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
     let layout = agree(comm, request_layout(targets))?;
@@ -247,7 +292,11 @@ pub fn load(targets: &mut [LoadTarget<'_>], dir: &Path, comm: &dyn Communicator,
 
     let keys: Vec<TensorKey> = targets.iter().map(|t| t.key().clone()).collect();
     let regions: Vec<crate::model::Region> = targets.iter().map(|t| t.region().clone()).collect();
-    let loaded: u64 = targets.iter().filter(|t| meta.tensors.contains_key(t.key())).map(|t| t.buf().len() as u64).sum();
+    let loaded: u64 = targets
+        .iter()
+        .filter(|t| meta.tensors.contains_key(t.key()))
+        .map(|t| t.buf().len() as u64)
+        .sum();
     let dests: Vec<DisjointBuf> = targets
         .iter_mut()
         .zip(&regions)
@@ -264,19 +313,34 @@ pub fn load(targets: &mut [LoadTarget<'_>], dir: &Path, comm: &dyn Communicator,
         for key in &keys {
             if let (Some(entry), false) = (meta.tensors.get(key), arrays.contains_key(key)) {
                 let arr = TensorArray::open(dir, key, entry)?;
-                arrays.insert(key, (arr, geometry(key).unwrap_or_else(|| unreachable!("present"))));
+                arrays.insert(
+                    key,
+                    (
+                        arr,
+                        geometry(key).unwrap_or_else(|| unreachable!("present")),
+                    ),
+                );
             }
         }
         let mut items: Vec<(usize, ShardRead)> = Vec::new();
         for (i, key) in keys.iter().enumerate() {
-            let Some((_, geom)) = arrays.get(key) else { continue };
+            let Some((_, geom)) = arrays.get(key) else {
+                continue;
+            };
             for shard in geom.reads_for(&regions[i]) {
                 let chunk_box = crate::model::Region {
-                    offset: shard.chunk.iter().zip(&geom.chunk_shape).map(|(c, s)| c * s).collect(),
+                    offset: shard
+                        .chunk
+                        .iter()
+                        .zip(&geom.chunk_shape)
+                        .map(|(c, s)| c * s)
+                        .collect(),
                     shape: geom.chunk_shape.clone(),
                 };
                 let inner = regions[i].intersect(&chunk_box);
-                let unit = inner.as_ref().and_then(|b| mine.get(&(key, shard.chunk.as_slice(), b)).copied());
+                let unit = inner
+                    .as_ref()
+                    .and_then(|b| mine.get(&(key, shard.chunk.as_slice(), b)).copied());
                 if let Some(u) = unit
                     && !first_target.contains_key(&u)
                 {
@@ -290,17 +354,23 @@ pub fn load(targets: &mut [LoadTarget<'_>], dir: &Path, comm: &dyn Communicator,
         }
         let pool = io_pool(opts.io_threads)?;
         pool.install(|| {
-            items.par_iter().try_for_each_init(Vec::new, |scratch, (i, shard)| {
-                let (arr, geom) = &arrays[&keys[*i]];
-                // SAFETY: the shards of one target are disjoint boxes, so the items of one
-                // target write disjoint bytes of its buffer; targets own distinct buffers.
-                unsafe { read_shard(arr, geom, shard, dests[*i], scratch, &counters) }?;
-                if let Some(p) = &opts.progress {
-                    let n: u64 = shard.subchunks.iter().map(|s| s.needed.num_elements().unwrap_or(0)).sum();
-                    p(n * geom.elem as u64);
-                }
-                Ok::<(), Error>(())
-            })
+            items
+                .par_iter()
+                .try_for_each_init(Vec::new, |scratch, (i, shard)| {
+                    let (arr, geom) = &arrays[&keys[*i]];
+                    // SAFETY: the shards of one target are disjoint boxes, so the items of one
+                    // target write disjoint bytes of its buffer; targets own distinct buffers.
+                    unsafe { read_shard(arr, geom, shard, dests[*i], scratch, &counters) }?;
+                    if let Some(p) = &opts.progress {
+                        let n: u64 = shard
+                            .subchunks
+                            .iter()
+                            .map(|s| s.needed.num_elements().unwrap_or(0))
+                            .sum();
+                        p(n * geom.elem as u64);
+                    }
+                    Ok::<(), Error>(())
+                })
         })?;
         Ok(())
     })();
@@ -319,7 +389,10 @@ pub fn load(targets: &mut [LoadTarget<'_>], dir: &Path, comm: &dyn Communicator,
         bytes_sent: sent,
         ..LoadReport::default()
     };
-    if matches!(opts.strict, StrictMode::ReturnUnexpected | StrictMode::ReturnAll) {
+    if matches!(
+        opts.strict,
+        StrictMode::ReturnUnexpected | StrictMode::ReturnAll
+    ) {
         report.unexpected = unexpected;
     }
     if matches!(opts.strict, StrictMode::ReturnAll | StrictMode::LogAll) {
@@ -361,17 +434,25 @@ fn exchange_shared(
         }
         let mut sends: Vec<SendBuf> = Vec::new();
         for &(u, r) in &reads {
-            let Some(&t) = first_target.get(&u) else { continue };
+            let Some(&t) = first_target.get(&u) else {
+                continue;
+            };
             if r.reader != me {
                 continue;
             }
             let data: &[u8] = match dests[t].contiguous_range(&r.region) {
                 // SAFETY: as above.
                 Some((start, len)) => unsafe { dests[t].slice(start, len) },
-                None => packed.iter().find(|p| p.0 == u).map_or(&[][..], |p| p.1.as_slice()),
+                None => packed
+                    .iter()
+                    .find(|p| p.0 == u)
+                    .map_or(&[][..], |p| p.1.as_slice()),
             };
             for &peer in r.ranks.iter().filter(|&&p| p != me) {
-                sends.push(SendBuf { peer: peer as usize, data });
+                sends.push(SendBuf {
+                    peer: peer as usize,
+                    data,
+                });
                 sent += data.len() as u64;
             }
         }
@@ -379,7 +460,9 @@ fn exchange_shared(
         let mut staged: Vec<(usize, Vec<u8>)> = Vec::new();
         let mut recvs: Vec<RecvBuf> = Vec::new();
         for &(u, r) in &reads {
-            let Some(&t) = first_target.get(&u) else { continue };
+            let Some(&t) = first_target.get(&u) else {
+                continue;
+            };
             if r.reader == me {
                 continue;
             }
@@ -389,17 +472,24 @@ fn exchange_shared(
         }
         let mut staged_iter = staged.iter_mut();
         for &(u, r) in &reads {
-            let Some(&t) = first_target.get(&u) else { continue };
+            let Some(&t) = first_target.get(&u) else {
+                continue;
+            };
             if r.reader == me {
                 continue;
             }
             let buf: &mut [u8] = match dests[t].contiguous_range(&r.region) {
                 // SAFETY: as above.
                 Some((start, len)) => unsafe { dests[t].slice(start, len) },
-                None => staged_iter.next().map_or(&mut [][..], |s| s.1.as_mut_slice()),
+                None => staged_iter
+                    .next()
+                    .map_or(&mut [][..], |s| s.1.as_mut_slice()),
             };
             received += buf.len() as u64;
-            recvs.push(RecvBuf { peer: r.reader as usize, buf });
+            recvs.push(RecvBuf {
+                peer: r.reader as usize,
+                buf,
+            });
         }
         comm.exchange(&sends, &mut recvs)?;
         drop(recvs);
@@ -409,7 +499,11 @@ fn exchange_shared(
             unsafe { dests[t].unpack(&plan.reads[*u].region, data) };
         }
         if let Some(p) = &opts.progress {
-            p(reads.iter().filter(|(u, r)| r.reader != me && first_target.contains_key(u)).map(|(_, r)| r.bytes).sum());
+            p(reads
+                .iter()
+                .filter(|(u, r)| r.reader != me && first_target.contains_key(u))
+                .map(|(_, r)| r.bytes)
+                .sum());
         }
     }
     Ok((sent, received))

@@ -12,9 +12,9 @@ use crate::comm::{Communicator, RecvBuf, SendBuf};
 use crate::error::{Error, Result};
 use crate::model::copy::copy_region;
 use crate::model::{Region, ShardedTensor, TensorKey};
+use crate::plan::GridOptions;
 use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
 use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan};
-use crate::plan::GridOptions;
 use crate::storage::meta::tensor_path;
 use crate::storage::{CheckpointMeta, Compression, TensorArray, TensorEntry, commit, fsio, write};
 
@@ -90,7 +90,9 @@ pub struct SaveReport {
 
 pub(crate) fn io_pool(threads: usize) -> Result<rayon::ThreadPool> {
     let n = if threads == 0 {
-        std::thread::available_parallelism().map_or(2, std::num::NonZero::get).min(8)
+        std::thread::available_parallelism()
+            .map_or(2, std::num::NonZero::get)
+            .min(8)
     } else {
         threads
     };
@@ -128,14 +130,21 @@ pub(crate) fn agree<T>(comm: &dyn Communicator, local: Result<T>) -> Result<T> {
 
 /// All-gathers layouts with de-duplication: a hash from every rank, then the description from
 /// the lowest rank of each distinct hash. Returns the global view and the bytes received.
-pub(crate) fn gather_layouts(comm: &dyn Communicator, layout: &RankLayout) -> Result<(GatheredLayouts, u64)> {
+pub(crate) fn gather_layouts(
+    comm: &dyn Communicator,
+    layout: &RankLayout,
+) -> Result<(GatheredLayouts, u64)> {
     let encoded = layout.encode();
     let hash = RankLayout::hash_bytes(&encoded);
     let hashes_raw = comm.all_gather(&hash)?;
     let mut hashes = Vec::with_capacity(hashes_raw.len());
     for (r, h) in hashes_raw.iter().enumerate() {
         let h: [u8; 16] = h.as_slice().try_into().map_err(|_| {
-            Error::Layout(crate::plan::LayoutDecodeError { rank: r, at: 0, reason: "layout hash is not 16 bytes".into() })
+            Error::Layout(crate::plan::LayoutDecodeError {
+                rank: r,
+                at: 0,
+                reason: "layout hash is not 16 bytes".into(),
+            })
         })?;
         hashes.push(h);
     }
@@ -147,9 +156,12 @@ pub(crate) fn gather_layouts(comm: &dyn Communicator, layout: &RankLayout) -> Re
 }
 
 /// Builds this rank's layout and an index from (key, region) to the local piece.
+/// Local pieces by (key, region).
+type PieceIndex<'p, 'a> = HashMap<(&'p TensorKey, &'p Region), &'p ShardedTensor<'a>>;
+
 fn local_layout<'p, 'a>(
     pieces: &'p [ShardedTensor<'a>],
-) -> Result<(RankLayout, HashMap<(&'p TensorKey, &'p Region), &'p ShardedTensor<'a>>)> {
+) -> Result<(RankLayout, PieceIndex<'p, 'a>)> {
     let mut layout = RankLayout::default();
     let mut tensor_ids: HashMap<&TensorKey, u32> = HashMap::new();
     let mut by_box = HashMap::with_capacity(pieces.len());
@@ -173,7 +185,11 @@ fn local_layout<'p, 'a>(
             }
             None => {
                 let id = u32::try_from(layout.tensors.len()).unwrap_or(u32::MAX);
-                layout.tensors.push(TensorDecl { key: p.key().clone(), dtype: p.dtype(), global_shape: p.global_shape().to_vec() });
+                layout.tensors.push(TensorDecl {
+                    key: p.key().clone(),
+                    dtype: p.dtype(),
+                    global_shape: p.global_shape().to_vec(),
+                });
                 tensor_ids.insert(p.key(), id);
                 id
             }
@@ -184,7 +200,11 @@ fn local_layout<'p, 'a>(
                 detail: format!("this rank holds the piece {} twice", p.region()),
             });
         }
-        layout.pieces.push(PieceDecl { tensor: id, region: p.region().clone(), main: p.is_main() });
+        layout.pieces.push(PieceDecl {
+            tensor: id,
+            region: p.region().clone(),
+            main: p.is_main(),
+        });
     }
     Ok((layout, by_box))
 }
@@ -203,7 +223,11 @@ pub(crate) fn entry_of(tp: &TensorPlan, compression: Compression) -> TensorEntry
 /// The full (unclipped) box of a chunk: stored chunks always have the full chunk shape.
 fn full_chunk_box(tp: &TensorPlan, chunk: &[u64]) -> Region {
     Region {
-        offset: chunk.iter().zip(&tp.chunk_shape).map(|(c, s)| c * s).collect(),
+        offset: chunk
+            .iter()
+            .zip(&tp.chunk_shape)
+            .map(|(c, s)| c * s)
+            .collect(),
         shape: tp.chunk_shape.clone(),
     }
 }
@@ -233,7 +257,14 @@ fn chunk_source<'a>(
         match &part.source {
             Source::Local(piece_region) => {
                 let piece = local[&(&tp.key, piece_region)];
-                copy_region(piece.data(), piece_region, &mut buf, &full, &part.region, elem);
+                copy_region(
+                    piece.data(),
+                    piece_region,
+                    &mut buf,
+                    &full,
+                    &part.region,
+                    elem,
+                );
             }
             Source::Remote(_) => {
                 let data = remote.next().map_or(&[][..], Vec::as_slice);
@@ -273,15 +304,28 @@ fn exchange_parts(
                 .collect()
         })
         .collect();
-    let sends: Vec<SendBuf> = outgoing.iter().map(|(peer, data)| SendBuf { peer: *peer, data }).collect();
+    let sends: Vec<SendBuf> = outgoing
+        .iter()
+        .map(|(peer, data)| SendBuf { peer: *peer, data })
+        .collect();
     let peers: Vec<usize> = tasks
         .writes
         .iter()
         .flat_map(|w| w.parts.iter())
-        .filter_map(|p| if let Source::Remote(r) = p.source { Some(r as usize) } else { None })
+        .filter_map(|p| {
+            if let Source::Remote(r) = p.source {
+                Some(r as usize)
+            } else {
+                None
+            }
+        })
         .collect();
-    let mut recvs: Vec<RecvBuf> =
-        received.iter_mut().flatten().zip(peers).map(|(buf, peer)| RecvBuf { peer, buf }).collect();
+    let mut recvs: Vec<RecvBuf> = received
+        .iter_mut()
+        .flatten()
+        .zip(peers)
+        .map(|(buf, peer)| RecvBuf { peer, buf })
+        .collect();
     comm.exchange(&sends, &mut recvs)?;
     Ok(received)
 }
@@ -295,15 +339,26 @@ fn write_files(
     opts: &SaveOptions,
 ) -> Result<(u64, u64)> {
     let mut arrays: HashMap<usize, TensorArray> = HashMap::new();
-    for &ti in tasks.metadata.iter().chain(tasks.writes.iter().map(|w| &w.tensor)) {
+    for &ti in tasks
+        .metadata
+        .iter()
+        .chain(tasks.writes.iter().map(|w| &w.tensor))
+    {
         if let std::collections::hash_map::Entry::Vacant(v) = arrays.entry(ti) {
             let tp = &plan.tensors[ti];
-            v.insert(TensorArray::create(dir, &tp.key, &entry_of(tp, opts.compression))?);
+            v.insert(TensorArray::create(
+                dir,
+                &tp.key,
+                &entry_of(tp, opts.compression),
+            )?);
         }
     }
     let pool = io_pool(opts.io_threads)?;
     let (data, files) = pool.install(|| -> Result<(u64, u64)> {
-        tasks.metadata.par_iter().try_for_each(|ti| write::write_array_metadata(&arrays[ti]))?;
+        tasks
+            .metadata
+            .par_iter()
+            .try_for_each(|ti| write::write_array_metadata(&arrays[ti]))?;
         let dirs: BTreeSet<PathBuf> = arrays.values().map(|a| a.dir().to_owned()).collect();
         for d in &dirs {
             fsio::create_dir_durable(d)?;
@@ -316,7 +371,13 @@ fn write_files(
                 let tp = &plan.tensors[w.tensor];
                 let (src, src_box) = chunk_source(tp, w, local, recv);
                 let arr = &arrays[&w.tensor];
-                let n = write::write_shard(arr, &w.chunk, &src, &src_box, &full_chunk_box(tp, &w.chunk))?;
+                let n = write::write_shard(
+                    arr,
+                    &w.chunk,
+                    &src,
+                    &src_box,
+                    &full_chunk_box(tp, &w.chunk),
+                )?;
                 let data = w.region.num_elements().unwrap_or(0) * tp.dtype.size() as u64;
                 if let Some(p) = &opts.progress {
                     p(data);
@@ -324,7 +385,10 @@ fn write_files(
                 Ok((data, n))
             })
             .try_reduce(|| (0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1)))?;
-        tasks.writes.par_iter().try_for_each(|w| write::sync_file(&arrays[&w.tensor].chunk_path(&w.chunk)))?;
+        tasks
+            .writes
+            .par_iter()
+            .try_for_each(|w| write::sync_file(&arrays[&w.tensor].chunk_path(&w.chunk)))?;
         dirs.par_iter().try_for_each(|d| fsio::fsync_dir(d))?;
         Ok(totals)
     })?;
@@ -343,12 +407,23 @@ fn write_files(
 /// [`Error::Plan`] for an invalid global layout (naming the key and ranks),
 /// [`Error::Storage`] for I/O failures (naming the path), [`Error::Comm`] when a rank dies
 /// or times out, [`Error::RemoteFailure`] when another rank failed.
-pub fn save(pieces: &[ShardedTensor<'_>], dir: &Path, comm: &dyn Communicator, opts: &SaveOptions) -> Result<SaveReport> {
+pub fn save(
+    pieces: &[ShardedTensor<'_>],
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
     let t0 = Instant::now();
     let rank = comm.rank();
     let (layout, local) = agree(comm, local_layout(pieces))?;
     let (gathered, gathered_bytes) = gather_layouts(comm, &layout)?;
-    let plan = SavePlan::build(&gathered, &SavePlanOptions { grid: opts.grid, balance_replicas: opts.balance_replicas })?;
+    let plan = SavePlan::build(
+        &gathered,
+        &SavePlanOptions {
+            grid: opts.grid,
+            balance_replicas: opts.balance_replicas,
+        },
+    )?;
     let plan_time = t0.elapsed();
     let tasks = plan.tasks_for(u32::try_from(rank).unwrap_or(u32::MAX));
 
@@ -375,7 +450,8 @@ pub fn save(pieces: &[ShardedTensor<'_>], dir: &Path, comm: &dyn Communicator, o
         let mut meta = CheckpointMeta::new(comm.world_size() as u64);
         meta.user = opts.user_metadata.clone();
         for tp in &plan.tensors {
-            meta.tensors.insert(tp.key.clone(), entry_of(tp, opts.compression));
+            meta.tensors
+                .insert(tp.key.clone(), entry_of(tp, opts.compression));
         }
         commit::commit(dir, &meta).map_err(Error::from)
     } else {

@@ -73,7 +73,11 @@ impl SynthTensor {
                 if self.dtype == DType::Bool {
                     e.iter_mut().for_each(|b| *b &= 1);
                 }
-                if let Some(i) = e.iter().zip(&buf[d + done..d + done + n]).position(|(a, b)| a != b) {
+                if let Some(i) = e
+                    .iter()
+                    .zip(&buf[d + done..d + done + n])
+                    .position(|(a, b)| a != b)
+                {
                     first = Some(d + done + i);
                 }
                 done += n;
@@ -96,7 +100,7 @@ fn fill_bytes(seed: u64, start: u64, out: &mut [u8]) {
     let mut pos = start;
     let mut i = 0;
     // head, up to a word boundary
-    while i < out.len() && pos % 8 != 0 {
+    while i < out.len() && !pos.is_multiple_of(8) {
         out[i] = word(seed, pos / 8).to_le_bytes()[(pos % 8) as usize];
         i += 1;
         pos += 1;
@@ -137,12 +141,32 @@ impl SynthModel {
         for l in 0..layers {
             let p = format!("decoder.layers.{l}");
             b.norm(&format!("{p}.input_layernorm.weight"), h);
-            b.param(&format!("{p}.self_attention.linear_qkv.weight"), vec![3 * h, h], Some(0));
-            b.param(&format!("{p}.self_attention.linear_qkv.bias"), vec![3 * h], Some(0));
-            b.param(&format!("{p}.self_attention.linear_proj.weight"), vec![h, h], Some(1));
+            b.param(
+                &format!("{p}.self_attention.linear_qkv.weight"),
+                vec![3 * h, h],
+                Some(0),
+            );
+            b.param(
+                &format!("{p}.self_attention.linear_qkv.bias"),
+                vec![3 * h],
+                Some(0),
+            );
+            b.param(
+                &format!("{p}.self_attention.linear_proj.weight"),
+                vec![h, h],
+                Some(1),
+            );
             b.norm(&format!("{p}.pre_mlp_layernorm.weight"), h);
-            b.param(&format!("{p}.mlp.linear_fc1.weight"), vec![4 * h, h], Some(0));
-            b.param(&format!("{p}.mlp.linear_fc2.weight"), vec![h, 4 * h], Some(1));
+            b.param(
+                &format!("{p}.mlp.linear_fc1.weight"),
+                vec![4 * h, h],
+                Some(0),
+            );
+            b.param(
+                &format!("{p}.mlp.linear_fc2.weight"),
+                vec![h, 4 * h],
+                Some(1),
+            );
         }
         b.norm("decoder.final_layernorm.weight", h);
         b.push("optimizer/step", DType::Int64, vec![], None);
@@ -166,14 +190,30 @@ impl Builder {
     fn push(&mut self, key: &str, dtype: DType, shape: Vec<u64>, split_axis: Option<usize>) {
         let seed = self.tensors.len() as u64 + 1;
         let key = TensorKey::new(key).expect("generated keys are valid");
-        self.tensors.push(SynthTensor { key, dtype, shape, split_axis, seed });
+        self.tensors.push(SynthTensor {
+            key,
+            dtype,
+            shape,
+            split_axis,
+            seed,
+        });
     }
 
     /// A bf16 weight with its two fp32 Adam moments.
     fn param(&mut self, name: &str, shape: Vec<u64>, split: Option<usize>) {
         self.push(name, DType::BFloat16, shape.clone(), split);
-        self.push(&format!("optimizer/exp_avg/{name}"), DType::Float32, shape.clone(), split);
-        self.push(&format!("optimizer/exp_avg_sq/{name}"), DType::Float32, shape, split);
+        self.push(
+            &format!("optimizer/exp_avg/{name}"),
+            DType::Float32,
+            shape.clone(),
+            split,
+        );
+        self.push(
+            &format!("optimizer/exp_avg_sq/{name}"),
+            DType::Float32,
+            shape,
+            split,
+        );
     }
 
     /// A replicated fp32 norm weight.
@@ -202,7 +242,11 @@ impl Topology {
     pub fn piece(&self, t: &SynthTensor, rank: u64) -> (Region, u32) {
         let (tp_rank, dp_rank) = (rank % self.tp, rank / self.tp);
         let region = t.region(tp_rank, self.tp);
-        let replica = if t.split_axis.is_some() { dp_rank } else { rank };
+        let replica = if t.split_axis.is_some() {
+            dp_rank
+        } else {
+            rank
+        };
         (region, u32::try_from(replica).unwrap_or(u32::MAX))
     }
 }
@@ -222,7 +266,8 @@ impl Held {
             .enumerate()
             .map(|(i, t)| {
                 let (region, replica) = topo.piece(t, rank);
-                let mut buf = vec![0u8; region.num_elements().unwrap_or(0) as usize * t.dtype.size()];
+                let mut buf =
+                    vec![0u8; region.num_elements().unwrap_or(0) as usize * t.dtype.size()];
                 t.fill(&region, &mut buf);
                 (i, region, replica, buf)
             })
@@ -236,8 +281,15 @@ impl Held {
             .iter()
             .map(|(i, region, replica, buf)| {
                 let t = &model.tensors[*i];
-                ShardedTensor::new(t.key.clone(), t.dtype, t.shape.clone(), region.clone(), *replica, buf)
-                    .expect("generated pieces are valid")
+                ShardedTensor::new(
+                    t.key.clone(),
+                    t.dtype,
+                    t.shape.clone(),
+                    region.clone(),
+                    *replica,
+                    buf,
+                )
+                .expect("generated pieces are valid")
             })
             .collect()
     }
@@ -259,7 +311,8 @@ impl Wanted {
             .enumerate()
             .map(|(i, t)| {
                 let (region, _) = topo.piece(t, rank);
-                let buf = vec![0x5Au8; region.num_elements().unwrap_or(0) as usize * t.dtype.size()];
+                let buf =
+                    vec![0x5Au8; region.num_elements().unwrap_or(0) as usize * t.dtype.size()];
                 (i, region, buf)
             })
             .collect();
@@ -272,7 +325,8 @@ impl Wanted {
             .iter_mut()
             .map(|(i, region, buf)| {
                 let t = &model.tensors[*i];
-                LoadTarget::new(t.key.clone(), t.dtype, t.shape.clone(), region.clone(), buf).expect("valid targets")
+                LoadTarget::new(t.key.clone(), t.dtype, t.shape.clone(), region.clone(), buf)
+                    .expect("valid targets")
             })
             .collect()
     }
@@ -282,7 +336,10 @@ impl Wanted {
         for (i, region, buf) in &self.pieces {
             let t = &model.tensors[*i];
             if let Some(off) = t.check(region, buf) {
-                return Err(format!("tensor `{}` region {region}: wrong byte at offset {off}", t.key));
+                return Err(format!(
+                    "tensor `{}` region {region}: wrong byte at offset {off}",
+                    t.key
+                ));
             }
         }
         Ok(())
@@ -309,7 +366,14 @@ mod tests {
                     t.fill(&reg, &mut b);
                     assert_eq!(t.check(&reg, &b), None);
                     let mut expect = vec![0u8; b.len()];
-                    crate::model::copy::copy_region(&whole, &full, &mut expect, &reg, &reg, t.dtype.size());
+                    crate::model::copy::copy_region(
+                        &whole,
+                        &full,
+                        &mut expect,
+                        &reg,
+                        &reg,
+                        t.dtype.size(),
+                    );
                     assert_eq!(b, expect, "{} {r}/{tp}", t.key);
                     if !b.is_empty() {
                         b[0] ^= 1;

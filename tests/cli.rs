@@ -27,29 +27,47 @@ fn run(cmd: &mut Command) -> Output {
 
 /// The real model fetched by scripts/fetch-test-model.sh.
 fn real_model() -> Option<PathBuf> {
-    let p = std::env::var_os("ZARRCKPT_TEST_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/test-data/all-MiniLM-L6-v2/model.safetensors")
-    });
+    let p = std::env::var_os("ZARRCKPT_TEST_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("target/test-data/all-MiniLM-L6-v2/model.safetensors")
+        });
     if p.is_file() {
         return Some(p);
     }
     if std::env::var_os("ZARRCKPT_SKIP_REAL_MODEL").is_some() {
-        eprintln!("SKIPPED: no real model at {} (ZARRCKPT_SKIP_REAL_MODEL is set)", p.display());
+        eprintln!(
+            "SKIPPED: no real model at {} (ZARRCKPT_SKIP_REAL_MODEL is set)",
+            p.display()
+        );
         return None;
     }
-    panic!("no real model at {}: run scripts/fetch-test-model.sh (or scripts/test.sh)", p.display());
+    panic!(
+        "no real model at {}: run scripts/fetch-test-model.sh (or scripts/test.sh)",
+        p.display()
+    );
 }
 
 /// name -> (dtype, shape, bytes) of a safetensors file.
 fn tensors(path: &Path) -> HashMap<String, (Dtype, Vec<usize>, Vec<u8>)> {
     let bytes = std::fs::read(path).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    st.tensors().into_iter().map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec()))).collect()
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+        .collect()
 }
 
-fn write_st(path: &Path, items: &[(String, Dtype, Vec<usize>, Vec<u8>)], meta: Option<HashMap<String, String>>) {
-    let views: Vec<(String, TensorView)> =
-        items.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
+fn write_st(
+    path: &Path,
+    items: &[(String, Dtype, Vec<usize>, Vec<u8>)],
+    meta: Option<HashMap<String, String>>,
+) {
+    let views: Vec<(String, TensorView)> = items
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
     safetensors::serialize_to_file(views, meta, path).unwrap();
 }
 
@@ -71,8 +89,17 @@ fn real_model_round_trips_bit_identically() {
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");
     let out = tmp.path().join("out.safetensors");
-    let o = run(bin().arg("import").arg(&model).arg("--out").arg(&ckpt).args(["--ranks", "3"]));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("imported 104 tensors"), "{}", String::from_utf8_lossy(&o.stdout));
+    let o = run(bin()
+        .arg("import")
+        .arg(&model)
+        .arg("--out")
+        .arg(&ckpt)
+        .args(["--ranks", "3"]));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("imported 104 tensors"),
+        "{}",
+        String::from_utf8_lossy(&o.stdout)
+    );
     run(bin().arg("verify").arg(&ckpt));
     run(bin().arg("export").arg(&ckpt).arg("--out").arg(&out));
     let (a, b) = (tensors(&model), tensors(&out));
@@ -109,23 +136,50 @@ fn multi_file_fp16_bf16_fp8_bool_model_round_trips() {
     }
     // fp8, bool and odd shapes, every byte value.
     let all: Vec<u8> = (0..=255u8).collect();
-    items.push(("fp8.e4m3fn".into(), Dtype::F8_E4M3, vec![16, 16], all.clone()));
+    items.push((
+        "fp8.e4m3fn".into(),
+        Dtype::F8_E4M3,
+        vec![16, 16],
+        all.clone(),
+    ));
     items.push(("fp8.e5m2".into(), Dtype::F8_E5M2, vec![256], all));
-    items.push(("mask".into(), Dtype::BOOL, vec![7, 3], (0..21).map(|i| (i % 3 == 0) as u8).collect()));
-    items.push(("scalar".into(), Dtype::I64, vec![], 42i64.to_le_bytes().to_vec()));
+    items.push((
+        "mask".into(),
+        Dtype::BOOL,
+        vec![7, 3],
+        (0..21).map(|i| (i % 3 == 0) as u8).collect(),
+    ));
+    items.push((
+        "scalar".into(),
+        Dtype::I64,
+        vec![],
+        42i64.to_le_bytes().to_vec(),
+    ));
     items.push(("empty".into(), Dtype::F32, vec![0, 5], vec![]));
     // Three files, as a sharded Hugging Face checkpoint.
     let mut files = Vec::new();
     for part in 0..3 {
-        let chunk: Vec<_> = items.iter().enumerate().filter(|(i, _)| i % 3 == part).map(|(_, t)| t.clone()).collect();
-        let p = tmp.path().join(format!("model-{:05}-of-00003.safetensors", part + 1));
+        let chunk: Vec<_> = items
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % 3 == part)
+            .map(|(_, t)| t.clone())
+            .collect();
+        let p = tmp
+            .path()
+            .join(format!("model-{:05}-of-00003.safetensors", part + 1));
         let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
         write_st(&p, &chunk, Some(meta));
         files.push(p);
     }
     let ckpt = tmp.path().join("ckpt");
     let out = tmp.path().join("out.safetensors");
-    run(bin().arg("import").args(&files).arg("--out").arg(&ckpt).args(["--ranks", "4", "--compression", "zstd"]));
+    run(bin()
+        .arg("import")
+        .args(&files)
+        .arg("--out")
+        .arg(&ckpt)
+        .args(["--ranks", "4", "--compression", "zstd"]));
     run(bin().arg("verify").arg(&ckpt));
     run(bin().arg("export").arg(&ckpt).arg("--out").arg(&out));
     let back = tensors(&out);
@@ -136,19 +190,41 @@ fn multi_file_fp16_bf16_fp8_bool_model_round_trips() {
     // The same tensor in two files is refused.
     let dup = tmp.path().join("dup.safetensors");
     write_st(&dup, &items[..1], None);
-    let o = bin().arg("import").arg(&files[0]).arg(&dup).arg("--out").arg(tmp.path().join("x")).output().unwrap();
+    let o = bin()
+        .arg("import")
+        .arg(&files[0])
+        .arg(&dup)
+        .arg("--out")
+        .arg(tmp.path().join("x"))
+        .output()
+        .unwrap();
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("appears in both"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("appears in both"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 #[test]
 fn verify_names_key_chunk_and_file_of_a_corruption() {
     let tmp = tempfile::tempdir().unwrap();
     let st = tmp.path().join("m.safetensors");
-    let data: Vec<u8> = (0..64 * 1024u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
-    write_st(&st, &[("layer.weight".into(), Dtype::F32, vec![256, 256], data)], None);
+    let data: Vec<u8> = (0..64 * 1024u32)
+        .flat_map(|i| (i as f32).to_le_bytes())
+        .collect();
+    write_st(
+        &st,
+        &[("layer.weight".into(), Dtype::F32, vec![256, 256], data)],
+        None,
+    );
     let ckpt = tmp.path().join("ckpt");
-    run(bin().arg("import").arg(&st).arg("--out").arg(&ckpt).args(["--ranks", "2"]));
+    run(bin()
+        .arg("import")
+        .arg(&st)
+        .arg("--out")
+        .arg(&ckpt)
+        .args(["--ranks", "2"]));
     let shard = ckpt.join("tensors/layer.weight/c.1.0");
     let mut bytes = std::fs::read(&shard).unwrap();
     bytes[100] ^= 0x40;
@@ -156,10 +232,22 @@ fn verify_names_key_chunk_and_file_of_a_corruption() {
     let o = bin().arg("verify").arg(&ckpt).output().unwrap();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("layer.weight") && err.contains("[1, 0]") && err.contains("c.1.0") && err.contains("crc32c"), "{err}");
+    assert!(
+        err.contains("layer.weight")
+            && err.contains("[1, 0]")
+            && err.contains("c.1.0")
+            && err.contains("crc32c"),
+        "{err}"
+    );
     // An export of a corrupted checkpoint fails and leaves no output file behind.
     let out = tmp.path().join("out.safetensors");
-    let o = bin().arg("export").arg(&ckpt).arg("--out").arg(&out).output().unwrap();
+    let o = bin()
+        .arg("export")
+        .arg(&ckpt)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
     assert!(!o.status.success());
     assert!(!out.exists());
     // An incomplete checkpoint is refused by every command.
@@ -167,7 +255,11 @@ fn verify_names_key_chunk_and_file_of_a_corruption() {
     for cmd in ["inspect", "verify"] {
         let o = bin().arg(cmd).arg(&ckpt).output().unwrap();
         assert!(!o.status.success());
-        assert!(String::from_utf8_lossy(&o.stderr).contains("incomplete"), "{cmd}: {}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("incomplete"),
+            "{cmd}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
     }
 }
 
@@ -175,7 +267,11 @@ fn verify_names_key_chunk_and_file_of_a_corruption() {
 fn demo_runs() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("demo");
-    let o = run(bin().arg("demo").arg("--dir").arg(&dir).args(["--size", "8000000"]));
+    let o = run(bin()
+        .arg("demo")
+        .arg("--dir")
+        .arg(&dir)
+        .args(["--size", "8000000"]));
     let s = String::from_utf8_lossy(&o.stdout);
     assert!(s.contains("every byte checked"), "{s}");
     run(bin().arg("verify").arg(&dir));

@@ -207,6 +207,9 @@ fn load_w_err(dir: &Path) -> Error {
 // Keys
 // ---------------------------------------------------------------------------------------------
 
+/// An edit of a JSON document.
+type Edit = Box<dyn Fn(&mut serde_json::Value)>;
+
 #[test]
 fn key_empty() {
     assert_eq!(TensorKey::new(""), Err(KeyError::Empty));
@@ -1181,7 +1184,7 @@ fn malformed_root_metadata() {
     std::fs::write(&rj, b"\xff\xfe").unwrap();
     expect_malformed("not UTF-8", "not JSON");
 
-    let edits: Vec<(&str, &str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+    let edits: Vec<(&str, &str, Edit)> = vec![
         (
             "format",
             "format",
@@ -1324,7 +1327,7 @@ fn malformed_root_metadata_names_the_field() {
     save_standard(&dir, 1);
     let rj = root_json(&dir);
     let good = read_json(&rj);
-    let edits: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+    let edits: Vec<(&str, Edit)> = vec![
         ("world_size", Box::new(|a| a["world_size"] = "four".into())),
         (
             "shape",
@@ -1359,7 +1362,7 @@ fn array_metadata_disagrees_with_index() {
     save_standard(&dir, 2);
     let aj = dir.join("tensors/w/zarr.json");
     let good = read_json(&aj);
-    let edits: Vec<(&str, Box<dyn Fn(&mut serde_json::Value)>)> = vec![
+    let edits: Vec<(&str, Edit)> = vec![
         ("data_type", Box::new(|v| v["data_type"] = "float16".into())),
         (
             "shape",
@@ -1838,8 +1841,8 @@ fn a_rank_dying_mid_save_fails_the_others_fast() {
         let t0 = Instant::now();
         let res = save_faulty(&dir, 3, 2, at, Fault::Die, &SaveOptions::default(), timeout);
         assert!(t0.elapsed() < timeout, "step {at}: took {:?}", t0.elapsed());
-        for r in 0..2 {
-            let e = res[r].as_ref().unwrap_err();
+        for (r, res) in res.iter().enumerate().take(2) {
+            let e = res.as_ref().unwrap_err();
             assert!(
                 matches!(
                     e,
@@ -1941,10 +1944,10 @@ impl Communicator for Tamper {
         self.inner.world_size()
     }
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        if data.len() == 16 {
-            if let Some(h) = &self.hash {
-                return self.inner.all_gather(h);
-            }
+        if data.len() == 16
+            && let Some(h) = &self.hash
+        {
+            return self.inner.all_gather(h);
         }
         if data.starts_with(b"ZCKL1") {
             return self.inner.all_gather(&self.blob);

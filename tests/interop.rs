@@ -56,18 +56,27 @@ fn python(test: &str) -> Option<PathBuf> {
     );
     if std::env::var("ZARRCKPT_SKIP_INTEROP").is_ok_and(|v| v == "1") {
         // Straight to the process's stderr, past the test harness's output capture.
-        let _ =
-            writeln!(std::io::stderr(), "\n!!!!!!!! SKIPPED interop test `{test}` (ZARRCKPT_SKIP_INTEROP=1): {why}\n");
+        let _ = writeln!(
+            std::io::stderr(),
+            "\n!!!!!!!! SKIPPED interop test `{test}` (ZARRCKPT_SKIP_INTEROP=1): {why}\n"
+        );
         return None;
     }
     panic!("{why}\n(Set ZARRCKPT_SKIP_INTEROP=1 to skip these tests explicitly.)");
 }
 
 fn work_dir() -> tempfile::TempDir {
-    let mut dir = tempfile::Builder::new().prefix("zarrckpt-interop-").tempdir().expect("temporary directory");
+    let mut dir = tempfile::Builder::new()
+        .prefix("zarrckpt-interop-")
+        .tempdir()
+        .expect("temporary directory");
     if std::env::var("ZARRCKPT_INTEROP_KEEP").is_ok_and(|v| v == "1") {
         dir.disable_cleanup(true);
-        let _ = writeln!(std::io::stderr(), "interop: keeping {}", dir.path().display());
+        let _ = writeln!(
+            std::io::stderr(),
+            "interop: keeping {}",
+            dir.path().display()
+        );
     }
     dir
 }
@@ -127,8 +136,14 @@ fn summary(stdout: &str, name: &str) -> Vec<(String, u64)> {
         .unwrap_or_else(|| panic!("no `{name}` summary line in:\n{stdout}"));
     line.split_whitespace()
         .map(|kv| {
-            let (k, v) = kv.split_once('=').unwrap_or_else(|| panic!("bad summary item {kv:?}"));
-            (k.to_owned(), v.parse().unwrap_or_else(|_| panic!("bad summary count {kv:?}")))
+            let (k, v) = kv
+                .split_once('=')
+                .unwrap_or_else(|| panic!("bad summary item {kv:?}"));
+            (
+                k.to_owned(),
+                v.parse()
+                    .unwrap_or_else(|_| panic!("bad summary count {kv:?}")),
+            )
         })
         .collect()
 }
@@ -142,7 +157,11 @@ fn first_difference(got: &[u8], want: &[u8], shape: &[u64], elem: usize) -> Stri
     if got.len() != want.len() {
         return format!("{} bytes, expected {}", got.len(), want.len());
     }
-    let Some(flat) = got.chunks(elem).zip(want.chunks(elem)).position(|(a, b)| a != b) else {
+    let Some(flat) = got
+        .chunks(elem)
+        .zip(want.chunks(elem))
+        .position(|(a, b)| a != b)
+    else {
         return "no difference".into();
     };
     let mut index = vec![0u64; shape.len()];
@@ -157,7 +176,11 @@ fn first_difference(got: &[u8], want: &[u8], shape: &[u64], elem: usize) -> Stri
             s
         })
     };
-    let differing = got.chunks(elem).zip(want.chunks(elem)).filter(|(a, b)| a != b).count();
+    let differing = got
+        .chunks(elem)
+        .zip(want.chunks(elem))
+        .filter(|(a, b)| a != b)
+        .count();
     format!(
         "first differing element at index {index:?} (flat {flat}): got {}, expected {}; {differing} of {} elements differ",
         hex(&got[flat * elem..(flat + 1) * elem]),
@@ -268,16 +291,34 @@ fn region(spec: &Spec, n: u64, r: u64) -> Region {
     let mut ext = shape.clone();
     match &spec.split {
         Split::Replicated => {}
-        Split::Axis(a) => along(*a, chunk_split(shape[*a], n)[r as usize], &mut offset, &mut ext),
+        Split::Axis(a) => along(
+            *a,
+            chunk_split(shape[*a], n)[r as usize],
+            &mut offset,
+            &mut ext,
+        ),
         Split::Sizes(sizes) => {
             let o: u64 = sizes[..r as usize].iter().sum();
             along(0, (o, sizes[r as usize]), &mut offset, &mut ext);
         }
         Split::Grid => {
-            let rows = (1..=n).rev().find(|a| n.is_multiple_of(*a) && a * a <= n).unwrap_or(1);
+            let rows = (1..=n)
+                .rev()
+                .find(|a| n.is_multiple_of(*a) && a * a <= n)
+                .unwrap_or(1);
             let cols = n / rows;
-            along(0, chunk_split(shape[0], rows)[(r / cols) as usize], &mut offset, &mut ext);
-            along(1, chunk_split(shape[1], cols)[(r % cols) as usize], &mut offset, &mut ext);
+            along(
+                0,
+                chunk_split(shape[0], rows)[(r / cols) as usize],
+                &mut offset,
+                &mut ext,
+            );
+            along(
+                1,
+                chunk_split(shape[1], cols)[(r % cols) as usize],
+                &mut offset,
+                &mut ext,
+            );
         }
     }
     Region::new(offset, ext).unwrap()
@@ -297,14 +338,23 @@ fn specs(world: u64) -> Vec<Spec> {
         // coarse chunks that do not align with the pieces (ranks exchange parts).
         let unaligned: Vec<u64> = (0..world).map(|i| 3 + i % 2).collect();
         let mut add = |name: &str, shape: Vec<u64>, split: Split| {
-            out.push(Spec { key: format!("{d}/{name}"), dtype, shape, split });
+            out.push(Spec {
+                key: format!("{d}/{name}"),
+                dtype,
+                shape,
+                split,
+            });
         };
         add("scalar", vec![], Split::Replicated);
         add("one", vec![1], Split::Axis(0));
         add("one3", vec![1, 1, 1], Split::Replicated);
         add("empty", vec![3, 0, 2], Split::Axis(0));
         add("uneven", vec![11, 7], Split::Sizes(halving(11, world)));
-        add("unaligned", vec![unaligned.iter().sum(), 5], Split::Sizes(unaligned));
+        add(
+            "unaligned",
+            vec![unaligned.iter().sum(), 5],
+            Split::Sizes(unaligned),
+        );
         add("big", big_shape, big_split);
     }
     out.push(Spec {
@@ -335,18 +385,31 @@ fn save_checkpoint(
     let fulls: Vec<Vec<u8>> = specs
         .iter()
         .enumerate()
-        .map(|(i, s)| tensor_bytes(s.dtype, s.shape.iter().product::<u64>() as usize, 1000 + i as u64))
+        .map(|(i, s)| {
+            tensor_bytes(
+                s.dtype,
+                s.shape.iter().product::<u64>() as usize,
+                1000 + i as u64,
+            )
+        })
         .collect();
     let opts = SaveOptions {
         compression,
-        grid: GridOptions { subchunk_target_bytes: subchunk_bytes, ..GridOptions::default() },
+        grid: GridOptions {
+            subchunk_target_bytes: subchunk_bytes,
+            ..GridOptions::default()
+        },
         ..SaveOptions::default()
     };
     let results = run_local(world as usize, Duration::from_secs(60), |comm| {
         let r = zarrckpt::Communicator::rank(&comm) as u64;
         let regions: Vec<Region> = specs.iter().map(|s| region(s, world, r)).collect();
-        let datas: Vec<Vec<u8>> =
-            specs.iter().zip(&fulls).zip(&regions).map(|((s, f), reg)| cut(f, &s.shape, reg, s.dtype.size())).collect();
+        let datas: Vec<Vec<u8>> = specs
+            .iter()
+            .zip(&fulls)
+            .zip(&regions)
+            .map(|((s, f), reg)| cut(f, &s.shape, reg, s.dtype.size()))
+            .collect();
         // Ranks whose torch.chunk-style piece is empty declare it too, as main replicas.
         let pieces: Vec<ShardedTensor> = specs
             .iter()
@@ -365,7 +428,9 @@ fn save_checkpoint(
                 .unwrap()
             })
             .collect();
-        save(&pieces, dir, &comm, &opts).map(|_| ()).map_err(|e| e.to_string())
+        save(&pieces, dir, &comm, &opts)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     });
     for (r, res) in results.into_iter().enumerate() {
         res.unwrap_or_else(|e| panic!("save with {compression:?} failed on rank {r}: {e}"));
@@ -388,12 +453,18 @@ fn save_checkpoint(
 
 #[test]
 fn zarr_python_and_tensorstore_read_zarrckpt_checkpoints() {
-    let Some(python) = python("zarr_python_and_tensorstore_read_zarrckpt_checkpoints") else { return };
+    let Some(python) = python("zarr_python_and_tensorstore_read_zarrckpt_checkpoints") else {
+        return;
+    };
     let work = work_dir();
     let w = work.path();
     let t0 = Instant::now();
     // (compression, ranks, subchunk target bytes): many subchunks per shard in every case.
-    let configs = [(Compression::None, 4, 1024), (Compression::Zstd, 3, 1024), (Compression::Blosc, 2, 2048)];
+    let configs = [
+        (Compression::None, 4, 1024),
+        (Compression::Zstd, 3, 1024),
+        (Compression::Blosc, 2, 2048),
+    ];
     let mut checkpoints = Vec::new();
     for (compression, world, sub) in configs {
         let name = format!("{compression:?}").to_lowercase();
@@ -406,29 +477,56 @@ fn zarr_python_and_tensorstore_read_zarrckpt_checkpoints() {
         ));
     }
     let manifest = w.join("manifest.json");
-    std::fs::write(&manifest, serde_json::to_vec_pretty(&json!({"checkpoints": checkpoints})).unwrap()).unwrap();
-    println!("saved {} checkpoints in {:.2} s", checkpoints.len(), t0.elapsed().as_secs_f64());
+    std::fs::write(
+        &manifest,
+        serde_json::to_vec_pretty(&json!({"checkpoints": checkpoints})).unwrap(),
+    )
+    .unwrap();
+    println!(
+        "saved {} checkpoints in {:.2} s",
+        checkpoints.len(),
+        t0.elapsed().as_secs_f64()
+    );
 
     let stdout = run_python(&python, "check_zarrckpt.py", &[&manifest], w);
     let counts = summary(&stdout, "CHECKED");
     // The script must have checked everything, not silently skipped anything.
-    let all: Vec<&Value> = checkpoints.iter().flat_map(|c| c["tensors"].as_array().unwrap()).collect();
+    let all: Vec<&Value> = checkpoints
+        .iter()
+        .flat_map(|c| c["tensors"].as_array().unwrap())
+        .collect();
     let standard = [
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
-        "float64",
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64",
     ];
     let is_standard = |t: &&&Value| standard.contains(&t["dtype"].as_str().unwrap());
     let is_float8 = |t: &&&Value| t["dtype"].as_str().unwrap().starts_with("float8");
-    assert_eq!(count(&counts, "groups"), checkpoints.len() as u64, "{stdout}");
+    assert_eq!(
+        count(&counts, "groups"),
+        checkpoints.len() as u64,
+        "{stdout}"
+    );
     assert_eq!(count(&counts, "tensorstore"), all.len() as u64, "{stdout}");
-    assert_eq!(count(&counts, "zarr"), all.iter().filter(is_standard).count() as u64, "{stdout}");
-    assert_eq!(count(&counts, "float8"), all.iter().filter(is_float8).count() as u64, "{stdout}");
-    assert!(count(&counts, "tensorstore_partial") > 100 && count(&counts, "zarr_partial") > 50, "{stdout}");
+    assert_eq!(
+        count(&counts, "zarr"),
+        all.iter().filter(is_standard).count() as u64,
+        "{stdout}"
+    );
+    assert_eq!(
+        count(&counts, "float8"),
+        all.iter().filter(is_float8).count() as u64,
+        "{stdout}"
+    );
+    assert!(
+        count(&counts, "tensorstore_partial") > 100 && count(&counts, "zarr_partial") > 50,
+        "{stdout}"
+    );
     // Every data type has a tensor with several shards and several subchunks per shard, in
     // each checkpoint.
     let per_checkpoint = DType::ALL.len() as u64 * checkpoints.len() as u64;
     assert!(
-        count(&counts, "multi_shard") >= per_checkpoint && count(&counts, "multi_subchunk") >= per_checkpoint,
+        count(&counts, "multi_shard") >= per_checkpoint
+            && count(&counts, "multi_subchunk") >= per_checkpoint,
         "{stdout}"
     );
 }
@@ -442,18 +540,25 @@ fn known_issue(name: &str) -> Option<(&'static str, &'static str)> {
     KNOWN_ISSUES.iter().find_map(|(names, needle, why)| {
         names
             .iter()
-            .any(|n| n.strip_suffix('*').map_or(*n == name, |prefix| name.starts_with(prefix)))
+            .any(|n| {
+                n.strip_suffix('*')
+                    .map_or(*n == name, |prefix| name.starts_with(prefix))
+            })
             .then_some((*needle, *why))
     })
 }
 
 #[test]
 fn zarrckpt_reads_arrays_written_by_tensorstore_and_zarr_python() {
-    let Some(python) = python("zarrckpt_reads_arrays_written_by_tensorstore_and_zarr_python") else { return };
+    let Some(python) = python("zarrckpt_reads_arrays_written_by_tensorstore_and_zarr_python")
+    else {
+        return;
+    };
     let work = work_dir();
     let out = work.path().join("foreign");
     let stdout = run_python(&python, "write_foreign.py", &[&out], work.path());
-    let manifest: Value = serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
+    let manifest: Value =
+        serde_json::from_slice(&std::fs::read(out.join("manifest.json")).unwrap()).unwrap();
     let arrays = manifest["arrays"].as_array().unwrap();
     let mut failures = Vec::new();
     let mut known = Vec::new();
@@ -463,26 +568,42 @@ fn zarrckpt_reads_arrays_written_by_tensorstore_and_zarr_python() {
         let name = a["name"].as_str().unwrap();
         let writer = a["writer"].as_str().unwrap();
         let dir = Path::new(a["dir"].as_str().unwrap());
-        let label =
-            format!("{name} (written by {writer}: {}, {})", a["dtype"].as_str().unwrap(), a["note"].as_str().unwrap());
+        let label = format!(
+            "{name} (written by {writer}: {}, {})",
+            a["dtype"].as_str().unwrap(),
+            a["note"].as_str().unwrap()
+        );
         if let Some(needle) = a.get("expect_error").and_then(Value::as_str) {
             match read_array(dir) {
-                Ok(r) => failures.push(format!("{label}: read as {} {:?}, expected an error", r.dtype, r.shape)),
+                Ok(r) => failures.push(format!(
+                    "{label}: read as {} {:?}, expected an error",
+                    r.dtype, r.shape
+                )),
                 Err(e) if e.to_string().contains(needle) => {}
-                Err(e) => failures.push(format!("{label}: error `{e}` does not mention `{needle}`")),
+                Err(e) => {
+                    failures.push(format!("{label}: error `{e}` does not mention `{needle}`"))
+                }
             }
             continue;
         }
-        let shape: Vec<u64> = a["shape"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
+        let shape: Vec<u64> = a["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
         let want = std::fs::read(a["expected"].as_str().unwrap()).unwrap();
         if let Some((needle, why)) = known_issue(name) {
             match read_array(dir) {
                 Err(e) if e.to_string().contains(needle) => {
                     known.push(format!("{label}: {why}"));
                 }
-                Err(e) => failures.push(format!("{label}: known issue `{needle}` now fails differently: {e}")),
-                Ok(got) if got.data == want && got.shape == shape => failures
-                    .push(format!("{label}: reads exactly now; remove it from KNOWN_ISSUES in tests/interop.rs")),
+                Err(e) => failures.push(format!(
+                    "{label}: known issue `{needle}` now fails differently: {e}"
+                )),
+                Ok(got) if got.data == want && got.shape == shape => failures.push(format!(
+                    "{label}: reads exactly now; remove it from KNOWN_ISSUES in tests/interop.rs"
+                )),
                 Ok(got) => failures.push(format!(
                     "{label}: known issue `{needle}` now reads but wrongly: {}",
                     first_difference(&got.data, &want, &shape, got.dtype.size())
@@ -493,13 +614,20 @@ fn zarrckpt_reads_arrays_written_by_tensorstore_and_zarr_python() {
         match read_array(dir) {
             Err(e) => failures.push(format!("{label}: read_array failed: {e}")),
             Ok(got) if got.dtype.name() != a["dtype"].as_str().unwrap() => {
-                failures.push(format!("{label}: data type {}, expected {}", got.dtype, a["dtype"]));
+                failures.push(format!(
+                    "{label}: data type {}, expected {}",
+                    got.dtype, a["dtype"]
+                ));
             }
-            Ok(got) if got.shape != shape => {
-                failures.push(format!("{label}: shape {:?}, expected {shape:?}", got.shape))
-            }
+            Ok(got) if got.shape != shape => failures.push(format!(
+                "{label}: shape {:?}, expected {shape:?}",
+                got.shape
+            )),
             Ok(got) if got.data != want => {
-                failures.push(format!("{label}: {}", first_difference(&got.data, &want, &shape, got.dtype.size())));
+                failures.push(format!(
+                    "{label}: {}",
+                    first_difference(&got.data, &want, &shape, got.dtype.size())
+                ));
             }
             Ok(got) => {
                 read += 1;
@@ -527,7 +655,14 @@ fn zarrckpt_reads_arrays_written_by_tensorstore_and_zarr_python() {
         failures.join("\n  - ")
     );
     let counts = summary(&stdout, "WROTE");
-    assert!(count(&counts, "tensorstore") >= 60 && count(&counts, "zarr-python") >= 25, "{stdout}");
-    assert_eq!(ts_dtypes.len(), DType::ALL.len(), "tensorstore arrays cover every data type: {ts_dtypes:?}");
+    assert!(
+        count(&counts, "tensorstore") >= 60 && count(&counts, "zarr-python") >= 25,
+        "{stdout}"
+    );
+    assert_eq!(
+        ts_dtypes.len(),
+        DType::ALL.len(),
+        "tensorstore arrays cover every data type: {ts_dtypes:?}"
+    );
     println!("read {read} foreign arrays exactly");
 }

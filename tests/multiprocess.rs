@@ -22,9 +22,18 @@ fn zarrckpt() -> Command {
 /// `zarrckpt launch -n N [launch flags] -- zarrckpt worker JOB --dir DIR ...`.
 fn launch(n: usize, launch_flags: &[&str], job: &str, dir: &Path, worker_flags: &[&str]) -> Output {
     let mut c = zarrckpt();
-    c.arg("launch").arg("-n").arg(n.to_string()).args(launch_flags).arg("--");
-    c.arg(env!("CARGO_BIN_EXE_zarrckpt")).arg("worker").arg(job).arg("--dir").arg(dir);
-    c.args(["--size", SIZE, "--hidden", "64", "--io-threads", "1"]).args(worker_flags);
+    c.arg("launch")
+        .arg("-n")
+        .arg(n.to_string())
+        .args(launch_flags)
+        .arg("--");
+    c.arg(env!("CARGO_BIN_EXE_zarrckpt"))
+        .arg("worker")
+        .arg(job)
+        .arg("--dir")
+        .arg(dir);
+    c.args(["--size", SIZE, "--hidden", "64", "--io-threads", "1"])
+        .args(worker_flags);
     c.output().expect("run zarrckpt launch")
 }
 
@@ -40,7 +49,10 @@ fn ok(o: &Output) {
 
 fn reports(base: &Path, n: usize) -> Vec<Value> {
     (0..n)
-        .map(|r| serde_json::from_slice(&std::fs::read(base.with_extension(r.to_string())).unwrap()).unwrap())
+        .map(|r| {
+            serde_json::from_slice(&std::fs::read(base.with_extension(r.to_string())).unwrap())
+                .unwrap()
+        })
         .collect()
 }
 
@@ -54,35 +66,87 @@ fn four_processes_save_three_load_and_dp_groups_share_reads() {
     let dir = tmp.path().join("ckpt");
     let rep = tmp.path().join("save");
     // tp 2 x dp 2: replicated pieces written once, spread over their holders.
-    ok(&launch(4, &[], "save", &dir, &["--tp", "2", "--dp", "2", "--report", rep.to_str().unwrap()]));
+    ok(&launch(
+        4,
+        &[],
+        "save",
+        &dir,
+        &["--tp", "2", "--dp", "2", "--report", rep.to_str().unwrap()],
+    ));
     let saves = reports(&rep, 4);
     let per_rank = &saves[0]["bytes_per_rank"];
-    assert!(saves.iter().all(|r| &r["bytes_per_rank"] == per_rank), "every rank computes the same assignment");
-    let bytes: Vec<u64> = per_rank.as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).collect();
-    assert!(bytes.iter().all(|&b| b > 0), "every replica writes a share: {bytes:?}");
-    assert!(saves[0]["write_balance"].as_f64().unwrap() < 1.1, "{bytes:?}");
+    assert!(
+        saves.iter().all(|r| &r["bytes_per_rank"] == per_rank),
+        "every rank computes the same assignment"
+    );
+    let bytes: Vec<u64> = per_rank
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap())
+        .collect();
+    assert!(
+        bytes.iter().all(|&b| b > 0),
+        "every replica writes a share: {bytes:?}"
+    );
+    assert!(
+        saves[0]["write_balance"].as_f64().unwrap() < 1.1,
+        "{bytes:?}"
+    );
     assert_eq!(Checkpoint::open(&dir).unwrap().meta().world_size, 4);
 
     // 3 processes load in another split and check every byte.
     let rep = tmp.path().join("load3");
-    ok(&launch(3, &[], "load", &dir, &["--tp", "3", "--report", rep.to_str().unwrap()]));
+    ok(&launch(
+        3,
+        &[],
+        "load",
+        &dir,
+        &["--tp", "3", "--report", rep.to_str().unwrap()],
+    ));
     let loads = reports(&rep, 3);
     assert!(loads.iter().all(|r| r["verified"] == true));
 
     // dp 2 x tp 2: each box read once per data-parallel group, the copy sent over TCP.
     let rep = tmp.path().join("load4");
-    ok(&launch(4, &[], "load", &dir, &["--tp", "2", "--dp", "2", "--report", rep.to_str().unwrap()]));
+    ok(&launch(
+        4,
+        &[],
+        "load",
+        &dir,
+        &["--tp", "2", "--dp", "2", "--report", rep.to_str().unwrap()],
+    ));
     let shared = reports(&rep, 4);
     assert!(shared.iter().all(|r| r["verified"] == true));
     let rep = tmp.path().join("load4-plain");
-    ok(&launch(4, &[], "load", &dir, &["--tp", "2", "--dp", "2", "--no-exchange", "--report", rep.to_str().unwrap()]));
+    ok(&launch(
+        4,
+        &[],
+        "load",
+        &dir,
+        &[
+            "--tp",
+            "2",
+            "--dp",
+            "2",
+            "--no-exchange",
+            "--report",
+            rep.to_str().unwrap(),
+        ],
+    ));
     let plain = reports(&rep, 4);
     let (read_shared, read_plain) = (sum(&shared, "bytes_read"), sum(&plain, "bytes_read"));
     let loaded = sum(&shared, "loaded_bytes");
     assert_eq!(sum(&plain, "bytes_received"), 0);
     assert_eq!(sum(&shared, "bytes_received"), sum(&shared, "bytes_sent"));
-    assert!(sum(&shared, "bytes_received") * 2 >= loaded * 9 / 10, "about half the bytes arrive over TCP");
-    assert!(read_shared * 2 <= read_plain + read_plain / 20, "shared {read_shared} vs plain {read_plain}");
+    assert!(
+        sum(&shared, "bytes_received") * 2 >= loaded * 9 / 10,
+        "about half the bytes arrive over TCP"
+    );
+    assert!(
+        read_shared * 2 <= read_plain + read_plain / 20,
+        "shared {read_shared} vs plain {read_plain}"
+    );
 }
 
 /// A rank dies mid-save: the others fail by themselves (the launcher does not kill them),
@@ -95,15 +159,26 @@ fn a_rank_killed_during_save_fails_the_others_and_never_commits() {
     ok(&launch(2, &[], "save", &good, &["--tp", "2"]));
     let dir = tmp.path().join("ckpt");
     let t0 = Instant::now();
-    let o = launch(4, &["--no-fail-fast"], "save", &dir, &["--tp", "4", "--die-rank", "2", "--die-after-bytes", "1"]);
+    let o = launch(
+        4,
+        &["--no-fail-fast"],
+        "save",
+        &dir,
+        &["--tp", "4", "--die-rank", "2", "--die-after-bytes", "1"],
+    );
     let took = t0.elapsed();
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("rank 2 failed first"), "{err}");
     for r in [0, 1, 3] {
-        let line = err.lines().find(|l| l.starts_with(&format!("[rank {r}] error:")));
+        let line = err
+            .lines()
+            .find(|l| l.starts_with(&format!("[rank {r}] error:")));
         let line = line.unwrap_or_else(|| panic!("rank {r} reports no error:\n{err}"));
-        assert!(line.contains("rank 2"), "rank {r} does not name the dead rank: {line}");
+        assert!(
+            line.contains("rank 2"),
+            "rank {r} does not name the dead rank: {line}"
+        );
     }
     assert!(took < Duration::from_secs(25), "took {took:?}");
     match Checkpoint::open(&dir) {
@@ -119,7 +194,10 @@ fn a_rank_killed_during_load_fails_the_others() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
     ok(&launch(2, &[], "save", &dir, &["--tp", "2"]));
-    for flags in [&["--tp", "2", "--dp", "2"][..], &["--tp", "4", "--no-exchange"][..]] {
+    for flags in [
+        &["--tp", "2", "--dp", "2"][..],
+        &["--tp", "4", "--no-exchange"][..],
+    ] {
         let t0 = Instant::now();
         let mut wf = flags.to_vec();
         wf.extend(["--die-rank", "1", "--die-after-bytes", "1"]);
@@ -129,9 +207,15 @@ fn a_rank_killed_during_load_fails_the_others() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains("rank 1 failed first"), "{err}");
         for r in [0, 2, 3] {
-            let line = err.lines().find(|l| l.starts_with(&format!("[rank {r}] error:")));
-            let line = line.unwrap_or_else(|| panic!("rank {r} reports no error ({flags:?}):\n{err}"));
-            assert!(line.contains("rank 1"), "rank {r} does not name the dead rank: {line}");
+            let line = err
+                .lines()
+                .find(|l| l.starts_with(&format!("[rank {r}] error:")));
+            let line =
+                line.unwrap_or_else(|| panic!("rank {r} reports no error ({flags:?}):\n{err}"));
+            assert!(
+                line.contains("rank 1"),
+                "rank {r} does not name the dead rank: {line}"
+            );
         }
         assert!(took < Duration::from_secs(25), "took {took:?}");
     }

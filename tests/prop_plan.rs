@@ -15,7 +15,8 @@ use proptest::prelude::*;
 use zarrckpt::plan::load::StoredGeometry;
 use zarrckpt::plan::save::{RankTasks, Source};
 use zarrckpt::plan::{
-    GatheredLayouts, GridOptions, PieceDecl, PlanError, RankLayout, SavePlan, SavePlanOptions, TensorDecl,
+    GatheredLayouts, GridOptions, PieceDecl, PlanError, RankLayout, SavePlan, SavePlanOptions,
+    TensorDecl,
 };
 use zarrckpt::{DType, Region, TensorKey};
 
@@ -30,13 +31,21 @@ fn grid_options() -> impl Strategy<Value = GridOptions> {
 
 /// Plan options; replica balancing on most of the time.
 fn plan_options() -> impl Strategy<Value = SavePlanOptions> {
-    (grid_options(), prop::bool::weighted(0.8))
-        .prop_map(|(grid, balance_replicas)| SavePlanOptions { grid, balance_replicas })
+    (grid_options(), prop::bool::weighted(0.8)).prop_map(|(grid, balance_replicas)| {
+        SavePlanOptions {
+            grid,
+            balance_replicas,
+        }
+    })
 }
 
 fn config(cases: u32) -> ProptestConfig {
     // No regression files in the source tree: bugs found get named tests instead.
-    ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() }
+    ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
 }
 
 #[allow(clippy::result_large_err)] // PlanError is the library's type
@@ -49,7 +58,11 @@ fn held_pieces(layouts: &[RankLayout]) -> HashSet<(u32, String, Region)> {
     let mut held = HashSet::new();
     for (r, l) in layouts.iter().enumerate() {
         for p in &l.pieces {
-            held.insert((r as u32, l.tensors[p.tensor as usize].key.to_string(), p.region.clone()));
+            held.insert((
+                r as u32,
+                l.tensors[p.tensor as usize].key.to_string(),
+                p.region.clone(),
+            ));
         }
     }
     held
@@ -65,10 +78,21 @@ fn check_gathered(layouts: &[RankLayout], gl: &GatheredLayouts) -> Result<(), Te
         prop_assert!(gl.ranks[u].contains(&(r as u32)));
     }
     for (u, ranks) in gl.ranks.iter().enumerate() {
-        prop_assert!(ranks.windows(2).all(|w| w[0] < w[1]), "ranks of layout {} not ascending", u);
+        prop_assert!(
+            ranks.windows(2).all(|w| w[0] < w[1]),
+            "ranks of layout {} not ascending",
+            u
+        );
         prop_assert!(ranks.iter().all(|&r| gl.of_rank[r as usize] as usize == u));
-        prop_assert!(u == 0 || gl.ranks[u - 1][0] < ranks[0], "unique layouts not ordered by lowest rank");
-        prop_assert!(!gl.unique[..u].contains(&gl.unique[u]), "layout {} not unique", u);
+        prop_assert!(
+            u == 0 || gl.ranks[u - 1][0] < ranks[0],
+            "unique layouts not ordered by lowest rank"
+        );
+        prop_assert!(
+            !gl.unique[..u].contains(&gl.unique[u]),
+            "layout {} not unique",
+            u
+        );
     }
     Ok(())
 }
@@ -84,7 +108,11 @@ fn check_tensor(
 ) -> Result<(), TestCaseError> {
     let tp = &plan.tensors[ti];
     let key = tp.key.to_string();
-    let tc = case.tensors.iter().find(|t| t.key == key).expect("planned tensor comes from the case");
+    let tc = case
+        .tensors
+        .iter()
+        .find(|t| t.key == key)
+        .expect("planned tensor comes from the case");
     let shape = &tc.shape;
     let nd = shape.len();
     prop_assert_eq!(tp.dtype, tc.dtype);
@@ -125,8 +153,20 @@ fn check_tensor(
     prop_assert_eq!(chunk.len(), nd);
     prop_assert_eq!(sub.len(), nd);
     for d in 0..nd {
-        prop_assert!(chunk[d] >= 1 && sub[d] >= 1, "{}: zero chunk {:?} / subchunk {:?}", key, chunk, sub);
-        prop_assert!(chunk[d] % sub[d] == 0, "{}: subchunk {:?} does not divide chunk {:?}", key, sub, chunk);
+        prop_assert!(
+            chunk[d] >= 1 && sub[d] >= 1,
+            "{}: zero chunk {:?} / subchunk {:?}",
+            key,
+            chunk,
+            sub
+        );
+        prop_assert!(
+            chunk[d] % sub[d] == 0,
+            "{}: subchunk {:?} does not divide chunk {:?}",
+            key,
+            sub,
+            chunk
+        );
     }
     if tp.aligned {
         for p in tp.pieces.iter().filter(|p| !p.region.is_empty()) {
@@ -145,7 +185,11 @@ fn check_tensor(
 
     // Writes: every chunk exactly once, every element exactly once (by chunk and by part).
     let full = Region::full(shape);
-    let grid: Vec<u64> = shape.iter().zip(chunk).map(|(s, c)| s.div_ceil(*c)).collect();
+    let grid: Vec<u64> = shape
+        .iter()
+        .zip(chunk)
+        .map(|(s, c)| s.div_ceil(*c))
+        .collect();
     let n = numel(shape) as usize;
     let (mut by_chunk, mut by_part) = (vec![0u32; n], vec![0u32; n]);
     let mut chunks: HashMap<Vec<u64>, u32> = HashMap::new();
@@ -161,8 +205,22 @@ fn check_tensor(
                 grid
             );
             let offset: Vec<u64> = w.chunk.iter().zip(chunk).map(|(i, c)| i * c).collect();
-            let clipped = offset.iter().zip(chunk).zip(shape).map(|((o, c), s)| (*c).min(s - o)).collect();
-            prop_assert_eq!(&w.region, &Region { offset, shape: clipped }, "{}: region of chunk {:?}", key, w.chunk);
+            let clipped = offset
+                .iter()
+                .zip(chunk)
+                .zip(shape)
+                .map(|((o, c), s)| (*c).min(s - o))
+                .collect();
+            prop_assert_eq!(
+                &w.region,
+                &Region {
+                    offset,
+                    shape: clipped
+                },
+                "{}: region of chunk {:?}",
+                key,
+                w.chunk
+            );
             *chunks.entry(w.chunk.clone()).or_default() += 1;
             for_each_element(&w.region, |i| by_chunk[linear_in(i, &full) as usize] += 1);
             if tp.aligned {
@@ -202,7 +260,9 @@ fn check_tensor(
                             piece
                         );
                         prop_assert!(
-                            tp.pieces.iter().any(|p| &p.region == piece && p.writer == r),
+                            tp.pieces
+                                .iter()
+                                .any(|p| &p.region == piece && p.writer == r),
                             "{}: local piece {} is not rank {}'s to write",
                             key,
                             piece,
@@ -218,7 +278,9 @@ fn check_tensor(
                             s
                         );
                         prop_assert!(
-                            tp.pieces.iter().any(|p| p.writer == *s && inside(&part.region, &p.region)),
+                            tp.pieces
+                                .iter()
+                                .any(|p| p.writer == *s && inside(&part.region, &p.region)),
                             "{}: part {} is in no piece rank {} writes",
                             key,
                             part.region,
@@ -236,12 +298,29 @@ fn check_tensor(
         key,
         chunks.keys().collect::<Vec<_>>()
     );
-    prop_assert!(chunks.values().all(|&c| c == 1), "{}: a chunk written twice: {:?}", key, chunks);
-    prop_assert!(by_chunk.iter().all(|&c| c == 1), "{}: element write counts {:?}", key, by_chunk);
-    prop_assert!(by_part.iter().all(|&c| c == 1), "{}: element part counts {:?}", key, by_part);
+    prop_assert!(
+        chunks.values().all(|&c| c == 1),
+        "{}: a chunk written twice: {:?}",
+        key,
+        chunks
+    );
+    prop_assert!(
+        by_chunk.iter().all(|&c| c == 1),
+        "{}: element write counts {:?}",
+        key,
+        by_chunk
+    );
+    prop_assert!(
+        by_part.iter().all(|&c| c == 1),
+        "{}: element part counts {:?}",
+        key,
+        by_part
+    );
 
     // Exactly one rank writes the array metadata.
-    let meta: Vec<u32> = (0..case.world).filter(|&r| tasks[r as usize].metadata.contains(&ti)).collect();
+    let meta: Vec<u32> = (0..case.world)
+        .filter(|&r| tasks[r as usize].metadata.contains(&ti))
+        .collect();
     prop_assert_eq!(meta, vec![tp.metadata_writer], "{}: metadata writers", key);
     Ok(())
 }
@@ -258,7 +337,10 @@ fn check_transfers(
         for cw in &t.writes {
             for part in &cw.parts {
                 if let Source::Remote(s) = part.source {
-                    expected.entry((s, w as u32)).or_default().push((cw.tensor, part.region.clone()));
+                    expected
+                        .entry((s, w as u32))
+                        .or_default()
+                        .push((cw.tensor, part.region.clone()));
                 }
             }
         }
@@ -269,7 +351,13 @@ fn check_transfers(
         for tr in &t.sends {
             let tp = &plan.tensors[tr.tensor];
             prop_assert!(!tp.aligned, "{}: transfer for an aligned tensor", tp.key);
-            prop_assert!(tr.to != s && (tr.to as usize) < tasks.len(), "{}: rank {} sends to {}", tp.key, s, tr.to);
+            prop_assert!(
+                tr.to != s && (tr.to as usize) < tasks.len(),
+                "{}: rank {} sends to {}",
+                tp.key,
+                s,
+                tr.to
+            );
             prop_assert!(
                 held.contains(&(s, tp.key.to_string(), tr.piece.clone())),
                 "{}: rank {} sends from {} it does not hold",
@@ -277,18 +365,32 @@ fn check_transfers(
                 s,
                 tr.piece
             );
-            prop_assert!(inside(&tr.region, &tr.piece), "{}: sent part {} not inside {}", tp.key, tr.region, tr.piece);
             prop_assert!(
-                tp.pieces.iter().any(|p| p.region == tr.piece && p.writer == s),
+                inside(&tr.region, &tr.piece),
+                "{}: sent part {} not inside {}",
+                tp.key,
+                tr.region,
+                tr.piece
+            );
+            prop_assert!(
+                tp.pieces
+                    .iter()
+                    .any(|p| p.region == tr.piece && p.writer == s),
                 "{}: rank {} sends from {}, not its piece",
                 tp.key,
                 s,
                 tr.piece
             );
-            sent.entry((s, tr.to)).or_default().push((tr.tensor, tr.region.clone()));
+            sent.entry((s, tr.to))
+                .or_default()
+                .push((tr.tensor, tr.region.clone()));
         }
     }
-    prop_assert_eq!(sent, expected, "(from, to) -> parts sent vs parts expected by the writer");
+    prop_assert_eq!(
+        sent,
+        expected,
+        "(from, to) -> parts sent vs parts expected by the writer"
+    );
     Ok(())
 }
 
@@ -334,7 +436,11 @@ fn decl_of(layout: &mut RankLayout, key: &str, dtype: DType, shape: &[u64]) -> u
     match layout.tensors.iter().position(|t| t.key.as_str() == key) {
         Some(i) => i as u32,
         None => {
-            layout.tensors.push(TensorDecl { key: TensorKey::new(key).unwrap(), dtype, global_shape: shape.to_vec() });
+            layout.tensors.push(TensorDecl {
+                key: TensorKey::new(key).unwrap(),
+                dtype,
+                global_shape: shape.to_vec(),
+            });
             layout.tensors.len() as u32 - 1
         }
     }
@@ -585,28 +691,51 @@ struct ReadCase {
 }
 
 fn read_case() -> impl Strategy<Value = ReadCase> {
-    let dims = proptest::collection::vec((1u64..=12, 0u64..=14, any::<usize>(), 0u16..=1000, 0u16..=1000), 0..=4);
-    (dims, prop::sample::select(vec![1usize, 2, 4, 8]), prop::bool::weighted(0.05)).prop_map(|(dims, elem, empty)| {
-        let mut global_shape = Vec::new();
-        let mut chunk_shape = Vec::new();
-        let mut subchunk_shape = Vec::new();
-        let mut offset = Vec::new();
-        let mut shape = Vec::new();
-        for (i, (dim, c, s, a, b)) in dims.into_iter().enumerate() {
-            let c = 1 + c % (dim + 2); // 1..=dim+2
-            let divisors: Vec<u64> = (1..=c).filter(|x| c % x == 0).collect();
-            let o = (dim - 1) * u64::from(a) / 1000;
-            global_shape.push(dim);
-            chunk_shape.push(c);
-            subchunk_shape.push(divisors[s % divisors.len()]);
-            offset.push(o);
-            shape.push(if empty && i == 0 { 0 } else { 1 + (dim - o - 1) * u64::from(b) / 1000 });
-        }
-        ReadCase {
-            geom: StoredGeometry { global_shape, chunk_shape, subchunk_shape, elem },
-            request: Region { offset, shape },
-        }
-    })
+    let dims = proptest::collection::vec(
+        (
+            1u64..=12,
+            0u64..=14,
+            any::<usize>(),
+            0u16..=1000,
+            0u16..=1000,
+        ),
+        0..=4,
+    );
+    (
+        dims,
+        prop::sample::select(vec![1usize, 2, 4, 8]),
+        prop::bool::weighted(0.05),
+    )
+        .prop_map(|(dims, elem, empty)| {
+            let mut global_shape = Vec::new();
+            let mut chunk_shape = Vec::new();
+            let mut subchunk_shape = Vec::new();
+            let mut offset = Vec::new();
+            let mut shape = Vec::new();
+            for (i, (dim, c, s, a, b)) in dims.into_iter().enumerate() {
+                let c = 1 + c % (dim + 2); // 1..=dim+2
+                let divisors: Vec<u64> = (1..=c).filter(|x| c % x == 0).collect();
+                let o = (dim - 1) * u64::from(a) / 1000;
+                global_shape.push(dim);
+                chunk_shape.push(c);
+                subchunk_shape.push(divisors[s % divisors.len()]);
+                offset.push(o);
+                shape.push(if empty && i == 0 {
+                    0
+                } else {
+                    1 + (dim - o - 1) * u64::from(b) / 1000
+                });
+            }
+            ReadCase {
+                geom: StoredGeometry {
+                    global_shape,
+                    chunk_shape,
+                    subchunk_shape,
+                    elem,
+                },
+                request: Region { offset, shape },
+            }
+        })
 }
 
 /// True when the elements of `part` occupy consecutive positions of a C-order buffer holding
@@ -699,6 +828,14 @@ fn identical_empty_main_pieces_do_not_overlap() {
         .map(|(o, l)| one_tensor_layout(&[2, 3], &[(&[o, 0], &[l, 3], true)]))
         .collect();
     assert_eq!(layouts[2], layouts[3]);
-    let plan = build(&layouts, &SavePlanOptions::default()).expect("rows 0..1 and 1..2 cover the tensor exactly once");
-    assert_eq!(plan.tensors[0].pieces.iter().filter(|p| !p.region.is_empty()).count(), 2);
+    let plan = build(&layouts, &SavePlanOptions::default())
+        .expect("rows 0..1 and 1..2 cover the tensor exactly once");
+    assert_eq!(
+        plan.tensors[0]
+            .pieces
+            .iter()
+            .filter(|p| !p.region.is_empty())
+            .count(),
+        2
+    );
 }

@@ -20,7 +20,10 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 use zarrckpt::comm::run_local;
 use zarrckpt::plan::GridOptions;
-use zarrckpt::{Communicator, Compression, LoadOptions, LoadTarget, SaveOptions, ShardedTensor, TensorKey, load, save};
+use zarrckpt::{
+    Communicator, Compression, LoadOptions, LoadTarget, SaveOptions, ShardedTensor, TensorKey,
+    load, save,
+};
 
 /// Upper bound on one collective wait; a hang fails the case instead of the whole run.
 const TIMEOUT: Duration = Duration::from_secs(30);
@@ -54,7 +57,10 @@ fn grid_options() -> impl Strategy<Value = GridOptions> {
         prop_oneof![1 => Just(0u64), 1 => Just(16), 1 => Just(256), 3 => Just(1 << 20)],
         prop_oneof![1 => Just(1u64), 1 => Just(8), 1 => Just(64), 1 => Just(1 << 20)],
     )
-        .prop_map(|(min_chunk_bytes, subchunk_target_bytes)| GridOptions { min_chunk_bytes, subchunk_target_bytes })
+        .prop_map(|(min_chunk_bytes, subchunk_target_bytes)| GridOptions {
+            min_chunk_bytes,
+            subchunk_target_bytes,
+        })
 }
 
 fn knobs(grid: impl Strategy<Value = GridOptions>) -> impl Strategy<Value = Knobs> {
@@ -75,12 +81,20 @@ fn knobs(grid: impl Strategy<Value = GridOptions>) -> impl Strategy<Value = Knob
 /// A save topology, a load topology over the same tensors, and options.
 fn round_trip(grid: impl Strategy<Value = GridOptions>) -> impl Strategy<Value = RoundTrip> {
     let l = g::ROUNDTRIP;
-    (g::save_case(l, 1), 1..=l.max_world, vec(g::load_raw(), l.max_tensors), knobs(grid)).prop_map(
-        |(save, load_world, raws, knobs)| {
-            let shapes: Vec<Vec<u64>> = save.tensors.iter().map(|t| t.shape.clone()).collect();
-            RoundTrip { load: g::resolve_load(&shapes, load_world, &raws), save, knobs }
-        },
+    (
+        g::save_case(l, 1),
+        1..=l.max_world,
+        vec(g::load_raw(), l.max_tensors),
+        knobs(grid),
     )
+        .prop_map(|(save, load_world, raws, knobs)| {
+            let shapes: Vec<Vec<u64>> = save.tensors.iter().map(|t| t.shape.clone()).collect();
+            RoundTrip {
+                load: g::resolve_load(&shapes, load_world, &raws),
+                save,
+                knobs,
+            }
+        })
 }
 
 /// Saves with every rank of the save case.
@@ -109,7 +123,15 @@ fn save_all(rt: &RoundTrip, fulls: &[Vec<u8>], dir: &Path) -> Result<(), TestCas
             .map(|(h, data)| {
                 let t = &case.tensors[h.tensor];
                 let key = TensorKey::new(t.key.as_str()).unwrap();
-                ShardedTensor::new(key, t.dtype, t.shape.clone(), h.region.clone(), h.replica, data).unwrap()
+                ShardedTensor::new(
+                    key,
+                    t.dtype,
+                    t.shape.clone(),
+                    h.region.clone(),
+                    h.replica,
+                    data,
+                )
+                .unwrap()
             })
             .collect();
         save(&pieces, dir, &comm, &opts).map_err(|e| e.to_string())
@@ -125,19 +147,30 @@ fn save_all(rt: &RoundTrip, fulls: &[Vec<u8>], dir: &Path) -> Result<(), TestCas
 /// Loads with every rank of the load case; returns each rank's filled buffers.
 fn load_all(rt: &RoundTrip, dir: &Path) -> Result<Vec<Vec<Vec<u8>>>, TestCaseError> {
     let tensors = &rt.save.tensors;
-    let opts = LoadOptions { io_threads: rt.knobs.io_threads, ..LoadOptions::default() };
+    let opts = LoadOptions {
+        io_threads: rt.knobs.io_threads,
+        ..LoadOptions::default()
+    };
     let results = run_local(rt.load.world as usize, TIMEOUT, |comm| {
         let requests = &rt.load.requests[comm.rank()];
         // Garbage first, so bytes a load forgets to write show up.
-        let mut bufs: Vec<Vec<u8>> =
-            requests.iter().map(|(ti, b)| vec![0xA5; numel(&b.shape) as usize * tensors[*ti].dtype.size()]).collect();
+        let mut bufs: Vec<Vec<u8>> = requests
+            .iter()
+            .map(|(ti, b)| vec![0xA5; numel(&b.shape) as usize * tensors[*ti].dtype.size()])
+            .collect();
         let mut targets: Vec<LoadTarget> = requests
             .iter()
             .zip(bufs.iter_mut())
             .map(|((ti, b), buf)| {
                 let t = &tensors[*ti];
-                LoadTarget::new(TensorKey::new(t.key.as_str()).unwrap(), t.dtype, t.shape.clone(), b.clone(), buf)
-                    .unwrap()
+                LoadTarget::new(
+                    TensorKey::new(t.key.as_str()).unwrap(),
+                    t.dtype,
+                    t.shape.clone(),
+                    b.clone(),
+                    buf,
+                )
+                .unwrap()
             })
             .collect();
         let res = load(&mut targets, dir, &comm, &opts);
@@ -147,7 +180,9 @@ fn load_all(rt: &RoundTrip, dir: &Path) -> Result<Vec<Vec<Vec<u8>>>, TestCaseErr
     results
         .into_iter()
         .enumerate()
-        .map(|(r, res)| res.map_err(|e| TestCaseError::fail(format!("load failed on rank {r}: {e}"))))
+        .map(|(r, res)| {
+            res.map_err(|e| TestCaseError::fail(format!("load failed on rank {r}: {e}")))
+        })
         .collect()
 }
 
@@ -156,8 +191,11 @@ fn check_round_trip(rt: &RoundTrip) -> Result<(), TestCaseError> {
     let tmp = tempfile::tempdir().map_err(|e| TestCaseError::fail(e.to_string()))?;
     let dir = tmp.path().join("ckpt");
     let tensors = &rt.save.tensors;
-    let fulls: Vec<Vec<u8>> =
-        tensors.iter().enumerate().map(|(i, t)| tensor_bytes(i as u64 + 1, &t.shape, t.dtype)).collect();
+    let fulls: Vec<Vec<u8>> = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| tensor_bytes(i as u64 + 1, &t.shape, t.dtype))
+        .collect();
     save_all(rt, &fulls, &dir)?;
     let loaded = load_all(rt, &dir)?;
     for (r, bufs) in loaded.iter().enumerate() {

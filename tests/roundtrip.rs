@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use common::{cut, piece, tensor_bytes};
 use zarrckpt::comm::run_local;
-use zarrckpt::{DType, LoadOptions, LoadTarget, Region, SaveOptions, ShardedTensor, TensorKey, load, save};
+use zarrckpt::{
+    DType, LoadOptions, LoadTarget, Region, SaveOptions, ShardedTensor, TensorKey, load, save,
+};
 
 struct Spec {
     key: &'static str,
@@ -17,27 +19,80 @@ struct Spec {
 
 fn specs() -> Vec<Spec> {
     vec![
-        Spec { key: "decoder.layers.0.mlp.linear_fc1.weight", dtype: DType::BFloat16, shape: vec![512, 384], axis: 0 },
-        Spec { key: "decoder.layers.0.self_attention.linear_proj.weight", dtype: DType::Float32, shape: vec![256, 300], axis: 1 },
-        Spec { key: "embedding.word_embeddings.weight", dtype: DType::Float16, shape: vec![1001, 64], axis: 0 },
-        Spec { key: "decoder.final_layernorm.weight", dtype: DType::Float32, shape: vec![384], axis: 0 },
-        Spec { key: "optimizer/step", dtype: DType::Int64, shape: vec![], axis: 0 },
-        Spec { key: "fp8/e4m3", dtype: DType::Float8E4M3FN, shape: vec![64, 33], axis: 0 },
-        Spec { key: "fp8/e5m2", dtype: DType::Float8E5M2, shape: vec![7, 5, 3], axis: 2 },
-        Spec { key: "mask", dtype: DType::Bool, shape: vec![10], axis: 0 },
-        Spec { key: "empty", dtype: DType::UInt16, shape: vec![0, 4], axis: 1 },
+        Spec {
+            key: "decoder.layers.0.mlp.linear_fc1.weight",
+            dtype: DType::BFloat16,
+            shape: vec![512, 384],
+            axis: 0,
+        },
+        Spec {
+            key: "decoder.layers.0.self_attention.linear_proj.weight",
+            dtype: DType::Float32,
+            shape: vec![256, 300],
+            axis: 1,
+        },
+        Spec {
+            key: "embedding.word_embeddings.weight",
+            dtype: DType::Float16,
+            shape: vec![1001, 64],
+            axis: 0,
+        },
+        Spec {
+            key: "decoder.final_layernorm.weight",
+            dtype: DType::Float32,
+            shape: vec![384],
+            axis: 0,
+        },
+        Spec {
+            key: "optimizer/step",
+            dtype: DType::Int64,
+            shape: vec![],
+            axis: 0,
+        },
+        Spec {
+            key: "fp8/e4m3",
+            dtype: DType::Float8E4M3FN,
+            shape: vec![64, 33],
+            axis: 0,
+        },
+        Spec {
+            key: "fp8/e5m2",
+            dtype: DType::Float8E5M2,
+            shape: vec![7, 5, 3],
+            axis: 2,
+        },
+        Spec {
+            key: "mask",
+            dtype: DType::Bool,
+            shape: vec![10],
+            axis: 0,
+        },
+        Spec {
+            key: "empty",
+            dtype: DType::UInt16,
+            shape: vec![0, 4],
+            axis: 1,
+        },
     ]
 }
 
 fn save_ranks(dir: &std::path::Path, n: u64) {
     let specs = specs();
-    let fulls: Vec<Vec<u8>> = specs.iter().enumerate().map(|(i, s)| tensor_bytes(i as u64, &s.shape, s.dtype)).collect();
+    let fulls: Vec<Vec<u8>> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| tensor_bytes(i as u64, &s.shape, s.dtype))
+        .collect();
     let results = run_local(n as usize, Duration::from_secs(30), |comm| {
         let r = zarrckpt::Communicator::rank(&comm) as u64;
         let mut datas = Vec::new();
         let mut regions = Vec::new();
         for (s, full) in specs.iter().zip(&fulls) {
-            let region = if s.shape.is_empty() { Region::full(&[]) } else { piece(&s.shape, s.axis, n, r) };
+            let region = if s.shape.is_empty() {
+                Region::full(&[])
+            } else {
+                piece(&s.shape, s.axis, n, r)
+            };
             datas.push(cut(full, &s.shape, &region, s.dtype.size()));
             regions.push(region);
         }
@@ -47,7 +102,15 @@ fn save_ranks(dir: &std::path::Path, n: u64) {
             .zip(&regions)
             .map(|((s, d), region)| {
                 let replica = if s.shape.is_empty() && r != 0 { 1 } else { 0 };
-                ShardedTensor::new(TensorKey::new(s.key).unwrap(), s.dtype, s.shape.clone(), region.clone(), replica, d).unwrap()
+                ShardedTensor::new(
+                    TensorKey::new(s.key).unwrap(),
+                    s.dtype,
+                    s.shape.clone(),
+                    region.clone(),
+                    replica,
+                    d,
+                )
+                .unwrap()
             })
             .collect();
         save(&pieces, dir, &comm, &SaveOptions::default())
@@ -59,7 +122,11 @@ fn save_ranks(dir: &std::path::Path, n: u64) {
 
 fn load_ranks(dir: &std::path::Path, n: u64) {
     let specs = specs();
-    let fulls: Vec<Vec<u8>> = specs.iter().enumerate().map(|(i, s)| tensor_bytes(i as u64, &s.shape, s.dtype)).collect();
+    let fulls: Vec<Vec<u8>> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| tensor_bytes(i as u64, &s.shape, s.dtype))
+        .collect();
     let results = run_local(n as usize, Duration::from_secs(30), |comm| {
         let r = zarrckpt::Communicator::rank(&comm) as u64;
         // load along a different axis where possible
@@ -83,12 +150,26 @@ fn load_ranks(dir: &std::path::Path, n: u64) {
             .iter()
             .zip(&regions)
             .zip(bufs.iter_mut())
-            .map(|((s, reg), b)| LoadTarget::new(TensorKey::new(s.key).unwrap(), s.dtype, s.shape.clone(), reg.clone(), b).unwrap())
+            .map(|((s, reg), b)| {
+                LoadTarget::new(
+                    TensorKey::new(s.key).unwrap(),
+                    s.dtype,
+                    s.shape.clone(),
+                    reg.clone(),
+                    b,
+                )
+                .unwrap()
+            })
             .collect();
         let report = load(&mut targets, dir, &comm, &LoadOptions::default()).unwrap();
         drop(targets);
         for ((s, reg), (b, full)) in specs.iter().zip(&regions).zip(bufs.iter().zip(&fulls)) {
-            assert_eq!(b, &cut(full, &s.shape, reg, s.dtype.size()), "{} rank {r}", s.key);
+            assert_eq!(
+                b,
+                &cut(full, &s.shape, reg, s.dtype.size()),
+                "{} rank {r}",
+                s.key
+            );
         }
         report
     });
@@ -113,7 +194,11 @@ fn data_parallel_load_reads_once_and_shares() {
     let dir = tmp.path().join("ckpt");
     save_ranks(&dir, 4);
     let specs = specs();
-    let fulls: Vec<Vec<u8>> = specs.iter().enumerate().map(|(i, s)| tensor_bytes(i as u64, &s.shape, s.dtype)).collect();
+    let fulls: Vec<Vec<u8>> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| tensor_bytes(i as u64, &s.shape, s.dtype))
+        .collect();
     let (tp, dp) = (3u64, 3u64);
     let mut reads = Vec::new();
     for exchange in [true, false] {
@@ -122,21 +207,50 @@ fn data_parallel_load_reads_once_and_shares() {
             let tp_rank = r % tp;
             let regions: Vec<Region> = specs
                 .iter()
-                .map(|s| if s.shape.is_empty() { Region::full(&[]) } else { piece(&s.shape, s.shape.len() - 1, tp, tp_rank) })
+                .map(|s| {
+                    if s.shape.is_empty() {
+                        Region::full(&[])
+                    } else {
+                        piece(&s.shape, s.shape.len() - 1, tp, tp_rank)
+                    }
+                })
                 .collect();
-            let mut bufs: Vec<Vec<u8>> =
-                specs.iter().zip(&regions).map(|(s, reg)| vec![0xAA; reg.shape.iter().product::<u64>() as usize * s.dtype.size()]).collect();
+            let mut bufs: Vec<Vec<u8>> = specs
+                .iter()
+                .zip(&regions)
+                .map(|(s, reg)| {
+                    vec![0xAA; reg.shape.iter().product::<u64>() as usize * s.dtype.size()]
+                })
+                .collect();
             let mut targets: Vec<LoadTarget> = specs
                 .iter()
                 .zip(&regions)
                 .zip(bufs.iter_mut())
-                .map(|((s, reg), b)| LoadTarget::new(TensorKey::new(s.key).unwrap(), s.dtype, s.shape.clone(), reg.clone(), b).unwrap())
+                .map(|((s, reg), b)| {
+                    LoadTarget::new(
+                        TensorKey::new(s.key).unwrap(),
+                        s.dtype,
+                        s.shape.clone(),
+                        reg.clone(),
+                        b,
+                    )
+                    .unwrap()
+                })
                 .collect();
-            let opts = LoadOptions { exchange, io_threads: 1, ..LoadOptions::default() };
+            let opts = LoadOptions {
+                exchange,
+                io_threads: 1,
+                ..LoadOptions::default()
+            };
             let report = load(&mut targets, &dir, &comm, &opts).unwrap();
             drop(targets);
             for ((s, reg), (b, full)) in specs.iter().zip(&regions).zip(bufs.iter().zip(&fulls)) {
-                assert_eq!(b, &cut(full, &s.shape, reg, s.dtype.size()), "{} rank {r} exchange {exchange}", s.key);
+                assert_eq!(
+                    b,
+                    &cut(full, &s.shape, reg, s.dtype.size()),
+                    "{} rank {r} exchange {exchange}",
+                    s.key
+                );
             }
             report
         });
@@ -147,7 +261,10 @@ fn data_parallel_load_reads_once_and_shares() {
         assert_eq!(sent, received);
         if exchange {
             // Every rank but the reader of each box receives it: about (dp-1)/dp of the bytes.
-            assert!(received * dp > loaded * (dp - 1) * 9 / 10, "received {received} of {loaded}");
+            assert!(
+                received * dp > loaded * (dp - 1) * 9 / 10,
+                "received {received} of {loaded}"
+            );
         } else {
             assert_eq!(received, 0);
             assert!(read >= loaded, "read {read} for {loaded}");
@@ -156,5 +273,10 @@ fn data_parallel_load_reads_once_and_shares() {
     }
     // Each shared box is read once per data-parallel group instead of dp times (the unshared
     // scalar is read by every rank either way).
-    assert!(reads[0] * dp <= reads[1] + reads[1] / 20, "with exchange {} vs without {}", reads[0], reads[1]);
+    assert!(
+        reads[0] * dp <= reads[1] + reads[1] / 20,
+        "with exchange {} vs without {}",
+        reads[0],
+        reads[1]
+    );
 }

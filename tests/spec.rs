@@ -19,7 +19,9 @@ use zarrckpt::plan::grid;
 use zarrckpt::storage::array::array_metadata;
 use zarrckpt::storage::meta::tensor_path;
 use zarrckpt::storage::{CheckpointMeta, Compression, StorageError};
-use zarrckpt::{Checkpoint, DType, Error, LocalComm, Region, SaveOptions, ShardedTensor, TensorKey, save};
+use zarrckpt::{
+    Checkpoint, DType, Error, LocalComm, Region, SaveOptions, ShardedTensor, TensorKey, save,
+};
 
 // ---------------------------------------------------------------------------------------------
 // Reading the spec
@@ -40,11 +42,17 @@ struct Example {
 
 impl Example {
     fn kind(&self) -> &str {
-        self.tag["kind"].as_str().unwrap_or_else(|| panic!("line {}: tag without kind", self.line))
+        self.tag["kind"]
+            .as_str()
+            .unwrap_or_else(|| panic!("line {}: tag without kind", self.line))
     }
     fn json(&self) -> Value {
-        serde_json::from_str(&self.body)
-            .unwrap_or_else(|e| panic!("spec line {}: example is not JSON: {e}\n{}", self.line, self.body))
+        serde_json::from_str(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "spec line {}: example is not JSON: {e}\n{}",
+                self.line, self.body
+            )
+        })
     }
     /// The bytes of a hex example: whitespace-separated byte pairs, `#` starts a comment.
     fn hex(&self) -> Vec<u8> {
@@ -52,9 +60,15 @@ impl Example {
         for l in self.body.lines() {
             let code = l.split('#').next().unwrap_or("");
             for tok in code.split_whitespace() {
-                assert_eq!(tok.len(), 2, "spec line {}: `{tok}` is not one hex byte", self.line);
+                assert_eq!(
+                    tok.len(),
+                    2,
+                    "spec line {}: `{tok}` is not one hex byte",
+                    self.line
+                );
                 out.push(
-                    u8::from_str_radix(tok, 16).unwrap_or_else(|e| panic!("spec line {}: `{tok}`: {e}", self.line)),
+                    u8::from_str_radix(tok, 16)
+                        .unwrap_or_else(|e| panic!("spec line {}: `{tok}`: {e}", self.line)),
                 );
             }
         }
@@ -77,9 +91,12 @@ fn examples() -> Vec<Example> {
     while i < lines.len() {
         let l = lines[i].trim();
         if let Some(rest) = l.strip_prefix("<!-- example") {
-            let inner = rest.strip_suffix("-->").unwrap_or_else(|| panic!("line {}: tag not closed", i + 1)).trim();
-            let tag: Value =
-                serde_json::from_str(inner).unwrap_or_else(|e| panic!("line {}: tag is not JSON: {e}", i + 1));
+            let inner = rest
+                .strip_suffix("-->")
+                .unwrap_or_else(|| panic!("line {}: tag not closed", i + 1))
+                .trim();
+            let tag: Value = serde_json::from_str(inner)
+                .unwrap_or_else(|e| panic!("line {}: tag is not JSON: {e}", i + 1));
             assert!(pending.is_none(), "line {}: two tags in a row", i + 1);
             pending = Some((tag, i + 1));
         } else if let Some(info) = l.strip_prefix("```") {
@@ -92,8 +109,16 @@ fn examples() -> Vec<Example> {
             }
             assert!(i < lines.len(), "line {start}: fence not closed");
             match pending.take() {
-                Some((tag, _)) => out.push(Example { tag, info: info.to_owned(), body: body.join("\n"), line: start }),
-                None => assert!(!info.starts_with("json"), "line {start}: ```json block without an example tag"),
+                Some((tag, _)) => out.push(Example {
+                    tag,
+                    info: info.to_owned(),
+                    body: body.join("\n"),
+                    line: start,
+                }),
+                None => assert!(
+                    !info.starts_with("json"),
+                    "line {start}: ```json block without an example tag"
+                ),
             }
         } else if !l.is_empty()
             && let Some((_, at)) = &pending
@@ -107,7 +132,10 @@ fn examples() -> Vec<Example> {
 }
 
 fn of_kind(kind: &str) -> Vec<Example> {
-    examples().into_iter().filter(|e| e.kind() == kind).collect()
+    examples()
+        .into_iter()
+        .filter(|e| e.kind() == kind)
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -115,7 +143,8 @@ fn of_kind(kind: &str) -> Vec<Example> {
 // ---------------------------------------------------------------------------------------------
 
 fn schema() -> Value {
-    let text = std::fs::read_to_string(manifest().join("spec/schema/zarrckpt.schema.json")).expect("schema file");
+    let text = std::fs::read_to_string(manifest().join("spec/schema/zarrckpt.schema.json"))
+        .expect("schema file");
     serde_json::from_str(&text).expect("schema is JSON")
 }
 
@@ -130,16 +159,25 @@ fn validator(def: Option<&str>) -> jsonschema::Validator {
 }
 
 fn schema_errors(v: &jsonschema::Validator, doc: &Value) -> Vec<String> {
-    v.iter_errors(doc).map(|e| format!("{} at {}", e, e.instance_path)).collect()
+    v.iter_errors(doc)
+        .map(|e| format!("{} at {}", e, e.instance_path))
+        .collect()
 }
 
 fn assert_valid(v: &jsonschema::Validator, doc: &Value, what: &str) {
     let errors = schema_errors(v, doc);
-    assert!(errors.is_empty(), "{what} does not validate:\n{}\n{doc:#}", errors.join("\n"));
+    assert!(
+        errors.is_empty(),
+        "{what} does not validate:\n{}\n{doc:#}",
+        errors.join("\n")
+    );
 }
 
 fn parse_root(doc: &Value) -> Result<CheckpointMeta, StorageError> {
-    CheckpointMeta::from_root_json(&serde_json::to_vec(doc).unwrap(), Path::new("spec/zarr.json"))
+    CheckpointMeta::from_root_json(
+        &serde_json::to_vec(doc).unwrap(),
+        Path::new("spec/zarr.json"),
+    )
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -151,7 +189,11 @@ fn dtype(name: &str) -> DType {
 }
 
 fn u64s(v: &Value) -> Vec<u64> {
-    v.as_array().unwrap_or_else(|| panic!("not an array: {v}")).iter().map(|x| x.as_u64().unwrap()).collect()
+    v.as_array()
+        .unwrap_or_else(|| panic!("not an array: {v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
 }
 
 /// Element bytes of a JSON number for a data type (only those the examples use).
@@ -190,12 +232,29 @@ fn indices(shape: &[u64]) -> Vec<Vec<u64>> {
 
 /// Copies the elements of box `b` (global coordinates) from a C-order buffer of `from_box`
 /// into a C-order buffer of `to_box`; both boxes contain `b`.
-fn copy_box(src: &[u8], from_box: &Region, dst: &mut [u8], to_box: &Region, b: &Region, elem: usize) {
+fn copy_box(
+    src: &[u8],
+    from_box: &Region,
+    dst: &mut [u8],
+    to_box: &Region,
+    b: &Region,
+    elem: usize,
+) {
     let (fs, ts) = (strides(&from_box.shape), strides(&to_box.shape));
     for rel in indices(&b.shape) {
         let g: Vec<u64> = rel.iter().zip(&b.offset).map(|(r, o)| r + o).collect();
-        let fi: u64 = g.iter().zip(&from_box.offset).zip(&fs).map(|((g, o), s)| (g - o) * s).sum();
-        let ti: u64 = g.iter().zip(&to_box.offset).zip(&ts).map(|((g, o), s)| (g - o) * s).sum();
+        let fi: u64 = g
+            .iter()
+            .zip(&from_box.offset)
+            .zip(&fs)
+            .map(|((g, o), s)| (g - o) * s)
+            .sum();
+        let ti: u64 = g
+            .iter()
+            .zip(&to_box.offset)
+            .zip(&ts)
+            .map(|((g, o), s)| (g - o) * s)
+            .sum();
         let (fi, ti) = (fi as usize * elem, ti as usize * elem);
         dst[ti..ti + elem].copy_from_slice(&src[fi..fi + elem]);
     }
@@ -207,7 +266,10 @@ fn intersect(a: &Region, b: &Region) -> Option<Region> {
 
 /// The chunk key (file name) of grid index `idx` under the `default` encoding with `.`.
 fn chunk_key(idx: &[u64]) -> String {
-    std::iter::once("c".to_owned()).chain(idx.iter().map(u64::to_string)).collect::<Vec<_>>().join(".")
+    std::iter::once("c".to_owned())
+        .chain(idx.iter().map(u64::to_string))
+        .collect::<Vec<_>>()
+        .join(".")
 }
 
 /// Encodes one shard exactly as spec section 7 says (uncompressed inner codecs).
@@ -220,19 +282,31 @@ fn spec_encode_shard(
     chunk: &[u64],
 ) -> Vec<u8> {
     let origin: Vec<u64> = chunk.iter().zip(chunk_shape).map(|(i, c)| i * c).collect();
-    let chunk_box = Region { offset: origin.clone(), shape: chunk_shape.to_vec() };
+    let chunk_box = Region {
+        offset: origin.clone(),
+        shape: chunk_shape.to_vec(),
+    };
     let tensor_box = Region::full(shape);
     let n: u64 = chunk_shape.iter().product();
     let mut chunk_buf = vec![0u8; n as usize * elem]; // padding is zero
     if let Some(inside) = intersect(&chunk_box, &tensor_box) {
         copy_box(full, &tensor_box, &mut chunk_buf, &chunk_box, &inside, elem);
     }
-    let per: Vec<u64> = chunk_shape.iter().zip(sub_shape).map(|(c, s)| c / s).collect();
+    let per: Vec<u64> = chunk_shape
+        .iter()
+        .zip(sub_shape)
+        .map(|(c, s)| c / s)
+        .collect();
     let mut data = Vec::new();
     let mut index = Vec::new();
     for s in indices(&per) {
         let sub_box = Region {
-            offset: s.iter().zip(sub_shape).zip(&origin).map(|((i, n), o)| o + i * n).collect(),
+            offset: s
+                .iter()
+                .zip(sub_shape)
+                .zip(&origin)
+                .map(|((i, n), o)| o + i * n)
+                .collect(),
             shape: sub_shape.to_vec(),
         };
         let mut sub = vec![0u8; sub_shape.iter().product::<u64>() as usize * elem];
@@ -258,8 +332,9 @@ fn spec_encode_shard(
 /// serde_json and crc32c). Compressed subchunks are checked (bounds, crc32c) but not decoded;
 /// returns `None` for the data then.
 fn spec_read_tensor(dir: &Path, key: &str) -> Result<Option<Vec<u8>>, String> {
-    let root: Value = serde_json::from_slice(&std::fs::read(dir.join("zarr.json")).map_err(|e| e.to_string())?)
-        .map_err(|e| e.to_string())?;
+    let root: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("zarr.json")).map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
     let idx = &root["attributes"]["zarrckpt"];
     if idx["format"] != "zarrckpt" || !idx["version"].as_str().unwrap_or("").starts_with("1.") {
         return Err("not a v1 zarrckpt checkpoint".into());
@@ -271,17 +346,32 @@ fn spec_read_tensor(dir: &Path, key: &str) -> Result<Option<Vec<u8>>, String> {
     }
     let d = dtype(e["dtype"].as_str().unwrap());
     let elem = d.size();
-    let (shape, chunk_shape, sub_shape) = (u64s(&e["shape"]), u64s(&e["chunk_shape"]), u64s(&e["subchunk_shape"]));
+    let (shape, chunk_shape, sub_shape) = (
+        u64s(&e["shape"]),
+        u64s(&e["chunk_shape"]),
+        u64s(&e["subchunk_shape"]),
+    );
     let compressed = e["compression"] != "none";
     let array_dir = dir.join(path);
-    let arr: Value = serde_json::from_slice(&std::fs::read(array_dir.join("zarr.json")).map_err(|e| e.to_string())?)
-        .map_err(|e| e.to_string())?;
-    if arr != array_metadata(&TensorKey::new(key).unwrap(), &serde_json::from_value(e.clone()).unwrap()) {
+    let arr: Value = serde_json::from_slice(
+        &std::fs::read(array_dir.join("zarr.json")).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
+    if arr
+        != array_metadata(
+            &TensorKey::new(key).unwrap(),
+            &serde_json::from_value(e.clone()).unwrap(),
+        )
+    {
         return Err("array zarr.json disagrees with the index".into());
     }
     let tensor_box = Region::full(&shape);
     let mut out = vec![0u8; shape.iter().product::<u64>() as usize * elem];
-    let per: Vec<u64> = chunk_shape.iter().zip(&sub_shape).map(|(c, s)| c / s).collect();
+    let per: Vec<u64> = chunk_shape
+        .iter()
+        .zip(&sub_shape)
+        .map(|(c, s)| c / s)
+        .collect();
     let n_sub: u64 = per.iter().product();
     let sub_bytes = sub_shape.iter().product::<u64>() * elem as u64;
     let index_len = 16 * n_sub + 4;
@@ -301,26 +391,41 @@ fn spec_read_tensor(dir: &Path, key: &str) -> Result<Option<Vec<u8>>, String> {
         let origin: Vec<u64> = chunk.iter().zip(&chunk_shape).map(|(i, c)| i * c).collect();
         for (linear, s) in indices(&per).into_iter().enumerate() {
             let off = u64::from_le_bytes(index[linear * 16..linear * 16 + 8].try_into().unwrap());
-            let nbytes = u64::from_le_bytes(index[linear * 16 + 8..linear * 16 + 16].try_into().unwrap());
+            let nbytes =
+                u64::from_le_bytes(index[linear * 16 + 8..linear * 16 + 16].try_into().unwrap());
             if off == u64::MAX && nbytes == u64::MAX {
                 continue; // absent: all zero, `out` already is
             }
             if off.checked_add(nbytes).is_none_or(|end| end > data_end) || nbytes < 4 {
-                return Err(format!("{}: subchunk {linear} out of bounds", file.display()));
+                return Err(format!(
+                    "{}: subchunk {linear} out of bounds",
+                    file.display()
+                ));
             }
             if !compressed && nbytes != sub_bytes + 4 {
-                return Err(format!("{}: subchunk {linear} has {nbytes} bytes", file.display()));
+                return Err(format!(
+                    "{}: subchunk {linear} has {nbytes} bytes",
+                    file.display()
+                ));
             }
             let raw = &bytes[off as usize..(off + nbytes) as usize];
             let (payload, crc) = raw.split_at(raw.len() - 4);
             if crc32c::crc32c(payload) != u32::from_le_bytes(crc.try_into().unwrap()) {
-                return Err(format!("{}: subchunk {linear} crc32c mismatch", file.display()));
+                return Err(format!(
+                    "{}: subchunk {linear} crc32c mismatch",
+                    file.display()
+                ));
             }
             if compressed {
                 continue;
             }
             let sub_box = Region {
-                offset: s.iter().zip(&sub_shape).zip(&origin).map(|((i, n), o)| o + i * n).collect(),
+                offset: s
+                    .iter()
+                    .zip(&sub_shape)
+                    .zip(&origin)
+                    .map(|((i, n), o)| o + i * n)
+                    .collect(),
                 shape: sub_shape.clone(),
             };
             if let Some(inside) = intersect(&sub_box, &tensor_box) {
@@ -341,7 +446,12 @@ fn list_files(dir: &Path) -> BTreeSet<String> {
             if p.is_dir() {
                 stack.push(p);
             } else {
-                out.insert(p.strip_prefix(dir).unwrap().to_string_lossy().replace('\\', "/"));
+                out.insert(
+                    p.strip_prefix(dir)
+                        .unwrap()
+                        .to_string_lossy()
+                        .replace('\\', "/"),
+                );
             }
         }
     }
@@ -368,14 +478,28 @@ fn expected_files(meta: &CheckpointMeta) -> BTreeSet<String> {
 /// Checks a committed checkpoint against the spec: schema, index, array documents, groups,
 /// exact file set, and (uncompressed) contents read with the spec's algorithm.
 fn check_checkpoint(dir: &Path, expect: &BTreeMap<String, Vec<u8>>) -> CheckpointMeta {
-    let root: Value = serde_json::from_slice(&std::fs::read(dir.join("zarr.json")).unwrap()).unwrap();
-    assert_valid(&validator(Some("root")), &root, "root zarr.json of a saved checkpoint");
-    assert_valid(&validator(None), &root["attributes"]["zarrckpt"], "zarrckpt attribute of a saved checkpoint");
+    let root: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("zarr.json")).unwrap()).unwrap();
+    assert_valid(
+        &validator(Some("root")),
+        &root,
+        "root zarr.json of a saved checkpoint",
+    );
+    assert_valid(
+        &validator(None),
+        &root["attributes"]["zarrckpt"],
+        "zarrckpt attribute of a saved checkpoint",
+    );
     let meta = parse_root(&root).unwrap();
     assert_eq!(meta.version, "1.0");
     assert_eq!(meta.format, "zarrckpt");
     let files = list_files(dir);
-    assert_eq!(files, expected_files(&meta), "file layout of {}", dir.display());
+    assert_eq!(
+        files,
+        expected_files(&meta),
+        "file layout of {}",
+        dir.display()
+    );
     let (groups, arrays) = (validator(Some("group")), validator(Some("array")));
     for f in &files {
         if f == "zarr.json" || !f.ends_with("zarr.json") {
@@ -464,7 +588,8 @@ fn every_example_is_tagged_parses_and_is_counted() {
 fn schema_is_a_valid_draft_2020_12_schema() {
     let s = schema();
     assert_eq!(s["$schema"], "https://json-schema.org/draft/2020-12/schema");
-    jsonschema::draft202012::meta::validate(&s).expect("schema validates against the 2020-12 meta-schema");
+    jsonschema::draft202012::meta::validate(&s)
+        .expect("schema validates against the 2020-12 meta-schema");
     for d in ["root", "group", "array", "tensor_entry", "key", "node_path"] {
         validator(Some(d));
     }
@@ -475,12 +600,24 @@ fn root_examples_validate_and_parse() {
     let roots = of_kind("root");
     for ex in &roots {
         let doc = ex.json();
-        assert_valid(&validator(Some("root")), &doc, &format!("root example at line {}", ex.line));
-        assert_valid(&validator(None), &doc["attributes"]["zarrckpt"], &format!("attribute at line {}", ex.line));
+        assert_valid(
+            &validator(Some("root")),
+            &doc,
+            &format!("root example at line {}", ex.line),
+        );
+        assert_valid(
+            &validator(None),
+            &doc["attributes"]["zarrckpt"],
+            &format!("attribute at line {}", ex.line),
+        );
         let meta = parse_root(&doc).unwrap_or_else(|e| panic!("line {}: {e}", ex.line));
         // What the writer would emit for this index is the example itself.
         let again: Value = serde_json::from_slice(&meta.to_root_json()).unwrap();
-        assert_eq!(again, doc, "line {}: the writer's document differs from the example", ex.line);
+        assert_eq!(
+            again, doc,
+            "line {}: the writer's document differs from the example",
+            ex.line
+        );
         assert!(!meta.tensors.is_empty());
     }
 }
@@ -500,10 +637,22 @@ fn array_examples_equal_what_the_writer_produces() {
         let key_s = ex.tag["key"].as_str().unwrap();
         let meta = parse_root(&root).unwrap();
         let key = TensorKey::new(key_s).unwrap();
-        let entry = meta.tensors.get(&key).unwrap_or_else(|| panic!("line {}: {key_s} not in its root", ex.line));
+        let entry = meta
+            .tensors
+            .get(&key)
+            .unwrap_or_else(|| panic!("line {}: {key_s} not in its root", ex.line));
         let doc = ex.json();
-        assert_eq!(doc, array_metadata(&key, entry), "line {}: array example for {key_s}", ex.line);
-        assert_valid(&validator(Some("array")), &doc, &format!("array example at line {}", ex.line));
+        assert_eq!(
+            doc,
+            array_metadata(&key, entry),
+            "line {}: array example for {key_s}",
+            ex.line
+        );
+        assert_valid(
+            &validator(Some("array")),
+            &doc,
+            &format!("array example at line {}", ex.line),
+        );
     }
 }
 
@@ -523,7 +672,8 @@ fn group_example_matches_saved_groups() {
     }
     // Anything else is not the group document.
     assert!(
-        !validator(Some("group")).is_valid(&json!({"zarr_format": 3, "node_type": "group", "attributes": {"x": 1}}))
+        !validator(Some("group"))
+            .is_valid(&json!({"zarr_format": 3, "node_type": "group", "attributes": {"x": 1}}))
     );
 }
 
@@ -532,26 +682,41 @@ fn key_examples_map_and_reject_as_specified() {
     for ex in of_kind("keys") {
         for case in ex.json().as_array().unwrap() {
             // `repeat` repeats the key and the path.
-            let times = case.get("repeat").map_or(1, |n| n.as_u64().unwrap() as usize);
+            let times = case
+                .get("repeat")
+                .map_or(1, |n| n.as_u64().unwrap() as usize);
             let key = case["key"].as_str().unwrap().repeat(times);
             let shown: String = key.chars().take(40).collect();
             let keys_schema = validator(Some("key"));
             match (case.get("path"), case.get("error")) {
                 (Some(path), None) => {
                     let path = path.as_str().unwrap().repeat(times);
-                    let k = TensorKey::new(key.as_str()).unwrap_or_else(|e| panic!("`{shown}`: {e}"));
+                    let k =
+                        TensorKey::new(key.as_str()).unwrap_or_else(|e| panic!("`{shown}`: {e}"));
                     assert_eq!(k.node_path(), path, "`{shown}`");
                     assert_eq!(tensor_path(&k), format!("tensors/{path}"));
-                    assert!(keys_schema.is_valid(&Value::from(key.clone())), "schema rejects `{shown}`");
-                    assert!(validator(Some("node_path")).is_valid(&Value::from(tensor_path(&k))), "{shown}");
+                    assert!(
+                        keys_schema.is_valid(&Value::from(key.clone())),
+                        "schema rejects `{shown}`"
+                    );
+                    assert!(
+                        validator(Some("node_path")).is_valid(&Value::from(tensor_path(&k))),
+                        "{shown}"
+                    );
                 }
                 (None, Some(err)) => {
                     let e = TensorKey::new(key.as_str()).expect_err(&shown);
                     let name = format!("{e:?}");
-                    assert!(name.starts_with(err.as_str().unwrap()), "`{shown}`: got {name}");
+                    assert!(
+                        name.starts_with(err.as_str().unwrap()),
+                        "`{shown}`: got {name}"
+                    );
                     // The schema's pattern catches all but the byte-length limits.
                     if !matches!(err.as_str(), Some("TooLong" | "SegmentTooLong")) {
-                        assert!(!keys_schema.is_valid(&Value::from(key.clone())), "schema accepts `{shown}`");
+                        assert!(
+                            !keys_schema.is_valid(&Value::from(key.clone())),
+                            "schema accepts `{shown}`"
+                        );
                     }
                 }
                 _ => panic!("line {}: case needs `path` or `error`: {case}", ex.line),
@@ -564,8 +729,12 @@ fn key_examples_map_and_reject_as_specified() {
 fn collision_examples_behave_as_specified() {
     for ex in of_kind("collisions") {
         for case in ex.json().as_array().unwrap() {
-            let keys: Vec<TensorKey> =
-                case["keys"].as_array().unwrap().iter().map(|k| TensorKey::new(k.as_str().unwrap()).unwrap()).collect();
+            let keys: Vec<TensorKey> = case["keys"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|k| TensorKey::new(k.as_str().unwrap()).unwrap())
+                .collect();
             let collides = case["collides"].as_bool().unwrap();
             assert_eq!(check_collisions(&keys).is_err(), collides, "{case}");
         }
@@ -575,8 +744,16 @@ fn collision_examples_behave_as_specified() {
 #[test]
 fn grid_examples_are_what_the_planner_chooses() {
     let opts = GridOptions::default();
-    assert_eq!(opts.subchunk_target_bytes, 1 << 20, "spec section 8 states the defaults");
-    assert_eq!(opts.min_chunk_bytes, 1 << 20, "spec section 8 states the defaults");
+    assert_eq!(
+        opts.subchunk_target_bytes,
+        1 << 20,
+        "spec section 8 states the defaults"
+    );
+    assert_eq!(
+        opts.min_chunk_bytes,
+        1 << 20,
+        "spec section 8 states the defaults"
+    );
     for ex in of_kind("grid") {
         for case in ex.json().as_array().unwrap() {
             let shape = u64s(&case["shape"]);
@@ -601,7 +778,10 @@ fn grid_examples_are_what_the_planner_chooses() {
 fn crc32c_check_value() {
     let ex = of_kind("crc32c").pop().unwrap();
     let input = ex.tag["input"].as_str().unwrap();
-    assert_eq!(crc32c::crc32c(input.as_bytes()).to_le_bytes().to_vec(), ex.hex());
+    assert_eq!(
+        crc32c::crc32c(input.as_bytes()).to_le_bytes().to_vec(),
+        ex.hex()
+    );
 }
 
 #[test]
@@ -610,10 +790,19 @@ fn shard_examples_are_byte_exact() {
         let t = &ex.tag;
         let d = dtype(t["dtype"].as_str().unwrap());
         let shape = u64s(&t["shape"]);
-        let data: Vec<u8> = t["data"].as_array().unwrap().iter().flat_map(|v| element_bytes(d, v)).collect();
+        let data: Vec<u8> = t["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|v| element_bytes(d, v))
+            .collect();
         let full = Region::full(&shape);
-        let regions: Vec<Region> =
-            t["pieces"].as_array().unwrap().iter().map(|p| Region::new(u64s(&p[0]), u64s(&p[1])).unwrap()).collect();
+        let regions: Vec<Region> = t["pieces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| Region::new(u64s(&p[0]), u64s(&p[1])).unwrap())
+            .collect();
         let datas: Vec<Vec<u8>> = regions
             .iter()
             .map(|r| {
@@ -626,7 +815,9 @@ fn shard_examples_are_byte_exact() {
         let pieces: Vec<ShardedTensor> = regions
             .iter()
             .zip(&datas)
-            .map(|(r, b)| ShardedTensor::new(key.clone(), d, shape.clone(), r.clone(), 0, b).unwrap())
+            .map(|(r, b)| {
+                ShardedTensor::new(key.clone(), d, shape.clone(), r.clone(), 0, b).unwrap()
+            })
             .collect();
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("ckpt");
@@ -641,14 +832,31 @@ fn shard_examples_are_byte_exact() {
         let meta = check_checkpoint(&dir, &BTreeMap::from([("t".to_owned(), data.clone())]));
         let e = &meta.tensors[&key];
         let (chunk_shape, sub_shape) = (u64s(&t["chunk_shape"]), u64s(&t["subchunk_shape"]));
-        assert_eq!((&e.chunk_shape, &e.subchunk_shape), (&chunk_shape, &sub_shape), "line {}", ex.line);
+        assert_eq!(
+            (&e.chunk_shape, &e.subchunk_shape),
+            (&chunk_shape, &sub_shape),
+            "line {}",
+            ex.line
+        );
         let file = t["file"].as_str().unwrap();
         let written = std::fs::read(dir.join("tensors/t").join(file)).unwrap();
         let hex = ex.hex();
-        assert_eq!(written, hex, "line {}: {file} as written differs from the spec's bytes", ex.line);
-        let idx: Vec<u64> = file.split('.').skip(1).map(|s| s.parse().unwrap()).collect();
+        assert_eq!(
+            written, hex,
+            "line {}: {file} as written differs from the spec's bytes",
+            ex.line
+        );
+        let idx: Vec<u64> = file
+            .split('.')
+            .skip(1)
+            .map(|s| s.parse().unwrap())
+            .collect();
         let by_rules = spec_encode_shard(&data, &shape, &chunk_shape, &sub_shape, d.size(), &idx);
-        assert_eq!(by_rules, hex, "line {}: the spec's rules give other bytes than its example", ex.line);
+        assert_eq!(
+            by_rules, hex,
+            "line {}: the spec's rules give other bytes than its example",
+            ex.line
+        );
     }
 }
 
@@ -659,16 +867,41 @@ fn saved_checkpoints_conform_every_dtype_and_edge_case() {
     let cases: Vec<Case> = vec![
         ("flags/bool", DType::Bool, vec![37], None),
         ("ints/int8", DType::Int8, vec![5, 7], None),
-        ("ints/int16", DType::Int16, vec![9, 4], Some(vec![(0, 4), (4, 5)])),
+        (
+            "ints/int16",
+            DType::Int16,
+            vec![9, 4],
+            Some(vec![(0, 4), (4, 5)]),
+        ),
         ("ints/int32", DType::Int32, vec![3, 3, 3], None),
         ("ints/int64", DType::Int64, vec![], None),
-        ("uints/uint8", DType::UInt8, vec![300], Some(vec![(0, 100), (100, 200)])),
+        (
+            "uints/uint8",
+            DType::UInt8,
+            vec![300],
+            Some(vec![(0, 100), (100, 200)]),
+        ),
         ("uints/uint16", DType::UInt16, vec![0, 4], None),
-        ("uints/uint32", DType::UInt32, vec![10, 2], Some(vec![(0, 3), (3, 3), (6, 3), (9, 1)])),
+        (
+            "uints/uint32",
+            DType::UInt32,
+            vec![10, 2],
+            Some(vec![(0, 3), (3, 3), (6, 3), (9, 1)]),
+        ),
         ("uints/uint64", DType::UInt64, vec![4], None),
         ("floats/float16", DType::Float16, vec![33, 5], None),
-        ("floats/bfloat16", DType::BFloat16, vec![64, 64], Some(vec![(0, 32), (32, 32)])),
-        ("floats/float32", DType::Float32, vec![6, 10], Some(vec![(0, 4), (4, 2)])),
+        (
+            "floats/bfloat16",
+            DType::BFloat16,
+            vec![64, 64],
+            Some(vec![(0, 32), (32, 32)]),
+        ),
+        (
+            "floats/float32",
+            DType::Float32,
+            vec![6, 10],
+            Some(vec![(0, 4), (4, 2)]),
+        ),
         ("floats/float64", DType::Float64, vec![2, 2, 2, 2], None),
         ("fp8/float8_e4m3fn", DType::Float8E4M3FN, vec![16, 9], None),
         ("fp8/float8_e5m2", DType::Float8E5M2, vec![7, 5, 3], None),
@@ -679,7 +912,11 @@ fn saved_checkpoints_conform_every_dtype_and_edge_case() {
     let mut datas: Vec<(usize, Region, Vec<u8>)> = Vec::new();
     for (i, (key, d, shape, split)) in cases.iter().enumerate() {
         let n: u64 = shape.iter().product();
-        let full = if *key == "zeros" { vec![0u8; n as usize * d.size()] } else { test_bytes(i as u64, n, *d) };
+        let full = if *key == "zeros" {
+            vec![0u8; n as usize * d.size()]
+        } else {
+            test_bytes(i as u64, n, *d)
+        };
         let whole = Region::full(shape);
         let regions: Vec<Region> = match split {
             None => vec![whole.clone()],
@@ -705,7 +942,15 @@ fn saved_checkpoints_conform_every_dtype_and_edge_case() {
         .iter()
         .map(|(i, r, b)| {
             let (key, d, shape, _) = &cases[*i];
-            ShardedTensor::new(TensorKey::new(*key).unwrap(), *d, shape.clone(), r.clone(), 0, b).unwrap()
+            ShardedTensor::new(
+                TensorKey::new(*key).unwrap(),
+                *d,
+                shape.clone(),
+                r.clone(),
+                0,
+                b,
+            )
+            .unwrap()
         })
         .collect();
     for compression in [Compression::None, Compression::Zstd, Compression::Blosc] {
@@ -713,7 +958,10 @@ fn saved_checkpoints_conform_every_dtype_and_edge_case() {
         let dir = tmp.path().join("ckpt");
         let mut opts = SaveOptions {
             compression,
-            grid: GridOptions { subchunk_target_bytes: 64, ..GridOptions::default() },
+            grid: GridOptions {
+                subchunk_target_bytes: 64,
+                ..GridOptions::default()
+            },
             ..SaveOptions::default()
         };
         opts.user_metadata.insert("iteration".into(), 7.into());
@@ -733,13 +981,22 @@ fn saved_checkpoints_conform_every_dtype_and_edge_case() {
         // The crate's own reader agrees with the spec's.
         let ck = Checkpoint::open(&dir).unwrap();
         for (key, full) in &fulls {
-            assert_eq!(&ck.read_tensor(&TensorKey::new(key.as_str()).unwrap()).unwrap(), full, "{key}");
+            assert_eq!(
+                &ck.read_tensor(&TensorKey::new(key.as_str()).unwrap())
+                    .unwrap(),
+                full,
+                "{key}"
+            );
         }
         // Saving the same state again gives the same bytes.
         let dir2 = tmp.path().join("again");
         save(&pieces, &dir2, &LocalComm::single(), &opts).unwrap();
         for f in list_files(&dir) {
-            assert_eq!(std::fs::read(dir.join(&f)).unwrap(), std::fs::read(dir2.join(&f)).unwrap(), "{f}");
+            assert_eq!(
+                std::fs::read(dir.join(&f)).unwrap(),
+                std::fs::read(dir2.join(&f)).unwrap(),
+                "{f}"
+            );
         }
     }
 }
@@ -762,7 +1019,15 @@ fn multi_rank_checkpoint_conforms() {
         copy_box(&full, &Region::full(&shape), &mut mine, &region, &region, 4);
         let own = vec![u8::try_from(r).unwrap(); 8];
         let pieces = vec![
-            ShardedTensor::new(TensorKey::new("w").unwrap(), DType::Float32, shape.clone(), region, 0, &mine).unwrap(),
+            ShardedTensor::new(
+                TensorKey::new("w").unwrap(),
+                DType::Float32,
+                shape.clone(),
+                region,
+                0,
+                &mine,
+            )
+            .unwrap(),
             ShardedTensor::new(
                 TensorKey::new("b").unwrap(),
                 DType::Float32,
@@ -787,7 +1052,10 @@ fn multi_rank_checkpoint_conforms() {
     for r in results {
         r.unwrap();
     }
-    let mut expect = BTreeMap::from([("w".to_owned(), full.clone()), ("b".to_owned(), bias.clone())]);
+    let mut expect = BTreeMap::from([
+        ("w".to_owned(), full.clone()),
+        ("b".to_owned(), bias.clone()),
+    ]);
     for r in 0..3u8 {
         expect.insert(format!("rank/{r}"), vec![r; 8]);
     }
@@ -805,47 +1073,76 @@ fn invalid_documents_are_rejected() {
     type Mutation = (&'static str, Box<dyn Fn(&mut Value)>);
     // Rejected by both the schema and the crate's reader.
     let both: Vec<Mutation> = vec![
-        ("version is a number", Box::new(|d| d["attributes"]["zarrckpt"]["version"] = json!(1.0))),
-        ("version without minor", Box::new(|d| d["attributes"]["zarrckpt"]["version"] = json!("1"))),
-        ("other major version", Box::new(|d| d["attributes"]["zarrckpt"]["version"] = json!("2.0"))),
-        ("wrong format name", Box::new(|d| d["attributes"]["zarrckpt"]["format"] = json!("zarr"))),
+        (
+            "version is a number",
+            Box::new(|d| d["attributes"]["zarrckpt"]["version"] = json!(1.0)),
+        ),
+        (
+            "version without minor",
+            Box::new(|d| d["attributes"]["zarrckpt"]["version"] = json!("1")),
+        ),
+        (
+            "other major version",
+            Box::new(|d| d["attributes"]["zarrckpt"]["version"] = json!("2.0")),
+        ),
+        (
+            "wrong format name",
+            Box::new(|d| d["attributes"]["zarrckpt"]["format"] = json!("zarr")),
+        ),
         (
             "missing world_size",
             Box::new(|d| {
-                d["attributes"]["zarrckpt"].as_object_mut().unwrap().remove("world_size");
+                d["attributes"]["zarrckpt"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("world_size");
             }),
         ),
         (
             "missing tensors",
             Box::new(|d| {
-                d["attributes"]["zarrckpt"].as_object_mut().unwrap().remove("tensors");
+                d["attributes"]["zarrckpt"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("tensors");
             }),
         ),
         (
             "missing dtype",
             Box::new(move |d| {
-                d["attributes"]["zarrckpt"]["tensors"][key].as_object_mut().unwrap().remove("dtype");
+                d["attributes"]["zarrckpt"]["tensors"][key]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("dtype");
             }),
         ),
         (
             "missing chunk_shape",
             Box::new(move |d| {
-                d["attributes"]["zarrckpt"]["tensors"][key].as_object_mut().unwrap().remove("chunk_shape");
+                d["attributes"]["zarrckpt"]["tensors"][key]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("chunk_shape");
             }),
         ),
         (
             "path escapes with ..",
-            Box::new(move |d| d["attributes"]["zarrckpt"]["tensors"][key]["path"] = json!("../../etc/passwd")),
+            Box::new(move |d| {
+                d["attributes"]["zarrckpt"]["tensors"][key]["path"] = json!("../../etc/passwd")
+            }),
         ),
         (
             "path escapes inside",
             Box::new(move |d| {
-                d["attributes"]["zarrckpt"]["tensors"][key]["path"] = json!("tensors/../../outside");
+                d["attributes"]["zarrckpt"]["tensors"][key]["path"] =
+                    json!("tensors/../../outside");
             }),
         ),
         (
             "absolute path",
-            Box::new(move |d| d["attributes"]["zarrckpt"]["tensors"][key]["path"] = json!("/etc/passwd")),
+            Box::new(move |d| {
+                d["attributes"]["zarrckpt"]["tensors"][key]["path"] = json!("/etc/passwd")
+            }),
         ),
         (
             "registry float8_e4m3 is not float8_e4m3fn",
@@ -855,11 +1152,15 @@ fn invalid_documents_are_rejected() {
         ),
         (
             "zero chunk extent",
-            Box::new(move |d| d["attributes"]["zarrckpt"]["tensors"][key]["chunk_shape"] = json!([0, 2048])),
+            Box::new(move |d| {
+                d["attributes"]["zarrckpt"]["tensors"][key]["chunk_shape"] = json!([0, 2048])
+            }),
         ),
         (
             "negative extent",
-            Box::new(move |d| d["attributes"]["zarrckpt"]["tensors"][key]["shape"] = json!([-1, 2048])),
+            Box::new(move |d| {
+                d["attributes"]["zarrckpt"]["tensors"][key]["shape"] = json!([-1, 2048])
+            }),
         ),
         (
             "33 dimensions",
@@ -872,7 +1173,9 @@ fn invalid_documents_are_rejected() {
         ),
         (
             "unknown compression",
-            Box::new(move |d| d["attributes"]["zarrckpt"]["tensors"][key]["compression"] = json!("lz4")),
+            Box::new(move |d| {
+                d["attributes"]["zarrckpt"]["tensors"][key]["compression"] = json!("lz4")
+            }),
         ),
         (
             "key with a dot segment",
@@ -882,7 +1185,10 @@ fn invalid_documents_are_rejected() {
                 "subchunk_shape": [1], "compression": "none"});
             }),
         ),
-        ("user is not an object", Box::new(|d| d["attributes"]["zarrckpt"]["user"] = json!([1]))),
+        (
+            "user is not an object",
+            Box::new(|d| d["attributes"]["zarrckpt"]["user"] = json!([1])),
+        ),
         ("not a group", Box::new(|d| d["node_type"] = json!("array"))),
     ];
     let root_v = validator(Some("root"));
@@ -891,19 +1197,29 @@ fn invalid_documents_are_rejected() {
     for (what, m) in &both {
         let mut doc = base.clone();
         m(&mut doc);
-        assert!(!root_v.is_valid(&doc), "schema accepts a document with {what}");
-        assert!(parse_root(&doc).is_err(), "reader accepts a document with {what}");
+        assert!(
+            !root_v.is_valid(&doc),
+            "schema accepts a document with {what}"
+        );
+        assert!(
+            parse_root(&doc).is_err(),
+            "reader accepts a document with {what}"
+        );
     }
     let mut doc = base.clone();
     doc["attributes"]["zarrckpt"]["version"] = json!("2.0");
-    assert!(matches!(parse_root(&doc), Err(StorageError::UnsupportedVersion { .. })));
+    assert!(matches!(
+        parse_root(&doc),
+        Err(StorageError::UnsupportedVersion { .. })
+    ));
 
     // Rules JSON Schema cannot express: the schema accepts, the reader must reject.
     let semantic: Vec<Mutation> = vec![
         (
             "a path that is not the key's mapping",
             Box::new(move |d| {
-                d["attributes"]["zarrckpt"]["tensors"][key]["path"] = json!("tensors/optimizer/step");
+                d["attributes"]["zarrckpt"]["tensors"][key]["path"] =
+                    json!("tensors/optimizer/step");
             }),
         ),
         (
@@ -914,7 +1230,9 @@ fn invalid_documents_are_rejected() {
         ),
         (
             "shapes of different rank",
-            Box::new(move |d| d["attributes"]["zarrckpt"]["tensors"][key]["chunk_shape"] = json!([4096])),
+            Box::new(move |d| {
+                d["attributes"]["zarrckpt"]["tensors"][key]["chunk_shape"] = json!([4096])
+            }),
         ),
         (
             "overflowing size",
@@ -943,17 +1261,36 @@ fn invalid_documents_are_rejected() {
     for (what, m) in &semantic {
         let mut doc = base.clone();
         m(&mut doc);
-        assert!(root_v.is_valid(&doc), "schema unexpectedly rejects {what}: {:?}", schema_errors(&root_v, &doc));
-        assert!(parse_root(&doc).is_err(), "reader accepts a document with {what}");
+        assert!(
+            root_v.is_valid(&doc),
+            "schema unexpectedly rejects {what}: {:?}",
+            schema_errors(&root_v, &doc)
+        );
+        assert!(
+            parse_root(&doc).is_err(),
+            "reader accepts a document with {what}"
+        );
     }
 
     // Writers must write every field; this reader defaults the optional ones (section 4).
     let mut doc = base.clone();
-    doc["attributes"]["zarrckpt"]["tensors"][key].as_object_mut().unwrap().remove("compression");
-    doc["attributes"]["zarrckpt"].as_object_mut().unwrap().remove("user");
-    assert!(!root_v.is_valid(&doc), "schema accepts a document without compression and user");
+    doc["attributes"]["zarrckpt"]["tensors"][key]
+        .as_object_mut()
+        .unwrap()
+        .remove("compression");
+    doc["attributes"]["zarrckpt"]
+        .as_object_mut()
+        .unwrap()
+        .remove("user");
+    assert!(
+        !root_v.is_valid(&doc),
+        "schema accepts a document without compression and user"
+    );
     let meta = parse_root(&doc).unwrap();
-    assert_eq!(meta.tensors[&TensorKey::new(key).unwrap()].compression, Compression::None);
+    assert_eq!(
+        meta.tensors[&TensorKey::new(key).unwrap()].compression,
+        Compression::None
+    );
 
     // A later minor version with fields this reader does not know is accepted by both.
     let mut doc = base.clone();
@@ -969,11 +1306,20 @@ fn readers_refuse_incomplete_and_damaged_checkpoints() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
     let data = test_bytes(3, 64, DType::Int32);
-    let pieces =
-        [ShardedTensor::new(TensorKey::new("x").unwrap(), DType::Int32, vec![64], Region::full(&[64]), 0, &data)
-            .unwrap()];
+    let pieces = [ShardedTensor::new(
+        TensorKey::new("x").unwrap(),
+        DType::Int32,
+        vec![64],
+        Region::full(&[64]),
+        0,
+        &data,
+    )
+    .unwrap()];
     let opts = SaveOptions {
-        grid: GridOptions { subchunk_target_bytes: 32, ..GridOptions::default() },
+        grid: GridOptions {
+            subchunk_target_bytes: 32,
+            ..GridOptions::default()
+        },
         ..SaveOptions::default()
     };
     save(&pieces, &dir, &LocalComm::single(), &opts).unwrap();
@@ -983,24 +1329,46 @@ fn readers_refuse_incomplete_and_damaged_checkpoints() {
 
     // No root zarr.json but a tensors/ directory: incomplete.
     std::fs::remove_file(dir.join("zarr.json")).unwrap();
-    assert!(matches!(Checkpoint::open(&dir), Err(Error::Storage(StorageError::Incomplete { .. }))));
+    assert!(matches!(
+        Checkpoint::open(&dir),
+        Err(Error::Storage(StorageError::Incomplete { .. }))
+    ));
     assert!(spec_read_tensor(&dir, "x").is_err());
     // A root group without the zarrckpt attribute: refused.
-    std::fs::write(dir.join("zarr.json"), br#"{"zarr_format":3,"node_type":"group","attributes":{}}"#).unwrap();
+    std::fs::write(
+        dir.join("zarr.json"),
+        br#"{"zarr_format":3,"node_type":"group","attributes":{}}"#,
+    )
+    .unwrap();
     assert!(Checkpoint::open(&dir).is_err());
     std::fs::write(dir.join("zarr.json"), &root).unwrap();
-    assert_eq!(Checkpoint::open(&dir).unwrap().read_tensor(&key).unwrap(), data);
+    assert_eq!(
+        Checkpoint::open(&dir).unwrap().read_tensor(&key).unwrap(),
+        data
+    );
 
     // A missing shard file is an error, not fill values.
     std::fs::remove_file(dir.join("tensors/x/c.0")).unwrap();
-    let e = Checkpoint::open(&dir).unwrap().read_tensor(&key).unwrap_err();
-    assert!(matches!(e, Error::Storage(StorageError::MissingChunk { .. })), "{e}");
+    let e = Checkpoint::open(&dir)
+        .unwrap()
+        .read_tensor(&key)
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Storage(StorageError::MissingChunk { .. })),
+        "{e}"
+    );
     // A flipped data byte fails the subchunk's crc32c.
     let mut bad = shard.clone();
     bad[0] ^= 1;
     std::fs::write(dir.join("tensors/x/c.0"), &bad).unwrap();
-    let e = Checkpoint::open(&dir).unwrap().read_tensor(&key).unwrap_err();
-    assert!(matches!(e, Error::Storage(StorageError::Checksum { .. })), "{e}");
+    let e = Checkpoint::open(&dir)
+        .unwrap()
+        .read_tensor(&key)
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::Storage(StorageError::Checksum { .. })),
+        "{e}"
+    );
     assert!(spec_read_tensor(&dir, "x").is_err());
     // A flipped index byte fails the index's crc32c.
     let mut bad = shard.clone();
@@ -1032,9 +1400,15 @@ fn readers_refuse_incomplete_and_damaged_checkpoints() {
     let other = tmp.path().join("not-a-checkpoint");
     std::fs::create_dir(&other).unwrap();
     std::fs::write(other.join("notes.txt"), b"keep me").unwrap();
-    let over = SaveOptions { overwrite: true, ..opts.clone() };
+    let over = SaveOptions {
+        overwrite: true,
+        ..opts.clone()
+    };
     assert!(save(&pieces, &other, &LocalComm::single(), &over).is_err());
     assert_eq!(std::fs::read(other.join("notes.txt")).unwrap(), b"keep me");
     save(&pieces, &dir, &LocalComm::single(), &over).unwrap();
-    assert_eq!(Checkpoint::open(&dir).unwrap().read_tensor(&key).unwrap(), data);
+    assert_eq!(
+        Checkpoint::open(&dir).unwrap().read_tensor(&key).unwrap(),
+        data
+    );
 }

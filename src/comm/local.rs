@@ -58,7 +58,10 @@ pub struct LocalComm {
 
 impl std::fmt::Debug for LocalComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LocalComm").field("rank", &self.rank).field("world", &self.shared.world).finish()
+        f.debug_struct("LocalComm")
+            .field("rank", &self.rank)
+            .field("world", &self.shared.world)
+            .finish()
     }
 }
 
@@ -77,10 +80,18 @@ impl LocalComm {
             timeout,
             slots: Mutex::new((HashMap::new(), vec![false; world])),
             cv: Condvar::new(),
-            queues: (0..world * world).map(|_| (Mutex::new(Queue::default()), Condvar::new())).collect(),
+            queues: (0..world * world)
+                .map(|_| (Mutex::new(Queue::default()), Condvar::new()))
+                .collect(),
             doorbells: (0..world).map(|_| Doorbell::default()).collect(),
         });
-        (0..world).map(|rank| LocalComm { rank, seq: AtomicU64::new(0), shared: shared.clone() }).collect()
+        (0..world)
+            .map(|rank| LocalComm {
+                rank,
+                seq: AtomicU64::new(0),
+                shared: shared.clone(),
+            })
+            .collect()
     }
 
     /// A group of one.
@@ -93,7 +104,12 @@ impl LocalComm {
         m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn collective(&self, op: &'static str, tag: u64, data: Vec<u8>) -> Result<Arc<Vec<Vec<u8>>>, CommError> {
+    fn collective(
+        &self,
+        op: &'static str,
+        tag: u64,
+        data: Vec<u8>,
+    ) -> Result<Arc<Vec<Vec<u8>>>, CommError> {
         let world = self.shared.world;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let deadline = Instant::now() + self.shared.timeout;
@@ -107,23 +123,43 @@ impl LocalComm {
                 readers_left: world,
             });
             if slot.op != op {
-                let detail = format!("operation #{seq}: this rank called {op}, another rank called {}", slot.op);
-                return Err(CommError::Mismatch { op, rank: self.rank, detail });
+                let detail = format!(
+                    "operation #{seq}: this rank called {op}, another rank called {}",
+                    slot.op
+                );
+                return Err(CommError::Mismatch {
+                    op,
+                    rank: self.rank,
+                    detail,
+                });
             }
             if slot.tag != tag {
-                let detail = format!("operation #{seq}: this rank passed root {tag}, another rank root {}", slot.tag);
-                return Err(CommError::Mismatch { op, rank: self.rank, detail });
+                let detail = format!(
+                    "operation #{seq}: this rank passed root {tag}, another rank root {}",
+                    slot.tag
+                );
+                return Err(CommError::Mismatch {
+                    op,
+                    rank: self.rank,
+                    detail,
+                });
             }
             slot.parts[self.rank] = Some(data);
             if slot.parts.iter().all(Option::is_some) {
-                let parts = slot.parts.iter_mut().map(|p| p.take().unwrap_or_default()).collect();
+                let parts = slot
+                    .parts
+                    .iter_mut()
+                    .map(|p| p.take().unwrap_or_default())
+                    .collect();
                 slot.result = Some(Arc::new(parts));
                 self.shared.cv.notify_all();
             }
         }
         loop {
             let (slots, gone) = &mut *g;
-            let slot = slots.get_mut(&seq).expect("slot lives until every rank has read it");
+            let slot = slots
+                .get_mut(&seq)
+                .expect("slot lives until every rank has read it");
             if let Some(result) = slot.result.clone() {
                 slot.readers_left -= 1;
                 if slot.readers_left == 0 {
@@ -142,9 +178,19 @@ impl LocalComm {
             let now = Instant::now();
             if now >= deadline {
                 let peer = (0..world).find(|&r| slot.parts[r].is_none());
-                return Err(CommError::Timeout { op, rank: self.rank, peer, after: self.shared.timeout });
+                return Err(CommError::Timeout {
+                    op,
+                    rank: self.rank,
+                    peer,
+                    after: self.shared.timeout,
+                });
             }
-            g = self.shared.cv.wait_timeout(g, deadline - now).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+            g = self
+                .shared
+                .cv
+                .wait_timeout(g, deadline - now)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
         }
     }
 
@@ -154,7 +200,11 @@ impl LocalComm {
 
     fn send_to(&self, peer: usize, data: &[u8]) -> Result<(), CommError> {
         let (q, cv) = &self.shared.queues[peer * self.shared.world + self.rank];
-        let pieces: Vec<&[u8]> = if data.is_empty() { vec![data] } else { data.chunks(PIECE_BYTES).collect() };
+        let pieces: Vec<&[u8]> = if data.is_empty() {
+            vec![data]
+        } else {
+            data.chunks(PIECE_BYTES).collect()
+        };
         let last = pieces.len() - 1;
         for (i, piece) in pieces.into_iter().enumerate() {
             let mut deadline = Instant::now() + self.shared.timeout;
@@ -165,10 +215,18 @@ impl LocalComm {
                 }
                 let now = Instant::now();
                 if now >= deadline {
-                    return Err(CommError::Timeout { op: "exchange", rank: self.rank, peer: Some(peer), after: self.shared.timeout });
+                    return Err(CommError::Timeout {
+                        op: "exchange",
+                        rank: self.rank,
+                        peer: Some(peer),
+                        after: self.shared.timeout,
+                    });
                 }
                 let before = g.bytes;
-                g = cv.wait_timeout(g, (deadline - now).min(Duration::from_millis(100))).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+                g = cv
+                    .wait_timeout(g, (deadline - now).min(Duration::from_millis(100)))
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .0;
                 if g.bytes < before {
                     deadline = Instant::now() + self.shared.timeout;
                 }
@@ -191,7 +249,11 @@ impl LocalComm {
         let mut order: Vec<Vec<usize>> = vec![Vec::new(); world];
         for (i, r) in recvs.iter().enumerate() {
             if r.peer >= world {
-                return Err(CommError::Mismatch { op: "exchange", rank: self.rank, detail: format!("peer {} out of range", r.peer) });
+                return Err(CommError::Mismatch {
+                    op: "exchange",
+                    rank: self.rank,
+                    detail: format!("peer {} out of range", r.peer),
+                });
             }
             order[r.peer].push(i);
         }
@@ -224,10 +286,18 @@ impl LocalComm {
                     if end > buf.len() || (last && end < buf.len()) {
                         let detail = format!(
                             "rank {peer} sent a message of {} bytes where {} were expected",
-                            if last { end.to_string() } else { format!("more than {}", buf.len()) },
+                            if last {
+                                end.to_string()
+                            } else {
+                                format!("more than {}", buf.len())
+                            },
                             buf.len()
                         );
-                        return Err(CommError::Mismatch { op: "exchange", rank: self.rank, detail });
+                        return Err(CommError::Mismatch {
+                            op: "exchange",
+                            rank: self.rank,
+                            detail,
+                        });
                     }
                     buf[filled[peer]..end].copy_from_slice(&piece);
                     filled[peer] = end;
@@ -237,7 +307,9 @@ impl LocalComm {
                     }
                 }
             }
-            let Some(peer) = waiting_for else { return Ok(()) };
+            let Some(peer) = waiting_for else {
+                return Ok(());
+            };
             if progress {
                 deadline = Instant::now() + self.shared.timeout;
                 continue;
@@ -247,18 +319,32 @@ impl LocalComm {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(CommError::Timeout { op: "exchange", rank: self.rank, peer: Some(peer), after: self.shared.timeout });
+                return Err(CommError::Timeout {
+                    op: "exchange",
+                    rank: self.rank,
+                    peer: Some(peer),
+                    after: self.shared.timeout,
+                });
             }
             let g = Self::lock(&bell.rings);
             if *g == rings {
                 let wait = (deadline - now).min(Duration::from_millis(100));
-                drop(bell.cv.wait_timeout(g, wait).unwrap_or_else(std::sync::PoisonError::into_inner));
+                drop(
+                    bell.cv
+                        .wait_timeout(g, wait)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner),
+                );
             }
         }
     }
 
     fn lost(&self, op: &'static str, peer: usize) -> CommError {
-        CommError::PeerLost { op, rank: self.rank, peer, detail: "its communicator was dropped".into() }
+        CommError::PeerLost {
+            op,
+            rank: self.rank,
+            peer,
+            detail: "its communicator was dropped".into(),
+        }
     }
 }
 
@@ -287,14 +373,25 @@ impl Communicator for LocalComm {
     }
 
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        Ok(self.collective("all_gather", 0, data.to_vec())?.as_ref().clone())
+        Ok(self
+            .collective("all_gather", 0, data.to_vec())?
+            .as_ref()
+            .clone())
     }
 
     fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
         if root >= self.shared.world {
-            return Err(CommError::Mismatch { op: "broadcast", rank: self.rank, detail: format!("root {root} out of range") });
+            return Err(CommError::Mismatch {
+                op: "broadcast",
+                rank: self.rank,
+                detail: format!("root {root} out of range"),
+            });
         }
-        let mine = if self.rank == root { data.to_vec() } else { Vec::new() };
+        let mine = if self.rank == root {
+            data.to_vec()
+        } else {
+            Vec::new()
+        };
         let all = self.collective("broadcast", root as u64, mine)?;
         Ok(all[root].clone())
     }
@@ -306,7 +403,11 @@ impl Communicator for LocalComm {
     fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {
         for s in sends {
             if s.peer >= self.shared.world {
-                return Err(CommError::Mismatch { op: "exchange", rank: self.rank, detail: format!("peer {} out of range", s.peer) });
+                return Err(CommError::Mismatch {
+                    op: "exchange",
+                    rank: self.rank,
+                    detail: format!("peer {} out of range", s.peer),
+                });
             }
         }
         std::thread::scope(|scope| {
@@ -318,7 +419,11 @@ impl Communicator for LocalComm {
             });
             let result = self.recv_all(recvs);
             let sent = sender.join().unwrap_or_else(|_| {
-                Err(CommError::Transport { op: "exchange", rank: self.rank, detail: "sender thread panicked".into() })
+                Err(CommError::Transport {
+                    op: "exchange",
+                    rank: self.rank,
+                    detail: "sender thread panicked".into(),
+                })
             });
             result.and(sent)
         })
@@ -330,7 +435,11 @@ impl Communicator for LocalComm {
 ///
 /// # Panics
 /// Re-raises a rank's panic after every rank has finished.
-pub fn run_local<T: Send>(world: usize, timeout: Duration, f: impl Fn(LocalComm) -> T + Sync) -> Vec<T> {
+pub fn run_local<T: Send>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(LocalComm) -> T + Sync,
+) -> Vec<T> {
     let comms = LocalComm::group_with_timeout(world, timeout);
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
@@ -344,7 +453,10 @@ pub fn run_local<T: Send>(world: usize, timeout: Duration, f: impl Fn(LocalComm)
             })
             .collect();
         let results: Vec<std::thread::Result<T>> = handles.into_iter().map(|h| h.join()).collect();
-        results.into_iter().map(|r| r.unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
     })
 }
 
@@ -372,7 +484,13 @@ mod tests {
         let out = run_local(n, DEFAULT_TIMEOUT, |c| {
             let me = c.rank();
             let data: Vec<Vec<u8>> = (0..n).map(|p| vec![(me * 10 + p) as u8; 9 << 20]).collect();
-            let sends: Vec<SendBuf> = (0..n).filter(|&p| p != me).map(|p| SendBuf { peer: p, data: &data[p] }).collect();
+            let sends: Vec<SendBuf> = (0..n)
+                .filter(|&p| p != me)
+                .map(|p| SendBuf {
+                    peer: p,
+                    data: &data[p],
+                })
+                .collect();
             let mut bufs: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; 9 << 20]).collect();
             let mut recvs: Vec<RecvBuf> = bufs
                 .iter_mut()
@@ -402,10 +520,28 @@ mod tests {
             let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
             let big = vec![me as u8; 20 << 20];
             let small = [me as u8; 8];
-            let sends = [SendBuf { peer: next, data: &big }, SendBuf { peer: prev, data: &small }];
+            let sends = [
+                SendBuf {
+                    peer: next,
+                    data: &big,
+                },
+                SendBuf {
+                    peer: prev,
+                    data: &small,
+                },
+            ];
             let mut from_next = [0u8; 8];
             let mut from_prev = vec![0u8; 20 << 20];
-            let mut recvs = [RecvBuf { peer: next, buf: &mut from_next }, RecvBuf { peer: prev, buf: &mut from_prev }];
+            let mut recvs = [
+                RecvBuf {
+                    peer: next,
+                    buf: &mut from_next,
+                },
+                RecvBuf {
+                    peer: prev,
+                    buf: &mut from_prev,
+                },
+            ];
             c.exchange(&sends, &mut recvs).unwrap();
             assert!(from_prev.iter().all(|&b| b == prev as u8));
             assert_eq!(from_next, [next as u8; 8]);
@@ -417,17 +553,41 @@ mod tests {
     fn message_boundaries_and_roots_are_checked() {
         let out = run_local(2, Duration::from_secs(5), |c| {
             if c.rank() == 0 {
-                let _ = c.exchange(&[SendBuf { peer: 1, data: &[1, 2] }, SendBuf { peer: 1, data: &[3, 4] }], &mut []);
+                let _ = c.exchange(
+                    &[
+                        SendBuf {
+                            peer: 1,
+                            data: &[1, 2],
+                        },
+                        SendBuf {
+                            peer: 1,
+                            data: &[3, 4],
+                        },
+                    ],
+                    &mut [],
+                );
                 None
             } else {
                 let mut buf = [0u8; 4];
-                Some(c.exchange(&[], &mut [RecvBuf { peer: 0, buf: &mut buf }]))
+                Some(c.exchange(
+                    &[],
+                    &mut [RecvBuf {
+                        peer: 0,
+                        buf: &mut buf,
+                    }],
+                ))
             }
         });
         let e = out[1].clone().unwrap().unwrap_err();
         assert!(matches!(e, CommError::Mismatch { .. }), "{e}");
-        let out = run_local(2, Duration::from_secs(5), |c| c.broadcast(c.rank(), b"x").err());
-        assert!(out.iter().flatten().any(|e| matches!(e, CommError::Mismatch { .. })));
+        let out = run_local(2, Duration::from_secs(5), |c| {
+            c.broadcast(c.rank(), b"x").err()
+        });
+        assert!(
+            out.iter()
+                .flatten()
+                .any(|e| matches!(e, CommError::Mismatch { .. }))
+        );
     }
 
     #[test]
@@ -442,7 +602,10 @@ mod tests {
         });
         assert!(t0.elapsed() < Duration::from_secs(10));
         for r in out.into_iter().flatten() {
-            assert!(matches!(r, Err(CommError::PeerLost { peer: 1, .. })), "{r:?}");
+            assert!(
+                matches!(r, Err(CommError::PeerLost { peer: 1, .. })),
+                "{r:?}"
+            );
         }
     }
 
@@ -457,15 +620,33 @@ mod tests {
             }
         });
         let e = out[1].clone().unwrap().unwrap_err();
-        assert!(matches!(e, CommError::Timeout { peer: Some(0), rank: 1, .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                CommError::Timeout {
+                    peer: Some(0),
+                    rank: 1,
+                    ..
+                }
+            ),
+            "{e}"
+        );
         assert!(e.to_string().contains("rank 0"));
     }
 
     #[test]
     fn mismatched_operations_are_reported() {
         let out = run_local(2, Duration::from_secs(5), |c| {
-            if c.rank() == 0 { c.barrier().err() } else { c.all_gather(b"").err() }
+            if c.rank() == 0 {
+                c.barrier().err()
+            } else {
+                c.all_gather(b"").err()
+            }
         });
-        assert!(out.iter().flatten().any(|e| matches!(e, CommError::Mismatch { .. })));
+        assert!(
+            out.iter()
+                .flatten()
+                .any(|e| matches!(e, CommError::Mismatch { .. }))
+        );
     }
 }

@@ -23,7 +23,9 @@ pub fn byte_offset(index: &[u64], shape: &[u64], elem: usize) -> usize {
     for (i, s) in index.iter().zip(shape) {
         off = off * s + i;
     }
-    usize::try_from(off).unwrap_or(usize::MAX).saturating_mul(elem)
+    usize::try_from(off)
+        .unwrap_or(usize::MAX)
+        .saturating_mul(elem)
 }
 
 /// Copies the box `region` (global coordinates) from `src` to `dst`. `src` holds the box
@@ -83,7 +85,9 @@ pub fn for_each_run(
     let run_bytes = usize::try_from(run).unwrap_or(usize::MAX) * elem;
     let ss = strides(&src_box.shape, elem);
     let ds = strides(&dst_box.shape, elem);
-    let rel = |d: usize, b: &Region| usize::try_from(region.offset[d] - b.offset[d]).unwrap_or(usize::MAX);
+    let rel = |d: usize, b: &Region| {
+        usize::try_from(region.offset[d] - b.offset[d]).unwrap_or(usize::MAX)
+    };
     let mut so: usize = (0..nd).map(|d| rel(d, src_box) * ss[d]).sum();
     let mut dof: usize = (0..nd).map(|d| rel(d, dst_box) * ds[d]).sum();
     if k == 0 {
@@ -99,7 +103,9 @@ pub fn for_each_run(
         return;
     }
     // Odometer over the outer dims 0..k with incremental offsets.
-    let ext: Vec<usize> = (0..k).map(|d| usize::try_from(region.shape[d]).unwrap_or(usize::MAX)).collect();
+    let ext: Vec<usize> = (0..k)
+        .map(|d| usize::try_from(region.shape[d]).unwrap_or(usize::MAX))
+        .collect();
     let mut idx = vec![0usize; k];
     loop {
         f(so, dof, run_bytes);
@@ -134,7 +140,11 @@ pub struct DisjointBuf<'a> {
 impl<'a> DisjointBuf<'a> {
     /// Wraps `buf`, which holds `region` in C order.
     pub fn new(buf: &'a mut [u8], region: &'a Region, elem: usize) -> Self {
-        DisjointBuf { cells: UnsafeCellSlice::new(buf), region, elem }
+        DisjointBuf {
+            cells: UnsafeCellSlice::new(buf),
+            region,
+            elem,
+        }
     }
 
     /// The box the buffer holds.
@@ -169,7 +179,11 @@ impl<'a> DisjointBuf<'a> {
     /// Byte offset of a global index inside the buffer.
     #[must_use]
     pub fn offset_of(&self, global_index: &[u64]) -> usize {
-        let rel: Vec<u64> = global_index.iter().zip(&self.region.offset).map(|(a, b)| a - b).collect();
+        let rel: Vec<u64> = global_index
+            .iter()
+            .zip(&self.region.offset)
+            .map(|(a, b)| a - b)
+            .collect();
         byte_offset(&rel, &self.region.shape, self.elem)
     }
 
@@ -177,7 +191,8 @@ impl<'a> DisjointBuf<'a> {
     #[must_use]
     pub fn contiguous_range(&self, part: &Region) -> Option<(usize, usize)> {
         is_contiguous(&part.shape, &self.region.shape).then(|| {
-            let len = usize::try_from(part.num_elements().unwrap_or(0)).unwrap_or(usize::MAX) * self.elem;
+            let len =
+                usize::try_from(part.num_elements().unwrap_or(0)).unwrap_or(usize::MAX) * self.elem;
             (self.offset_of(&part.offset), len)
         })
     }
@@ -257,7 +272,11 @@ mod tests {
             for j in 0..5usize {
                 let v = u16::from_le_bytes([dst[(i * 5 + j) * 2], dst[(i * 5 + j) * 2 + 1]]);
                 let gi = i as u16 + 2;
-                let expect = if (2..5).contains(&j) { gi * 10 + j as u16 } else { 0 };
+                let expect = if (2..5).contains(&j) {
+                    gi * 10 + j as u16
+                } else {
+                    0
+                };
                 assert_eq!(v, expect, "{i},{j}");
             }
         }

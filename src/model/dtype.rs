@@ -171,13 +171,21 @@ pub fn float8_value(dtype: DType, b: u8) -> Option<f64> {
         DType::Float8E5M2 => {
             let (e, m) = (i32::from((b >> 2) & 0x1F), f64::from(b & 3));
             if e == 31 {
-                return Some(if m == 0.0 { sign * f64::INFINITY } else { f64::NAN });
+                return Some(if m == 0.0 {
+                    sign * f64::INFINITY
+                } else {
+                    f64::NAN
+                });
             }
             (e, m, 4.0, 15)
         }
         _ => return None,
     };
-    Some(if e == 0 { sign * m / mbits * 2f64.powi(1 - bias) } else { sign * (1.0 + m / mbits) * 2f64.powi(e - bias) })
+    Some(if e == 0 {
+        sign * m / mbits * 2f64.powi(1 - bias)
+    } else {
+        sign * (1.0 + m / mbits) * 2f64.powi(e - bias)
+    })
 }
 
 /// The float8 byte for a Zarr `fill_value` given as a number or `"NaN"` / `"Infinity"` /
@@ -203,7 +211,8 @@ pub fn float8_bits(dtype: DType, fill: &serde_json::Value) -> Option<u8> {
         };
     }
     (0..=255u8).find(|&b| {
-        float8_value(dtype, b).is_some_and(|v| v == target && v.is_sign_negative() == target.is_sign_negative())
+        float8_value(dtype, b)
+            .is_some_and(|v| v == target && v.is_sign_negative() == target.is_sign_negative())
     })
 }
 
@@ -265,7 +274,11 @@ mod tests {
             assert_eq!(usize::from(d.code()), i);
             assert_eq!(DType::from_code(d.code()), Some(*d));
         }
-        assert_eq!(DType::from_name("float8_e4m3"), None, "IEEE e4m3 is not e4m3fn");
+        assert_eq!(
+            DType::from_name("float8_e4m3"),
+            None,
+            "IEEE e4m3 is not e4m3fn"
+        );
         assert!("complex64".parse::<DType>().is_err());
     }
 

@@ -68,7 +68,9 @@ pub enum KeyError {
         segment: String,
     },
     /// A segment is too long once encoded as a file name.
-    #[error("key `{key}`: segment `{segment}` is {len} bytes once encoded; the limit is {MAX_SEGMENT_BYTES}")]
+    #[error(
+        "key `{key}`: segment `{segment}` is {len} bytes once encoded; the limit is {MAX_SEGMENT_BYTES}"
+    )]
     SegmentTooLong {
         /// The key.
         key: String,
@@ -116,7 +118,11 @@ impl TensorKey {
     /// `optimizer/exp~20avg` for `optimizer/exp avg`.
     #[must_use]
     pub fn node_path(&self) -> String {
-        self.0.split('/').map(encode_segment).collect::<Vec<_>>().join("/")
+        self.0
+            .split('/')
+            .map(encode_segment)
+            .collect::<Vec<_>>()
+            .join("/")
     }
 }
 
@@ -153,7 +159,12 @@ impl AsRef<str> for TensorKey {
 }
 
 fn shown(key: &str) -> String {
-    let mut s: String = key.chars().take(120).collect::<String>().escape_debug().to_string();
+    let mut s: String = key
+        .chars()
+        .take(120)
+        .collect::<String>()
+        .escape_debug()
+        .to_string();
     if key.chars().count() > 120 {
         s.push('…');
     }
@@ -165,10 +176,16 @@ fn validate(key: &str) -> Result<(), KeyError> {
         return Err(KeyError::Empty);
     }
     if key.len() > MAX_KEY_BYTES {
-        return Err(KeyError::TooLong { key: shown(key), len: key.len() });
+        return Err(KeyError::TooLong {
+            key: shown(key),
+            len: key.len(),
+        });
     }
     if let Some(ch) = key.chars().find(|c| c.is_control() || *c == '\\') {
-        return Err(KeyError::ForbiddenChar { key: shown(key), ch });
+        return Err(KeyError::ForbiddenChar {
+            key: shown(key),
+            ch,
+        });
     }
     if key.starts_with('/') {
         return Err(KeyError::Absolute { key: shown(key) });
@@ -178,10 +195,16 @@ fn validate(key: &str) -> Result<(), KeyError> {
             return Err(KeyError::EmptySegment { key: shown(key) });
         }
         if segment.chars().all(|c| c == '.') {
-            return Err(KeyError::DotSegment { key: shown(key), segment: segment.to_owned() });
+            return Err(KeyError::DotSegment {
+                key: shown(key),
+                segment: segment.to_owned(),
+            });
         }
         if segment.eq_ignore_ascii_case("zarr.json") {
-            return Err(KeyError::ReservedSegment { key: shown(key), segment: segment.to_owned() });
+            return Err(KeyError::ReservedSegment {
+                key: shown(key),
+                segment: segment.to_owned(),
+            });
         }
         let len = encode_segment(segment).len();
         if len > MAX_SEGMENT_BYTES {
@@ -239,7 +262,10 @@ pub fn check_collisions<'a>(keys: impl IntoIterator<Item = &'a TensorKey>) -> Re
                     nodes.insert(folded, (p, is_array, key));
                 }
                 Some((other_path, other_array, other_key)) => {
-                    if *other_path == p && *other_array == is_array && (!is_array || *other_key == key) {
+                    if *other_path == p
+                        && *other_array == is_array
+                        && (!is_array || *other_key == key)
+                    {
                         continue; // the same group, or the same key again
                     }
                     let reason = if *other_path != p {
@@ -273,7 +299,10 @@ mod tests {
             k("decoder.layers.0.mlp.linear_fc1.weight").node_path(),
             "decoder.layers.0.mlp.linear_fc1.weight"
         );
-        assert_eq!(k("optimizer/exp_avg/embedding.weight").node_path(), "optimizer/exp_avg/embedding.weight");
+        assert_eq!(
+            k("optimizer/exp_avg/embedding.weight").node_path(),
+            "optimizer/exp_avg/embedding.weight"
+        );
         assert_eq!(k("a b/c~d").node_path(), "a~20b/c~7Ed");
         assert_eq!(k("__x").node_path(), "~5F_x");
         assert_eq!(k("_extra_state").node_path(), "_extra_state");
@@ -283,19 +312,58 @@ mod tests {
     #[test]
     fn rejects_hostile_keys() {
         assert_eq!(TensorKey::new(""), Err(KeyError::Empty));
-        assert!(matches!(TensorKey::new("/etc/passwd"), Err(KeyError::Absolute { .. })));
-        assert!(matches!(TensorKey::new("a/../../b"), Err(KeyError::DotSegment { .. })));
-        assert!(matches!(TensorKey::new(".."), Err(KeyError::DotSegment { .. })));
-        assert!(matches!(TensorKey::new("a/./b"), Err(KeyError::DotSegment { .. })));
-        assert!(matches!(TensorKey::new("a//b"), Err(KeyError::EmptySegment { .. })));
-        assert!(matches!(TensorKey::new("a/"), Err(KeyError::EmptySegment { .. })));
-        assert!(matches!(TensorKey::new("a\nb"), Err(KeyError::ForbiddenChar { ch: '\n', .. })));
-        assert!(matches!(TensorKey::new("a\0b"), Err(KeyError::ForbiddenChar { .. })));
-        assert!(matches!(TensorKey::new("a\\..\\b"), Err(KeyError::ForbiddenChar { .. })));
-        assert!(matches!(TensorKey::new("x".repeat(2000)), Err(KeyError::TooLong { .. })));
-        assert!(matches!(TensorKey::new("é".repeat(50)), Err(KeyError::SegmentTooLong { .. })));
-        assert!(matches!(TensorKey::new("x/zarr.json"), Err(KeyError::ReservedSegment { .. })));
-        assert!(matches!(TensorKey::new("ZARR.JSON"), Err(KeyError::ReservedSegment { .. })));
+        assert!(matches!(
+            TensorKey::new("/etc/passwd"),
+            Err(KeyError::Absolute { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("a/../../b"),
+            Err(KeyError::DotSegment { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new(".."),
+            Err(KeyError::DotSegment { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("a/./b"),
+            Err(KeyError::DotSegment { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("a//b"),
+            Err(KeyError::EmptySegment { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("a/"),
+            Err(KeyError::EmptySegment { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("a\nb"),
+            Err(KeyError::ForbiddenChar { ch: '\n', .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("a\0b"),
+            Err(KeyError::ForbiddenChar { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("a\\..\\b"),
+            Err(KeyError::ForbiddenChar { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("x".repeat(2000)),
+            Err(KeyError::TooLong { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("é".repeat(50)),
+            Err(KeyError::SegmentTooLong { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("x/zarr.json"),
+            Err(KeyError::ReservedSegment { .. })
+        ));
+        assert!(matches!(
+            TensorKey::new("ZARR.JSON"),
+            Err(KeyError::ReservedSegment { .. })
+        ));
         TensorKey::new("zarr.json.bak").unwrap();
     }
 
@@ -312,19 +380,34 @@ mod tests {
         let ok = [k("a.b"), k("a.c"), k("b/x"), k("b/y")];
         check_collisions(&ok).unwrap();
         let nested = [k("a/b"), k("a"), k("c")];
-        assert!(matches!(check_collisions(&nested), Err(KeyError::Collision { .. })));
+        assert!(matches!(
+            check_collisions(&nested),
+            Err(KeyError::Collision { .. })
+        ));
         let case = [k("Weight"), k("weight")];
-        assert!(matches!(check_collisions(&case), Err(KeyError::Collision { .. })));
+        assert!(matches!(
+            check_collisions(&case),
+            Err(KeyError::Collision { .. })
+        ));
         let dup = [k("x"), k("x")];
         check_collisions(&dup).unwrap();
         let groups = [k("g/a"), k("g/b"), k("g/h/c")];
         check_collisions(&groups).unwrap();
         let case_group = [k("A"), k("a/b")];
-        assert!(matches!(check_collisions(&case_group), Err(KeyError::Collision { .. })));
+        assert!(matches!(
+            check_collisions(&case_group),
+            Err(KeyError::Collision { .. })
+        ));
         let case_groups = [k("A/x"), k("a/y")];
-        assert!(matches!(check_collisions(&case_groups), Err(KeyError::Collision { .. })));
+        assert!(matches!(
+            check_collisions(&case_groups),
+            Err(KeyError::Collision { .. })
+        ));
         let child_first = [k("a/b"), k("a")];
-        assert!(matches!(check_collisions(&child_first), Err(KeyError::Collision { .. })));
+        assert!(matches!(
+            check_collisions(&child_first),
+            Err(KeyError::Collision { .. })
+        ));
     }
 
     #[test]

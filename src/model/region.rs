@@ -73,9 +73,13 @@ impl fmt::Display for Region {
 /// # Errors
 /// [`RegionError::Overflow`] if the product overflows `u64`.
 pub fn num_elements(shape: &[u64]) -> Result<u64, RegionError> {
-    shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).ok_or_else(|| {
-        RegionError::Overflow { what: "element count", shape: shape.to_vec() }
-    })
+    shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| RegionError::Overflow {
+            what: "element count",
+            shape: shape.to_vec(),
+        })
 }
 
 /// Number of bytes of a shape of elements of `elem_size` bytes, checked and fitting `usize`.
@@ -84,7 +88,10 @@ pub fn num_elements(shape: &[u64]) -> Result<u64, RegionError> {
 /// [`RegionError::Overflow`] if the size does not fit in `usize`.
 pub fn num_bytes(shape: &[u64], elem_size: usize) -> Result<usize, RegionError> {
     let n = num_elements(shape)?;
-    let overflow = || RegionError::Overflow { what: "byte size", shape: shape.to_vec() };
+    let overflow = || RegionError::Overflow {
+        what: "byte size",
+        shape: shape.to_vec(),
+    };
     let n = usize::try_from(n).map_err(|_| overflow())?;
     n.checked_mul(elem_size).ok_or_else(overflow)
 }
@@ -107,7 +114,10 @@ impl Region {
         }
         for (o, s) in offset.iter().zip(&shape) {
             if o.checked_add(*s).is_none() {
-                return Err(RegionError::Overflow { what: "region end", shape: shape.clone() });
+                return Err(RegionError::Overflow {
+                    what: "region end",
+                    shape: shape.clone(),
+                });
             }
         }
         num_elements(&shape)?;
@@ -117,7 +127,10 @@ impl Region {
     /// The whole of a tensor of `shape`.
     #[must_use]
     pub fn full(shape: &[u64]) -> Self {
-        Region { offset: vec![0; shape.len()], shape: shape.to_vec() }
+        Region {
+            offset: vec![0; shape.len()],
+            shape: shape.to_vec(),
+        }
     }
 
     /// Number of dimensions.
@@ -191,8 +204,7 @@ impl Region {
     /// True when `other` lies entirely inside `self`.
     #[must_use]
     pub fn contains(&self, other: &Region) -> bool {
-        (0..self.ndim())
-            .all(|d| other.offset[d] >= self.offset[d] && other.end(d) <= self.end(d))
+        (0..self.ndim()).all(|d| other.offset[d] >= self.offset[d] && other.end(d) <= self.end(d))
     }
 
     /// This region expressed relative to `origin` (which must not exceed the offset).
@@ -239,8 +251,14 @@ mod tests {
     #[test]
     fn bounds() {
         r(&[2], &[3]).check_within(&[5]).unwrap();
-        assert!(matches!(r(&[3], &[3]).check_within(&[5]), Err(RegionError::OutOfBounds { .. })));
-        assert!(matches!(r(&[0], &[1]).check_within(&[5, 1]), Err(RegionError::RankMismatch { .. })));
+        assert!(matches!(
+            r(&[3], &[3]).check_within(&[5]),
+            Err(RegionError::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            r(&[0], &[1]).check_within(&[5, 1]),
+            Err(RegionError::RankMismatch { .. })
+        ));
         assert_eq!(r(&[1, 2], &[3, 4]).to_string(), "[1..4, 2..6]");
     }
 }

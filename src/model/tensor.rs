@@ -21,7 +21,9 @@ pub enum TensorError {
         source: RegionError,
     },
     /// A `bool` piece holds a byte other than 0 or 1.
-    #[error("tensor `{key}`: bool element at byte {offset} is {value:#04x}; bool bytes must be 0 or 1")]
+    #[error(
+        "tensor `{key}`: bool element at byte {offset} is {value:#04x}; bool bytes must be 0 or 1"
+    )]
     InvalidBool {
         /// The tensor.
         key: TensorKey,
@@ -31,7 +33,9 @@ pub enum TensorError {
         value: u8,
     },
     /// The buffer does not hold exactly the region's bytes.
-    #[error("tensor `{key}`: region {region} of {dtype} needs {expected} bytes, the buffer has {got}")]
+    #[error(
+        "tensor `{key}`: region {region} of {dtype} needs {expected} bytes, the buffer has {got}"
+    )]
     BufferSize {
         /// The tensor.
         key: TensorKey,
@@ -53,7 +57,10 @@ fn check_piece(
     region: &Region,
     len: usize,
 ) -> Result<(), TensorError> {
-    let wrap = |source| TensorError::Region { key: key.to_string(), source };
+    let wrap = |source| TensorError::Region {
+        key: key.to_string(),
+        source,
+    };
     Region::new(region.offset.clone(), region.shape.clone()).map_err(wrap)?;
     region.check_within(global_shape).map_err(wrap)?;
     crate::model::region::num_elements(global_shape).map_err(wrap)?;
@@ -106,9 +113,20 @@ impl<'a> ShardedTensor<'a> {
         if dtype == DType::Bool
             && let Some(offset) = data.iter().position(|&b| b > 1)
         {
-            return Err(TensorError::InvalidBool { key, offset, value: data[offset] });
+            return Err(TensorError::InvalidBool {
+                key,
+                offset,
+                value: data[offset],
+            });
         }
-        Ok(ShardedTensor { key, dtype, global_shape, region, replica_id, data })
+        Ok(ShardedTensor {
+            key,
+            dtype,
+            global_shape,
+            region,
+            replica_id,
+            data,
+        })
     }
 
     /// A piece from typed elements; the data type follows from `T`.
@@ -124,8 +142,18 @@ impl<'a> ShardedTensor<'a> {
         replica_id: u32,
     ) -> Result<Self, TensorError> {
         let key = TensorKey::new(key)?;
-        let region = Region { offset: offset.to_vec(), shape: local_shape.to_vec() };
-        Self::new(key, T::DTYPE, global_shape.to_vec(), region, replica_id, as_bytes(data))
+        let region = Region {
+            offset: offset.to_vec(),
+            shape: local_shape.to_vec(),
+        };
+        Self::new(
+            key,
+            T::DTYPE,
+            global_shape.to_vec(),
+            region,
+            replica_id,
+            as_bytes(data),
+        )
     }
 
     /// The tensor's key.
@@ -190,7 +218,13 @@ impl<'a> LoadTarget<'a> {
         buf: &'a mut [u8],
     ) -> Result<Self, TensorError> {
         check_piece(&key, dtype, &global_shape, &region, buf.len())?;
-        Ok(LoadTarget { key, dtype, global_shape, region, buf })
+        Ok(LoadTarget {
+            key,
+            dtype,
+            global_shape,
+            region,
+            buf,
+        })
     }
 
     /// A request into typed elements; the data type follows from `T`.
@@ -205,8 +239,17 @@ impl<'a> LoadTarget<'a> {
         local_shape: &[u64],
     ) -> Result<Self, TensorError> {
         let key = TensorKey::new(key)?;
-        let region = Region { offset: offset.to_vec(), shape: local_shape.to_vec() };
-        Self::new(key, T::DTYPE, global_shape.to_vec(), region, as_bytes_mut(buf))
+        let region = Region {
+            offset: offset.to_vec(),
+            shape: local_shape.to_vec(),
+        };
+        Self::new(
+            key,
+            T::DTYPE,
+            global_shape.to_vec(),
+            region,
+            as_bytes_mut(buf),
+        )
     }
 
     /// The tensor's key.
@@ -255,12 +298,33 @@ mod tests {
         let err = ShardedTensor::from_slice("w", &[4, 3], &[3, 0], &data, &[2, 3], 0).unwrap_err();
         assert!(matches!(err, TensorError::Region { .. }), "{err}");
         let err = ShardedTensor::from_slice("w", &[4, 3], &[0, 0], &data, &[1, 3], 0).unwrap_err();
-        assert!(matches!(err, TensorError::BufferSize { expected: 12, got: 24, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                TensorError::BufferSize {
+                    expected: 12,
+                    got: 24,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         assert!(err.to_string().contains("`w`"));
         let bad = [0u8, 1, 2];
         let key = TensorKey::new("m").unwrap();
-        let err = ShardedTensor::new(key, DType::Bool, vec![3], Region::full(&[3]), 0, &bad).unwrap_err();
-        assert!(matches!(err, TensorError::InvalidBool { offset: 2, value: 2, .. }), "{err}");
+        let err =
+            ShardedTensor::new(key, DType::Bool, vec![3], Region::full(&[3]), 0, &bad).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TensorError::InvalidBool {
+                    offset: 2,
+                    value: 2,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         let mut buf = vec![0u16; 3];
         let t = LoadTarget::from_slice("b", &[3], &[0], &mut buf, &[3]).unwrap();
         assert_eq!(t.dtype(), DType::UInt16);

@@ -43,7 +43,10 @@ impl ExchangePlan {
     /// against the stored geometry of each tensor (`geometry` returns `None` for keys the
     /// checkpoint lacks, which are left out).
     #[must_use]
-    pub fn build(g: &GatheredLayouts, geometry: impl Fn(&TensorKey) -> Option<StoredGeometry>) -> ExchangePlan {
+    pub fn build(
+        g: &GatheredLayouts,
+        geometry: impl Fn(&TensorKey) -> Option<StoredGeometry>,
+    ) -> ExchangePlan {
         // (tensor, chunk, box) -> distinct layouts needing it
         let mut geoms: HashMap<&TensorKey, Option<StoredGeometry>> = HashMap::new();
         let mut need: HashMap<(&TensorKey, Vec<u64>, Region), Vec<u32>> = HashMap::new();
@@ -59,7 +62,11 @@ impl ExchangePlan {
                 let (lo, hi) = grid::chunks_overlapping(&p.region, &geom.chunk_shape);
                 grid::for_each_index(&lo, &hi, |c| {
                     let chunk_box = Region {
-                        offset: c.iter().zip(&geom.chunk_shape).map(|(i, s)| i * s).collect(),
+                        offset: c
+                            .iter()
+                            .zip(&geom.chunk_shape)
+                            .map(|(i, s)| i * s)
+                            .collect(),
                         shape: geom.chunk_shape.clone(),
                     };
                     if let Some(inner) = p.region.intersect(&chunk_box) {
@@ -74,31 +81,60 @@ impl ExchangePlan {
         let mut reads: Vec<SharedRead> = need
             .into_iter()
             .filter_map(|((key, chunk, region), layouts)| {
-                let mut ranks: Vec<u32> = layouts.iter().flat_map(|&u| g.ranks[u as usize].iter().copied()).collect();
+                let mut ranks: Vec<u32> = layouts
+                    .iter()
+                    .flat_map(|&u| g.ranks[u as usize].iter().copied())
+                    .collect();
                 if ranks.len() < 2 {
                     return None;
                 }
                 ranks.sort_unstable();
-                let elem = geoms.get(key).and_then(Option::as_ref).map_or(1, |g| g.elem);
-                let bytes = region.num_elements().unwrap_or(0).saturating_mul(elem as u64);
-                Some(SharedRead { key: key.clone(), chunk, region, ranks, reader: 0, bytes })
+                let elem = geoms
+                    .get(key)
+                    .and_then(Option::as_ref)
+                    .map_or(1, |g| g.elem);
+                let bytes = region
+                    .num_elements()
+                    .unwrap_or(0)
+                    .saturating_mul(elem as u64);
+                Some(SharedRead {
+                    key: key.clone(),
+                    chunk,
+                    region,
+                    ranks,
+                    reader: 0,
+                    bytes,
+                })
             })
             .collect();
         // Largest first to the least-loaded member; ties by rank.
         let mut order: Vec<usize> = (0..reads.len()).collect();
         order.sort_by(|&a, &b| {
             let (x, y) = (&reads[a], &reads[b]);
-            (std::cmp::Reverse(x.bytes), &x.key, &x.chunk, &x.region).cmp(&(std::cmp::Reverse(y.bytes), &y.key, &y.chunk, &y.region))
+            (std::cmp::Reverse(x.bytes), &x.key, &x.chunk, &x.region).cmp(&(
+                std::cmp::Reverse(y.bytes),
+                &y.key,
+                &y.chunk,
+                &y.region,
+            ))
         });
         let mut load = vec![0u64; g.world_size()];
         for i in order {
             let r = &mut reads[i];
-            let reader = r.ranks.iter().copied().min_by_key(|&k| (load[k as usize], k)).unwrap_or(0);
+            let reader = r
+                .ranks
+                .iter()
+                .copied()
+                .min_by_key(|&k| (load[k as usize], k))
+                .unwrap_or(0);
             load[reader as usize] += r.bytes;
             r.reader = reader;
         }
         reads.sort_by(|x, y| (&x.key, &x.chunk, &x.region).cmp(&(&y.key, &y.chunk, &y.region)));
-        ExchangePlan { reads, bytes_per_rank: load }
+        ExchangePlan {
+            reads,
+            bytes_per_rank: load,
+        }
     }
 
     /// Splits the reads into consecutive rounds of at most `max_bytes` each (a read larger
@@ -130,20 +166,41 @@ mod tests {
     use crate::plan::layout::{PieceDecl, RankLayout, TensorDecl};
 
     fn geom() -> StoredGeometry {
-        StoredGeometry { global_shape: vec![8, 4], chunk_shape: vec![2, 4], subchunk_shape: vec![1, 4], elem: 4 }
+        StoredGeometry {
+            global_shape: vec![8, 4],
+            chunk_shape: vec![2, 4],
+            subchunk_shape: vec![1, 4],
+            elem: 4,
+        }
     }
 
     fn request(rows: (u64, u64)) -> RankLayout {
         RankLayout {
-            tensors: vec![TensorDecl { key: TensorKey::new("w").unwrap(), dtype: DType::Float32, global_shape: vec![8, 4] }],
-            pieces: vec![PieceDecl { tensor: 0, region: Region::new(vec![rows.0, 0], vec![rows.1, 4]).unwrap(), main: false }],
+            tensors: vec![TensorDecl {
+                key: TensorKey::new("w").unwrap(),
+                dtype: DType::Float32,
+                global_shape: vec![8, 4],
+            }],
+            pieces: vec![PieceDecl {
+                tensor: 0,
+                region: Region::new(vec![rows.0, 0], vec![rows.1, 4]).unwrap(),
+                main: false,
+            }],
         }
     }
 
     #[test]
     fn data_parallel_replicas_read_each_shard_once() {
         // tp 2 x dp 3: ranks 0,2,4 want rows 0..4; ranks 1,3,5 rows 4..8.
-        let layouts: Vec<RankLayout> = (0..6).map(|r| if r % 2 == 0 { request((0, 4)) } else { request((4, 4)) }).collect();
+        let layouts: Vec<RankLayout> = (0..6)
+            .map(|r| {
+                if r % 2 == 0 {
+                    request((0, 4))
+                } else {
+                    request((4, 4))
+                }
+            })
+            .collect();
         let g = GatheredLayouts::from_layouts(&layouts);
         let plan = ExchangePlan::build(&g, |_| Some(geom()));
         assert_eq!(plan.reads.len(), 4); // 4 shards, each needed by 3 ranks
@@ -152,7 +209,11 @@ mod tests {
             assert!(r.ranks.contains(&r.reader));
         }
         // Balanced: 4 reads of 32 bytes over 6 ranks, no rank reads more than one.
-        assert!(plan.bytes_per_rank.iter().all(|&b| b <= 32), "{:?}", plan.bytes_per_rank);
+        assert!(
+            plan.bytes_per_rank.iter().all(|&b| b <= 32),
+            "{:?}",
+            plan.bytes_per_rank
+        );
         assert_eq!(plan.rounds(64), vec![0..2, 2..4]);
         assert_eq!(plan.rounds(1), vec![0..1, 1..2, 2..3, 3..4]);
     }

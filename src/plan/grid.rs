@@ -14,7 +14,10 @@ pub struct GridOptions {
 
 impl Default for GridOptions {
     fn default() -> Self {
-        GridOptions { subchunk_target_bytes: 1 << 20, min_chunk_bytes: 1 << 20 }
+        GridOptions {
+            subchunk_target_bytes: 1 << 20,
+            min_chunk_bytes: 1 << 20,
+        }
     }
 }
 
@@ -52,7 +55,14 @@ pub fn aligned_chunk_shape(global_shape: &[u64], pieces: &[&Region]) -> Vec<u64>
 #[must_use]
 pub fn coarse_chunk_shape(global_shape: &[u64], pieces: &[&Region]) -> Vec<u64> {
     (0..global_shape.len())
-        .map(|d| pieces.iter().map(|p| p.shape[d]).max().unwrap_or(global_shape[d]).max(1))
+        .map(|d| {
+            pieces
+                .iter()
+                .map(|p| p.shape[d])
+                .max()
+                .unwrap_or(global_shape[d])
+                .max(1)
+        })
         .collect()
 }
 
@@ -95,7 +105,7 @@ fn largest_divisor_at_most(n: u64, limit: u64) -> u64 {
     let mut best = 1;
     let mut i = 1;
     while i * i <= n {
-        if n % i == 0 {
+        if n.is_multiple_of(i) {
             for d in [i, n / i] {
                 if d <= limit && d > best {
                     best = d;
@@ -127,12 +137,20 @@ pub fn subchunk_target(chunk_bytes: u64, max_target: u64) -> u64 {
 /// divides the chunk's extent as sharding requires, and when only the first axis is split
 /// subchunks span whole trailing dimensions and are contiguous in memory.
 #[must_use]
-pub fn subchunk_shape(chunk_shape: &[u64], global_shape: &[u64], elem: usize, max_target: u64) -> Vec<u64> {
+pub fn subchunk_shape(
+    chunk_shape: &[u64],
+    global_shape: &[u64],
+    elem: usize,
+    max_target: u64,
+) -> Vec<u64> {
     let chunk_bytes = product(chunk_shape).saturating_mul(elem as u64);
     let target_elems = (subchunk_target(chunk_bytes, max_target) / elem.max(1) as u64).max(1);
     let nd = chunk_shape.len();
     let split = |d: usize| chunk_shape[d] < global_shape[d];
-    let order = (0..nd).rev().filter(|&d| !split(d)).chain((0..nd).rev().filter(|&d| split(d)));
+    let order = (0..nd)
+        .rev()
+        .filter(|&d| !split(d))
+        .chain((0..nd).rev().filter(|&d| split(d)));
     let mut out = vec![1u64; nd];
     let mut inner: u64 = 1;
     for d in order {
@@ -151,7 +169,11 @@ pub fn subchunk_shape(chunk_shape: &[u64], global_shape: &[u64], elem: usize, ma
 /// Number of chunks along each dimension of a grid.
 #[must_use]
 pub fn grid_shape(global_shape: &[u64], chunk_shape: &[u64]) -> Vec<u64> {
-    global_shape.iter().zip(chunk_shape).map(|(&g, &c)| g.div_ceil(c)).collect()
+    global_shape
+        .iter()
+        .zip(chunk_shape)
+        .map(|(&g, &c)| g.div_ceil(c))
+        .collect()
 }
 
 /// The region of the chunk at grid index `idx`, clipped to the tensor.
@@ -171,8 +193,15 @@ pub fn chunk_region(global_shape: &[u64], chunk_shape: &[u64], idx: &[u64]) -> R
 /// `chunk_shape` that intersect `region` (a non-empty region).
 #[must_use]
 pub fn chunks_overlapping(region: &Region, chunk_shape: &[u64]) -> (Vec<u64>, Vec<u64>) {
-    let lo = region.offset.iter().zip(chunk_shape).map(|(o, c)| o / c).collect();
-    let hi = (0..region.ndim()).map(|d| region.end(d).div_ceil(chunk_shape[d])).collect();
+    let lo = region
+        .offset
+        .iter()
+        .zip(chunk_shape)
+        .map(|(o, c)| o / c)
+        .collect();
+    let hi = (0..region.ndim())
+        .map(|d| region.end(d).div_ceil(chunk_shape[d]))
+        .collect();
     (lo, hi)
 }
 
@@ -221,18 +250,30 @@ mod tests {
         let p = [r(&[0, 0], &[5, 4]), r(&[0, 4], &[5, 4])];
         let refs: Vec<&Region> = p.iter().collect();
         assert_eq!(aligned_chunk_shape(&[5, 8], &refs), vec![5, 4]);
-        assert_eq!(aligned_chunk_shape(&[0, 3], &[&r(&[0, 0], &[0, 3])]), vec![1, 3]);
+        assert_eq!(
+            aligned_chunk_shape(&[0, 3], &[&r(&[0, 0], &[0, 3])]),
+            vec![1, 3]
+        );
     }
 
     #[test]
     fn tiny_grid_falls_back_to_coarse() {
         // array_split(10 rows, 4): 3,3,2,2 -> gcd 1; rows of 1 MiB / 4 = tiny
-        let p = [r(&[0, 0], &[3, 64]), r(&[3, 0], &[3, 64]), r(&[6, 0], &[2, 64]), r(&[8, 0], &[2, 64])];
+        let p = [
+            r(&[0, 0], &[3, 64]),
+            r(&[3, 0], &[3, 64]),
+            r(&[6, 0], &[2, 64]),
+            r(&[8, 0], &[2, 64]),
+        ];
         let refs: Vec<&Region> = p.iter().collect();
         let (c, aligned) = choose_chunk_shape(&[10, 64], &refs, 4, &GridOptions::default());
         assert_eq!((c, aligned), (vec![3, 64], false));
         // the same split with 1 MiB rows stays aligned
-        let big = [r(&[0, 0], &[3, 1 << 18]), r(&[3, 0], &[2, 1 << 18]), r(&[5, 0], &[5, 1 << 18])];
+        let big = [
+            r(&[0, 0], &[3, 1 << 18]),
+            r(&[3, 0], &[2, 1 << 18]),
+            r(&[5, 0], &[5, 1 << 18]),
+        ];
         let refs: Vec<&Region> = big.iter().collect();
         let (c, aligned) = choose_chunk_shape(&[10, 1 << 18], &refs, 4, &GridOptions::default());
         assert_eq!((c, aligned), (vec![1, 1 << 18], true));
@@ -242,16 +283,31 @@ mod tests {
     fn subchunks_divide_and_fit() {
         const M: u64 = 1 << 20;
         // 64 MiB unsplit chunk: 1 MiB row blocks
-        assert_eq!(subchunk_shape(&[4096, 4096], &[4096, 4096], 4, M), vec![64, 4096]);
+        assert_eq!(
+            subchunk_shape(&[4096, 4096], &[4096, 4096], 4, M),
+            vec![64, 4096]
+        );
         // rows split: thin in rows, whole rows (contiguous)
-        assert_eq!(subchunk_shape(&[6283, 4096], &[25132, 4096], 4, M), vec![61, 4096]);
+        assert_eq!(
+            subchunk_shape(&[6283, 4096], &[25132, 4096], 4, M),
+            vec![61, 4096]
+        );
         // columns split (row-parallel weight): thin in columns
-        assert_eq!(subchunk_shape(&[2048, 512], &[2048, 2048], 2, M), vec![2048, 32]);
+        assert_eq!(
+            subchunk_shape(&[2048, 512], &[2048, 2048], 2, M),
+            vec![2048, 32]
+        );
         // 2 MiB chunk split along rows: 128 KiB subchunks
-        assert_eq!(subchunk_shape(&[512, 2048], &[2048, 2048], 2, M), vec![32, 2048]);
+        assert_eq!(
+            subchunk_shape(&[512, 2048], &[2048, 2048], 2, M),
+            vec![32, 2048]
+        );
         assert_eq!(subchunk_shape(&[10], &[10], 4, M), vec![10]);
         assert_eq!(subchunk_shape(&[], &[], 4, M), Vec::<u64>::new());
-        assert_eq!(subchunk_shape(&[3, 1 << 20], &[3, 1 << 20], 2, M), vec![1, 1 << 17]);
+        assert_eq!(
+            subchunk_shape(&[3, 1 << 20], &[3, 1 << 20], 2, M),
+            vec![1, 1 << 17]
+        );
         assert_eq!(subchunk_target(1 << 30, M), M);
         assert_eq!(subchunk_target(1 << 10, M), 64 << 10);
         assert_eq!(subchunk_target(1 << 10, 1 << 10), 1 << 10);
@@ -266,7 +322,10 @@ mod tests {
     #[test]
     fn chunk_iteration() {
         assert_eq!(grid_shape(&[10, 8], &[3, 8]), vec![4, 1]);
-        assert_eq!(chunk_region(&[10, 8], &[3, 8], &[3, 0]), r(&[9, 0], &[1, 8]));
+        assert_eq!(
+            chunk_region(&[10, 8], &[3, 8], &[3, 0]),
+            r(&[9, 0], &[1, 8])
+        );
         let (lo, hi) = chunks_overlapping(&r(&[2, 1], &[5, 2]), &[3, 8]);
         assert_eq!((lo.clone(), hi.clone()), (vec![0, 0], vec![3, 1]));
         let mut seen = Vec::new();

@@ -101,7 +101,11 @@ impl RankLayout {
     /// # Errors
     /// [`LayoutDecodeError`] for anything malformed; never panics on any input.
     pub fn decode(bytes: &[u8], rank: usize) -> Result<Self, LayoutDecodeError> {
-        let mut r = Reader { bytes, pos: 0, rank };
+        let mut r = Reader {
+            bytes,
+            pos: 0,
+            rank,
+        };
         if r.take(MAGIC.len())? != MAGIC {
             return Err(r.err("bad magic"));
         }
@@ -124,20 +128,27 @@ impl RankLayout {
             if ndim > MAX_DIMS {
                 return Err(r.err("too many dimensions"));
             }
-            let global_shape = (0..ndim).map(|_| r.varint()).collect::<Result<Vec<_>, _>>()?;
-            crate::model::region::num_elements(&global_shape)
-                .map_err(|e| r.err(&e.to_string()))?;
+            let global_shape = (0..ndim)
+                .map(|_| r.varint())
+                .collect::<Result<Vec<_>, _>>()?;
+            crate::model::region::num_elements(&global_shape).map_err(|e| r.err(&e.to_string()))?;
             if seen.insert(key.clone(), ()).is_some() {
                 return Err(r.err(&format!("key `{key}` declared twice")));
             }
-            tensors.push(TensorDecl { key, dtype, global_shape });
+            tensors.push(TensorDecl {
+                key,
+                dtype,
+                global_shape,
+            });
         }
         let n_pieces = r.count(2)?;
         let mut pieces = Vec::with_capacity(n_pieces);
         for _ in 0..n_pieces {
             let t = r.varint()?;
             let t = u32::try_from(t).map_err(|_| r.err("tensor index too large"))?;
-            let decl = tensors.get(t as usize).ok_or_else(|| r.err("tensor index out of range"))?;
+            let decl = tensors
+                .get(t as usize)
+                .ok_or_else(|| r.err("tensor index out of range"))?;
             let flags = r.take(1)?[0];
             if flags > 1 {
                 return Err(r.err("unknown piece flags"));
@@ -146,8 +157,14 @@ impl RankLayout {
             let offset = (0..nd).map(|_| r.varint()).collect::<Result<Vec<_>, _>>()?;
             let shape = (0..nd).map(|_| r.varint()).collect::<Result<Vec<_>, _>>()?;
             let region = Region::new(offset, shape).map_err(|e| r.err(&e.to_string()))?;
-            region.check_within(&decl.global_shape).map_err(|e| r.err(&e.to_string()))?;
-            pieces.push(PieceDecl { tensor: t, region, main: flags == 1 });
+            region
+                .check_within(&decl.global_shape)
+                .map_err(|e| r.err(&e.to_string()))?;
+            pieces.push(PieceDecl {
+                tensor: t,
+                region,
+                main: flags == 1,
+            });
         }
         if r.pos != bytes.len() {
             return Err(r.err("trailing bytes"));
@@ -170,7 +187,11 @@ struct Reader<'a> {
 
 impl Reader<'_> {
     fn err(&self, reason: &str) -> LayoutDecodeError {
-        LayoutDecodeError { rank: self.rank, at: self.pos, reason: reason.to_owned() }
+        LayoutDecodeError {
+            rank: self.rank,
+            at: self.pos,
+            reason: reason.to_owned(),
+        }
     }
     fn take(&mut self, n: usize) -> Result<&[u8], LayoutDecodeError> {
         let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
@@ -223,7 +244,11 @@ impl GatheredLayouts {
     #[must_use]
     pub fn representatives(hashes: &[[u8; 16]]) -> Vec<bool> {
         let mut seen = HashMap::with_capacity(hashes.len());
-        hashes.iter().enumerate().map(|(r, h)| seen.insert(*h, r).is_none()).collect()
+        hashes
+            .iter()
+            .enumerate()
+            .map(|(r, h)| seen.insert(*h, r).is_none())
+            .collect()
     }
 
     /// Builds the global view from the first-round hashes and the second-round blobs
@@ -264,7 +289,11 @@ impl GatheredLayouts {
                 of_rank.push(idx);
             }
         }
-        Ok(GatheredLayouts { unique, ranks, of_rank })
+        Ok(GatheredLayouts {
+            unique,
+            ranks,
+            of_rank,
+        })
     }
 
     /// The view for layouts already at hand (tests, simulations, single process).
@@ -273,8 +302,11 @@ impl GatheredLayouts {
         let encoded: Vec<Vec<u8>> = layouts.iter().map(RankLayout::encode).collect();
         let hashes: Vec<[u8; 16]> = encoded.iter().map(|e| RankLayout::hash_bytes(e)).collect();
         let reps = Self::representatives(&hashes);
-        let blobs: Vec<Vec<u8>> =
-            encoded.into_iter().zip(reps).map(|(e, rep)| if rep { e } else { Vec::new() }).collect();
+        let blobs: Vec<Vec<u8>> = encoded
+            .into_iter()
+            .zip(reps)
+            .map(|(e, rep)| if rep { e } else { Vec::new() })
+            .collect();
         Self::from_parts(&hashes, &blobs).unwrap_or_else(|e| panic!("own layouts must decode: {e}"))
     }
 
@@ -323,7 +355,13 @@ mod tests {
 
     #[test]
     fn deduplicates_identical_layouts() {
-        let layouts = vec![layout(true, 0), layout(true, 4), layout(false, 0), layout(false, 4), layout(false, 0)];
+        let layouts = vec![
+            layout(true, 0),
+            layout(true, 4),
+            layout(false, 0),
+            layout(false, 4),
+            layout(false, 0),
+        ];
         let g = GatheredLayouts::from_layouts(&layouts);
         assert_eq!(g.unique.len(), 4);
         assert_eq!(g.ranks[2], vec![2, 4]);

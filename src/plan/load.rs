@@ -47,7 +47,11 @@ impl StoredGeometry {
     /// Subchunks per shard along each dimension.
     #[must_use]
     pub fn subchunks_per_shard(&self) -> Vec<u64> {
-        self.chunk_shape.iter().zip(&self.subchunk_shape).map(|(c, s)| c / s).collect()
+        self.chunk_shape
+            .iter()
+            .zip(&self.subchunk_shape)
+            .map(|(c, s)| c / s)
+            .collect()
     }
 
     /// The reads that fill `request` (a non-empty box inside the tensor).
@@ -60,22 +64,51 @@ impl StoredGeometry {
         let per_shard = self.subchunks_per_shard();
         let (lo, hi) = grid::chunks_overlapping(request, &self.chunk_shape);
         grid::for_each_index(&lo, &hi, |c| {
-            let origin: Vec<u64> = c.iter().zip(&self.chunk_shape).map(|(i, s)| i * s).collect();
-            let chunk_box = Region { offset: origin.clone(), shape: self.chunk_shape.clone() };
-            let Some(inner) = request.intersect(&chunk_box) else { return };
+            let origin: Vec<u64> = c
+                .iter()
+                .zip(&self.chunk_shape)
+                .map(|(i, s)| i * s)
+                .collect();
+            let chunk_box = Region {
+                offset: origin.clone(),
+                shape: self.chunk_shape.clone(),
+            };
+            let Some(inner) = request.intersect(&chunk_box) else {
+                return;
+            };
             let rel = inner.relative_to(&origin);
             let (slo, shi) = grid::chunks_overlapping(&rel, &self.subchunk_shape);
             let mut subchunks = Vec::new();
             grid::for_each_index(&slo, &shi, |s| {
-                let offset: Vec<u64> =
-                    s.iter().zip(&self.subchunk_shape).zip(&origin).map(|((i, n), o)| o + i * n).collect();
-                let stored = Region { offset, shape: self.subchunk_shape.clone() };
-                let Some(needed) = inner.intersect(&stored) else { return };
+                let offset: Vec<u64> = s
+                    .iter()
+                    .zip(&self.subchunk_shape)
+                    .zip(&origin)
+                    .map(|((i, n), o)| o + i * n)
+                    .collect();
+                let stored = Region {
+                    offset,
+                    shape: self.subchunk_shape.clone(),
+                };
+                let Some(needed) = inner.intersect(&stored) else {
+                    return;
+                };
                 let direct = needed == stored && is_contiguous(&needed.shape, &request.shape);
-                let linear = s.iter().zip(&per_shard).fold(0u64, |acc, (i, n)| acc * n + i);
-                subchunks.push(SubchunkRead { linear, stored, needed, direct });
+                let linear = s
+                    .iter()
+                    .zip(&per_shard)
+                    .fold(0u64, |acc, (i, n)| acc * n + i);
+                subchunks.push(SubchunkRead {
+                    linear,
+                    stored,
+                    needed,
+                    direct,
+                });
             });
-            out.push(ShardRead { chunk: c.to_vec(), subchunks });
+            out.push(ShardRead {
+                chunk: c.to_vec(),
+                subchunks,
+            });
         });
         out
     }
@@ -107,10 +140,17 @@ mod tests {
         let reads = g.reads_for(&r(&[3, 0], &[6, 8]));
         let chunks: Vec<Vec<u64>> = reads.iter().map(|s| s.chunk.clone()).collect();
         assert_eq!(chunks, vec![vec![0, 0], vec![1, 0], vec![2, 0]]);
-        let subs: Vec<(u64, bool)> = reads.iter().flat_map(|s| s.subchunks.iter().map(|x| (x.linear, x.direct))).collect();
+        let subs: Vec<(u64, bool)> = reads
+            .iter()
+            .flat_map(|s| s.subchunks.iter().map(|x| (x.linear, x.direct)))
+            .collect();
         // shard 0: subchunk 1 (rows 2..4, partial); shard 1: both full; shard 2: subchunk 0 (rows 8..10, partial)
         assert_eq!(subs, vec![(1, false), (0, true), (1, true), (0, false)]);
-        let needed: u64 = reads.iter().flat_map(|s| &s.subchunks).map(|x| x.needed.num_elements().unwrap()).sum();
+        let needed: u64 = reads
+            .iter()
+            .flat_map(|s| &s.subchunks)
+            .map(|x| x.needed.num_elements().unwrap())
+            .sum();
         assert_eq!(needed, 48);
     }
 
@@ -129,7 +169,12 @@ mod tests {
         assert_eq!(edge.stored, r(&[3, 0], &[3, 8]));
         assert_eq!(edge.needed, r(&[3, 4], &[2, 4]));
         // scalar
-        let s = StoredGeometry { global_shape: vec![], chunk_shape: vec![], subchunk_shape: vec![], elem: 8 };
+        let s = StoredGeometry {
+            global_shape: vec![],
+            chunk_shape: vec![],
+            subchunk_shape: vec![],
+            elem: 8,
+        };
         let reads = s.reads_for(&r(&[], &[]));
         assert_eq!(reads.len(), 1);
         assert!(reads[0].subchunks[0].direct);

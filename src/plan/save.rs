@@ -21,7 +21,10 @@ pub struct SavePlanOptions {
 
 impl Default for SavePlanOptions {
     fn default() -> Self {
-        SavePlanOptions { grid: GridOptions::default(), balance_replicas: true }
+        SavePlanOptions {
+            grid: GridOptions::default(),
+            balance_replicas: true,
+        }
     }
 }
 
@@ -75,7 +78,10 @@ pub enum PlanError {
 }
 
 fn describe_variants(v: &[(String, Vec<u32>)]) -> String {
-    v.iter().map(|(what, ranks)| format!("{what} on ranks {ranks:?}")).collect::<Vec<_>>().join("; ")
+    v.iter()
+        .map(|(what, ranks)| format!("{what} on ranks {ranks:?}"))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// One main piece and who writes it.
@@ -205,7 +211,10 @@ fn note_variant<T: PartialEq + Clone>(v: &mut Vec<(T, Vec<u32>)>, what: &T, rank
 }
 
 fn ranks_of(g: &GatheredLayouts, layouts: &[u32]) -> Vec<u32> {
-    let mut r: Vec<u32> = layouts.iter().flat_map(|&u| g.ranks[u as usize].iter().copied()).collect();
+    let mut r: Vec<u32> = layouts
+        .iter()
+        .flat_map(|&u| g.ranks[u as usize].iter().copied())
+        .collect();
     r.sort_unstable();
     r.truncate(8);
     r
@@ -282,8 +291,15 @@ fn find_uncovered<'a>(shape: &[u64], boxes: impl Iterator<Item = &'a Region> + C
         if found.is_some() {
             return;
         }
-        let p: Vec<u64> = ix.iter().enumerate().map(|(d, &i)| cands[d][i as usize]).collect();
-        if !boxes.clone().any(|b| (0..p.len()).all(|d| p[d] >= b.offset[d] && p[d] < b.end(d))) {
+        let p: Vec<u64> = ix
+            .iter()
+            .enumerate()
+            .map(|(d, &i)| cands[d][i as usize])
+            .collect();
+        if !boxes
+            .clone()
+            .any(|b| (0..p.len()).all(|d| p[d] >= b.offset[d] && p[d] < b.end(d)))
+        {
             found = Some(p);
         }
     });
@@ -352,14 +368,22 @@ impl SavePlan {
                 return Err(PlanError::Disagreement {
                     key: acc.key.clone(),
                     what: "data type",
-                    variants: acc.variants_dtype.iter().map(|(d, r)| (d.to_string(), r.clone())).collect(),
+                    variants: acc
+                        .variants_dtype
+                        .iter()
+                        .map(|(d, r)| (d.to_string(), r.clone()))
+                        .collect(),
                 });
             }
             if acc.variants_shape.len() > 1 {
                 return Err(PlanError::Disagreement {
                     key: acc.key.clone(),
                     what: "global shape",
-                    variants: acc.variants_shape.iter().map(|(s, r)| (format!("{s:?}"), r.clone())).collect(),
+                    variants: acc
+                        .variants_shape
+                        .iter()
+                        .map(|(s, r)| (format!("{s:?}"), r.clone()))
+                        .collect(),
                 });
             }
             let mut mains: Vec<(&Region, &[u32])> = Vec::new();
@@ -367,7 +391,11 @@ impl SavePlan {
                 if b.main_layouts.is_empty() {
                     continue;
                 }
-                let n_main: usize = b.main_layouts.iter().map(|&u| g.ranks[u as usize].len()).sum();
+                let n_main: usize = b
+                    .main_layouts
+                    .iter()
+                    .map(|&u| g.ranks[u as usize].len())
+                    .sum();
                 if n_main > 1 && !region.is_empty() {
                     let ranks = ranks_of(g, &b.main_layouts);
                     return Err(PlanError::Overlap {
@@ -385,12 +413,23 @@ impl SavePlan {
                 if b.main_layouts.is_empty() {
                     continue;
                 }
-                let n_holders = b.holder_layouts.iter().map(|&u| g.ranks[u as usize].len()).sum();
-                let bytes = region.num_elements().unwrap_or(0).saturating_mul(acc.dtype.size() as u64);
+                let n_holders = b
+                    .holder_layouts
+                    .iter()
+                    .map(|&u| g.ranks[u as usize].len())
+                    .sum();
+                let bytes = region
+                    .num_elements()
+                    .unwrap_or(0)
+                    .saturating_mul(acc.dtype.size() as u64);
                 pending.push(Pending {
                     tensor: ti,
                     region: region.clone(),
-                    holders: if opts.balance_replicas { b.holder_layouts.clone() } else { b.main_layouts.clone() },
+                    holders: if opts.balance_replicas {
+                        b.holder_layouts.clone()
+                    } else {
+                        b.main_layouts.clone()
+                    },
                     n_holders,
                     bytes,
                 });
@@ -420,7 +459,10 @@ impl SavePlan {
             }
             let writer = best.map_or(0, |b| b.1);
             load[writer as usize] += p.bytes;
-            pieces[p.tensor].push(PiecePlan { region: p.region, writer });
+            pieces[p.tensor].push(PiecePlan {
+                region: p.region,
+                writer,
+            });
         }
 
         // 4. Grids.
@@ -430,11 +472,20 @@ impl SavePlan {
             .map(|(acc, mut pieces)| {
                 pieces.sort_by(|a, b| a.region.cmp(&b.region));
                 // Empty pieces hold nothing: their boundaries do not constrain the grid.
-                let refs: Vec<&Region> = pieces.iter().map(|p| &p.region).filter(|r| !r.is_empty()).collect();
+                let refs: Vec<&Region> = pieces
+                    .iter()
+                    .map(|p| &p.region)
+                    .filter(|r| !r.is_empty())
+                    .collect();
                 let elem = acc.dtype.size();
-                let (chunk_shape, aligned) = grid::choose_chunk_shape(&acc.shape, &refs, elem, &opts.grid);
-                let subchunk_shape =
-                    grid::subchunk_shape(&chunk_shape, &acc.shape, elem, opts.grid.subchunk_target_bytes);
+                let (chunk_shape, aligned) =
+                    grid::choose_chunk_shape(&acc.shape, &refs, elem, &opts.grid);
+                let subchunk_shape = grid::subchunk_shape(
+                    &chunk_shape,
+                    &acc.shape,
+                    elem,
+                    opts.grid.subchunk_target_bytes,
+                );
                 let metadata_writer = pieces.first().map_or(0, |p| p.writer);
                 TensorPlan {
                     key: acc.key,
@@ -448,7 +499,10 @@ impl SavePlan {
                 }
             })
             .collect();
-        Ok(SavePlan { tensors, bytes_per_rank: load })
+        Ok(SavePlan {
+            tensors,
+            bytes_per_rank: load,
+        })
     }
 
     /// The writes, sends and metadata files of one rank.
@@ -460,7 +514,11 @@ impl SavePlan {
                 t.metadata.push(ti);
             }
             if tp.aligned {
-                for p in tp.pieces.iter().filter(|p| p.writer == rank && !p.region.is_empty()) {
+                for p in tp
+                    .pieces
+                    .iter()
+                    .filter(|p| p.writer == rank && !p.region.is_empty())
+                {
                     let (lo, hi) = grid::chunks_overlapping(&p.region, &tp.chunk_shape);
                     grid::for_each_index(&lo, &hi, |c| {
                         let region = grid::chunk_region(&tp.global_shape, &tp.chunk_shape, c);
@@ -468,7 +526,10 @@ impl SavePlan {
                             tensor: ti,
                             chunk: c.to_vec(),
                             region: region.clone(),
-                            parts: vec![Part { region, source: Source::Local(p.region.clone()) }],
+                            parts: vec![Part {
+                                region,
+                                source: Source::Local(p.region.clone()),
+                            }],
                         });
                     });
                 }
@@ -514,7 +575,11 @@ impl SavePlan {
         let n = self.bytes_per_rank.len().max(1) as f64;
         let total: u64 = self.bytes_per_rank.iter().sum();
         let max = self.bytes_per_rank.iter().copied().max().unwrap_or(0);
-        if total == 0 { 1.0 } else { max as f64 / (total as f64 / n) }
+        if total == 0 {
+            1.0
+        } else {
+            max as f64 / (total as f64 / n)
+        }
     }
 }
 
@@ -534,7 +599,10 @@ fn chunk_writer(parts: &[(&PiecePlan, Region)]) -> u32 {
 impl TensorPlan {
     /// Calls `f(chunk_index, chunk_region, parts)` for every chunk of an unaligned tensor, in
     /// C order, with the pieces overlapping it (in region order) and the overlaps.
-    fn for_each_unaligned_chunk(&self, mut f: impl FnMut(&[u64], &Region, &[(&PiecePlan, Region)])) {
+    fn for_each_unaligned_chunk(
+        &self,
+        mut f: impl FnMut(&[u64], &Region, &[(&PiecePlan, Region)]),
+    ) {
         let gshape = grid::grid_shape(&self.global_shape, &self.chunk_shape);
         let lo = vec![0u64; gshape.len()];
         let mut parts = Vec::new();
@@ -553,7 +621,9 @@ impl TensorPlan {
     /// Number of chunk files.
     #[must_use]
     pub fn num_chunks(&self) -> u64 {
-        grid::grid_shape(&self.global_shape, &self.chunk_shape).iter().product()
+        grid::grid_shape(&self.global_shape, &self.chunk_shape)
+            .iter()
+            .product()
     }
 }
 
@@ -563,10 +633,18 @@ mod tests {
     use crate::plan::layout::{PieceDecl, RankLayout, TensorDecl};
 
     fn decl(key: &str, dtype: DType, shape: &[u64]) -> TensorDecl {
-        TensorDecl { key: TensorKey::new(key).unwrap(), dtype, global_shape: shape.to_vec() }
+        TensorDecl {
+            key: TensorKey::new(key).unwrap(),
+            dtype,
+            global_shape: shape.to_vec(),
+        }
     }
     fn piece(t: u32, o: &[u64], s: &[u64], main: bool) -> PieceDecl {
-        PieceDecl { tensor: t, region: Region::new(o.to_vec(), s.to_vec()).unwrap(), main }
+        PieceDecl {
+            tensor: t,
+            region: Region::new(o.to_vec(), s.to_vec()).unwrap(),
+            main,
+        }
     }
 
     /// tp x dp layout of one [8, 6] tensor split by rows across tp; dp replicas.
@@ -576,8 +654,14 @@ mod tests {
             for t in 0..tp {
                 let rows = 8 / tp;
                 out.push(RankLayout {
-                    tensors: vec![decl("w", DType::Float32, &[8, 6]), decl("b", DType::Float32, &[6])],
-                    pieces: vec![piece(0, &[t * rows, 0], &[rows, 6], d == 0), piece(1, &[0], &[6], d == 0 && t == 0)],
+                    tensors: vec![
+                        decl("w", DType::Float32, &[8, 6]),
+                        decl("b", DType::Float32, &[6]),
+                    ],
+                    pieces: vec![
+                        piece(0, &[t * rows, 0], &[rows, 6], d == 0),
+                        piece(1, &[0], &[6], d == 0 && t == 0),
+                    ],
                 });
             }
         }
@@ -607,32 +691,77 @@ mod tests {
         assert_ne!(plan.tensors[0].pieces[0].writer, writers[0]);
         assert_ne!(plan.tensors[0].pieces[0].writer, writers[1]);
         // Without balancing, main replicas (dp rank 0) write everything.
-        let plan = SavePlan::build(&g, &SavePlanOptions { balance_replicas: false, ..Default::default() }).unwrap();
-        assert!(plan.tensors.iter().flat_map(|t| &t.pieces).all(|p| p.writer < 2));
+        let plan = SavePlan::build(
+            &g,
+            &SavePlanOptions {
+                balance_replicas: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(
+            plan.tensors
+                .iter()
+                .flat_map(|t| &t.pieces)
+                .all(|p| p.writer < 2)
+        );
     }
 
     #[test]
     fn reports_overlap_gap_and_disagreement() {
         let mut l = tp_dp(2, 1);
         l[1].pieces[0].main = false; // rows 4..8 held by no main replica
-        let e = SavePlan::build(&GatheredLayouts::from_layouts(&l), &SavePlanOptions::default()).unwrap_err();
+        let e = SavePlan::build(
+            &GatheredLayouts::from_layouts(&l),
+            &SavePlanOptions::default(),
+        )
+        .unwrap_err();
         match e {
-            PlanError::Gap { covered: 24, total: 48, ref missing, .. } => assert_eq!(missing, &vec![4, 0]),
+            PlanError::Gap {
+                covered: 24,
+                total: 48,
+                ref missing,
+                ..
+            } => assert_eq!(missing, &vec![4, 0]),
             ref other => panic!("{other}"),
         }
         let mut l = tp_dp(2, 2);
         l[2].pieces[0].main = true; // dp replica also claims main
-        let e = SavePlan::build(&GatheredLayouts::from_layouts(&l), &SavePlanOptions::default()).unwrap_err();
-        assert!(matches!(e, PlanError::Overlap { ref first_ranks, .. } if first_ranks == &vec![0, 2]), "{e}");
+        let e = SavePlan::build(
+            &GatheredLayouts::from_layouts(&l),
+            &SavePlanOptions::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(e, PlanError::Overlap { ref first_ranks, .. } if first_ranks == &vec![0, 2]),
+            "{e}"
+        );
         let mut l = tp_dp(2, 1);
         l[1].pieces[0].region = Region::new(vec![3, 0], vec![5, 6]).unwrap();
-        let e = SavePlan::build(&GatheredLayouts::from_layouts(&l), &SavePlanOptions::default()).unwrap_err();
+        let e = SavePlan::build(
+            &GatheredLayouts::from_layouts(&l),
+            &SavePlanOptions::default(),
+        )
+        .unwrap_err();
         assert!(matches!(e, PlanError::Overlap { .. }), "{e}");
         let mut l = tp_dp(2, 1);
         l[1].tensors[0].dtype = DType::BFloat16;
-        let e = SavePlan::build(&GatheredLayouts::from_layouts(&l), &SavePlanOptions::default()).unwrap_err();
+        let e = SavePlan::build(
+            &GatheredLayouts::from_layouts(&l),
+            &SavePlanOptions::default(),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("rank"), "{e}");
-        assert!(matches!(e, PlanError::Disagreement { what: "data type", .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                PlanError::Disagreement {
+                    what: "data type",
+                    ..
+                }
+            ),
+            "{e}"
+        );
     }
 
     #[test]
@@ -646,7 +775,11 @@ mod tests {
                 pieces: vec![piece(0, &[o, 0], &[n, 64], true)],
             })
             .collect();
-        let plan = SavePlan::build(&GatheredLayouts::from_layouts(&layouts), &SavePlanOptions::default()).unwrap();
+        let plan = SavePlan::build(
+            &GatheredLayouts::from_layouts(&layouts),
+            &SavePlanOptions::default(),
+        )
+        .unwrap();
         let tp = &plan.tensors[0];
         assert!(!tp.aligned);
         assert_eq!(tp.chunk_shape, vec![3, 64]);
@@ -654,7 +787,11 @@ mod tests {
         let n_writes: usize = tasks.iter().map(|t| t.writes.len()).sum();
         assert_eq!(n_writes, 4);
         // chunk rows 6..9 is written by rank 2 with row 8 coming from rank 3
-        let w = tasks[2].writes.iter().find(|w| w.chunk == vec![2, 0]).unwrap();
+        let w = tasks[2]
+            .writes
+            .iter()
+            .find(|w| w.chunk == vec![2, 0])
+            .unwrap();
         assert_eq!(w.parts.len(), 2);
         assert_eq!(w.parts[1].source, Source::Remote(3));
         assert_eq!(tasks[3].sends.len(), 1);

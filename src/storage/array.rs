@@ -9,8 +9,8 @@ use std::sync::Arc;
 use serde_json::{Value, json};
 use zarrs::array::codec::{ShardingCodecOptions, SubchunkWriteOrder};
 use zarrs::array::{
-    Array, ArrayBytes, ArrayMetadata, ArrayToBytesCodecTraits, BytesRepresentation, CodecChain, CodecOptions,
-    CodecSpecificOptions, data_type,
+    Array, ArrayBytes, ArrayMetadata, ArrayToBytesCodecTraits, BytesRepresentation, CodecChain,
+    CodecOptions, CodecSpecificOptions, data_type,
 };
 use zarrs::filesystem::FilesystemStore;
 use zarrs::metadata::v3::MetadataV3;
@@ -95,12 +95,18 @@ pub struct TensorArray {
 
 impl std::fmt::Debug for TensorArray {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TensorArray").field("key", &self.key).field("dir", &self.dir).finish_non_exhaustive()
+        f.debug_struct("TensorArray")
+            .field("key", &self.key)
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
     }
 }
 
 fn nonzero(shape: &[u64]) -> Vec<NonZeroU64> {
-    shape.iter().map(|&d| NonZeroU64::new(d).unwrap_or(NonZeroU64::MIN)).collect()
+    shape
+        .iter()
+        .map(|&d| NonZeroU64::new(d).unwrap_or(NonZeroU64::MIN))
+        .collect()
 }
 
 impl TensorArray {
@@ -110,10 +116,18 @@ impl TensorArray {
     /// # Errors
     /// [`StorageError::Zarr`] when zarrs rejects the metadata, [`StorageError::Malformed`]
     /// when it is not a `sharding_indexed` array whose index codecs are `bytes` + `crc32c`.
-    pub fn from_metadata(root: &Path, key: &TensorKey, entry: &TensorEntry, metadata: Value) -> Result<Self, StorageError> {
+    pub fn from_metadata(
+        root: &Path,
+        key: &TensorKey,
+        entry: &TensorEntry,
+        metadata: Value,
+    ) -> Result<Self, StorageError> {
         let dir = root.join(&entry.path);
         let json_path = dir.join("zarr.json");
-        let malformed = |reason: String| StorageError::Malformed { path: json_path.clone(), reason };
+        let malformed = |reason: String| StorageError::Malformed {
+            path: json_path.clone(),
+            reason,
+        };
         let sharding = metadata
             .get("codecs")
             .and_then(|c| c.as_array())
@@ -123,28 +137,46 @@ impl TensorArray {
             .and_then(|c| c.get("configuration"))
             .cloned()
             .ok_or_else(|| malformed("codecs must be a single sharding_indexed codec".into()))?;
-        let index_codecs: Vec<MetadataV3> = serde_json::from_value(sharding.get("index_codecs").cloned().unwrap_or(Value::Null))
-            .map_err(|e| malformed(format!("index_codecs: {e}")))?;
-        let inner_codecs_meta: Vec<MetadataV3> = serde_json::from_value(sharding.get("codecs").cloned().unwrap_or(Value::Null))
-            .map_err(|e| malformed(format!("codecs: {e}")))?;
-        if sharding.get("index_location").and_then(Value::as_str).unwrap_or("end") != "end" {
+        let index_codecs: Vec<MetadataV3> =
+            serde_json::from_value(sharding.get("index_codecs").cloned().unwrap_or(Value::Null))
+                .map_err(|e| malformed(format!("index_codecs: {e}")))?;
+        let inner_codecs_meta: Vec<MetadataV3> =
+            serde_json::from_value(sharding.get("codecs").cloned().unwrap_or(Value::Null))
+                .map_err(|e| malformed(format!("codecs: {e}")))?;
+        if sharding
+            .get("index_location")
+            .and_then(Value::as_str)
+            .unwrap_or("end")
+            != "end"
+        {
             return Err(malformed("index_location must be \"end\"".into()));
         }
-        let uncompressed = sharding.get("codecs") == Some(&Value::from(inner_codecs(Compression::None, entry.dtype)));
-        let store = Arc::new(FilesystemStore::new(root).map_err(StorageError::zarr(key.as_str(), root))?);
-        let parsed: ArrayMetadata = serde_json::from_value(metadata).map_err(|e| malformed(e.to_string()))?;
+        let uncompressed = sharding.get("codecs")
+            == Some(&Value::from(inner_codecs(Compression::None, entry.dtype)));
+        let store =
+            Arc::new(FilesystemStore::new(root).map_err(StorageError::zarr(key.as_str(), root))?);
+        let parsed: ArrayMetadata =
+            serde_json::from_value(metadata).map_err(|e| malformed(e.to_string()))?;
         let node_path = format!("/{}", entry.path);
         let array = Array::new_with_metadata(store, &node_path, parsed)
             .map_err(StorageError::zarr(key.as_str(), &json_path))?
-            .with_codec_specific_options(
-                &CodecSpecificOptions::default()
-                    .with_option(ShardingCodecOptions::default().with_subchunk_write_order(SubchunkWriteOrder::C)),
-            );
-        let index_chain =
-            Arc::new(CodecChain::from_metadata(&index_codecs).map_err(StorageError::zarr(key.as_str(), &json_path))?);
-        let inner_chain =
-            Arc::new(CodecChain::from_metadata(&inner_codecs_meta).map_err(StorageError::zarr(key.as_str(), &json_path))?);
-        let per_shard: Vec<u64> = entry.chunk_shape.iter().zip(&entry.subchunk_shape).map(|(c, s)| c / s).collect();
+            .with_codec_specific_options(&CodecSpecificOptions::default().with_option(
+                ShardingCodecOptions::default().with_subchunk_write_order(SubchunkWriteOrder::C),
+            ));
+        let index_chain = Arc::new(
+            CodecChain::from_metadata(&index_codecs)
+                .map_err(StorageError::zarr(key.as_str(), &json_path))?,
+        );
+        let inner_chain = Arc::new(
+            CodecChain::from_metadata(&inner_codecs_meta)
+                .map_err(StorageError::zarr(key.as_str(), &json_path))?,
+        );
+        let per_shard: Vec<u64> = entry
+            .chunk_shape
+            .iter()
+            .zip(&entry.subchunk_shape)
+            .map(|(c, s)| c / s)
+            .collect();
         let mut index_shape = nonzero(&per_shard);
         index_shape.push(NonZeroU64::new(2).unwrap_or(NonZeroU64::MIN));
         let index_bytes = match index_chain
@@ -152,7 +184,11 @@ impl TensorArray {
             .map_err(StorageError::zarr(key.as_str(), &json_path))?
         {
             BytesRepresentation::FixedSize(n) => n,
-            _ => return Err(malformed("index codecs must have a fixed encoded size".into())),
+            _ => {
+                return Err(malformed(
+                    "index codecs must have a fixed encoded size".into(),
+                ));
+            }
         };
         Ok(TensorArray {
             key: key.clone(),
@@ -184,10 +220,21 @@ impl TensorArray {
     pub fn open(root: &Path, key: &TensorKey, entry: &TensorEntry) -> Result<Self, StorageError> {
         let path = root.join(&entry.path).join("zarr.json");
         let bytes = std::fs::read(&path).map_err(StorageError::io("read", &path))?;
-        let meta: Value = serde_json::from_slice(&bytes)
-            .map_err(|e| StorageError::Malformed { path: path.clone(), reason: format!("not JSON: {e}") })?;
+        let meta: Value = serde_json::from_slice(&bytes).map_err(|e| StorageError::Malformed {
+            path: path.clone(),
+            reason: format!("not JSON: {e}"),
+        })?;
         let expected = array_metadata(key, entry);
-        let fields = ["zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding", "fill_value", "codecs"];
+        let fields = [
+            "zarr_format",
+            "node_type",
+            "shape",
+            "data_type",
+            "chunk_grid",
+            "chunk_key_encoding",
+            "fill_value",
+            "codecs",
+        ];
         for field in fields {
             if meta.get(field) != expected.get(field) {
                 return Err(StorageError::Malformed {
@@ -200,8 +247,15 @@ impl TensorArray {
                 });
             }
         }
-        if meta.get("storage_transformers").and_then(Value::as_array).is_some_and(|t| !t.is_empty()) {
-            return Err(StorageError::Malformed { path, reason: "storage transformers are not allowed".into() });
+        if meta
+            .get("storage_transformers")
+            .and_then(Value::as_array)
+            .is_some_and(|t| !t.is_empty())
+        {
+            return Err(StorageError::Malformed {
+                path,
+                reason: "storage transformers are not allowed".into(),
+            });
         }
         Self::from_metadata(root, key, entry, meta)
     }
@@ -243,9 +297,15 @@ impl TensorArray {
     ///
     /// # Errors
     /// [`StorageError::Zarr`] when zarrs fails to encode.
-    pub fn encode_chunk<'a>(&self, chunk: &[u64], bytes: &'a [u8]) -> Result<Cow<'a, [u8]>, StorageError> {
+    pub fn encode_chunk<'a>(
+        &self,
+        chunk: &[u64],
+        bytes: &'a [u8],
+    ) -> Result<Cow<'a, [u8]>, StorageError> {
         let shape = nonzero(&self.entry.chunk_shape);
-        let options = CodecOptions::default().with_concurrent_target(1).with_store_empty_chunks(true);
+        let options = CodecOptions::default()
+            .with_concurrent_target(1)
+            .with_store_empty_chunks(true);
         self.array
             .codecs()
             .encode(
@@ -255,7 +315,10 @@ impl TensorArray {
                 &zero_fill(self.entry.dtype),
                 &options,
             )
-            .map_err(StorageError::zarr(self.key.as_str(), self.chunk_path(chunk)))
+            .map_err(StorageError::zarr(
+                self.key.as_str(),
+                self.chunk_path(chunk),
+            ))
     }
 
     /// Decodes one encoded subchunk (compressed arrays) with zarrs' inner codec chain, which
@@ -264,7 +327,12 @@ impl TensorArray {
     ///
     /// # Errors
     /// [`StorageError::CorruptChunk`] when zarrs cannot decode it or the size is wrong.
-    pub fn decode_subchunk(&self, chunk: &[u64], linear: u64, encoded: &[u8]) -> Result<Vec<u8>, StorageError> {
+    pub fn decode_subchunk(
+        &self,
+        chunk: &[u64],
+        linear: u64,
+        encoded: &[u8],
+    ) -> Result<Vec<u8>, StorageError> {
         let corrupt = |detail: String| StorageError::CorruptChunk {
             key: self.key.to_string(),
             chunk: chunk.to_vec(),
@@ -274,12 +342,25 @@ impl TensorArray {
         let shape = nonzero(&self.entry.subchunk_shape);
         let decoded = self
             .inner_chain
-            .decode(Cow::Borrowed(encoded), &shape, &to_zarrs(self.entry.dtype), &zero_fill(self.entry.dtype), &CodecOptions::default())
+            .decode(
+                Cow::Borrowed(encoded),
+                &shape,
+                &to_zarrs(self.entry.dtype),
+                &zero_fill(self.entry.dtype),
+                &CodecOptions::default(),
+            )
             .map_err(|e| corrupt(format!("subchunk {linear}: {e}")))?;
-        let raw = decoded.into_fixed().map_err(|e| corrupt(format!("subchunk {linear}: {e}")))?.into_owned();
-        let expected = self.entry.subchunk_shape.iter().product::<u64>() as usize * self.entry.dtype.size();
+        let raw = decoded
+            .into_fixed()
+            .map_err(|e| corrupt(format!("subchunk {linear}: {e}")))?
+            .into_owned();
+        let expected =
+            self.entry.subchunk_shape.iter().product::<u64>() as usize * self.entry.dtype.size();
         if raw.len() != expected {
-            return Err(corrupt(format!("subchunk {linear} decodes to {} bytes, expected {expected}", raw.len())));
+            return Err(corrupt(format!(
+                "subchunk {linear} decodes to {} bytes, expected {expected}",
+                raw.len()
+            )));
         }
         Ok(raw)
     }
@@ -290,7 +371,11 @@ impl TensorArray {
     ///
     /// # Errors
     /// [`StorageError::CorruptChunk`] when the index does not decode or its checksum fails.
-    pub fn decode_index(&self, chunk: &[u64], encoded: &[u8]) -> Result<Vec<Option<(u64, u64)>>, StorageError> {
+    pub fn decode_index(
+        &self,
+        chunk: &[u64],
+        encoded: &[u8],
+    ) -> Result<Vec<Option<(u64, u64)>>, StorageError> {
         let corrupt = |detail: String| StorageError::CorruptChunk {
             key: self.key.to_string(),
             chunk: chunk.to_vec(),
@@ -299,14 +384,30 @@ impl TensorArray {
         };
         let decoded = self
             .index_chain
-            .decode(Cow::Borrowed(encoded), &self.index_shape, &data_type::uint64(), &u64::MAX.into(), &CodecOptions::default())
+            .decode(
+                Cow::Borrowed(encoded),
+                &self.index_shape,
+                &data_type::uint64(),
+                &u64::MAX.into(),
+                &CodecOptions::default(),
+            )
             .map_err(|e| corrupt(format!("shard index: {e}")))?;
-        let raw = decoded.into_fixed().map_err(|e| corrupt(format!("shard index: {e}")))?;
-        let words: Vec<u64> =
-            raw.chunks_exact(8).map(|w| u64::from_ne_bytes(w.try_into().unwrap_or([0xff; 8]))).collect();
+        let raw = decoded
+            .into_fixed()
+            .map_err(|e| corrupt(format!("shard index: {e}")))?;
+        let words: Vec<u64> = raw
+            .chunks_exact(8)
+            .map(|w| u64::from_ne_bytes(w.try_into().unwrap_or([0xff; 8])))
+            .collect();
         Ok(words
             .chunks_exact(2)
-            .map(|p| if p[0] == u64::MAX && p[1] == u64::MAX { None } else { Some((p[0], p[1])) })
+            .map(|p| {
+                if p[0] == u64::MAX && p[1] == u64::MAX {
+                    None
+                } else {
+                    Some((p[0], p[1]))
+                }
+            })
             .collect())
     }
 }

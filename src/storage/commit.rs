@@ -18,10 +18,17 @@ const GROUP_JSON: &[u8] = br#"{"zarr_format":3,"node_type":"group","attributes":
 
 /// True when the root `zarr.json` of `dir` is a group carrying the `zarrckpt` attribute.
 fn has_checkpoint_root(dir: &Path) -> bool {
-    let Ok(bytes) = fs::read(dir.join(ROOT_JSON)) else { return false };
-    let Ok(doc) = serde_json::from_slice::<serde_json::Value>(&bytes) else { return false };
+    let Ok(bytes) = fs::read(dir.join(ROOT_JSON)) else {
+        return false;
+    };
+    let Ok(doc) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
+        return false;
+    };
     doc.get("node_type").and_then(|v| v.as_str()) == Some("group")
-        && doc.get("attributes").and_then(|a| a.get(super::meta::ATTRIBUTE)).is_some()
+        && doc
+            .get("attributes")
+            .and_then(|a| a.get(super::meta::ATTRIBUTE))
+            .is_some()
 }
 
 /// True when `dir` holds a zarrckpt checkpoint, complete or not, and nothing else: a root
@@ -30,11 +37,17 @@ fn has_checkpoint_root(dir: &Path) -> bool {
 /// files of the commit. Only such a directory is ever deleted by an overwrite.
 fn looks_like_checkpoint(dir: &Path) -> bool {
     let root = dir.join(ROOT_JSON);
-    let shaped = if root.exists() { has_checkpoint_root(dir) } else { dir.join(TENSORS_GROUP).is_dir() };
+    let shaped = if root.exists() {
+        has_checkpoint_root(dir)
+    } else {
+        dir.join(TENSORS_GROUP).is_dir()
+    };
     if !shaped {
         return false;
     }
-    let Ok(entries) = fs::read_dir(dir) else { return false };
+    let Ok(entries) = fs::read_dir(dir) else {
+        return false;
+    };
     entries.flatten().all(|e| {
         let name = e.file_name();
         let name = name.to_string_lossy();
@@ -55,7 +68,9 @@ pub fn prepare(dir: &Path, overwrite: bool) -> Result<(), StorageError> {
         let mut entries = fs::read_dir(dir).map_err(StorageError::io("list", dir))?;
         if entries.next().is_some() {
             if !overwrite || !looks_like_checkpoint(dir) {
-                return Err(StorageError::AlreadyExists { path: dir.to_owned() });
+                return Err(StorageError::AlreadyExists {
+                    path: dir.to_owned(),
+                });
             }
             let marker = dir.join(ROOT_JSON);
             if marker.exists() {
@@ -64,7 +79,11 @@ pub fn prepare(dir: &Path, overwrite: bool) -> Result<(), StorageError> {
             }
             for entry in fs::read_dir(dir).map_err(StorageError::io("list", dir))? {
                 let p = entry.map_err(StorageError::io("list", dir))?.path();
-                let r = if p.is_dir() { fs::remove_dir_all(&p) } else { fs::remove_file(&p) };
+                let r = if p.is_dir() {
+                    fs::remove_dir_all(&p)
+                } else {
+                    fs::remove_file(&p)
+                };
                 r.map_err(StorageError::io("remove", &p))?;
             }
             fsync_dir(dir)?;
@@ -80,7 +99,10 @@ pub fn prepare(dir: &Path, overwrite: bool) -> Result<(), StorageError> {
 ///
 /// # Errors
 /// I/O errors naming the path.
-pub fn write_groups<'a>(dir: &Path, keys: impl IntoIterator<Item = &'a TensorKey>) -> Result<(), StorageError> {
+pub fn write_groups<'a>(
+    dir: &Path,
+    keys: impl IntoIterator<Item = &'a TensorKey>,
+) -> Result<(), StorageError> {
     let mut groups: BTreeSet<PathBuf> = BTreeSet::new();
     groups.insert(PathBuf::from(TENSORS_GROUP));
     for key in keys {
@@ -125,11 +147,19 @@ pub fn read_index(dir: &Path) -> Result<CheckpointMeta, StorageError> {
         Ok(bytes) => CheckpointMeta::from_root_json(&bytes, &path),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if !dir.exists() {
-                Err(StorageError::NotACheckpoint { path: dir.to_owned(), reason: "no such directory".into() })
+                Err(StorageError::NotACheckpoint {
+                    path: dir.to_owned(),
+                    reason: "no such directory".into(),
+                })
             } else if dir.join(TENSORS_GROUP).is_dir() {
-                Err(StorageError::Incomplete { path: dir.to_owned() })
+                Err(StorageError::Incomplete {
+                    path: dir.to_owned(),
+                })
             } else {
-                Err(StorageError::NotACheckpoint { path: dir.to_owned(), reason: "no root zarr.json".into() })
+                Err(StorageError::NotACheckpoint {
+                    path: dir.to_owned(),
+                    reason: "no root zarr.json".into(),
+                })
             }
         }
         Err(e) => Err(StorageError::io("read", &path)(e)),

@@ -53,7 +53,10 @@ impl DataTypeTraits for Float8E4M3FN {
             .ok_or(DataTypeFillValueMetadataError)
     }
 
-    fn metadata_fill_value(&self, fill: &FillValue) -> Result<FillValueMetadata, DataTypeFillValueError> {
+    fn metadata_fill_value(
+        &self,
+        fill: &FillValue,
+    ) -> Result<FillValueMetadata, DataTypeFillValueError> {
         match fill.as_ne_bytes() {
             [0] => Ok(FillValueMetadata::from(0.0f64)),
             [b] => Ok(FillValueMetadata::from(format!("0x{b:02x}"))),

@@ -109,7 +109,10 @@ pub enum StorageError {
 
 impl StorageError {
     /// Wraps an I/O error with the operation and path.
-    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> StorageError {
+    pub(crate) fn io(
+        op: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(std::io::Error) -> StorageError {
         let path = path.into();
         move |source| StorageError::Io { op, path, source }
     }
@@ -121,6 +124,10 @@ impl StorageError {
     ) -> impl FnOnce(E) -> StorageError {
         let key = key.to_owned();
         let path = path.into();
-        move |e| StorageError::Zarr { key, path, source: Box::new(e) }
+        move |e| StorageError::Zarr {
+            key,
+            path,
+            source: Box::new(e),
+        }
     }
 }

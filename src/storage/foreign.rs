@@ -34,31 +34,49 @@ pub fn read_array(dir: &Path) -> Result<ForeignArray, StorageError> {
     let key = dir.display().to_string();
     let store = Arc::new(FilesystemStore::new(dir).map_err(StorageError::zarr(&key, dir))?);
     let json_path = dir.join("zarr.json");
-    let malformed = |reason: String| StorageError::Malformed { path: json_path.clone(), reason };
+    let malformed = |reason: String| StorageError::Malformed {
+        path: json_path.clone(),
+        reason,
+    };
     let bytes = std::fs::read(&json_path).map_err(StorageError::io("read", &json_path))?;
-    let mut meta: Value = serde_json::from_slice(&bytes).map_err(|e| malformed(format!("not JSON: {e}")))?;
+    let mut meta: Value =
+        serde_json::from_slice(&bytes).map_err(|e| malformed(format!("not JSON: {e}")))?;
     float8_fill_as_hex(&mut meta);
-    let parsed: ArrayMetadata = serde_json::from_value(meta).map_err(|e| malformed(e.to_string()))?;
-    let array = Array::new_with_metadata(store, "/", parsed).map_err(StorageError::zarr(&key, &json_path))?;
-    let name = array.data_type().name_v3().map(|n| n.into_owned()).unwrap_or_default();
+    let parsed: ArrayMetadata =
+        serde_json::from_value(meta).map_err(|e| malformed(e.to_string()))?;
+    let array = Array::new_with_metadata(store, "/", parsed)
+        .map_err(StorageError::zarr(&key, &json_path))?;
+    let name = array
+        .data_type()
+        .name_v3()
+        .map(|n| n.into_owned())
+        .unwrap_or_default();
     let dtype = DType::from_name(&name).ok_or_else(|| StorageError::Malformed {
         path: dir.join("zarr.json"),
         reason: format!("data type `{name}` is not supported"),
     })?;
     let shape = array.shape().to_vec();
-    let len = num_bytes(&shape, dtype.size())
-        .map_err(|e| StorageError::Malformed { path: dir.join("zarr.json"), reason: e.to_string() })?;
+    let len = num_bytes(&shape, dtype.size()).map_err(|e| StorageError::Malformed {
+        path: dir.join("zarr.json"),
+        reason: e.to_string(),
+    })?;
     if len == 0 {
         // zarrs rejects a subset of an array with a zero-size dimension; there is nothing to read.
-        return Ok(ForeignArray { dtype, shape, data: Vec::new() });
+        return Ok(ForeignArray {
+            dtype,
+            shape,
+            data: Vec::new(),
+        });
     }
     let mut data = vec![0u8; len];
     let subset = ArraySubset::new_with_shape(shape.clone());
     {
         let cells = unsafe_cell_slice::UnsafeCellSlice::new(&mut data);
         // SAFETY: one view over the whole buffer, used by this call only.
-        let mut view = unsafe { ArrayBytesFixedDisjointView::new(cells, dtype.size(), &shape, subset.clone()) }
-            .map_err(StorageError::zarr(&key, dir))?;
+        let mut view = unsafe {
+            ArrayBytesFixedDisjointView::new(cells, dtype.size(), &shape, subset.clone())
+        }
+        .map_err(StorageError::zarr(&key, dir))?;
         array
             .retrieve_array_subset_into_opt(&subset, (&mut view).into(), &CodecOptions::default())
             .map_err(StorageError::zarr(&key, dir))?;
@@ -70,8 +88,13 @@ pub fn read_array(dir: &Path) -> Result<ForeignArray, StorageError> {
 /// `"-Infinity"` (how tensorstore writes it) as the equivalent raw-bits hex string, which is
 /// the only form zarrs (without its `microfloat` feature) parses for `float8_e5m2`.
 fn float8_fill_as_hex(meta: &mut Value) {
-    let dtype = meta.get("data_type").and_then(Value::as_str).and_then(DType::from_name);
-    let (Some(dtype), Some(fill)) = (dtype, meta.get("fill_value")) else { return };
+    let dtype = meta
+        .get("data_type")
+        .and_then(Value::as_str)
+        .and_then(DType::from_name);
+    let (Some(dtype), Some(fill)) = (dtype, meta.get("fill_value")) else {
+        return;
+    };
     if let Some(bits) = crate::model::dtype::float8_bits(dtype, fill) {
         meta["fill_value"] = Value::from(format!("0x{bits:02x}"));
     }

@@ -32,7 +32,9 @@ pub fn write_durable(path: &Path, parts: &[&[u8]]) -> Result<u64, StorageError> 
 /// # Errors
 /// [`StorageError::Io`] naming the directory.
 pub fn fsync_dir(path: &Path) -> Result<(), StorageError> {
-    File::open(path).and_then(|d| d.sync_all()).map_err(StorageError::io("fsync directory", path))
+    File::open(path)
+        .and_then(|d| d.sync_all())
+        .map_err(StorageError::io("fsync directory", path))
 }
 
 /// Atomically replaces `path` with `data`: writes a temporary sibling, fsyncs it, renames it

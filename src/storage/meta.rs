@@ -61,7 +61,9 @@ impl TensorEntry {
     /// Logical size in bytes (elements times element size), saturating.
     #[must_use]
     pub fn nbytes(&self) -> u64 {
-        num_elements(&self.shape).unwrap_or(u64::MAX).saturating_mul(self.dtype.size() as u64)
+        num_elements(&self.shape)
+            .unwrap_or(u64::MAX)
+            .saturating_mul(self.dtype.size() as u64)
     }
 }
 
@@ -94,7 +96,9 @@ pub fn tensor_path(key: &TensorKey) -> String {
 fn parse_version(v: &str) -> Option<(u32, u32)> {
     let (a, b) = v.split_once('.')?;
     let part = |p: &str| {
-        let ok = !p.is_empty() && p.bytes().all(|c| c.is_ascii_digit()) && (p == "0" || !p.starts_with('0'));
+        let ok = !p.is_empty()
+            && p.bytes().all(|c| c.is_ascii_digit())
+            && (p == "0" || !p.starts_with('0'));
         if ok { p.parse::<u32>().ok() } else { None }
     };
     Some((part(a)?, part(b)?))
@@ -109,10 +113,15 @@ impl CheckpointMeta {
     /// [`StorageError::Malformed`] for anything inconsistent (bad keys, paths that do not
     /// follow the key mapping, shapes that overflow, grids that do not divide).
     pub fn from_root_json(bytes: &[u8], path: &Path) -> Result<Self, StorageError> {
-        let malformed = |reason: String| StorageError::Malformed { path: path.to_owned(), reason };
+        let malformed = |reason: String| StorageError::Malformed {
+            path: path.to_owned(),
+            reason,
+        };
         let root: serde_json::Value =
             serde_json::from_slice(bytes).map_err(|e| malformed(format!("not JSON: {e}")))?;
-        if root.get("zarr_format") != Some(&serde_json::Value::from(3)) || root.get("node_type") != Some(&"group".into()) {
+        if root.get("zarr_format") != Some(&serde_json::Value::from(3))
+            || root.get("node_type") != Some(&"group".into())
+        {
             return Err(StorageError::NotACheckpoint {
                 path: path.to_owned(),
                 reason: "the root zarr.json is not a Zarr v3 group".into(),
@@ -125,12 +134,19 @@ impl CheckpointMeta {
             });
         };
         if attr.get("format").and_then(|f| f.as_str()) != Some(FORMAT_NAME) {
-            return Err(malformed(format!("`{ATTRIBUTE}.format` is not \"{FORMAT_NAME}\"")));
+            return Err(malformed(format!(
+                "`{ATTRIBUTE}.format` is not \"{FORMAT_NAME}\""
+            )));
         }
-        let version_value = attr.get("version").cloned().unwrap_or(serde_json::Value::Null);
+        let version_value = attr
+            .get("version")
+            .cloned()
+            .unwrap_or(serde_json::Value::Null);
         let version = version_value.as_str().unwrap_or("");
         let Some((major, _minor)) = parse_version(version) else {
-            return Err(malformed(format!("`{ATTRIBUTE}.version` {version_value} is not a \"MAJOR.MINOR\" string")));
+            return Err(malformed(format!(
+                "`{ATTRIBUTE}.version` {version_value} is not a \"MAJOR.MINOR\" string"
+            )));
         };
         if major != FORMAT_MAJOR {
             return Err(StorageError::UnsupportedVersion {
@@ -142,18 +158,31 @@ impl CheckpointMeta {
         let meta: CheckpointMeta = serde_path_to_error::deserialize(attr.clone()).map_err(|e| {
             use serde_path_to_error::Segment;
             let segments: Vec<&Segment> = e.path().iter().collect();
-            let field = |rest: &[&Segment]| rest.iter().map(ToString::to_string).collect::<Vec<_>>().join(".");
+            let field = |rest: &[&Segment]| {
+                rest.iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(".")
+            };
             match segments.as_slice() {
-                [Segment::Map { key: group }, Segment::Map { key }, rest @ ..] if group == "tensors" => {
-                    malformed(format!("tensor `{key}`: field `{}`: {}", field(rest), e.inner()))
+                [Segment::Map { key: group }, Segment::Map { key }, rest @ ..]
+                    if group == "tensors" =>
+                {
+                    malformed(format!(
+                        "tensor `{key}`: field `{}`: {}",
+                        field(rest),
+                        e.inner()
+                    ))
                 }
                 _ => malformed(format!("field `{ATTRIBUTE}.{}`: {}", e.path(), e.inner())),
             }
         })?;
         for (key, t) in &meta.tensors {
-            t.validate(key).map_err(|r| malformed(format!("tensor `{key}`: {r}")))?;
+            t.validate(key)
+                .map_err(|r| malformed(format!("tensor `{key}`: {r}")))?;
         }
-        crate::model::key::check_collisions(meta.tensors.keys()).map_err(|e| malformed(e.to_string()))?;
+        crate::model::key::check_collisions(meta.tensors.keys())
+            .map_err(|e| malformed(e.to_string()))?;
         Ok(meta)
     }
 
@@ -185,7 +214,11 @@ impl CheckpointMeta {
 impl TensorEntry {
     fn validate(&self, key: &TensorKey) -> Result<(), String> {
         if self.path != tensor_path(key) {
-            return Err(format!("path {:?} does not follow the key mapping (expected {:?})", self.path, tensor_path(key)));
+            return Err(format!(
+                "path {:?} does not follow the key mapping (expected {:?})",
+                self.path,
+                tensor_path(key)
+            ));
         }
         let n = self.shape.len();
         if n > MAX_DIMS {
@@ -195,19 +228,34 @@ impl TensorEntry {
             return Err("shape, chunk_shape and subchunk_shape differ in length".into());
         }
         num_elements(&self.shape).map_err(|e| e.to_string())?;
-        crate::model::region::num_bytes(&self.shape, self.dtype.size()).map_err(|e| e.to_string())?;
+        crate::model::region::num_bytes(&self.shape, self.dtype.size())
+            .map_err(|e| e.to_string())?;
         for d in 0..n {
             let (c, s) = (self.chunk_shape[d], self.subchunk_shape[d]);
             if c == 0 || s == 0 || c % s != 0 {
-                return Err(format!("subchunk_shape {:?} does not divide chunk_shape {:?}", self.subchunk_shape, self.chunk_shape));
+                return Err(format!(
+                    "subchunk_shape {:?} does not divide chunk_shape {:?}",
+                    self.subchunk_shape, self.chunk_shape
+                ));
             }
         }
-        crate::model::region::num_bytes(&self.chunk_shape, self.dtype.size()).map_err(|e| e.to_string())?;
-        let per_shard = self.chunk_shape.iter().zip(&self.subchunk_shape).try_fold(1u64, |acc, (c, s)| acc.checked_mul(c / s));
+        crate::model::region::num_bytes(&self.chunk_shape, self.dtype.size())
+            .map_err(|e| e.to_string())?;
+        let per_shard = self
+            .chunk_shape
+            .iter()
+            .zip(&self.subchunk_shape)
+            .try_fold(1u64, |acc, (c, s)| acc.checked_mul(c / s));
         if per_shard.is_none_or(|n| n > MAX_SUBCHUNKS_PER_SHARD) {
-            return Err(format!("more than {MAX_SUBCHUNKS_PER_SHARD} subchunks per shard"));
+            return Err(format!(
+                "more than {MAX_SUBCHUNKS_PER_SHARD} subchunks per shard"
+            ));
         }
-        let chunks = self.shape.iter().zip(&self.chunk_shape).try_fold(1u64, |acc, (d, c)| acc.checked_mul(d.div_ceil(*c)));
+        let chunks = self
+            .shape
+            .iter()
+            .zip(&self.chunk_shape)
+            .try_fold(1u64, |acc, (d, c)| acc.checked_mul(d.div_ceil(*c)));
         if chunks.is_none_or(|n| n > MAX_CHUNKS_PER_TENSOR) {
             return Err(format!("more than {MAX_CHUNKS_PER_TENSOR} shard files"));
         }
@@ -241,7 +289,10 @@ mod tests {
     fn round_trips() {
         let m = sample();
         let p = Path::new("/ckpt/zarr.json");
-        assert_eq!(CheckpointMeta::from_root_json(&m.to_root_json(), p).unwrap(), m);
+        assert_eq!(
+            CheckpointMeta::from_root_json(&m.to_root_json(), p).unwrap(),
+            m
+        );
     }
 
     #[test]
@@ -253,7 +304,8 @@ mod tests {
         assert!(matches!(e, StorageError::UnsupportedVersion { .. }), "{e}");
         for bad in ["+1.0", "01.0", "1.00", "1", "1.0.0", "1.x", ""] {
             v["attributes"]["zarrckpt"]["version"] = bad.into();
-            let e = CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
+            let e =
+                CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
             assert!(matches!(e, StorageError::Malformed { .. }), "{bad}: {e}");
         }
         v["attributes"]["zarrckpt"]["version"] = "1.7".into();
@@ -262,7 +314,11 @@ mod tests {
         v["attributes"]["zarrckpt"]["tensors"]["decoder.weight"]["path"] = "../../etc".into();
         let e = CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
         assert!(matches!(e, StorageError::Malformed { .. }), "{e}");
-        let e = CheckpointMeta::from_root_json(b"{\"zarr_format\":3,\"node_type\":\"group\",\"attributes\":{}}", p).unwrap_err();
+        let e = CheckpointMeta::from_root_json(
+            b"{\"zarr_format\":3,\"node_type\":\"group\",\"attributes\":{}}",
+            p,
+        )
+        .unwrap_err();
         assert!(matches!(e, StorageError::NotACheckpoint { .. }), "{e}");
         let e = CheckpointMeta::from_root_json(b"{not json", p).unwrap_err();
         assert!(matches!(e, StorageError::Malformed { .. }), "{e}");

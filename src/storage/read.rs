@@ -12,7 +12,6 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-
 use super::array::TensorArray;
 use super::error::StorageError;
 use super::meta::Compression;
@@ -38,8 +37,16 @@ impl ReadCounters {
 }
 
 fn corrupt(arr: &TensorArray, chunk: &[u64], detail: String) -> StorageError {
-    StorageError::CorruptChunk { key: arr.key().to_string(), chunk: chunk.to_vec(), path: arr.chunk_path(chunk), detail }
+    StorageError::CorruptChunk {
+        key: arr.key().to_string(),
+        chunk: chunk.to_vec(),
+        path: arr.chunk_path(chunk),
+        detail,
+    }
 }
+
+/// `(offset, nbytes)` of every subchunk of a shard; `None` for absent (all-zero) ones.
+type ShardIndex = Vec<Option<(u64, u64)>>;
 
 /// Opens a shard, reads and decodes its index, and checks every needed entry fits the file.
 fn open_shard(
@@ -47,22 +54,34 @@ fn open_shard(
     geom: &StoredGeometry,
     shard: &ShardRead,
     counters: &ReadCounters,
-) -> Result<(File, Vec<Option<(u64, u64)>>), StorageError> {
+) -> Result<(File, ShardIndex), StorageError> {
     let path = arr.chunk_path(&shard.chunk);
     let file = match File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(StorageError::MissingChunk { key: arr.key().to_string(), chunk: shard.chunk.clone(), path });
+            return Err(StorageError::MissingChunk {
+                key: arr.key().to_string(),
+                chunk: shard.chunk.clone(),
+                path,
+            });
         }
         Err(e) => return Err(StorageError::io("open", &path)(e)),
     };
-    let len = file.metadata().map_err(StorageError::io("stat", &path))?.len();
+    let len = file
+        .metadata()
+        .map_err(StorageError::io("stat", &path))?
+        .len();
     let idx = arr.index_bytes();
     if len < idx {
-        return Err(corrupt(arr, &shard.chunk, format!("file is {len} bytes, shorter than its {idx}-byte index")));
+        return Err(corrupt(
+            arr,
+            &shard.chunk,
+            format!("file is {len} bytes, shorter than its {idx}-byte index"),
+        ));
     }
     let mut encoded = vec![0u8; usize::try_from(idx).unwrap_or(usize::MAX)];
-    file.read_exact_at(&mut encoded, len - idx).map_err(StorageError::io("read", &path))?;
+    file.read_exact_at(&mut encoded, len - idx)
+        .map_err(StorageError::io("read", &path))?;
     counters.add(idx);
     let index = arr.decode_index(&shard.chunk, &encoded)?;
     let data_end = len - idx;
@@ -70,21 +89,42 @@ fn open_shard(
     for s in &shard.subchunks {
         let entry = usize::try_from(s.linear).ok().and_then(|i| index.get(i));
         let Some(entry) = entry else {
-            return Err(corrupt(arr, &shard.chunk, format!("index has no entry for subchunk {}", s.linear)));
+            return Err(corrupt(
+                arr,
+                &shard.chunk,
+                format!("index has no entry for subchunk {}", s.linear),
+            ));
         };
         if let Some((off, n)) = *entry {
             if off.checked_add(n).is_none_or(|end| end > data_end) {
-                return Err(corrupt(arr, &shard.chunk, format!("subchunk {} at {off}+{n} extends past the data ({data_end} bytes)", s.linear)));
+                return Err(corrupt(
+                    arr,
+                    &shard.chunk,
+                    format!(
+                        "subchunk {} at {off}+{n} extends past the data ({data_end} bytes)",
+                        s.linear
+                    ),
+                ));
             }
             if arr.uncompressed() && n != expected {
-                return Err(corrupt(arr, &shard.chunk, format!("subchunk {} is {n} bytes, expected {expected}", s.linear)));
+                return Err(corrupt(
+                    arr,
+                    &shard.chunk,
+                    format!("subchunk {} is {n} bytes, expected {expected}", s.linear),
+                ));
             }
         }
     }
     Ok((file, index))
 }
 
-fn check_crc(arr: &TensorArray, shard: &ShardRead, linear: u64, data: &[u8], stored: [u8; 4]) -> Result<(), StorageError> {
+fn check_crc(
+    arr: &TensorArray,
+    shard: &ShardRead,
+    linear: u64,
+    data: &[u8],
+    stored: [u8; 4],
+) -> Result<(), StorageError> {
     let computed = super::shard::crc32c(data);
     let stored = u32::from_le_bytes(stored);
     if computed == stored {
@@ -106,7 +146,8 @@ fn preadv_exact(file: &File, iovs: &mut [libc::iovec], mut offset: u64) -> std::
     let mut start = 0;
     while start < iovs.len() {
         let cnt = libc::c_int::try_from(iovs.len() - start).unwrap_or(libc::c_int::MAX);
-        let off = libc::off_t::try_from(offset).map_err(|_| std::io::Error::other("offset too large"))?;
+        let off =
+            libc::off_t::try_from(offset).map_err(|_| std::io::Error::other("offset too large"))?;
         // SAFETY: the iovecs point into live, exclusively borrowed buffers of the stated sizes.
         let n = unsafe { libc::preadv(file.as_raw_fd(), iovs[start..].as_ptr(), cnt, off) };
         if n < 0 {
@@ -170,8 +211,14 @@ unsafe fn read_shard_direct(
         for ((_, d), crc) in batch.iter().zip(crcs.iter_mut()) {
             // SAFETY: disjoint destination ranges of this shard (caller's contract).
             let slice = unsafe { dest.slice(*d, sub_bytes) };
-            iovs.push(libc::iovec { iov_base: slice.as_mut_ptr().cast(), iov_len: sub_bytes });
-            iovs.push(libc::iovec { iov_base: crc.as_mut_ptr().cast(), iov_len: 4 });
+            iovs.push(libc::iovec {
+                iov_base: slice.as_mut_ptr().cast(),
+                iov_len: sub_bytes,
+            });
+            iovs.push(libc::iovec {
+                iov_base: crc.as_mut_ptr().cast(),
+                iov_len: 4,
+            });
         }
         preadv_exact(&file, &mut iovs, file_start).map_err(StorageError::io("read", &path))?;
         counters.add((sub_bytes as u64 + 4) * batch.len() as u64);
@@ -217,7 +264,8 @@ unsafe fn read_shard_direct(
         scratch.resize(group.len() * (sub_bytes + 4), 0);
         for (k, (s, off)) in group.iter().enumerate() {
             let slot = &mut scratch[k * (sub_bytes + 4)..(k + 1) * (sub_bytes + 4)];
-            file.read_exact_at(slot, *off).map_err(StorageError::io("read", &path))?;
+            file.read_exact_at(slot, *off)
+                .map_err(StorageError::io("read", &path))?;
             counters.add(sub_bytes as u64 + 4);
             let (data, crc) = slot.split_at(sub_bytes);
             check_crc(arr, shard, s.linear, data, [crc[0], crc[1], crc[2], crc[3]])?;
@@ -254,14 +302,25 @@ fn copy_run(dst: &mut [u8], src: &[u8]) {
 ///
 /// # Safety
 /// No other thread may touch the needed parts of `dest` meanwhile.
-unsafe fn scatter<'s>(subs: impl Iterator<Item = &'s SubchunkRead>, scratch: &[u8], slot_bytes: usize, dest: Dest<'_>) {
+unsafe fn scatter<'s>(
+    subs: impl Iterator<Item = &'s SubchunkRead>,
+    scratch: &[u8],
+    slot_bytes: usize,
+    dest: Dest<'_>,
+) {
     let lists: Vec<Vec<(usize, usize, usize)>> = subs
         .enumerate()
         .map(|(k, s)| {
             let mut runs = Vec::new();
-            for_each_run(&s.stored, dest.region(), &s.needed, dest.elem(), |so, d, len| {
-                runs.push((k * slot_bytes + so, d, len));
-            });
+            for_each_run(
+                &s.stored,
+                dest.region(),
+                &s.needed,
+                dest.elem(),
+                |so, d, len| {
+                    runs.push((k * slot_bytes + so, d, len));
+                },
+            );
             runs
         })
         .collect();
@@ -286,7 +345,11 @@ unsafe fn scatter<'s>(subs: impl Iterator<Item = &'s SubchunkRead>, scratch: &[u
 /// Checks that a compressed subchunk declares exactly the decoded size it must have, before
 /// anything is allocated for it: a crafted stream with a valid crc32c must not make the
 /// decoder allocate what its header claims.
-fn check_declared_size(compression: Compression, payload: &[u8], expected: usize) -> Result<(), String> {
+fn check_declared_size(
+    compression: Compression,
+    payload: &[u8],
+    expected: usize,
+) -> Result<(), String> {
     let declared = match compression {
         Compression::Zstd => match zstd::zstd_safe::get_frame_content_size(payload) {
             Ok(Some(n)) => n,
@@ -295,12 +358,19 @@ fn check_declared_size(compression: Compression, payload: &[u8], expected: usize
         },
         Compression::Blosc => {
             // blosc header: version, versionlz, flags, typesize, nbytes (u32 LE), blocksize, cbytes
-            let field = |at: usize| payload.get(at..at + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let field = |at: usize| {
+                payload
+                    .get(at..at + 4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            };
             let (Some(nbytes), Some(cbytes)) = (field(4), field(12)) else {
                 return Err("blosc header truncated".into());
             };
             if cbytes as usize != payload.len() {
-                return Err(format!("blosc header says {cbytes} compressed bytes, the subchunk has {}", payload.len()));
+                return Err(format!(
+                    "blosc header says {cbytes} compressed bytes, the subchunk has {}",
+                    payload.len()
+                ));
             }
             u64::from(nbytes)
         }
@@ -309,7 +379,9 @@ fn check_declared_size(compression: Compression, payload: &[u8], expected: usize
     if declared == expected as u64 {
         Ok(())
     } else {
-        Err(format!("the compressed stream declares {declared} bytes, expected {expected}"))
+        Err(format!(
+            "the compressed stream declares {declared} bytes, expected {expected}"
+        ))
     }
 }
 
@@ -337,20 +409,38 @@ unsafe fn read_shard_compressed(
             }
             Some((off, n)) => {
                 if n < 4 {
-                    return Err(corrupt(arr, &shard.chunk, format!("subchunk {} is only {n} bytes", s.linear)));
+                    return Err(corrupt(
+                        arr,
+                        &shard.chunk,
+                        format!("subchunk {} is only {n} bytes", s.linear),
+                    ));
                 }
                 scratch.resize(usize::try_from(n).unwrap_or(usize::MAX), 0);
-                file.read_exact_at(scratch, off).map_err(StorageError::io("read", &path))?;
+                file.read_exact_at(scratch, off)
+                    .map_err(StorageError::io("read", &path))?;
                 counters.add(n);
                 let (payload, crc) = scratch.split_at(scratch.len() - 4);
-                check_crc(arr, shard, s.linear, payload, [crc[0], crc[1], crc[2], crc[3]])?;
-                check_declared_size(arr.entry().compression, payload, sub_bytes)
-                    .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
+                check_crc(
+                    arr,
+                    shard,
+                    s.linear,
+                    payload,
+                    [crc[0], crc[1], crc[2], crc[3]],
+                )?;
+                check_declared_size(arr.entry().compression, payload, sub_bytes).map_err(|d| {
+                    corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear))
+                })?;
                 let decoded = arr.decode_subchunk(&shard.chunk, s.linear, scratch)?;
-                for_each_run(&s.stored, dest.region(), &s.needed, dest.elem(), |so, d, len| {
-                    // SAFETY: disjoint destination ranges (caller's contract).
-                    copy_run(unsafe { dest.slice(d, len) }, &decoded[so..so + len]);
-                });
+                for_each_run(
+                    &s.stored,
+                    dest.region(),
+                    &s.needed,
+                    dest.elem(),
+                    |so, d, len| {
+                        // SAFETY: disjoint destination ranges (caller's contract).
+                        copy_run(unsafe { dest.slice(d, len) }, &decoded[so..so + len]);
+                    },
+                );
             }
         }
     }

@@ -40,12 +40,18 @@ enum Seg {
 }
 
 /// Writes `iov` completely.
-fn write_all_vectored(file: &mut File, mut iov: &mut [IoSlice<'_>], path: &Path) -> Result<(), StorageError> {
+fn write_all_vectored(
+    file: &mut File,
+    mut iov: &mut [IoSlice<'_>],
+    path: &Path,
+) -> Result<(), StorageError> {
     while !iov.is_empty() {
         let n = iov.len().min(MAX_IOV);
         match file.write_vectored(&iov[..n]) {
             Ok(0) => {
-                return Err(StorageError::io("write", path)(std::io::ErrorKind::WriteZero.into()));
+                return Err(StorageError::io("write", path)(
+                    std::io::ErrorKind::WriteZero.into(),
+                ));
             }
             Ok(written) => IoSlice::advance_slices(&mut iov, written),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -73,11 +79,20 @@ pub fn write_uncompressed(
     subchunk_shape: &[u64],
     elem: usize,
 ) -> Result<u64, StorageError> {
-    let per_shard: Vec<u64> = chunk_box.shape.iter().zip(subchunk_shape).map(|(c, s)| c / s).collect();
+    let per_shard: Vec<u64> = chunk_box
+        .shape
+        .iter()
+        .zip(subchunk_shape)
+        .map(|(c, s)| c / s)
+        .collect();
     let n_sub = per_shard.iter().product::<u64>() as usize;
     let sub_bytes = subchunk_shape.iter().product::<u64>() as usize * elem;
     let zero_crc = crc32c(&vec![0u8; sub_bytes.min(1 << 20)]);
-    let zero_crc = if sub_bytes <= 1 << 20 { Some(zero_crc) } else { None };
+    let zero_crc = if sub_bytes <= 1 << 20 {
+        Some(zero_crc)
+    } else {
+        None
+    };
 
     let mut file = OpenOptions::new()
         .write(true)
@@ -90,7 +105,10 @@ pub fn write_uncompressed(
     let mut staging: Vec<u8> = Vec::with_capacity(STAGING_BYTES.min(n_sub * sub_bytes));
     let mut segs: Vec<(Seg, [u8; 4])> = Vec::new();
 
-    let flush = |file: &mut File, segs: &mut Vec<(Seg, [u8; 4])>, staging: &mut Vec<u8>| -> Result<(), StorageError> {
+    let flush = |file: &mut File,
+                 segs: &mut Vec<(Seg, [u8; 4])>,
+                 staging: &mut Vec<u8>|
+     -> Result<(), StorageError> {
         let mut iov: Vec<IoSlice> = Vec::with_capacity(segs.len() * 2);
         for (seg, crc) in segs.iter() {
             let data = match *seg {
@@ -107,15 +125,24 @@ pub fn write_uncompressed(
     };
 
     let mut sub_indices = Vec::with_capacity(n_sub);
-    grid::for_each_index(&vec![0; per_shard.len()], &per_shard, |s| sub_indices.push(s.to_vec()));
+    grid::for_each_index(&vec![0; per_shard.len()], &per_shard, |s| {
+        sub_indices.push(s.to_vec())
+    });
     for s in &sub_indices {
         let sub_box = Region {
-            offset: s.iter().zip(subchunk_shape).zip(&chunk_box.offset).map(|((i, n), o)| o + i * n).collect(),
+            offset: s
+                .iter()
+                .zip(subchunk_shape)
+                .zip(&chunk_box.offset)
+                .map(|((i, n), o)| o + i * n)
+                .collect(),
             shape: subchunk_shape.to_vec(),
         };
         // Where the subchunk's bytes are: one run of the source, or gathered.
         let mut runs: Vec<(usize, usize)> = Vec::new();
-        for_each_run(src_box, &sub_box, &sub_box, elem, |so, _, len| runs.push((so, len)));
+        for_each_run(src_box, &sub_box, &sub_box, elem, |so, _, len| {
+            runs.push((so, len))
+        });
         let seg = if let [(so, len)] = runs[..] {
             Seg::Src(so, so + len)
         } else {
@@ -153,7 +180,8 @@ pub fn write_uncompressed(
     flush(&mut file, &mut segs, &mut staging)?;
     let crc = crc32c(&index);
     index.extend_from_slice(&crc.to_le_bytes());
-    file.write_all(&index).map_err(StorageError::io("write", path))?;
+    file.write_all(&index)
+        .map_err(StorageError::io("write", path))?;
     start_writeback(&file);
     Ok(offset + index.len() as u64)
 }
@@ -179,7 +207,8 @@ mod tests {
     #[test]
     fn identical_to_zarrs_encoding() {
         let tmp = tempfile::tempdir().unwrap();
-        let cases: &[(DType, &[u64], &[u64], &[u64])] = &[
+        type Case<'a> = (DType, &'a [u64], &'a [u64], &'a [u64]);
+        let cases: &[Case] = &[
             (DType::Float32, &[8, 6], &[4, 6], &[1, 6]),
             (DType::BFloat16, &[8, 12], &[8, 4], &[8, 2]), // thin columns: gathered
             (DType::UInt8, &[5, 3, 4], &[5, 3, 2], &[1, 3, 1]),
@@ -202,9 +231,11 @@ mod tests {
             let elem = dtype.size();
             let n: u64 = chunk.iter().product();
             // deterministic data, with the second subchunk (if any) all zero
-            let mut data: Vec<u8> = (0..n as usize * elem).map(|i| (i * 7 + ci + 1) as u8).collect();
+            let mut data: Vec<u8> = (0..n as usize * elem)
+                .map(|i| (i * 7 + ci + 1) as u8)
+                .collect();
             let sub_bytes = sub.iter().product::<u64>() as usize * elem;
-            let contiguous_second = sub.first().map_or(false, |_| chunk[1..] == sub[1..]);
+            let contiguous_second = sub.first().is_some_and(|_| chunk[1..] == sub[1..]);
             if contiguous_second && data.len() >= 2 * sub_bytes {
                 data[sub_bytes..2 * sub_bytes].fill(0);
             }
@@ -212,9 +243,13 @@ mod tests {
                 if all_zero {
                     data.fill(0);
                 }
-                let chunk_box = Region { offset: vec![0; chunk.len()], shape: chunk.to_vec() };
+                let chunk_box = Region {
+                    offset: vec![0; chunk.len()],
+                    shape: chunk.to_vec(),
+                };
                 let path = tmp.path().join(format!("shard{ci}{all_zero}"));
-                let written = write_uncompressed(&path, &data, &chunk_box, &chunk_box, sub, elem).unwrap();
+                let written =
+                    write_uncompressed(&path, &data, &chunk_box, &chunk_box, sub, elem).unwrap();
                 let ours = std::fs::read(&path).unwrap();
                 assert_eq!(written as usize, ours.len());
                 let theirs = arr.encode_chunk(&vec![0; chunk.len()], &data).unwrap();
@@ -227,9 +262,15 @@ mod tests {
     #[test]
     fn chunk_inside_a_larger_piece() {
         let tmp = tempfile::tempdir().unwrap();
-        let piece = Region { offset: vec![4, 0], shape: vec![4, 6] };
+        let piece = Region {
+            offset: vec![4, 0],
+            shape: vec![4, 6],
+        };
         let src: Vec<u8> = (0..24u8).collect();
-        let chunk_box = Region { offset: vec![4, 3], shape: vec![4, 3] };
+        let chunk_box = Region {
+            offset: vec![4, 3],
+            shape: vec![4, 3],
+        };
         let mut expect = vec![0u8; 12];
         crate::model::copy::copy_region(&src, &piece, &mut expect, &chunk_box, &chunk_box, 1);
         let a = tmp.path().join("a");

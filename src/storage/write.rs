@@ -41,7 +41,14 @@ pub fn write_shard(
     let path = arr.chunk_path(chunk);
     let elem = arr.entry().dtype.size();
     if arr.uncompressed() {
-        return write_uncompressed(&path, src, src_box, chunk_box, &arr.entry().subchunk_shape, elem);
+        return write_uncompressed(
+            &path,
+            src,
+            src_box,
+            chunk_box,
+            &arr.entry().subchunk_shape,
+            elem,
+        );
     }
     let owned;
     let bytes = if src_box == chunk_box {
@@ -59,7 +66,8 @@ pub fn write_shard(
         .truncate(true)
         .open(&path)
         .map_err(StorageError::io("create", &path))?;
-    f.write_all(&encoded).map_err(StorageError::io("write", &path))?;
+    f.write_all(&encoded)
+        .map_err(StorageError::io("write", &path))?;
     start_writeback(&f);
     Ok(encoded.len() as u64)
 }
@@ -69,5 +77,7 @@ pub fn write_shard(
 /// # Errors
 /// I/O errors naming the path.
 pub fn sync_file(path: &Path) -> Result<(), StorageError> {
-    File::open(path).and_then(|f| f.sync_data()).map_err(StorageError::io("fsync", path))
+    File::open(path)
+        .and_then(|f| f.sync_data())
+        .map_err(StorageError::io("fsync", path))
 }

@@ -35,10 +35,22 @@ pub struct Limits {
 }
 
 /// Limits for the pure plan tests: many small-to-medium tensors, up to 8 ranks.
-pub const PLAN: Limits = Limits { max_dims: 4, max_dim: 64, max_elems: 4096, max_tensors: 4, max_world: 8 };
+pub const PLAN: Limits = Limits {
+    max_dims: 4,
+    max_dim: 64,
+    max_elems: 4096,
+    max_tensors: 4,
+    max_world: 8,
+};
 
 /// Limits for the storage round trips: small tensors, up to 5 ranks.
-pub const ROUNDTRIP: Limits = Limits { max_dims: 4, max_dim: 24, max_elems: 600, max_tensors: 4, max_world: 5 };
+pub const ROUNDTRIP: Limits = Limits {
+    max_dims: 4,
+    max_dim: 24,
+    max_elems: 600,
+    max_tensors: 4,
+    max_world: 5,
+};
 
 /// Most boxes one tiling makes.
 pub const MAX_BOXES: u64 = 16;
@@ -75,14 +87,19 @@ pub fn for_each_element(region: &Region, mut f: impl FnMut(&[u64])) {
 
 /// C-order linear index of `index` inside the box `within`.
 pub fn linear_in(index: &[u64], within: &Region) -> u64 {
-    index.iter().zip(&within.offset).zip(&within.shape).fold(0, |acc, ((i, o), s)| acc * s + (i - o))
+    index
+        .iter()
+        .zip(&within.offset)
+        .zip(&within.shape)
+        .fold(0, |acc, ((i, o), s)| acc * s + (i - o))
 }
 
 /// True when `inner` lies inside `outer` (same rank).
 pub fn inside(inner: &Region, outer: &Region) -> bool {
     inner.shape.len() == outer.shape.len()
         && (0..inner.shape.len()).all(|d| {
-            inner.offset[d] >= outer.offset[d] && inner.offset[d] + inner.shape[d] <= outer.offset[d] + outer.shape[d]
+            inner.offset[d] >= outer.offset[d]
+                && inner.offset[d] + inner.shape[d] <= outer.offset[d] + outer.shape[d]
         })
 }
 
@@ -128,7 +145,11 @@ fn clamp_shape(mut shape: Vec<u64>, l: Limits) -> Vec<u64> {
         *d = (*d).min(l.max_dim);
     }
     while numel(&shape) > l.max_elems {
-        let (i, _) = shape.iter().enumerate().max_by_key(|(_, d)| **d).expect("non-scalar");
+        let (i, _) = shape
+            .iter()
+            .enumerate()
+            .max_by_key(|(_, d)| **d)
+            .expect("non-scalar");
         shape[i] /= 2;
     }
     shape
@@ -137,8 +158,7 @@ fn clamp_shape(mut shape: Vec<u64>, l: Limits) -> Vec<u64> {
 /// A global shape with 0 to `max_dims` dimensions (mostly 1 to 3; size-1 and zero-size
 /// extents included).
 pub fn shape(l: Limits) -> impl Strategy<Value = Vec<u64>> {
-    let ndim =
-        prop_oneof![1 => Just(0usize), 3 => Just(1usize), 3 => Just(2usize), 2 => Just(3usize), 1 => Just(4usize)];
+    let ndim = prop_oneof![1 => Just(0usize), 3 => Just(1usize), 3 => Just(2usize), 2 => Just(3usize), 1 => Just(4usize)];
     (ndim, vec(extent(), l.max_dims)).prop_map(move |(n, mut s)| {
         s.truncate(n.min(l.max_dims));
         clamp_shape(s, l)
@@ -206,7 +226,9 @@ pub fn axis_boundaries(extent: u64, kind: AxisSplit, n: u64, cuts: &[u16]) -> Ve
         }
         AxisSplit::Cuts => {
             let n = n.min(extent.max(1));
-            let mut c: Vec<u64> = (0..n - 1).map(|i| cut_at(extent, cuts[i as usize % cuts.len()])).collect();
+            let mut c: Vec<u64> = (0..n - 1)
+                .map(|i| cut_at(extent, cuts[i as usize % cuts.len()]))
+                .collect();
             c.sort_unstable();
             c.dedup();
             b.extend(c);
@@ -269,10 +291,21 @@ pub fn resolve_tiling(shape: &[u64], raw: &TilingRaw) -> Vec<Region> {
 fn grid_boxes(bounds: &[Vec<u64>]) -> Vec<Region> {
     let counts: Vec<u64> = bounds.iter().map(|b| b.len() as u64 - 1).collect();
     let mut out = Vec::new();
-    let all = Region { offset: vec![0; counts.len()], shape: counts.clone() };
+    let all = Region {
+        offset: vec![0; counts.len()],
+        shape: counts.clone(),
+    };
     for_each_element(&all, |cell| {
-        let offset = cell.iter().zip(bounds).map(|(&c, b)| b[c as usize]).collect();
-        let shape = cell.iter().zip(bounds).map(|(&c, b)| b[c as usize + 1] - b[c as usize]).collect();
+        let offset = cell
+            .iter()
+            .zip(bounds)
+            .map(|(&c, b)| b[c as usize])
+            .collect();
+        let shape = cell
+            .iter()
+            .zip(bounds)
+            .map(|(&c, b)| b[c as usize + 1] - b[c as usize])
+            .collect();
         out.push(Region { offset, shape });
     });
     out
@@ -323,7 +356,11 @@ pub struct PieceCase {
 
 impl fmt::Debug for PieceCase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} main@{} on {:?}", self.region, self.main, self.holders)
+        write!(
+            f,
+            "{} main@{} on {:?}",
+            self.region, self.main, self.holders
+        )
     }
 }
 
@@ -349,18 +386,25 @@ pub fn resolve_placement(boxes: Vec<Region>, world: u32, raw: &PlacementRaw) -> 
                         (vec![i % world], i % world)
                     }
                 }
-                PlacementRaw::Everywhere { main } => {
-                    ((0..world).collect(), u32::from(main[i as usize % main.len()]) % world)
-                }
+                PlacementRaw::Everywhere { main } => (
+                    (0..world).collect(),
+                    u32::from(main[i as usize % main.len()]) % world,
+                ),
                 PlacementRaw::Random { boxes } => {
                     let (owner, copies, main) = boxes[i as usize % boxes.len()];
                     let owner = u32::from(owner) % world;
-                    let h: Vec<u32> = (0..world).filter(|&r| r == owner || (r < 8 && copies & (1 << r) != 0)).collect();
+                    let h: Vec<u32> = (0..world)
+                        .filter(|&r| r == owner || (r < 8 && copies & (1 << r) != 0))
+                        .collect();
                     let m = h[usize::from(main) % h.len()];
                     (h, m)
                 }
             };
-            PieceCase { region, main, holders }
+            PieceCase {
+                region,
+                main,
+                holders,
+            }
         })
         .collect()
 }
@@ -387,7 +431,11 @@ pub struct TensorCase {
 
 impl fmt::Debug for TensorCase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?} {} {:?}: {:?}", self.key, self.dtype, self.shape, self.pieces)?;
+        write!(
+            f,
+            "{:?} {} {:?}: {:?}",
+            self.key, self.dtype, self.shape, self.pieces
+        )?;
         if !self.strays.is_empty() {
             write!(f, " strays:")?;
             for (r, b) in &self.strays {
@@ -426,7 +474,11 @@ pub struct SaveCase {
 
 impl fmt::Debug for SaveCase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "SaveCase {{ world: {}, rotate: {}, tensors: [", self.world, self.rotate)?;
+        writeln!(
+            f,
+            "SaveCase {{ world: {}, rotate: {}, tensors: [",
+            self.world, self.rotate
+        )?;
         for t in &self.tensors {
             writeln!(f, "    {t:?}")?;
         }
@@ -485,10 +537,20 @@ pub fn box_in(shape: &[u64], pos: &[(u16, u16)]) -> Region {
 }
 
 /// Raw parameters of one tensor, placed as `placement` draws.
-pub fn tensor_raw_with(l: Limits, placement: impl Strategy<Value = PlacementRaw>) -> impl Strategy<Value = TensorRaw> {
+pub fn tensor_raw_with(
+    l: Limits,
+    placement: impl Strategy<Value = PlacementRaw>,
+) -> impl Strategy<Value = TensorRaw> {
     let strays = prop_oneof![4 => Just(Vec::new()), 1 => vec((any::<u8>(), box_pos()), 1..=2)];
-    (dtype(), shape(l), tiling_raw(), placement, strays)
-        .prop_map(|(dtype, shape, tiling, placement, strays)| TensorRaw { dtype, shape, tiling, placement, strays })
+    (dtype(), shape(l), tiling_raw(), placement, strays).prop_map(
+        |(dtype, shape, tiling, placement, strays)| TensorRaw {
+            dtype,
+            shape,
+            tiling,
+            placement,
+            strays,
+        },
+    )
 }
 
 /// Resolves one tensor of a save case.
@@ -498,11 +560,20 @@ pub fn resolve_tensor(i: usize, world: u32, raw: &TensorRaw) -> TensorCase {
     let mut strays: Vec<(u32, Region)> = Vec::new();
     for (r, pos) in &raw.strays {
         let stray = (u32::from(*r) % world, box_in(&raw.shape, pos));
-        if !stray.1.is_empty() && !pieces.iter().any(|p| p.region == stray.1) && !strays.contains(&stray) {
+        if !stray.1.is_empty()
+            && !pieces.iter().any(|p| p.region == stray.1)
+            && !strays.contains(&stray)
+        {
             strays.push(stray);
         }
     }
-    TensorCase { key: key_of(i), dtype: raw.dtype, shape: raw.shape.clone(), pieces, strays }
+    TensorCase {
+        key: key_of(i),
+        dtype: raw.dtype,
+        shape: raw.shape.clone(),
+        pieces,
+        strays,
+    }
 }
 
 /// Save cases on `min_world..=l.max_world` ranks, any placement.
@@ -516,12 +587,23 @@ pub fn save_case_with(
     min_world: u32,
     placement: impl Strategy<Value = PlacementRaw>,
 ) -> impl Strategy<Value = SaveCase> {
-    (min_world..=l.max_world, vec(tensor_raw_with(l, placement), 1..=l.max_tensors), any::<bool>()).prop_map(
-        |(world, raws, rotate)| {
-            let tensors = raws.iter().enumerate().map(|(i, raw)| resolve_tensor(i, world, raw)).collect();
-            SaveCase { world, tensors, rotate }
-        },
+    (
+        min_world..=l.max_world,
+        vec(tensor_raw_with(l, placement), 1..=l.max_tensors),
+        any::<bool>(),
     )
+        .prop_map(|(world, raws, rotate)| {
+            let tensors = raws
+                .iter()
+                .enumerate()
+                .map(|(i, raw)| resolve_tensor(i, world, raw))
+                .collect();
+            SaveCase {
+                world,
+                tensors,
+                rotate,
+            }
+        })
 }
 
 impl SaveCase {
@@ -534,8 +616,16 @@ impl SaveCase {
             for p in &t.pieces {
                 if let Some(i) = p.holders.iter().position(|&h| h == r) {
                     let replica = if p.main == r { 0 } else { 1 + i as u32 };
-                    let held = Held { tensor: ti, region: p.region.clone(), main: p.main == r, replica };
-                    match out.iter_mut().find(|h| h.tensor == ti && h.region == p.region) {
+                    let held = Held {
+                        tensor: ti,
+                        region: p.region.clone(),
+                        main: p.main == r,
+                        replica,
+                    };
+                    match out
+                        .iter_mut()
+                        .find(|h| h.tensor == ti && h.region == p.region)
+                    {
                         Some(h) if held.main => *h = held,
                         Some(_) => {}
                         None => out.push(held),
@@ -544,7 +634,12 @@ impl SaveCase {
             }
             for (sr, b) in &t.strays {
                 if *sr == r {
-                    out.push(Held { tensor: ti, region: b.clone(), main: false, replica: u32::MAX });
+                    out.push(Held {
+                        tensor: ti,
+                        region: b.clone(),
+                        main: false,
+                        replica: u32::MAX,
+                    });
                 }
             }
         }
@@ -572,7 +667,11 @@ impl SaveCase {
                         });
                         layout.tensors.len() as u32 - 1
                     });
-                    layout.pieces.push(PieceDecl { tensor: id, region: h.region, main: h.main });
+                    layout.pieces.push(PieceDecl {
+                        tensor: id,
+                        region: h.region,
+                        main: h.main,
+                    });
                 }
                 layout
             })
@@ -600,8 +699,18 @@ pub struct LoadRaw {
 
 /// Raw load requests.
 pub fn load_raw() -> impl Strategy<Value = LoadRaw> {
-    (tiling_raw(), any::<u8>(), prop::bool::weighted(0.2), vec((any::<u8>(), box_pos()), 0..=3))
-        .prop_map(|(tiling, shift, whole, extra)| LoadRaw { tiling, shift, whole, extra })
+    (
+        tiling_raw(),
+        any::<u8>(),
+        prop::bool::weighted(0.2),
+        vec((any::<u8>(), box_pos()), 0..=3),
+    )
+        .prop_map(|(tiling, shift, whole, extra)| LoadRaw {
+            tiling,
+            shift,
+            whole,
+            extra,
+        })
 }
 
 /// A load topology: for each rank, the boxes it requests, as `(tensor index, box)`.

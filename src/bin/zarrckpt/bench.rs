@@ -97,7 +97,11 @@ fn raw_write(dir: &Path, total: u64, streams: usize) -> anyhow::Result<f64> {
                 let path = dir.join(format!("raw-{i}"));
                 let block = &block;
                 s.spawn(move || -> anyhow::Result<()> {
-                    let mut f = OpenOptions::new().write(true).create(true).truncate(true).open(&path)?;
+                    let mut f = OpenOptions::new()
+                        .write(true)
+                        .create(true)
+                        .truncate(true)
+                        .open(&path)?;
                     let mut left = per;
                     while left > 0 {
                         let n = left.min(block.len() as u64) as usize;
@@ -110,7 +114,8 @@ fn raw_write(dir: &Path, total: u64, streams: usize) -> anyhow::Result<f64> {
             })
             .collect();
         for h in handles {
-            h.join().map_err(|_| anyhow::anyhow!("writer thread panicked"))??;
+            h.join()
+                .map_err(|_| anyhow::anyhow!("writer thread panicked"))??;
         }
         Ok(())
     })?;
@@ -160,7 +165,8 @@ fn raw_read(files: &[(PathBuf, u64)], streams: usize) -> anyhow::Result<f64> {
             })
             .collect();
         for h in handles {
-            h.join().map_err(|_| anyhow::anyhow!("reader thread panicked"))??;
+            h.join()
+                .map_err(|_| anyhow::anyhow!("reader thread panicked"))??;
         }
         Ok(())
     })?;
@@ -192,9 +198,13 @@ fn run_ranks(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<(Vec<Valu
     } else {
         let before = rss::current();
         let reset = rss::reset_peak();
-        let results = run_local(world as usize, Duration::from_secs(600), |comm| worker::run_rank(w, &comm));
+        let results = run_local(world as usize, Duration::from_secs(600), |comm| {
+            worker::run_rank(w, &comm)
+        });
         let peak = if reset { rss::peak() } else { 0 };
-        let reports = results.into_iter().collect::<anyhow::Result<Vec<Value>>>()?;
+        let reports = results
+            .into_iter()
+            .collect::<anyhow::Result<Vec<Value>>>()?;
         Ok((reports, peak, before))
     }
 }
@@ -230,11 +240,17 @@ fn worker_args(w: &worker::Args) -> Vec<OsString> {
 }
 
 fn sum(reports: &[Value], field: &str) -> u64 {
-    reports.iter().filter_map(|r| r.get(field).and_then(Value::as_u64)).sum()
+    reports
+        .iter()
+        .filter_map(|r| r.get(field).and_then(Value::as_u64))
+        .sum()
 }
 
 fn max_secs(reports: &[Value]) -> f64 {
-    reports.iter().filter_map(|r| r.get("secs").and_then(Value::as_f64)).fold(0.0, f64::max)
+    reports
+        .iter()
+        .filter_map(|r| r.get("secs").and_then(Value::as_f64))
+        .fold(0.0, f64::max)
 }
 
 struct LoadRun {
@@ -252,15 +268,17 @@ fn load_run(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<LoadRun> {
     let (reports, peak, before) = run_ranks(a, w, world)?;
     let loaded = sum(&reports, "loaded_bytes");
     let (peak, overhead) = if a.processes {
-        let worst = reports
+        reports
             .iter()
             .map(|r| {
                 let p = r.get("peak_rss").and_then(Value::as_u64).unwrap_or(0);
-                (p, p.saturating_sub(r.get("loaded_bytes").and_then(Value::as_u64).unwrap_or(0)))
+                (
+                    p,
+                    p.saturating_sub(r.get("loaded_bytes").and_then(Value::as_u64).unwrap_or(0)),
+                )
             })
             .max_by_key(|x| x.1)
-            .unwrap_or((0, 0));
-        worst
+            .unwrap_or((0, 0))
     } else {
         // The in-process ranks allocate their buffers inside the run: count them as loaded.
         if std::env::var_os("ZARRCKPT_BENCH_DEBUG").is_some() {
@@ -275,7 +293,9 @@ fn load_run(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<LoadRun> {
         received: sum(&reports, "bytes_received"),
         overhead,
         peak,
-        verified: reports.iter().all(|r| r.get("verified").and_then(Value::as_bool) == Some(true)),
+        verified: reports
+            .iter()
+            .all(|r| r.get("verified").and_then(Value::as_bool) == Some(true)),
     })
 }
 
@@ -290,7 +310,13 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let bytes = model.nbytes();
     let (n, m, dp) = (a.save_ranks, a.load_ranks, a.dp);
     let (save_world, load_world) = (n * dp, m * dp);
-    let threads = |world: u64| if a.io_threads > 0 { a.io_threads } else { (cores() / world as usize).max(1) };
+    let threads = |world: u64| {
+        if a.io_threads > 0 {
+            a.io_threads
+        } else {
+            (cores() / world as usize).max(1)
+        }
+    };
     let say = |s: String| {
         if !a.json {
             println!("{s}");
@@ -300,7 +326,11 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         "model: {} tensors, {} ({bytes} bytes); save {n}x{dp} ranks, load {m}x{dp} ranks (tp x dp) as {}; {} cores; dir {}",
         model.tensors.len(),
         human(bytes),
-        if a.processes { "processes over TCP" } else { "threads" },
+        if a.processes {
+            "processes over TCP"
+        } else {
+            "threads"
+        },
         cores(),
         a.dir.display()
     ));
@@ -333,7 +363,11 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         let (reports, _, _) = run_ranks(a, &base, save_world)?;
         let secs = max_secs(&reports);
         file_bytes = sum(&reports, "file_bytes");
-        balance = reports.first().and_then(|r| r.get("write_balance")).and_then(Value::as_f64).unwrap_or(1.0);
+        balance = reports
+            .first()
+            .and_then(|r| r.get("write_balance"))
+            .and_then(Value::as_f64)
+            .unwrap_or(1.0);
         sync_all();
         let one = raw_write(&rawdir, file_bytes, 1)?;
         sync_all();
@@ -353,8 +387,17 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     // ---- load: (raw, zarrckpt[, zarrckpt without exchange]) ----
     let mut files = Vec::new();
     files_under(&ckpt, &mut files)?;
-    let load_args = worker::Args { job: Job::Load, tp: m, io_threads: threads(load_world), overwrite: false, ..base.clone() };
-    let plain_args = worker::Args { no_exchange: true, ..load_args.clone() };
+    let load_args = worker::Args {
+        job: Job::Load,
+        tp: m,
+        io_threads: threads(load_world),
+        overwrite: false,
+        ..base.clone()
+    };
+    let plain_args = worker::Args {
+        no_exchange: true,
+        ..load_args.clone()
+    };
     let mut load_rounds = Vec::new();
     let mut plain_rounds = Vec::new();
     let mut last = None;
@@ -394,13 +437,38 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     }
     let run = last.context("no load round ran")?;
 
-    let save_gbps = median(save_rounds.iter().map(|p| bytes as f64 / p.0 / 1e9).collect());
-    let raw_write_gbps = median(save_rounds.iter().map(|p| file_bytes as f64 / p.1 / 1e9).collect());
+    let save_gbps = median(
+        save_rounds
+            .iter()
+            .map(|p| bytes as f64 / p.0 / 1e9)
+            .collect(),
+    );
+    let raw_write_gbps = median(
+        save_rounds
+            .iter()
+            .map(|p| file_bytes as f64 / p.1 / 1e9)
+            .collect(),
+    );
     let save_ratio = median(save_rounds.iter().map(|p| p.1 / p.0).collect());
-    let load_gbps = median(load_rounds.iter().map(|p| run.loaded as f64 / p.0 / 1e9).collect());
-    let raw_read_gbps = median(load_rounds.iter().map(|p| file_bytes as f64 / p.1 / 1e9).collect());
+    let load_gbps = median(
+        load_rounds
+            .iter()
+            .map(|p| run.loaded as f64 / p.0 / 1e9)
+            .collect(),
+    );
+    let raw_read_gbps = median(
+        load_rounds
+            .iter()
+            .map(|p| file_bytes as f64 / p.1 / 1e9)
+            .collect(),
+    );
     // Rates, not times: the load fills `loaded` bytes while the raw read moves `file_bytes`.
-    let load_ratio = median(load_rounds.iter().map(|p| (run.loaded as f64 / p.0) / (file_bytes as f64 / p.1)).collect());
+    let load_ratio = median(
+        load_rounds
+            .iter()
+            .map(|p| (run.loaded as f64 / p.0) / (file_bytes as f64 / p.1))
+            .collect(),
+    );
     let needed = run.loaded as f64 / dp as f64;
     let amplification = run.read as f64 / needed;
     let mut doc = json!({
@@ -414,7 +482,12 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         "load_rounds": load_rounds.iter().map(|p| json!({"zarrckpt_s": p.0, "raw_s": p.1})).collect::<Vec<_>>(),
     });
     if dp > 1 {
-        let plain_gbps = median(plain_rounds.iter().map(|p| run.loaded as f64 / p.0 / 1e9).collect());
+        let plain_gbps = median(
+            plain_rounds
+                .iter()
+                .map(|p| run.loaded as f64 / p.0 / 1e9)
+                .collect(),
+        );
         let plain_read = plain_rounds.last().map_or(0, |p| p.1);
         doc["load_no_exchange_gbps"] = json!(plain_gbps);
         doc["read_amplification_no_exchange"] = json!(plain_read as f64 / needed);
@@ -426,13 +499,20 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             "\nmedians: save {save_gbps:.2} GB/s vs raw write+fsync {raw_write_gbps:.2} GB/s -> {:.0}% (target 85%)",
             save_ratio * 100.0
         );
-        println!("         load {load_gbps:.2} GB/s vs raw page-cache read {raw_read_gbps:.2} GB/s -> {:.0}% (target 80%)", load_ratio * 100.0);
-        println!("         bytes read from storage / bytes needed {amplification:.4} (target <= 1.05)");
+        println!(
+            "         load {load_gbps:.2} GB/s vs raw page-cache read {raw_read_gbps:.2} GB/s -> {:.0}% (target 80%)",
+            load_ratio * 100.0
+        );
+        println!(
+            "         bytes read from storage / bytes needed {amplification:.4} (target <= 1.05)"
+        );
         if dp > 1 {
             println!(
                 "         without exchange: {:.2} GB/s, bytes read / bytes needed {:.4}",
                 doc["load_no_exchange_gbps"].as_f64().unwrap_or(0.0),
-                doc["read_amplification_no_exchange"].as_f64().unwrap_or(0.0)
+                doc["read_amplification_no_exchange"]
+                    .as_f64()
+                    .unwrap_or(0.0)
             );
         }
         println!(
@@ -441,7 +521,14 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             human(run.loaded),
             human(run.overhead)
         );
-        println!("         every loaded byte verified: {}", if verified { "yes" } else { "NO" });
+        println!(
+            "         every loaded byte verified: {}",
+            if verified { "yes" } else { "NO" }
+        );
     }
-    Ok(if verified { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if verified {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

@@ -53,10 +53,30 @@ fn model(n: u64, pp: u64) -> Vec<Tensor> {
     (0..n)
         .map(|i| {
             let (name, dtype, shape, split) = match i % 5 {
-                0 => ("self_attention.linear_qkv.weight", DType::BFloat16, vec![3 * h, h], Some(0)),
-                1 => ("self_attention.linear_proj.weight", DType::BFloat16, vec![h, h], Some(1)),
-                2 => ("mlp.linear_fc1.weight", DType::BFloat16, vec![4 * h, h], Some(0)),
-                3 => ("mlp.linear_fc2.weight", DType::BFloat16, vec![h, 4 * h], Some(1)),
+                0 => (
+                    "self_attention.linear_qkv.weight",
+                    DType::BFloat16,
+                    vec![3 * h, h],
+                    Some(0),
+                ),
+                1 => (
+                    "self_attention.linear_proj.weight",
+                    DType::BFloat16,
+                    vec![h, h],
+                    Some(1),
+                ),
+                2 => (
+                    "mlp.linear_fc1.weight",
+                    DType::BFloat16,
+                    vec![4 * h, h],
+                    Some(0),
+                ),
+                3 => (
+                    "mlp.linear_fc2.weight",
+                    DType::BFloat16,
+                    vec![h, 4 * h],
+                    Some(1),
+                ),
                 _ => ("input_layernorm.weight", DType::Float32, vec![h], None),
             };
             Tensor {
@@ -85,8 +105,16 @@ fn layout(m: &[Tensor], tp: u64, t: u64, s: u64, d: u64) -> RankLayout {
             None => d == 0 && t == 0,
         };
         let idx = u32::try_from(l.tensors.len()).unwrap_or(u32::MAX);
-        l.tensors.push(TensorDecl { key: x.key.clone(), dtype: x.dtype, global_shape: x.shape.clone() });
-        l.pieces.push(PieceDecl { tensor: idx, region, main });
+        l.tensors.push(TensorDecl {
+            key: x.key.clone(),
+            dtype: x.dtype,
+            global_shape: x.shape.clone(),
+        });
+        l.pieces.push(PieceDecl {
+            tensor: idx,
+            region,
+            main,
+        });
     }
     l
 }
@@ -101,12 +129,17 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     for &world in &a.ranks {
         for &pp in &a.pp {
             if world % (a.tp * pp) != 0 {
-                bail!("world size {world} is not a multiple of tp {} x pp {pp}", a.tp);
+                bail!(
+                    "world size {world} is not a multiple of tp {} x pp {pp}",
+                    a.tp
+                );
             }
             let dp = world / (a.tp * pp);
             let m = model(a.tensors, pp);
             // Distinct layouts: (tp rank, stage, main or not); every rank's hash.
-            let mut distinct: HashMap<(u64, u64, bool), (Vec<u8>, [u8; 16])> = HashMap::new();
+            // (tp rank, stage, main) -> (encoded layout, hash)
+            type Distinct = HashMap<(u64, u64, bool), (Vec<u8>, [u8; 16])>;
+            let mut distinct: Distinct = HashMap::new();
             let mut hashes = Vec::with_capacity(world as usize);
             let mut sizes = Vec::with_capacity(world as usize);
             for r in 0..world {
@@ -123,7 +156,11 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             let blobs: Vec<Vec<u8>> = (0..world as usize)
                 .map(|r| {
                     if reps[r] {
-                        let (t, s, d) = (r as u64 % a.tp, (r as u64 / a.tp) % pp, r as u64 / (a.tp * pp));
+                        let (t, s, d) = (
+                            r as u64 % a.tp,
+                            (r as u64 / a.tp) % pp,
+                            r as u64 / (a.tp * pp),
+                        );
                         distinct[&(t, s, d == 0)].0.clone()
                     } else {
                         Vec::new()
@@ -146,7 +183,10 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
                 let _ = RankLayout::hash_bytes(&own);
                 let g = GatheredLayouts::from_parts(&hashes, &blobs)?;
                 let plan = SavePlan::build(&g, &SavePlanOptions::default())?;
-                writes = plan.tasks_for(u32::try_from(me).unwrap_or(u32::MAX)).writes.len();
+                writes = plan
+                    .tasks_for(u32::try_from(me).unwrap_or(u32::MAX))
+                    .writes
+                    .len();
                 save_times.push(t0.elapsed().as_secs_f64());
                 balance = plan.write_balance();
                 // The load side: the same layout asked back, each box read once per group.
@@ -193,7 +233,10 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         }
     }
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&json!({ "runs": rows }))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({ "runs": rows }))?
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

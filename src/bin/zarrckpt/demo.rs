@@ -39,11 +39,17 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         model.tensors.len(),
         human(model.nbytes())
     );
-    let save_topo = Topology { tp: a.save_ranks, dp: 1 };
+    let save_topo = Topology {
+        tp: a.save_ranks,
+        dp: 1,
+    };
     let t0 = Instant::now();
     let reports = run_local(a.save_ranks as usize, Duration::from_secs(120), |comm| {
         let held = Held::generate(&model, save_topo, comm.rank() as u64);
-        let mut opts = SaveOptions { overwrite: true, ..Default::default() };
+        let mut opts = SaveOptions {
+            overwrite: true,
+            ..Default::default()
+        };
         opts.user_metadata.insert("step".into(), 1000.into());
         save(&held.sharded(&model), &a.dir, &comm, &opts)
     });
@@ -59,14 +65,26 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         a.dir.display()
     );
 
-    let load_topo = Topology { tp: a.load_ranks, dp: 1 };
+    let load_topo = Topology {
+        tp: a.load_ranks,
+        dp: 1,
+    };
     let t0 = Instant::now();
-    let results = run_local(a.load_ranks as usize, Duration::from_secs(120), |comm| -> anyhow::Result<(u64, u64)> {
-        let mut wanted = Wanted::allocate(&model, load_topo, comm.rank() as u64);
-        let report = load(&mut wanted.targets(&model), &a.dir, &comm, &LoadOptions::default())?;
-        wanted.check(&model).map_err(anyhow::Error::msg)?;
-        Ok((report.loaded_bytes, report.bytes_read))
-    });
+    let results = run_local(
+        a.load_ranks as usize,
+        Duration::from_secs(120),
+        |comm| -> anyhow::Result<(u64, u64)> {
+            let mut wanted = Wanted::allocate(&model, load_topo, comm.rank() as u64);
+            let report = load(
+                &mut wanted.targets(&model),
+                &a.dir,
+                &comm,
+                &LoadOptions::default(),
+            )?;
+            wanted.check(&model).map_err(anyhow::Error::msg)?;
+            Ok((report.loaded_bytes, report.bytes_read))
+        },
+    );
     let (mut loaded, mut read) = (0, 0);
     for r in results {
         let (l, rd) = r.context("load")?;
@@ -83,10 +101,23 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         read as f64 / loaded.max(1) as f64
     );
     let ckpt = Checkpoint::open(&a.dir)?;
-    println!("\n{} holds {} Zarr v3 arrays; the first few:", a.dir.display(), ckpt.tensors().len());
+    println!(
+        "\n{} holds {} Zarr v3 arrays; the first few:",
+        a.dir.display(),
+        ckpt.tensors().len()
+    );
     for t in ckpt.tensors().iter().take(6) {
-        println!("  {:<58} {:<9} shape {:?} chunks {:?}", t.key.as_str(), t.dtype.name(), t.shape, t.chunk_shape);
+        println!(
+            "  {:<58} {:<9} shape {:?} chunks {:?}",
+            t.key.as_str(),
+            t.dtype.name(),
+            t.shape,
+            t.chunk_shape
+        );
     }
-    println!("\nnext: zarrckpt inspect {d}   |   zarrckpt verify {d}", d = a.dir.display());
+    println!(
+        "\nnext: zarrckpt inspect {d}   |   zarrckpt verify {d}",
+        d = a.dir.display()
+    );
     Ok(ExitCode::SUCCESS)
 }

@@ -81,12 +81,18 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             (t.key.to_string(), lazy)
         })
         .collect();
-    let meta: Option<HashMap<String, String>> = ckpt.meta().user.get("safetensors_metadata").and_then(|m| {
-        m.as_object().map(|o| o.iter().filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_owned()))).collect())
-    });
+    let meta: Option<HashMap<String, String>> =
+        ckpt.meta().user.get("safetensors_metadata").and_then(|m| {
+            m.as_object().map(|o| {
+                o.iter()
+                    .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_owned())))
+                    .collect()
+            })
+        });
     let t0 = Instant::now();
     let tmp = a.out.with_extension("safetensors.partial");
-    safetensors::serialize_to_file(views, meta, &tmp).with_context(|| format!("write {}", tmp.display()))?;
+    safetensors::serialize_to_file(views, meta, &tmp)
+        .with_context(|| format!("write {}", tmp.display()))?;
     pb.finish_and_clear();
     if let Some(e) = error.into_inner() {
         let _ = std::fs::remove_file(&tmp);

@@ -132,33 +132,70 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let mut sources: BTreeMap<String, Source> = BTreeMap::new();
     let mut st_meta = serde_json::Map::new();
     for (fi, (st, path)) in parsed.iter().zip(&a.files).enumerate() {
-        let (_, header) = SafeTensors::read_metadata(&maps[fi]).with_context(|| format!("parse {}", path.display()))?;
+        let (_, header) = SafeTensors::read_metadata(&maps[fi])
+            .with_context(|| format!("parse {}", path.display()))?;
         if let Some(m) = header.metadata() {
             for (k, v) in m {
                 st_meta.insert(k.clone(), v.clone().into());
             }
         }
         for (name, view) in st.tensors() {
-            let dtype = dtype_of(view.dtype())
-                .with_context(|| format!("{}: tensor `{name}` has unsupported dtype {:?}", path.display(), view.dtype()))?;
-            let key = TensorKey::new(name.clone()).with_context(|| format!("{}: tensor name `{name}`", path.display()))?;
+            let dtype = dtype_of(view.dtype()).with_context(|| {
+                format!(
+                    "{}: tensor `{name}` has unsupported dtype {:?}",
+                    path.display(),
+                    view.dtype()
+                )
+            })?;
+            let key = TensorKey::new(name.clone())
+                .with_context(|| format!("{}: tensor name `{name}`", path.display()))?;
             let shape = view.shape().iter().map(|&d| d as u64).collect();
-            let prev = sources.insert(name.clone(), Source { key, dtype, shape, file: fi, name: name.clone() });
+            let prev = sources.insert(
+                name.clone(),
+                Source {
+                    key,
+                    dtype,
+                    shape,
+                    file: fi,
+                    name: name.clone(),
+                },
+            );
             if let Some(prev) = prev {
-                bail!("tensor `{name}` appears in both {} and {}", a.files[prev.file].display(), path.display());
+                bail!(
+                    "tensor `{name}` appears in both {} and {}",
+                    a.files[prev.file].display(),
+                    path.display()
+                );
             }
         }
     }
-    let total: u64 = sources.values().map(|s| s.shape.iter().product::<u64>() * s.dtype.size() as u64).sum();
+    let total: u64 = sources
+        .values()
+        .map(|s| s.shape.iter().product::<u64>() * s.dtype.size() as u64)
+        .sum();
     let pb = progress::bytes(total, "import");
-    let mut opts = SaveOptions { overwrite: a.overwrite, compression, progress: Some(progress::callback(&pb)), ..Default::default() };
-    opts.user_metadata.insert("source".into(), "safetensors".into());
+    let mut opts = SaveOptions {
+        overwrite: a.overwrite,
+        compression,
+        progress: Some(progress::callback(&pb)),
+        ..Default::default()
+    };
+    opts.user_metadata
+        .insert("source".into(), "safetensors".into());
     opts.user_metadata.insert(
         "files".into(),
-        a.files.iter().map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()).collect(),
+        a.files
+            .iter()
+            .map(|p| {
+                p.file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default()
+            })
+            .collect(),
     );
     if !st_meta.is_empty() {
-        opts.user_metadata.insert("safetensors_metadata".into(), st_meta.into());
+        opts.user_metadata
+            .insert("safetensors_metadata".into(), st_meta.into());
     }
     let t0 = Instant::now();
     let n = a.ranks;
@@ -175,10 +212,20 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             let (start, len) = if s.shape.is_empty() {
                 (0, elem)
             } else {
-                (region.offset[0] as usize * row, region.shape[0] as usize * row)
+                (
+                    region.offset[0] as usize * row,
+                    region.shape[0] as usize * row,
+                )
             };
             let data = &view.data()[start..start + len];
-            pieces.push(ShardedTensor::new(s.key.clone(), s.dtype, s.shape.clone(), region, replica, data)?);
+            pieces.push(ShardedTensor::new(
+                s.key.clone(),
+                s.dtype,
+                s.shape.clone(),
+                region,
+                replica,
+                data,
+            )?);
         }
         save(&pieces, &a.out, &comm, &opts)
     });

@@ -17,7 +17,9 @@ pub struct Args {
 }
 
 fn dir_bytes(p: &Path) -> u64 {
-    let Ok(rd) = std::fs::read_dir(p) else { return 0 };
+    let Ok(rd) = std::fs::read_dir(p) else {
+        return 0;
+    };
     rd.flatten()
         .map(|e| match e.file_type() {
             Ok(t) if t.is_dir() => dir_bytes(&e.path()),
@@ -28,7 +30,10 @@ fn dir_bytes(p: &Path) -> u64 {
 }
 
 fn dims(v: &[u64]) -> String {
-    format!("[{}]", v.iter().map(u64::to_string).collect::<Vec<_>>().join(", "))
+    format!(
+        "[{}]",
+        v.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
+    )
 }
 
 /// Formats bytes for people.
@@ -40,7 +45,11 @@ pub fn human(b: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{b} B") } else { format!("{v:.1} {}", units[u]) }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", units[u])
+    }
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
@@ -70,12 +79,30 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!("{}: {} {} written by {} ({} ranks)", a.ckpt.display(), meta.format, meta.version, meta.writer, meta.world_size);
+    println!(
+        "{}: {} {} written by {} ({} ranks)",
+        a.ckpt.display(),
+        meta.format,
+        meta.version,
+        meta.writer,
+        meta.world_size
+    );
     if !meta.user.is_empty() {
-        println!("user metadata: {}", serde_json::Value::Object(meta.user.clone()));
+        println!(
+            "user metadata: {}",
+            serde_json::Value::Object(meta.user.clone())
+        );
     }
-    let kw = tensors.iter().map(|t| t.key.as_str().len()).max().unwrap_or(3).clamp(3, 70);
-    println!("{:<kw$}  {:<13} {:<18} {:<18} {:<18} {:>6} {:>10}", "key", "dtype", "shape", "chunk", "subchunk", "chunks", "size");
+    let kw = tensors
+        .iter()
+        .map(|t| t.key.as_str().len())
+        .max()
+        .unwrap_or(3)
+        .clamp(3, 70);
+    println!(
+        "{:<kw$}  {:<13} {:<18} {:<18} {:<18} {:>6} {:>10}",
+        "key", "dtype", "shape", "chunk", "subchunk", "chunks", "size"
+    );
     for t in &tensors {
         println!(
             "{:<kw$}  {:<13} {:<18} {:<18} {:<18} {:>6} {:>10}",
@@ -88,6 +115,12 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             human(t.nbytes)
         );
     }
-    println!("total: {} tensors, {} chunk files, {} of data, {} on disk", tensors.len(), chunks, human(total), human(on_disk));
+    println!(
+        "total: {} tensors, {} chunk files, {} of data, {} on disk",
+        tensors.len(),
+        chunks,
+        human(total),
+        human(on_disk)
+    );
     Ok(ExitCode::SUCCESS)
 }

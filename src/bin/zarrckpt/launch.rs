@@ -38,7 +38,11 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     opts.fail_fast = !a.no_fail_fast;
     match launch(a.n, &a.command, &opts) {
         Ok(summary) => {
-            eprintln!("launch: {} ranks exited 0 in {:.2} s", a.n, summary.elapsed.as_secs_f64());
+            eprintln!(
+                "launch: {} ranks exited 0 in {:.2} s",
+                a.n,
+                summary.elapsed.as_secs_f64()
+            );
             Ok(ExitCode::SUCCESS)
         }
         Err(e @ LaunchError::RankFailed { .. }) => {

@@ -27,7 +27,12 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let report = ckpt.verify(a.threads, Some(&inc))?;
     pb.finish_and_clear();
     for p in &report.problems {
-        eprintln!("PROBLEM tensor `{}` chunk {:?}: {}", p.key, p.chunk.as_deref().unwrap_or(&[]), p.error);
+        eprintln!(
+            "PROBLEM tensor `{}` chunk {:?}: {}",
+            p.key,
+            p.chunk.as_deref().unwrap_or(&[]),
+            p.error
+        );
     }
     let secs = t0.elapsed().as_secs_f64();
     if report.problems.is_empty() {
@@ -39,7 +44,12 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         );
         Ok(ExitCode::SUCCESS)
     } else {
-        println!("FAILED: {} problem(s) in {} tensors / {} chunks", report.problems.len(), report.tensors, report.chunks);
+        println!(
+            "FAILED: {} problem(s) in {} tensors / {} chunks",
+            report.problems.len(),
+            report.tensors,
+            report.chunks
+        );
         Ok(ExitCode::FAILURE)
     }
 }

@@ -144,15 +144,24 @@ pub fn run_rank(a: &Args, comm: &dyn Communicator) -> anyhow::Result<serde_json:
 /// Writes a rank's report next to `path`.
 pub fn write_report(path: &Path, rank: usize, report: &serde_json::Value) -> anyhow::Result<()> {
     let p = path.with_extension(format!("{rank}"));
-    std::fs::write(&p, serde_json::to_vec(report)?).with_context(|| format!("write {}", p.display()))
+    std::fs::write(&p, serde_json::to_vec(report)?)
+        .with_context(|| format!("write {}", p.display()))
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
-    let comm = TcpComm::from_env().context("worker must run under `zarrckpt launch` (or torchrun-style environment)")?;
+    let comm = TcpComm::from_env()
+        .context("worker must run under `zarrckpt launch` (or torchrun-style environment)")?;
     let report = run_rank(a, &comm)?;
     if let Some(p) = &a.report {
         write_report(p, comm.rank(), &report)?;
     }
-    let ok = report.get("verified").and_then(serde_json::Value::as_bool).unwrap_or(true);
-    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    let ok = report
+        .get("verified")
+        .and_then(serde_json::Value::as_bool)
+        .unwrap_or(true);
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
