@@ -8,3 +8,7 @@ ZARRCKPT_PYTHON="$(scripts/setup-venv.sh | tail -n1)"
 ZARRCKPT_TEST_MODEL="$(scripts/fetch-test-model.sh | tail -n1)"
 export ZARRCKPT_PYTHON ZARRCKPT_TEST_MODEL
 cargo test --release --locked "$@"
+# The code stays formatted, lint-free and documented.
+cargo fmt --check
+cargo clippy --release --locked --all-targets -- -D warnings
+RUSTDOCFLAGS="-D warnings" cargo doc --release --locked --no-deps

@@ -73,7 +73,7 @@ impl Checkpoint {
     /// Opens a committed checkpoint (reads only the root `zarr.json`).
     ///
     /// # Errors
-    /// [`StorageError::Incomplete`] for a save that never committed, and the other index
+    /// [`crate::storage::StorageError::Incomplete`] for a save that never committed, and the other index
     /// errors of the storage layer.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_owned();
