@@ -15,7 +15,7 @@ use crate::plan::exchange::{ExchangePlan, SharedRead};
 use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
 use crate::plan::load::{ShardRead, StoredGeometry};
 use crate::save::{Progress, agree, gather_layouts, io_pool};
-use crate::storage::read::{ReadCounters, read_shard};
+use crate::storage::read::{ReadCounters, read_shard, with_scratch};
 use crate::storage::{CheckpointMeta, TensorArray, commit};
 
 /// How to treat keys requested but absent ("unexpected", per rank) and keys present but
@@ -354,23 +354,23 @@ pub fn load(
         }
         let pool = io_pool(opts.io_threads)?;
         pool.install(|| {
-            items
-                .par_iter()
-                .try_for_each_init(Vec::new, |scratch, (i, shard)| {
-                    let (arr, geom) = &arrays[&keys[*i]];
-                    // SAFETY: the shards of one target are disjoint boxes, so the items of one
-                    // target write disjoint bytes of its buffer; targets own distinct buffers.
-                    unsafe { read_shard(arr, geom, shard, dests[*i], scratch, &counters) }?;
-                    if let Some(p) = &opts.progress {
-                        let n: u64 = shard
-                            .subchunks
-                            .iter()
-                            .map(|s| s.needed.num_elements().unwrap_or(0))
-                            .sum();
-                        p(n * geom.elem as u64);
-                    }
-                    Ok::<(), Error>(())
-                })
+            items.par_iter().try_for_each(|(i, shard)| {
+                let (arr, geom) = &arrays[&keys[*i]];
+                // SAFETY: the shards of one target are disjoint boxes, so the items of one
+                // target write disjoint bytes of its buffer; targets own distinct buffers.
+                with_scratch(|scratch| unsafe {
+                    read_shard(arr, geom, shard, dests[*i], scratch, &counters)
+                })?;
+                if let Some(p) = &opts.progress {
+                    let n: u64 = shard
+                        .subchunks
+                        .iter()
+                        .map(|s| s.needed.num_elements().unwrap_or(0))
+                        .sum();
+                    p(n * geom.elem as u64);
+                }
+                Ok::<(), Error>(())
+            })
         })?;
         Ok(())
     })();

@@ -276,8 +276,21 @@ unsafe fn read_shard_direct(
     Ok(())
 }
 
-/// Bytes of gathered subchunks copied out together.
+/// Bytes of gathered subchunks copied out together (small enough to stay in cache).
 const GATHER_BYTES: usize = 4 << 20;
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with this thread's reusable scratch buffer (allocated once per thread, so that
+/// reads do not fault in fresh pages for every shard).
+pub fn with_scratch<R>(f: impl FnOnce(&mut Vec<u8>) -> R) -> R {
+    SCRATCH.with(|s| match s.try_borrow_mut() {
+        Ok(mut v) => f(&mut v),
+        Err(_) => f(&mut Vec::new()),
+    })
+}
 
 /// Copies `run.len()` bytes; short runs with fixed-size moves the compiler inlines.
 #[inline]

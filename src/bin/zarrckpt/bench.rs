@@ -137,9 +137,10 @@ fn files_under(dir: &Path, out: &mut Vec<(PathBuf, u64)>) -> std::io::Result<()>
     Ok(())
 }
 
-/// Reads `files` with `streams` threads (files dealt out by size) into reused buffers;
-/// returns the wall time.
-fn raw_read(files: &[(PathBuf, u64)], streams: usize) -> anyhow::Result<f64> {
+/// Reads `files` with `streams` threads (files dealt out by size) into reused 16 MiB buffers
+/// (`into_dest` false) or each file into its own place in pre-faulted buffers as large as the
+/// data, as a load fills its destination (`into_dest` true); returns the wall time.
+fn raw_read(files: &[(PathBuf, u64)], streams: usize, into_dest: bool) -> anyhow::Result<f64> {
     let mut sorted: Vec<&(PathBuf, u64)> = files.iter().collect();
     sorted.sort_by_key(|f| std::cmp::Reverse(f.1));
     let mut lists: Vec<Vec<&Path>> = vec![Vec::new(); streams];
@@ -149,16 +150,39 @@ fn raw_read(files: &[(PathBuf, u64)], streams: usize) -> anyhow::Result<f64> {
         loads[i] += f.1;
         lists[i].push(&f.0);
     }
+    let mut dests: Vec<Vec<u8>> = loads
+        .iter()
+        .map(|&b| vec![0x5Au8; if into_dest { b as usize } else { 16 << 20 }])
+        .collect();
     let t0 = Instant::now();
     std::thread::scope(|s| -> anyhow::Result<()> {
         let handles: Vec<_> = lists
             .iter()
-            .map(|list| {
+            .zip(dests.iter_mut())
+            .map(|(list, buf)| {
                 s.spawn(move || -> anyhow::Result<()> {
-                    let mut buf = vec![0u8; 16 << 20];
+                    let mut at = 0usize;
                     for p in list {
                         let mut f = File::open(p)?;
-                        while f.read(&mut buf)? > 0 {}
+                        loop {
+                            let end = if into_dest {
+                                buf.len()
+                            } else {
+                                buf.len().min(16 << 20)
+                            };
+                            let window = if into_dest {
+                                &mut buf[at..end]
+                            } else {
+                                &mut buf[..]
+                            };
+                            let n = f.read(window)?;
+                            if n == 0 {
+                                break;
+                            }
+                            if into_dest {
+                                at += n;
+                            }
+                        }
                     }
                     Ok(())
                 })
@@ -399,26 +423,31 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         ..load_args.clone()
     };
     let mut load_rounds = Vec::new();
+    let mut dest_rounds = Vec::new();
     let mut plain_rounds = Vec::new();
     let mut last = None;
     let mut verified = true;
     for round in 0..a.rounds {
-        let one = raw_read(&files, 1)?;
-        let many = raw_read(&files, load_world.min(cores() as u64 * 2) as usize)?;
+        let streams = load_world.min(cores() as u64 * 2) as usize;
+        let one = raw_read(&files, 1, false)?;
+        let many = raw_read(&files, streams, false)?;
         let raw = one.min(many);
         let raw_gbps = file_bytes as f64 / raw / 1e9;
+        let dest = raw_read(&files, 1, true)?.min(raw_read(&files, streams, true)?);
         let run = load_run(a, &load_args, load_world)?;
         verified &= run.verified;
         let gbps = run.loaded as f64 / run.secs / 1e9;
         say(format!(
-            "load round {round}: zarrckpt {:.3} s = {gbps:.2} GB/s | raw page-cache read {raw:.3} s = {raw_gbps:.2} GB/s | ratio {:.2} | read/needed {:.4} | peak RSS {} for {} loaded",
+            "load round {round}: zarrckpt {:.3} s = {gbps:.2} GB/s | raw page-cache read {raw:.3} s = {raw_gbps:.2} GB/s (into destination-sized buffers {:.2} GB/s) | ratio {:.2} | read/needed {:.4} | peak RSS {} for {} loaded",
             run.secs,
+            file_bytes as f64 / dest / 1e9,
             gbps / raw_gbps,
             run.read as f64 / (run.loaded as f64 / dp as f64),
             human(run.peak),
             human(run.loaded)
         ));
         load_rounds.push((run.secs, raw));
+        dest_rounds.push(dest);
         if dp > 1 {
             let plain = load_run(a, &plain_args, load_world)?;
             verified &= plain.verified;
@@ -469,6 +498,19 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             .map(|p| (run.loaded as f64 / p.0) / (file_bytes as f64 / p.1))
             .collect(),
     );
+    let raw_read_dest_gbps = median(
+        dest_rounds
+            .iter()
+            .map(|&d| file_bytes as f64 / d / 1e9)
+            .collect(),
+    );
+    let load_ratio_dest = median(
+        load_rounds
+            .iter()
+            .zip(&dest_rounds)
+            .map(|(p, &d)| (run.loaded as f64 / p.0) / (file_bytes as f64 / d))
+            .collect(),
+    );
     let needed = run.loaded as f64 / dp as f64;
     let amplification = run.read as f64 / needed;
     let mut doc = json!({
@@ -476,6 +518,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         "save_ranks": n, "load_ranks": m, "dp": dp, "processes": a.processes, "rounds": a.rounds, "cores": cores(),
         "save_gbps": save_gbps, "raw_write_gbps": raw_write_gbps, "save_ratio": save_ratio,
         "load_gbps": load_gbps, "raw_read_gbps": raw_read_gbps, "load_ratio": load_ratio,
+        "raw_read_into_dest_gbps": raw_read_dest_gbps, "load_ratio_into_dest": load_ratio_dest,
         "read_amplification": amplification, "peak_rss_bytes": run.peak, "load_overhead_bytes": run.overhead,
         "bytes_received": run.received, "write_balance": balance, "verified": verified,
         "save_rounds": save_rounds.iter().map(|p| json!({"zarrckpt_s": p.0, "raw_s": p.1})).collect::<Vec<_>>(),
