@@ -118,6 +118,18 @@ impl Checkpoint {
         self.tensors().into_iter().find(|t| &t.key == key)
     }
 
+    /// The index entry of `key`.
+    fn entry(&self, key: &TensorKey) -> Result<&crate::storage::TensorEntry> {
+        self.meta
+            .tensors
+            .get(key)
+            .ok_or_else(|| Error::UnexpectedKeys {
+                path: self.dir.clone(),
+                keys: vec![key.clone()],
+                rank: 0,
+            })
+    }
+
     /// Reads a box of one tensor into `buf` (single process; see [`load`] for ranks).
     ///
     /// # Errors
@@ -128,15 +140,7 @@ impl Checkpoint {
         region: &Region,
         buf: &mut [u8],
     ) -> Result<LoadReport> {
-        let e = self
-            .meta
-            .tensors
-            .get(key)
-            .ok_or_else(|| Error::UnexpectedKeys {
-                path: self.dir.clone(),
-                keys: vec![key.clone()],
-                rank: 0,
-            })?;
+        let e = self.entry(key)?;
         let mut t = [LoadTarget::new(
             key.clone(),
             e.dtype,
@@ -157,15 +161,7 @@ impl Checkpoint {
     /// # Errors
     /// As [`load`].
     pub fn read_tensor(&self, key: &TensorKey) -> Result<Vec<u8>> {
-        let e = self
-            .meta
-            .tensors
-            .get(key)
-            .ok_or_else(|| Error::UnexpectedKeys {
-                path: self.dir.clone(),
-                keys: vec![key.clone()],
-                rank: 0,
-            })?;
+        let e = self.entry(key)?;
         let mut buf =
             vec![
                 0u8;

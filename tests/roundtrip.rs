@@ -120,13 +120,52 @@ fn save_ranks(dir: &std::path::Path, n: u64) {
     }
 }
 
+/// Loads `regions` (one per spec) on this rank, checks every byte against the original data
+/// and returns the report.
+fn load_and_check(
+    comm: &zarrckpt::LocalComm,
+    dir: &std::path::Path,
+    regions: &[Region],
+    opts: &LoadOptions,
+) -> zarrckpt::LoadReport {
+    let specs = specs();
+    let r = zarrckpt::Communicator::rank(comm);
+    let mut bufs: Vec<Vec<u8>> = specs
+        .iter()
+        .zip(regions)
+        .map(|(s, reg)| vec![0xAA; reg.shape.iter().product::<u64>() as usize * s.dtype.size()])
+        .collect();
+    let mut targets: Vec<LoadTarget> = specs
+        .iter()
+        .zip(regions)
+        .zip(bufs.iter_mut())
+        .map(|((s, reg), b)| {
+            LoadTarget::new(
+                TensorKey::new(s.key).unwrap(),
+                s.dtype,
+                s.shape.clone(),
+                reg.clone(),
+                b,
+            )
+            .unwrap()
+        })
+        .collect();
+    let report = load(&mut targets, dir, comm, opts).unwrap();
+    drop(targets);
+    for (i, ((s, reg), b)) in specs.iter().zip(regions).zip(&bufs).enumerate() {
+        let full = tensor_bytes(i as u64, &s.shape, s.dtype);
+        assert_eq!(
+            b,
+            &cut(&full, &s.shape, reg, s.dtype.size()),
+            "{} rank {r} {opts:?}",
+            s.key
+        );
+    }
+    report
+}
+
 fn load_ranks(dir: &std::path::Path, n: u64) {
     let specs = specs();
-    let fulls: Vec<Vec<u8>> = specs
-        .iter()
-        .enumerate()
-        .map(|(i, s)| tensor_bytes(i as u64, &s.shape, s.dtype))
-        .collect();
     let results = run_local(n as usize, Duration::from_secs(30), |comm| {
         let r = zarrckpt::Communicator::rank(&comm) as u64;
         // load along a different axis where possible
@@ -141,37 +180,7 @@ fn load_ranks(dir: &std::path::Path, n: u64) {
                 }
             })
             .collect();
-        let mut bufs: Vec<Vec<u8>> = specs
-            .iter()
-            .zip(&regions)
-            .map(|(s, reg)| vec![0xAA; reg.shape.iter().product::<u64>() as usize * s.dtype.size()])
-            .collect();
-        let mut targets: Vec<LoadTarget> = specs
-            .iter()
-            .zip(&regions)
-            .zip(bufs.iter_mut())
-            .map(|((s, reg), b)| {
-                LoadTarget::new(
-                    TensorKey::new(s.key).unwrap(),
-                    s.dtype,
-                    s.shape.clone(),
-                    reg.clone(),
-                    b,
-                )
-                .unwrap()
-            })
-            .collect();
-        let report = load(&mut targets, dir, &comm, &LoadOptions::default()).unwrap();
-        drop(targets);
-        for ((s, reg), (b, full)) in specs.iter().zip(&regions).zip(bufs.iter().zip(&fulls)) {
-            assert_eq!(
-                b,
-                &cut(full, &s.shape, reg, s.dtype.size()),
-                "{} rank {r}",
-                s.key
-            );
-        }
-        report
+        load_and_check(&comm, dir, &regions, &LoadOptions::default())
     });
     assert_eq!(results.len(), n as usize);
 }
@@ -194,11 +203,6 @@ fn data_parallel_load_reads_once_and_shares() {
     let dir = tmp.path().join("ckpt");
     save_ranks(&dir, 4);
     let specs = specs();
-    let fulls: Vec<Vec<u8>> = specs
-        .iter()
-        .enumerate()
-        .map(|(i, s)| tensor_bytes(i as u64, &s.shape, s.dtype))
-        .collect();
     let (tp, dp) = (3u64, 3u64);
     let mut reads = Vec::new();
     for exchange in [true, false] {
@@ -215,44 +219,12 @@ fn data_parallel_load_reads_once_and_shares() {
                     }
                 })
                 .collect();
-            let mut bufs: Vec<Vec<u8>> = specs
-                .iter()
-                .zip(&regions)
-                .map(|(s, reg)| {
-                    vec![0xAA; reg.shape.iter().product::<u64>() as usize * s.dtype.size()]
-                })
-                .collect();
-            let mut targets: Vec<LoadTarget> = specs
-                .iter()
-                .zip(&regions)
-                .zip(bufs.iter_mut())
-                .map(|((s, reg), b)| {
-                    LoadTarget::new(
-                        TensorKey::new(s.key).unwrap(),
-                        s.dtype,
-                        s.shape.clone(),
-                        reg.clone(),
-                        b,
-                    )
-                    .unwrap()
-                })
-                .collect();
             let opts = LoadOptions {
                 exchange,
                 io_threads: 1,
                 ..LoadOptions::default()
             };
-            let report = load(&mut targets, &dir, &comm, &opts).unwrap();
-            drop(targets);
-            for ((s, reg), (b, full)) in specs.iter().zip(&regions).zip(bufs.iter().zip(&fulls)) {
-                assert_eq!(
-                    b,
-                    &cut(full, &s.shape, reg, s.dtype.size()),
-                    "{} rank {r} exchange {exchange}",
-                    s.key
-                );
-            }
-            report
+            load_and_check(&comm, &dir, &regions, &opts)
         });
         let read: u64 = reports.iter().map(|r| r.bytes_read).sum();
         let loaded: u64 = reports.iter().map(|r| r.loaded_bytes).sum();

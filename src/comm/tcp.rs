@@ -412,18 +412,7 @@ impl TcpComm {
             }
             None => up,
         };
-        if !children.is_empty() {
-            let sends = children.iter().map(|&c| (c, &down[..])).collect();
-            engine::run(
-                &mut inner.links,
-                ctx,
-                Step {
-                    sends,
-                    recvs: Vec::new(),
-                    involved: Vec::new(),
-                },
-            )?;
-        }
+        send_to_all(inner, ctx, &children, &down)?;
         Ok(down)
     }
 
@@ -494,18 +483,7 @@ impl TcpComm {
             sends_to.extend(self.children());
             value
         };
-        if !sends_to.is_empty() {
-            let sends = sends_to.iter().map(|&p| (p, &value[..])).collect();
-            engine::run(
-                &mut inner.links,
-                ctx,
-                Step {
-                    sends,
-                    recvs: Vec::new(),
-                    involved: Vec::new(),
-                },
-            )?;
-        }
+        send_to_all(inner, ctx, &sends_to, &value)?;
         Ok(value)
     }
 
@@ -594,6 +572,29 @@ impl Drop for TcpComm {
             link.drain();
         }
     }
+}
+
+/// Sends `data` to every peer in `peers` (nothing to do when there is none).
+fn send_to_all(
+    inner: &mut Inner,
+    ctx: &mut OpCtx,
+    peers: &[usize],
+    data: &[u8],
+) -> Result<(), Failure> {
+    if peers.is_empty() {
+        return Ok(());
+    }
+    let sends = peers.iter().map(|&p| (p, data)).collect();
+    engine::run(
+        &mut inner.links,
+        ctx,
+        Step {
+            sends,
+            recvs: Vec::new(),
+            involved: Vec::new(),
+        },
+    )?;
+    Ok(())
 }
 
 impl Communicator for TcpComm {

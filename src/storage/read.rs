@@ -444,16 +444,8 @@ unsafe fn read_shard_compressed(
                     corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear))
                 })?;
                 let decoded = arr.decode_subchunk(&shard.chunk, s.linear, scratch)?;
-                for_each_run(
-                    &s.stored,
-                    dest.region(),
-                    &s.needed,
-                    dest.elem(),
-                    |so, d, len| {
-                        // SAFETY: disjoint destination ranges (caller's contract).
-                        copy_run(unsafe { dest.slice(d, len) }, &decoded[so..so + len]);
-                    },
-                );
+                // SAFETY: disjoint destination ranges (caller's contract).
+                unsafe { scatter(std::iter::once(s), &decoded, decoded.len(), dest) };
             }
         }
     }
