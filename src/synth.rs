@@ -131,6 +131,15 @@ impl SynthModel {
     /// A model of about `target_bytes` (at least one layer) with hidden size `hidden`.
     #[must_use]
     pub fn gpt(target_bytes: u64, hidden: u64) -> Self {
+        Self::gpt_with(target_bytes, hidden, 1)
+    }
+
+    /// As [`SynthModel::gpt`], with the row-parallel layers (attention output, second MLP
+    /// layer) split along `row_parallel_axis`: 1 as Megatron does, 0 to split every weight by
+    /// rows (a load in another split then reads whole subchunks straight into place).
+    #[must_use]
+    pub fn gpt_with(target_bytes: u64, hidden: u64, row_parallel_axis: usize) -> Self {
+        let rp = Some(row_parallel_axis.min(1));
         let h = hidden.max(8);
         let vocab = 8 * h + 3; // not divisible by common TP sizes: uneven splits
         let per_layer = 12 * h * h * 10 + 9 * h * 4 * 3; // bf16 weights + 2 fp32 moments
@@ -154,7 +163,7 @@ impl SynthModel {
             b.param(
                 &format!("{p}.self_attention.linear_proj.weight"),
                 vec![h, h],
-                Some(1),
+                rp,
             );
             b.norm(&format!("{p}.pre_mlp_layernorm.weight"), h);
             b.param(
@@ -162,11 +171,7 @@ impl SynthModel {
                 vec![4 * h, h],
                 Some(0),
             );
-            b.param(
-                &format!("{p}.mlp.linear_fc2.weight"),
-                vec![h, 4 * h],
-                Some(1),
-            );
+            b.param(&format!("{p}.mlp.linear_fc2.weight"), vec![h, 4 * h], rp);
         }
         b.norm("decoder.final_layernorm.weight", h);
         b.push("optimizer/step", DType::Int64, vec![], None);

@@ -45,6 +45,10 @@ pub struct Args {
     /// Hidden size of the synthetic model.
     #[arg(long, default_value_t = 2048)]
     hidden: u64,
+    /// Split every weight by rows, the row-parallel layers too (default: as Megatron, which
+    /// splits the attention output and second MLP weights by columns).
+    #[arg(long)]
+    rows_only: bool,
     /// I/O threads per rank (0: the machine's cores divided among the ranks).
     #[arg(long, default_value_t = 0)]
     io_threads: usize,
@@ -253,6 +257,9 @@ fn worker_args(w: &worker::Args) -> Vec<OsString> {
     if w.no_exchange {
         v.push("--no-exchange".into());
     }
+    if w.rows_only {
+        v.push("--rows-only".into());
+    }
     if w.overwrite {
         v.push("--overwrite".into());
     }
@@ -330,7 +337,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     fs::create_dir_all(&a.dir).with_context(|| format!("create {}", a.dir.display()))?;
     let ckpt = a.dir.join("ckpt");
     let rawdir = a.dir.join("raw");
-    let model = SynthModel::gpt(a.size, a.hidden);
+    let model = SynthModel::gpt_with(a.size, a.hidden, if a.rows_only { 0 } else { 1 });
     let bytes = model.nbytes();
     let (n, m, dp) = (a.save_ranks, a.load_ranks, a.dp);
     let (save_world, load_world) = (n * dp, m * dp);
@@ -366,6 +373,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         tp: n,
         dp,
         io_threads: threads(save_world),
+        rows_only: a.rows_only,
         no_exchange: false,
         overwrite: false,
         report: None,

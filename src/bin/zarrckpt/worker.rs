@@ -48,6 +48,9 @@ pub struct Args {
     /// I/O threads.
     #[arg(long, default_value_t = 0)]
     pub io_threads: usize,
+    /// Split the row-parallel layers by rows too (every weight split along its first axis).
+    #[arg(long)]
+    pub rows_only: bool,
     /// Load: read every byte on every rank instead of sharing within data-parallel groups.
     #[arg(long)]
     pub no_exchange: bool,
@@ -90,7 +93,7 @@ pub fn run_rank(a: &Args, comm: &dyn Communicator) -> anyhow::Result<serde_json:
         a.dp,
         comm.world_size()
     );
-    let model = SynthModel::gpt(a.size, a.hidden);
+    let model = SynthModel::gpt_with(a.size, a.hidden, if a.rows_only { 0 } else { 1 });
     match a.job {
         Job::Save => {
             let held = Held::generate(&model, topo, rank as u64);
