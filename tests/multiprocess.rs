@@ -220,3 +220,49 @@ fn a_rank_killed_during_load_fails_the_others() {
         assert!(took < Duration::from_secs(25), "took {took:?}");
     }
 }
+
+/// The `reshard` example (built by `cargo test` next to this test's binary), as the README
+/// runs it, and then loaded again by 6 processes as tensor parallel 3 x data parallel 2.
+#[test]
+fn reshard_example_runs_under_launch() {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    let example = profile_dir.join("examples").join("reshard");
+    assert!(
+        example.exists(),
+        "{} not built (cargo test builds examples)",
+        example.display()
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let run = |n: &str, args: &[&str]| {
+        let o = zarrckpt()
+            .args(["launch", "-n", n, "--"])
+            .arg(&example)
+            .arg("--dir")
+            .arg(&dir)
+            .args(["--size", "3000000"])
+            .args(args)
+            .output()
+            .unwrap();
+        ok(&o);
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let out = run(
+        "4",
+        &[
+            "--save-tp",
+            "2",
+            "--save-dp",
+            "2",
+            "--load-tp",
+            "4",
+            "--load-dp",
+            "1",
+        ],
+    );
+    assert_eq!(out.matches("every byte checked").count(), 4, "{out}");
+    let out = run("6", &["--save-tp", "0", "--load-tp", "3", "--load-dp", "2"]);
+    assert_eq!(out.matches("every byte checked").count(), 6, "{out}");
+    assert!(out.contains("received from other ranks"), "{out}");
+}
