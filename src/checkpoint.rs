@@ -176,6 +176,47 @@ impl Checkpoint {
         Ok(buf)
     }
 
+    /// Reads a whole tensor as an `ndarray` of `T`, whose data type must be the stored one.
+    ///
+    /// # Errors
+    /// [`Error::DtypeMismatch`] when `T` is not the stored data type; otherwise as [`load`].
+    pub fn read_ndarray<T: crate::model::Element + Default>(
+        &self,
+        key: &TensorKey,
+    ) -> Result<ndarray::ArrayD<T>> {
+        let e = self.entry(key)?;
+        if e.dtype != T::DTYPE {
+            return Err(Error::DtypeMismatch {
+                key: key.clone(),
+                rank: 0,
+                path: self.dir.clone(),
+                requested: T::DTYPE,
+                stored: e.dtype,
+            });
+        }
+        let shape: Vec<usize> = e
+            .shape
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect();
+        let n = shape.iter().product::<usize>();
+        let mut data = vec![T::default(); n];
+        self.read_region(
+            key,
+            &Region::full(&e.shape),
+            crate::model::dtype::as_bytes_mut(&mut data),
+        )?;
+        ndarray::ArrayD::from_shape_vec(ndarray::IxDyn(&shape), data).map_err(|_| {
+            Error::Tensor(crate::model::TensorError::Region {
+                key: key.to_string(),
+                source: crate::model::RegionError::Overflow {
+                    what: "array shape",
+                    shape: e.shape.clone(),
+                },
+            })
+        })
+    }
+
     /// Reads every chunk of every tensor and checks every checksum, that every chunk file
     /// exists and that every array's `zarr.json` agrees with the index. Collects all problems
     /// rather than stopping at the first.

@@ -252,3 +252,23 @@ fn data_parallel_load_reads_once_and_shares() {
         reads[1]
     );
 }
+
+#[test]
+fn whole_tensors_as_ndarrays() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    save_ranks(&dir, 2);
+    let ckpt = zarrckpt::Checkpoint::open(&dir).unwrap();
+    let key = TensorKey::new("decoder.layers.0.self_attention.linear_proj.weight").unwrap();
+    let a = ckpt.read_ndarray::<f32>(&key).unwrap();
+    assert_eq!(a.shape(), &[256, 300]);
+    let expect = tensor_bytes(1, &[256, 300], DType::Float32);
+    let got: Vec<u8> = a.iter().flat_map(|v| v.to_le_bytes()).collect();
+    assert_eq!(got, expect);
+    let step = ckpt
+        .read_ndarray::<i64>(&TensorKey::new("optimizer/step").unwrap())
+        .unwrap();
+    assert_eq!(step.ndim(), 0);
+    let e = ckpt.read_ndarray::<f64>(&key).unwrap_err();
+    assert!(matches!(e, zarrckpt::Error::DtypeMismatch { .. }), "{e}");
+}
