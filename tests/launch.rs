@@ -83,7 +83,9 @@ fn a_killed_rank_is_a_failure_and_sigterm_escalates_to_sigkill() {
     let (mut opts, _, _) = captured();
     opts.grace = Duration::from_millis(300);
     let t0 = Instant::now();
-    let script = r#"if [ "$RANK" = 1 ]; then kill -9 $$; fi; trap "" TERM; sleep 60"#;
+    // Rank 1 dies once rank 0 has had time to start ignoring TERM (a TERM arriving before
+    // the trap would kill rank 0 outright).
+    let script = r#"if [ "$RANK" = 1 ]; then sleep 0.5; kill -9 $$; fi; trap "" TERM; sleep 60"#;
     let e = launch(2, &sh(script), &opts).unwrap_err();
     assert!(
         t0.elapsed() < Duration::from_secs(5),
