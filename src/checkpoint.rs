@@ -14,7 +14,7 @@ use crate::model::{DType, LoadTarget, Region, TensorKey};
 use crate::plan::grid;
 use crate::plan::load::StoredGeometry;
 use crate::save::io_pool;
-use crate::storage::read::{ReadCounters, read_shard};
+use crate::storage::read::{ReadCounters, ReadMethod, read_shard};
 use crate::storage::{CheckpointMeta, Compression, TensorArray, commit};
 
 /// A committed checkpoint, opened for reading.
@@ -271,9 +271,17 @@ impl Checkpoint {
                     for shard in &reads {
                         let dest = Dest::new(&mut buf, &region, geom.elem);
                         // SAFETY: this thread owns `buf`.
-                        if let Err(err) =
-                            unsafe { read_shard(arr, geom, shard, dest, scratch, &counters) }
-                        {
+                        if let Err(err) = unsafe {
+                            read_shard(
+                                arr,
+                                geom,
+                                shard,
+                                dest,
+                                scratch,
+                                &counters,
+                                ReadMethod::default(),
+                            )
+                        } {
                             problems
                                 .lock()
                                 .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -31,6 +31,7 @@ pub use load::{LoadOptions, LoadReport, StrictMode, load};
 pub use model::{DType, LoadTarget, Region, ShardedTensor, TensorKey};
 pub use save::{SaveOptions, SaveReport, save};
 pub use storage::Compression;
+pub use storage::read::ReadMethod;
 
 /// The README's examples, compiled as doc tests so they cannot rot.
 #[doc = include_str!("../README.md")]

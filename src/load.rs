@@ -15,7 +15,7 @@ use crate::plan::exchange::{ExchangePlan, SharedRead};
 use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
 use crate::plan::load::{ShardRead, StoredGeometry};
 use crate::save::{Progress, agree, gather_layouts, io_pool};
-use crate::storage::read::{ReadCounters, read_shard, with_scratch};
+use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
 use crate::storage::{CheckpointMeta, TensorArray, commit};
 
 /// How to treat keys requested but absent ("unexpected", per rank) and keys present but
@@ -70,6 +70,8 @@ pub struct LoadOptions {
     pub exchange: bool,
     /// Progress callback, in bytes loaded into this rank's buffers.
     pub progress: Option<Progress>,
+    /// How uncompressed shard files are read (mapped by default).
+    pub read_method: ReadMethod,
 }
 
 impl Default for LoadOptions {
@@ -79,6 +81,7 @@ impl Default for LoadOptions {
             io_threads: 0,
             exchange: true,
             progress: None,
+            read_method: ReadMethod::default(),
         }
     }
 }
@@ -89,6 +92,7 @@ impl std::fmt::Debug for LoadOptions {
             .field("strict", &self.strict)
             .field("io_threads", &self.io_threads)
             .field("exchange", &self.exchange)
+            .field("read_method", &self.read_method)
             .finish_non_exhaustive()
     }
 }
@@ -359,7 +363,15 @@ pub fn load(
                 // SAFETY: the shards of one target are disjoint boxes, so the items of one
                 // target write disjoint bytes of its buffer; targets own distinct buffers.
                 with_scratch(|scratch| unsafe {
-                    read_shard(arr, geom, shard, dests[*i], scratch, &counters)
+                    read_shard(
+                        arr,
+                        geom,
+                        shard,
+                        dests[*i],
+                        scratch,
+                        &counters,
+                        opts.read_method,
+                    )
                 })?;
                 if let Some(p) = &opts.progress {
                     let n: u64 = shard

@@ -18,8 +18,8 @@ use fuzz_checks::{assert_names_file, copy_dir, cut};
 use proptest::prelude::*;
 use zarrckpt::storage::StorageError;
 use zarrckpt::{
-    Checkpoint, Compression, DType, Error, LoadOptions, LoadTarget, LocalComm, Region, SaveOptions,
-    ShardedTensor, TensorKey, load, save,
+    Checkpoint, Compression, DType, Error, LoadOptions, LoadTarget, LocalComm, ReadMethod, Region,
+    SaveOptions, ShardedTensor, TensorKey, load, save,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -126,29 +126,46 @@ fn fixture(compression: Compression) -> (tempfile::TempDir, PathBuf) {
 
 const BOTH: [Compression; 2] = [Compression::None, Compression::Zstd];
 
-/// Loads `region` of tensor `key` (of `SPECS`) on one rank.
+/// Runs `f` with each read method; both must give the same outcome (the same bytes, or
+/// the same error), which is returned.
+fn both_methods<T: PartialEq + std::fmt::Debug>(
+    f: impl Fn(ReadMethod) -> Result<T, Error>,
+) -> Result<T, Error> {
+    let mapped = f(ReadMethod::Mmap);
+    let pread = f(ReadMethod::Pread);
+    match (&mapped, &pread) {
+        (Ok(a), Ok(b)) => assert!(a == b, "mmap and pread loads differ"),
+        (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "mmap vs pread error"),
+        _ => panic!("mmap gave {mapped:?}, pread gave {pread:?}"),
+    }
+    mapped
+}
+
+fn opts(read_method: ReadMethod) -> LoadOptions {
+    LoadOptions {
+        io_threads: 1,
+        read_method,
+        ..Default::default()
+    }
+}
+
+/// Loads `region` of tensor `key` (of `SPECS`) on one rank, by both read methods.
 fn load_region(dir: &Path, key: &str, region: &Region) -> Result<Vec<u8>, Error> {
     let spec = SPECS.iter().find(|s| s.key == key).unwrap();
     let n: u64 = region.shape.iter().product();
-    let mut buf = vec![0u8; n as usize * spec.dtype.size()];
-    let mut t = [LoadTarget::new(
-        TensorKey::new(key).unwrap(),
-        spec.dtype,
-        spec.shape.to_vec(),
-        region.clone(),
-        &mut buf,
-    )
-    .unwrap()];
-    load(
-        &mut t,
-        dir,
-        &LocalComm::single(),
-        &LoadOptions {
-            io_threads: 1,
-            ..Default::default()
-        },
-    )?;
-    Ok(buf)
+    both_methods(|method| {
+        let mut buf = vec![0u8; n as usize * spec.dtype.size()];
+        let mut t = [LoadTarget::new(
+            TensorKey::new(key).unwrap(),
+            spec.dtype,
+            spec.shape.to_vec(),
+            region.clone(),
+            &mut buf,
+        )
+        .unwrap()];
+        load(&mut t, dir, &LocalComm::single(), &opts(method))?;
+        Ok(buf)
+    })
 }
 
 fn load_whole(dir: &Path, key: &str) -> Result<Vec<u8>, Error> {
@@ -156,34 +173,29 @@ fn load_whole(dir: &Path, key: &str) -> Result<Vec<u8>, Error> {
     load_region(dir, key, &Region::full(spec.shape))
 }
 
-/// Loads every tensor in one call; returns their bytes in `SPECS` order.
+/// Loads every tensor in one call (by both read methods); returns their bytes in `SPECS`
+/// order.
 fn load_all(dir: &Path) -> Result<Vec<Vec<u8>>, Error> {
-    let mut bufs: Vec<Vec<u8>> = SPECS.iter().map(|s| vec![0u8; full(s).len()]).collect();
-    let mut t: Vec<LoadTarget> = SPECS
-        .iter()
-        .zip(bufs.iter_mut())
-        .map(|(s, b)| {
-            LoadTarget::new(
-                TensorKey::new(s.key).unwrap(),
-                s.dtype,
-                s.shape.to_vec(),
-                Region::full(s.shape),
-                b,
-            )
-            .unwrap()
-        })
-        .collect();
-    load(
-        &mut t,
-        dir,
-        &LocalComm::single(),
-        &LoadOptions {
-            io_threads: 1,
-            ..Default::default()
-        },
-    )?;
-    drop(t);
-    Ok(bufs)
+    both_methods(|method| {
+        let mut bufs: Vec<Vec<u8>> = SPECS.iter().map(|s| vec![0u8; full(s).len()]).collect();
+        let mut t: Vec<LoadTarget> = SPECS
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(s, b)| {
+                LoadTarget::new(
+                    TensorKey::new(s.key).unwrap(),
+                    s.dtype,
+                    s.shape.to_vec(),
+                    Region::full(s.shape),
+                    b,
+                )
+                .unwrap()
+            })
+            .collect();
+        load(&mut t, dir, &LocalComm::single(), &opts(method))?;
+        drop(t);
+        Ok(bufs)
+    })
 }
 
 /// The rows 4..8 of `w`: they live in shard `c.1.0`.
@@ -1093,4 +1105,95 @@ fn fuzz_known_crashes_are_fixed() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// A tensor split by columns: its subchunks are column strips spanning every row, so a whole
+/// subchunk is not contiguous in a buffer holding the whole tensor and is copied run by run
+/// (with its crc32c computed on the way). A flipped byte in any strip, or in its crc, is a
+/// checksum error naming that subchunk, by both read methods; the pristine file loads exactly.
+#[test]
+fn flipped_byte_in_a_column_strip_is_a_checksum_error() {
+    let shape: &[u64] = &[6, 8];
+    let spec = Spec {
+        key: "col",
+        dtype: DType::Float32,
+        shape,
+        pieces: &[],
+    };
+    let data = full(&spec);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let halves: Vec<(Region, Vec<u8>)> = [0u64, 4]
+        .iter()
+        .map(|&c| {
+            let r = Region::new(vec![0, c], vec![6, 4]).unwrap();
+            let d = cut(&data, shape, &r, 4);
+            (r, d)
+        })
+        .collect();
+    let pieces: Vec<ShardedTensor> = halves
+        .iter()
+        .map(|(r, d)| {
+            let key = TensorKey::new("col").unwrap();
+            ShardedTensor::new(key, DType::Float32, shape.to_vec(), r.clone(), 0, d).unwrap()
+        })
+        .collect();
+    let mut save_opts = SaveOptions {
+        io_threads: 1,
+        ..Default::default()
+    };
+    save_opts.grid.subchunk_target_bytes = 24;
+    save_opts.grid.min_chunk_bytes = 0;
+    save(&pieces, &dir, &LocalComm::single(), &save_opts).unwrap();
+    let info = Checkpoint::open(&dir)
+        .unwrap()
+        .tensor(&TensorKey::new("col").unwrap())
+        .unwrap();
+    assert_eq!(
+        (info.chunk_shape.as_slice(), info.subchunk_shape.as_slice()),
+        (&[6u64, 4][..], &[6u64, 1][..]),
+        "the layout this test is about"
+    );
+    let load_col = |dir: &Path| -> Result<Vec<u8>, Error> {
+        both_methods(|method| {
+            let mut buf = vec![0u8; data.len()];
+            let mut t = [LoadTarget::new(
+                TensorKey::new("col").unwrap(),
+                DType::Float32,
+                shape.to_vec(),
+                Region::full(shape),
+                &mut buf,
+            )
+            .unwrap()];
+            load(&mut t, dir, &LocalComm::single(), &opts(method))?;
+            Ok(buf)
+        })
+    };
+    assert_eq!(load_col(&dir).unwrap(), data);
+    let pristine = tmp.path().join("pristine");
+    copy_dir(&dir, &pristine);
+    for s in 0..4usize {
+        for at_crc in [false, true] {
+            std::fs::remove_dir_all(&dir).unwrap();
+            copy_dir(&pristine, &dir);
+            let path = dir.join("tensors/col/c.0.1");
+            let sh = shard(&dir, "col", &path);
+            let (off, n) = sh.entries[s];
+            flip(&path, (off + if at_crc { n - 1 } else { 9 }) as usize);
+            let e = load_col(&dir).unwrap_err();
+            match storage(&e) {
+                StorageError::Checksum {
+                    key,
+                    chunk,
+                    subchunk,
+                    path: p,
+                    ..
+                } => assert_eq!(
+                    (key.as_str(), chunk.as_slice(), *subchunk as usize, p),
+                    ("col", &[0u64, 1][..], s, &path)
+                ),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
 }

@@ -21,8 +21,8 @@ use proptest::prelude::*;
 use zarrckpt::comm::run_local;
 use zarrckpt::plan::GridOptions;
 use zarrckpt::{
-    Communicator, Compression, LoadOptions, LoadTarget, SaveOptions, ShardedTensor, TensorKey,
-    load, save,
+    Communicator, Compression, LoadOptions, LoadTarget, ReadMethod, SaveOptions, ShardedTensor,
+    TensorKey, load, save,
 };
 
 /// Upper bound on one collective wait; a hang fails the case instead of the whole run.
@@ -35,6 +35,7 @@ struct Knobs {
     compression: Compression,
     balance_replicas: bool,
     io_threads: usize,
+    read_method: ReadMethod,
 }
 
 /// One round trip: what is saved how, and what is loaded.
@@ -69,13 +70,17 @@ fn knobs(grid: impl Strategy<Value = GridOptions>) -> impl Strategy<Value = Knob
         prop_oneof![3 => Just(Compression::None), 1 => Just(Compression::Zstd), 1 => Just(Compression::Blosc)],
         prop::bool::weighted(0.8),
         1usize..=2,
+        prop_oneof![Just(ReadMethod::Mmap), Just(ReadMethod::Pread)],
     )
-        .prop_map(|(grid, compression, balance_replicas, io_threads)| Knobs {
-            grid,
-            compression,
-            balance_replicas,
-            io_threads,
-        })
+        .prop_map(
+            |(grid, compression, balance_replicas, io_threads, read_method)| Knobs {
+                grid,
+                compression,
+                balance_replicas,
+                io_threads,
+                read_method,
+            },
+        )
 }
 
 /// A save topology, a load topology over the same tensors, and options.
@@ -149,6 +154,7 @@ fn load_all(rt: &RoundTrip, dir: &Path) -> Result<Vec<Vec<Vec<u8>>>, TestCaseErr
     let tensors = &rt.save.tensors;
     let opts = LoadOptions {
         io_threads: rt.knobs.io_threads,
+        read_method: rt.knobs.read_method,
         ..LoadOptions::default()
     };
     let results = run_local(rt.load.world as usize, TIMEOUT, |comm| {

@@ -1,11 +1,14 @@
 //! Reading requested boxes of a tensor straight into caller buffers.
 //!
-//! zarrs decodes each shard's index (and every subchunk of compressed arrays). For
-//! uncompressed subchunks (`bytes` + `crc32c`) the bytes of every whole subchunk that lands
-//! contiguously in the caller's buffer are read there directly with one `preadv` per run of
-//! adjacent subchunks, the crc32c checked in place: one copy, from the page cache to the
-//! destination, and no intermediate buffer. Other subchunks go through one reused scratch
-//! buffer.
+//! zarrs decodes each shard's index (and every subchunk of compressed arrays). Uncompressed
+//! subchunks (`bytes` + `crc32c`) are read one of two ways ([`ReadMethod`]):
+//! - mapped (the default): the part of the shard file holding the needed subchunks is mapped
+//!   a window at a time and each subchunk is copied from the page cache straight to where it
+//!   belongs in the caller's buffer (contiguous ones with one copy, others run by run), its
+//!   crc32c checked on the way: one copy per byte, whatever the layout;
+//! - `pread`: whole subchunks landing contiguously are read in place with one `preadv` per
+//!   run of adjacent subchunks, the others into a reused scratch buffer and copied out from
+//!   there (two copies).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -34,6 +37,22 @@ impl ReadCounters {
     fn add(&self, n: u64) {
         self.bytes.fetch_add(n, Ordering::Relaxed);
     }
+}
+
+/// How the subchunks of uncompressed arrays are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReadMethod {
+    /// Map the shard files (a bounded window at a time) and copy from the mapping: one copy
+    /// per byte for every layout. A file truncated by another program while it is mapped
+    /// raises `SIGBUS`; checkpoint files are never truncated once written (saves write new
+    /// files and overwrites remove whole directories), so this only matters when something
+    /// else rewrites a checkpoint in place while it is being loaded. Falls back to
+    /// [`ReadMethod::Pread`] for a shard that cannot be mapped.
+    #[default]
+    Mmap,
+    /// `pread`/`preadv` only: no mappings; subchunks not contiguous in the destination are
+    /// copied twice (into a scratch buffer, then out of it).
+    Pread,
 }
 
 fn corrupt(arr: &TensorArray, chunk: &[u64], detail: String) -> StorageError {
@@ -125,7 +144,17 @@ fn check_crc(
     data: &[u8],
     stored: [u8; 4],
 ) -> Result<(), StorageError> {
-    let computed = super::shard::crc32c(data);
+    check_crc_value(arr, shard, linear, super::shard::crc32c(data), stored)
+}
+
+/// [`check_crc`] for a crc computed by the caller.
+fn check_crc_value(
+    arr: &TensorArray,
+    shard: &ShardRead,
+    linear: u64,
+    computed: u32,
+    stored: [u8; 4],
+) -> Result<(), StorageError> {
     let stored = u32::from_le_bytes(stored);
     if computed == stored {
         Ok(())
@@ -271,7 +300,16 @@ unsafe fn read_shard_direct(
             check_crc(arr, shard, s.linear, data, [crc[0], crc[1], crc[2], crc[3]])?;
         }
         // SAFETY: disjoint destination ranges (caller's contract).
-        unsafe { scatter(group.iter().map(|(s, _)| *s), scratch, sub_bytes + 4, dest) };
+        unsafe {
+            scatter(
+                group
+                    .iter()
+                    .enumerate()
+                    .map(|(k, (s, _))| (*s, k * (sub_bytes + 4))),
+                scratch,
+                dest,
+            );
+        };
     }
     Ok(())
 }
@@ -308,22 +346,20 @@ fn copy_run(dst: &mut [u8], src: &[u8]) {
     d.into_remainder().copy_from_slice(s.remainder());
 }
 
-/// Copies the needed parts of gathered subchunks (slot `k` of `scratch` holds the `k`-th, each
-/// slot `slot_bytes` long) into `dest`. When the subchunks have the same run structure (column
-/// strips of the same rows, the common case) their runs are interleaved so that the
-/// destination is written in order, row by row.
+/// Copies the needed parts of subchunks held in `src` (each given with the offset of its
+/// bytes there) into `dest`. When the subchunks have the same run structure (column strips
+/// of the same rows, the common case) their runs are interleaved so that the destination is
+/// written in order, row by row.
 ///
 /// # Safety
 /// No other thread may touch the needed parts of `dest` meanwhile.
 unsafe fn scatter<'s>(
-    subs: impl Iterator<Item = &'s SubchunkRead>,
-    scratch: &[u8],
-    slot_bytes: usize,
+    subs: impl Iterator<Item = (&'s SubchunkRead, usize)>,
+    src: &[u8],
     dest: Dest<'_>,
 ) {
     let lists: Vec<Vec<(usize, usize, usize)>> = subs
-        .enumerate()
-        .map(|(k, s)| {
+        .map(|(s, start)| {
             let mut runs = Vec::new();
             for_each_run(
                 &s.stored,
@@ -331,7 +367,7 @@ unsafe fn scatter<'s>(
                 &s.needed,
                 dest.elem(),
                 |so, d, len| {
-                    runs.push((k * slot_bytes + so, d, len));
+                    runs.push((start + so, d, len));
                 },
             );
             runs
@@ -340,7 +376,7 @@ unsafe fn scatter<'s>(
     let same = lists.windows(2).all(|w| w[0].len() == w[1].len());
     let mut copy = |(so, d, len): (usize, usize, usize)| {
         // SAFETY: forwarded to the caller.
-        copy_run(unsafe { dest.slice(d, len) }, &scratch[so..so + len]);
+        copy_run(unsafe { dest.slice(d, len) }, &src[so..so + len]);
     };
     if same && lists.len() > 1 {
         for i in 0..lists[0].len() {
@@ -445,7 +481,7 @@ unsafe fn read_shard_compressed(
                 })?;
                 let decoded = arr.decode_subchunk(&shard.chunk, s.linear, scratch)?;
                 // SAFETY: disjoint destination ranges (caller's contract).
-                unsafe { scatter(std::iter::once(s), &decoded, decoded.len(), dest) };
+                unsafe { scatter(std::iter::once((s, 0)), &decoded, dest) };
             }
         }
     }
@@ -464,13 +500,216 @@ pub unsafe fn read_shard(
     dest: Dest<'_>,
     scratch: &mut Vec<u8>,
     counters: &ReadCounters,
+    method: ReadMethod,
 ) -> Result<(), StorageError> {
     // SAFETY: forwarded.
     unsafe {
-        if arr.uncompressed() {
-            read_shard_direct(arr, geom, shard, dest, scratch, counters)
-        } else {
+        if !arr.uncompressed() {
             read_shard_compressed(arr, geom, shard, dest, scratch, counters)
+        } else if method == ReadMethod::Mmap {
+            read_shard_mapped(arr, geom, shard, dest, scratch, counters)
+        } else {
+            read_shard_direct(arr, geom, shard, dest, scratch, counters)
         }
     }
+}
+
+/// Most bytes of a shard file mapped at once by one reading thread.
+const MAP_WINDOW: u64 = 8 << 20;
+
+/// A read-only, pre-faulted mapping of part of a file, unmapped on drop.
+struct Mapping {
+    ptr: *mut libc::c_void,
+    len: usize,
+}
+
+impl Mapping {
+    /// Maps `[start, start + len)` of `file` (`start` a multiple of the page size).
+    fn new(file: &File, start: u64, len: usize) -> std::io::Result<Mapping> {
+        let off = libc::off_t::try_from(start).map_err(|_| std::io::Error::other("offset"))?;
+        // SAFETY: a fresh private read-only mapping; the kernel picks the address.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_POPULATE,
+                file.as_raw_fd(),
+                off,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Mapping { ptr, len })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` readable bytes at `ptr` while the mapping lives (the file is not
+        // truncated meanwhile: see `ReadMethod::Mmap`).
+        unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.ptr, self.len) };
+    }
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .ok()
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
+}
+
+/// [`read_shard_direct`] through windows of a mapping of the shard file: every subchunk is
+/// copied once, from the mapping to its place in `dest`.
+///
+/// # Safety
+/// As [`read_shard_direct`].
+unsafe fn read_shard_mapped(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    dest: Dest<'_>,
+    scratch: &mut Vec<u8>,
+    counters: &ReadCounters,
+) -> Result<(), StorageError> {
+    let (file, index) = open_shard(arr, geom, shard, counters)?;
+    let slot = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX) + 4;
+    let page = page_size();
+    // Present subchunks with their file offsets, in plan order (file order for zarrckpt's
+    // own files); absent ones are zeros.
+    let mut present: Vec<(&SubchunkRead, u64)> = Vec::with_capacity(shard.subchunks.len());
+    for s in &shard.subchunks {
+        match index[usize::try_from(s.linear).unwrap_or(usize::MAX)] {
+            Some((off, _)) => present.push((s, off)),
+            // SAFETY: disjoint destination ranges (caller's contract).
+            None => unsafe { dest.zero(&s.needed) },
+        }
+    }
+    let mut rest = &present[..];
+    while !rest.is_empty() {
+        // The longest prefix whose bytes fit one window.
+        let (mut lo, mut hi) = (u64::MAX, 0u64);
+        let mut n = 0;
+        for &(_, off) in rest {
+            let (l, h) = (lo.min(off & !(page - 1)), hi.max(off + slot as u64));
+            if n > 0 && h - l > MAP_WINDOW {
+                break;
+            }
+            (lo, hi, n) = (l, h, n + 1);
+        }
+        let (window, later) = rest.split_at(n);
+        rest = later;
+        let len = usize::try_from(hi - lo).unwrap_or(usize::MAX);
+        let Ok(map) = Mapping::new(&file, lo, len) else {
+            // No mapping (an odd filesystem, or no address space): read these by `pread`.
+            let part = ShardRead {
+                chunk: shard.chunk.clone(),
+                subchunks: window.iter().map(|(s, _)| (*s).clone()).collect(),
+            };
+            // SAFETY: forwarded.
+            unsafe { read_shard_direct(arr, geom, &part, dest, scratch, counters)? };
+            continue;
+        };
+        let bytes = map.bytes();
+        let at = |off: u64| usize::try_from(off - lo).unwrap_or(usize::MAX);
+        let mut whole: Vec<(&SubchunkRead, usize, [u8; 4])> = Vec::new();
+        let mut partial: Vec<(&SubchunkRead, usize)> = Vec::new();
+        for &(s, off) in window {
+            let (data, crc) = bytes[at(off)..at(off) + slot].split_at(slot - 4);
+            let crc = [crc[0], crc[1], crc[2], crc[3]];
+            if s.direct {
+                // SAFETY: disjoint destination ranges (caller's contract).
+                let out = unsafe { dest.slice(dest.offset_of(&s.needed.offset), slot - 4) };
+                let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+                for (o, d) in out.chunks_mut(CRC_BAND).zip(data.chunks(CRC_BAND)) {
+                    o.copy_from_slice(d);
+                    digest.update(o);
+                }
+                let computed = u32::try_from(digest.finalize()).unwrap_or(0);
+                check_crc_value(arr, shard, s.linear, computed, crc)?;
+            } else if s.needed == s.stored {
+                whole.push((s, at(off), crc));
+            } else {
+                check_crc(arr, shard, s.linear, data, crc)?;
+                partial.push((s, at(off)));
+            }
+            counters.add(slot as u64);
+        }
+        // SAFETY: disjoint destination ranges (caller's contract).
+        unsafe {
+            scatter_checked(arr, shard, &whole, bytes, dest)?;
+            scatter(partial.into_iter(), bytes, dest);
+        }
+    }
+    Ok(())
+}
+
+/// Bytes of each subchunk checksummed and copied out in one step by [`scatter_checked`]
+/// (small enough to still be in the L1 cache for the copy).
+const CRC_BAND: usize = 16 << 10;
+
+/// Copies whole subchunks held in `src` (each with the offset of its bytes there and its
+/// stored crc32c) into `dest`, where they are not contiguous, checking each crc on the way:
+/// the subchunks advance together a band of runs at a time, each band checksummed just
+/// before its runs are copied, so every source byte is fetched from memory once.
+///
+/// # Safety
+/// No other thread may touch the subchunks' parts of `dest` meanwhile.
+unsafe fn scatter_checked(
+    arr: &TensorArray,
+    shard: &ShardRead,
+    subs: &[(&SubchunkRead, usize, [u8; 4])],
+    src: &[u8],
+    dest: Dest<'_>,
+) -> Result<(), StorageError> {
+    let lists: Vec<Vec<(usize, usize, usize)>> = subs
+        .iter()
+        .map(|&(s, start, _)| {
+            let mut runs = Vec::new();
+            for_each_run(
+                &s.stored,
+                dest.region(),
+                &s.stored,
+                dest.elem(),
+                |so, d, len| {
+                    runs.push((start + so, d, len));
+                },
+            );
+            runs
+        })
+        .collect();
+    let longest = lists.iter().flatten().map(|r| r.2).max().unwrap_or(1);
+    let band = (CRC_BAND / longest.max(1)).max(1);
+    let most = lists.iter().map(Vec::len).max().unwrap_or(0);
+    let mut digests: Vec<crc_fast::Digest> = subs
+        .iter()
+        .map(|_| crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi))
+        .collect();
+    let mut i = 0;
+    while i < most {
+        for (list, digest) in lists.iter().zip(digests.iter_mut()) {
+            let part = &list[i.min(list.len())..(i + band).min(list.len())];
+            if let (Some(first), Some(last)) = (part.first(), part.last()) {
+                // The runs of a whole subchunk follow each other in its stored bytes.
+                digest.update(&src[first.0..last.0 + last.2]);
+                for &(so, d, len) in part {
+                    // SAFETY: forwarded to the caller.
+                    copy_run(unsafe { dest.slice(d, len) }, &src[so..so + len]);
+                }
+            }
+        }
+        i += band;
+    }
+    for (&(s, _, stored), digest) in subs.iter().zip(&digests) {
+        let computed = u32::try_from(digest.finalize()).unwrap_or(0);
+        check_crc_value(arr, shard, s.linear, computed, stored)?;
+    }
+    Ok(())
 }

@@ -15,7 +15,7 @@ use zarrckpt::synth::SynthModel;
 
 use crate::inspect::human;
 use crate::rss;
-use crate::worker::{self, Job};
+use crate::worker::{self, Job, ReadArg};
 
 /// Arguments of `zarrckpt bench`.
 #[derive(clap::Args)]
@@ -52,6 +52,9 @@ pub struct Args {
     /// I/O threads per rank (0: the machine's cores divided among the ranks).
     #[arg(long, default_value_t = 0)]
     io_threads: usize,
+    /// How the loading ranks read shard files.
+    #[arg(long, value_enum, default_value_t = ReadArg::Mmap)]
+    read_method: ReadArg,
     /// Keep the checkpoint afterwards.
     #[arg(long)]
     keep: bool,
@@ -260,6 +263,9 @@ fn worker_args(w: &worker::Args) -> Vec<OsString> {
     if w.rows_only {
         v.push("--rows-only".into());
     }
+    if w.read_method == ReadArg::Pread {
+        v.push("--read-method=pread".into());
+    }
     if w.overwrite {
         v.push("--overwrite".into());
     }
@@ -379,6 +385,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         report: None,
         die_after_bytes: None,
         die_rank: 0,
+        read_method: a.read_method,
     };
 
     // ---- save: (zarrckpt, raw) pairs ----
@@ -523,7 +530,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let amplification = run.read as f64 / needed;
     let mut doc = json!({
         "size_bytes": bytes, "file_bytes": file_bytes, "loaded_bytes": run.loaded,
-        "save_ranks": n, "load_ranks": m, "dp": dp, "processes": a.processes, "rounds": a.rounds, "cores": cores(),
+        "save_ranks": n, "load_ranks": m, "dp": dp, "processes": a.processes, "read_method": format!("{:?}", a.read_method).to_lowercase(), "rounds": a.rounds, "cores": cores(),
         "save_gbps": save_gbps, "raw_write_gbps": raw_write_gbps, "save_ratio": save_ratio,
         "load_gbps": load_gbps, "raw_read_gbps": raw_read_gbps, "load_ratio": load_ratio,
         "raw_read_into_dest_gbps": raw_read_dest_gbps, "load_ratio_into_dest": load_ratio_dest,

@@ -11,7 +11,9 @@ use std::time::Instant;
 use anyhow::Context;
 use serde_json::json;
 use zarrckpt::synth::{Held, SynthModel, Topology, Wanted};
-use zarrckpt::{Communicator, LoadOptions, SaveOptions, StrictMode, TcpComm, load, save};
+use zarrckpt::{
+    Communicator, LoadOptions, ReadMethod, SaveOptions, StrictMode, TcpComm, load, save,
+};
 
 use crate::rss;
 
@@ -66,6 +68,27 @@ pub struct Args {
     /// Fault injection: which rank dies.
     #[arg(long, default_value_t = 0)]
     pub die_rank: usize,
+    /// Load: how shard files are read.
+    #[arg(long, value_enum, default_value_t = ReadArg::Mmap)]
+    pub read_method: ReadArg,
+}
+
+/// `--read-method`: see [`ReadMethod`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReadArg {
+    /// Map shard files and copy from the mapping (one copy per byte).
+    Mmap,
+    /// pread/preadv only.
+    Pread,
+}
+
+impl From<ReadArg> for ReadMethod {
+    fn from(r: ReadArg) -> ReadMethod {
+        match r {
+            ReadArg::Mmap => ReadMethod::Mmap,
+            ReadArg::Pread => ReadMethod::Pread,
+        }
+    }
 }
 
 fn fault_progress(a: &Args, rank: usize) -> Option<zarrckpt::save::Progress> {
@@ -121,6 +144,7 @@ pub fn run_rank(a: &Args, comm: &dyn Communicator) -> anyhow::Result<serde_json:
                 exchange: !a.no_exchange,
                 strict: StrictMode::RaiseAll,
                 progress: fault_progress(a, rank),
+                read_method: a.read_method.into(),
             };
             let mut targets = wanted.targets(&model);
             let before = rss::current();
