@@ -149,16 +149,21 @@ fn opts(read_method: ReadMethod) -> LoadOptions {
     }
 }
 
-/// Loads `region` of tensor `key` (of `SPECS`) on one rank, by both read methods.
-fn load_region(dir: &Path, key: &str, region: &Region) -> Result<Vec<u8>, Error> {
-    let spec = SPECS.iter().find(|s| s.key == key).unwrap();
+/// Loads `region` of tensor `key` on one rank, by both read methods.
+fn load_box(
+    dir: &Path,
+    key: &str,
+    dtype: DType,
+    shape: &[u64],
+    region: &Region,
+) -> Result<Vec<u8>, Error> {
     let n: u64 = region.shape.iter().product();
     both_methods(|method| {
-        let mut buf = vec![0u8; n as usize * spec.dtype.size()];
+        let mut buf = vec![0u8; n as usize * dtype.size()];
         let mut t = [LoadTarget::new(
             TensorKey::new(key).unwrap(),
-            spec.dtype,
-            spec.shape.to_vec(),
+            dtype,
+            shape.to_vec(),
             region.clone(),
             &mut buf,
         )
@@ -166,6 +171,12 @@ fn load_region(dir: &Path, key: &str, region: &Region) -> Result<Vec<u8>, Error>
         load(&mut t, dir, &LocalComm::single(), &opts(method))?;
         Ok(buf)
     })
+}
+
+/// Loads `region` of tensor `key` (of `SPECS`) on one rank, by both read methods.
+fn load_region(dir: &Path, key: &str, region: &Region) -> Result<Vec<u8>, Error> {
+    let spec = SPECS.iter().find(|s| s.key == key).unwrap();
+    load_box(dir, key, spec.dtype, spec.shape, region)
 }
 
 fn load_whole(dir: &Path, key: &str) -> Result<Vec<u8>, Error> {
@@ -278,6 +289,37 @@ fn flip(path: &Path, at: usize) {
     std::fs::write(path, b).unwrap();
 }
 
+/// Flips a byte of the subchunk at index entry `(off, n)`: in its data, or in its crc32c.
+fn flip_subchunk(path: &Path, (off, n): (u64, u64), at_crc: bool) {
+    flip(path, (off + if at_crc { n - 1 } else { n / 2 }) as usize);
+}
+
+/// `e` is a checksum error naming this tensor, chunk, subchunk and file.
+fn assert_checksum(e: &Error, key_: &str, chunk_: &[u64], subchunk_: usize, path_: &Path) {
+    match storage(e) {
+        StorageError::Checksum {
+            key,
+            chunk,
+            subchunk,
+            path,
+            stored,
+            computed,
+        } => {
+            assert_eq!(
+                (
+                    key.as_str(),
+                    chunk.as_slice(),
+                    *subchunk as usize,
+                    path.as_path()
+                ),
+                (key_, chunk_, subchunk_, path_)
+            );
+            assert_ne!(stored, computed);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 fn truncate(path: &Path, len: usize) {
     let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
     f.set_len(len as u64).unwrap();
@@ -357,26 +399,9 @@ fn flipped_subchunk_byte_is_a_checksum_error() {
             let (_t, dir) = fixture(Compression::None);
             let path = w_shard(&dir);
             let sh = shard(&dir, "w", &path);
-            let (off, n) = sh.entries[s];
-            flip(&path, (off + if at_crc { n - 1 } else { 5 }) as usize);
+            flip_subchunk(&path, sh.entries[s], at_crc);
             let e = load_whole(&dir, "w").unwrap_err();
-            match storage(&e) {
-                StorageError::Checksum {
-                    key,
-                    chunk,
-                    subchunk,
-                    path: p,
-                    stored,
-                    computed,
-                } => {
-                    assert_eq!(
-                        (key.as_str(), chunk.as_slice(), *subchunk as usize, p),
-                        ("w", &[1u64, 0][..], s, &path)
-                    );
-                    assert_ne!(stored, computed);
-                }
-                other => panic!("{other:?}"),
-            }
+            assert_checksum(&e, "w", &[1, 0], s, &path);
             let msg = e.to_string();
             for part in [
                 "`w`",
@@ -1154,21 +1179,7 @@ fn flipped_byte_in_a_column_strip_is_a_checksum_error() {
         (&[6u64, 4][..], &[6u64, 1][..]),
         "the layout this test is about"
     );
-    let load_col = |dir: &Path| -> Result<Vec<u8>, Error> {
-        both_methods(|method| {
-            let mut buf = vec![0u8; data.len()];
-            let mut t = [LoadTarget::new(
-                TensorKey::new("col").unwrap(),
-                DType::Float32,
-                shape.to_vec(),
-                Region::full(shape),
-                &mut buf,
-            )
-            .unwrap()];
-            load(&mut t, dir, &LocalComm::single(), &opts(method))?;
-            Ok(buf)
-        })
-    };
+    let load_col = |dir: &Path| load_box(dir, "col", DType::Float32, shape, &Region::full(shape));
     assert_eq!(load_col(&dir).unwrap(), data);
     let pristine = tmp.path().join("pristine");
     copy_dir(&dir, &pristine);
@@ -1178,22 +1189,8 @@ fn flipped_byte_in_a_column_strip_is_a_checksum_error() {
             copy_dir(&pristine, &dir);
             let path = dir.join("tensors/col/c.0.1");
             let sh = shard(&dir, "col", &path);
-            let (off, n) = sh.entries[s];
-            flip(&path, (off + if at_crc { n - 1 } else { 9 }) as usize);
-            let e = load_col(&dir).unwrap_err();
-            match storage(&e) {
-                StorageError::Checksum {
-                    key,
-                    chunk,
-                    subchunk,
-                    path: p,
-                    ..
-                } => assert_eq!(
-                    (key.as_str(), chunk.as_slice(), *subchunk as usize, p),
-                    ("col", &[0u64, 1][..], s, &path)
-                ),
-                other => panic!("{other:?}"),
-            }
+            flip_subchunk(&path, sh.entries[s], at_crc);
+            assert_checksum(&load_col(&dir).unwrap_err(), "col", &[0, 1], s, &path);
         }
     }
 }

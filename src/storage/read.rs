@@ -346,6 +346,23 @@ fn copy_run(dst: &mut [u8], src: &[u8]) {
     d.into_remainder().copy_from_slice(s.remainder());
 }
 
+/// A run to copy: (offset in the source, offset in the destination, bytes).
+type Run = (usize, usize, usize);
+
+/// The runs that copy the needed part of subchunk `s`, whose stored bytes start at `start`
+/// in the source, into `dest`, in the subchunk's C order.
+fn runs_of(s: &SubchunkRead, start: usize, dest: Dest<'_>) -> Vec<Run> {
+    let mut runs = Vec::new();
+    for_each_run(
+        &s.stored,
+        dest.region(),
+        &s.needed,
+        dest.elem(),
+        |so, d, len| runs.push((start + so, d, len)),
+    );
+    runs
+}
+
 /// Copies the needed parts of subchunks held in `src` (each given with the offset of its
 /// bytes there) into `dest`. When the subchunks have the same run structure (column strips
 /// of the same rows, the common case) their runs are interleaved so that the destination is
@@ -358,23 +375,9 @@ unsafe fn scatter<'s>(
     src: &[u8],
     dest: Dest<'_>,
 ) {
-    let lists: Vec<Vec<(usize, usize, usize)>> = subs
-        .map(|(s, start)| {
-            let mut runs = Vec::new();
-            for_each_run(
-                &s.stored,
-                dest.region(),
-                &s.needed,
-                dest.elem(),
-                |so, d, len| {
-                    runs.push((start + so, d, len));
-                },
-            );
-            runs
-        })
-        .collect();
+    let lists: Vec<Vec<Run>> = subs.map(|(s, start)| runs_of(s, start, dest)).collect();
     let same = lists.windows(2).all(|w| w[0].len() == w[1].len());
-    let mut copy = |(so, d, len): (usize, usize, usize)| {
+    let mut copy = |(so, d, len): Run| {
         // SAFETY: forwarded to the caller.
         copy_run(unsafe { dest.slice(d, len) }, &src[so..so + len]);
     };
@@ -669,21 +672,9 @@ unsafe fn scatter_checked(
     src: &[u8],
     dest: Dest<'_>,
 ) -> Result<(), StorageError> {
-    let lists: Vec<Vec<(usize, usize, usize)>> = subs
+    let lists: Vec<Vec<Run>> = subs
         .iter()
-        .map(|&(s, start, _)| {
-            let mut runs = Vec::new();
-            for_each_run(
-                &s.stored,
-                dest.region(),
-                &s.stored,
-                dest.elem(),
-                |so, d, len| {
-                    runs.push((start + so, d, len));
-                },
-            );
-            runs
-        })
+        .map(|&(s, start, _)| runs_of(s, start, dest))
         .collect();
     let longest = lists.iter().flatten().map(|r| r.2).max().unwrap_or(1);
     let band = (CRC_BAND / longest.max(1)).max(1);
