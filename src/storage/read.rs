@@ -224,6 +224,26 @@ unsafe fn read_shard_direct(
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
     let (file, index) = open_shard(arr, geom, shard, counters)?;
+    // SAFETY: forwarded.
+    unsafe { pread_subchunks(arr, geom, shard, &file, &index, dest, scratch, counters) }
+}
+
+/// The reading half of [`read_shard_direct`], on a shard file already opened (and its index
+/// checked) by [`open_shard`]: reads `shard.subchunks` by `pread`.
+///
+/// # Safety
+/// As [`read_shard_direct`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn pread_subchunks(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    file: &File,
+    index: &ShardIndex,
+    dest: Dest<'_>,
+    scratch: &mut Vec<u8>,
+    counters: &ReadCounters,
+) -> Result<(), StorageError> {
     let path = arr.chunk_path(&shard.chunk);
     let sub_bytes = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX);
     let entry = |linear: u64| index[usize::try_from(linear).unwrap_or(usize::MAX)];
@@ -249,7 +269,7 @@ unsafe fn read_shard_direct(
                 iov_len: 4,
             });
         }
-        preadv_exact(&file, &mut iovs, file_start).map_err(StorageError::io("read", &path))?;
+        preadv_exact(file, &mut iovs, file_start).map_err(StorageError::io("read", &path))?;
         counters.add((sub_bytes as u64 + 4) * batch.len() as u64);
         for ((linear, d), crc) in batch.iter().zip(&crcs) {
             // SAFETY: as above; the reads have completed.
@@ -617,7 +637,7 @@ unsafe fn read_shard_mapped(
                 subchunks: window.iter().map(|(s, _)| (*s).clone()).collect(),
             };
             // SAFETY: forwarded.
-            unsafe { read_shard_direct(arr, geom, &part, dest, scratch, counters)? };
+            unsafe { pread_subchunks(arr, geom, &part, &file, &index, dest, scratch, counters)? };
             continue;
         };
         let bytes = map.bytes();
