@@ -1,11 +1,13 @@
 //! The data model: data types, validated keys, regions and tensor pieces. No I/O.
 
+pub mod convert;
 pub mod copy;
 pub mod dtype;
 pub mod key;
 pub mod region;
 pub mod tensor;
 
+pub use convert::Cast;
 pub use dtype::{DType, Element};
 pub use key::{KeyError, TensorKey};
 pub use region::{Region, RegionError};
