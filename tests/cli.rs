@@ -276,3 +276,87 @@ fn demo_runs() {
     assert!(s.contains("every byte checked"), "{s}");
     run(bin().arg("verify").arg(&dir));
 }
+
+/// A checkpoint whose `inspect` listing is far larger than a pipe's buffer (64 KiB), so that
+/// a reader that stops early always leaves the writer with output it cannot write.
+fn many_tensor_checkpoint(dir: &Path, n: usize) {
+    use zarrckpt::{LocalComm, SaveOptions, ShardedTensor, save};
+    let data: Vec<Vec<f32>> = (0..n).map(|i| vec![i as f32; 4]).collect();
+    let keys: Vec<String> = (0..n)
+        .map(|i| {
+            format!(
+                "model.layers.{i}.{}.weight",
+                "a_rather_long_name_for_a_tiny_tensor_".repeat(5)
+            )
+        })
+        .collect();
+    let pieces: Vec<ShardedTensor> = (0..n)
+        .map(|i| ShardedTensor::from_slice(&keys[i], &[4], &[0], &data[i], &[4], 0).unwrap())
+        .collect();
+    save(&pieces, dir, &LocalComm::single(), &SaveOptions::default()).unwrap();
+}
+
+/// Runs `zarrckpt args` with stdout going to a pipe whose reader reads `read_first` bytes
+/// (0: none) and then closes it. The command must end quietly: exit 0, or killed by SIGPIPE
+/// (status 141 in a shell), with nothing on stderr.
+fn ends_quietly_on_closed_pipe(args: &[&std::ffi::OsStr], read_first: usize) {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let mut child = bin()
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn zarrckpt");
+    let mut stdout = child.stdout.take().expect("stdout");
+    if read_first > 0 {
+        let mut buf = vec![0u8; read_first];
+        stdout.read_exact(&mut buf).expect("first output");
+    }
+    drop(stdout);
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() || out.status.signal() == Some(libc::SIGPIPE),
+        "{args:?} (read {read_first} bytes, then closed): {} \nstderr:\n{stderr}",
+        out.status
+    );
+    assert!(
+        stderr.is_empty(),
+        "{args:?} (read {read_first} bytes, then closed) printed on stderr:\n{stderr}"
+    );
+}
+
+#[test]
+fn printing_commands_end_quietly_when_the_reader_goes_away() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("a");
+    many_tensor_checkpoint(&a, 400);
+    let b = tmp.path().join("b");
+    many_tensor_checkpoint(&b, 380);
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
+    let cases: Vec<Vec<&std::ffi::OsStr>> = vec![
+        vec![os("inspect"), a.as_os_str()],
+        vec![os("inspect"), a.as_os_str(), os("--json")],
+        vec![os("verify"), a.as_os_str()],
+        vec![os("diff"), a.as_os_str(), b.as_os_str()],
+        vec![os("diff"), a.as_os_str(), b.as_os_str(), os("--json")],
+        vec![
+            os("bench-plan"),
+            os("--ranks"),
+            os("64"),
+            os("--tensors"),
+            os("50"),
+        ],
+        vec![os("--help")],
+    ];
+    for args in &cases {
+        ends_quietly_on_closed_pipe(args, 0);
+    }
+    // Readers that take the first bytes and stop (`| head -c 100`), where the output is
+    // larger than the pipe can hold.
+    for args in &cases[..2] {
+        ends_quietly_on_closed_pipe(args, 100);
+    }
+}

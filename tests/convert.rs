@@ -117,7 +117,7 @@ fn inputs_f32() -> Vec<u64> {
         v.push((x & !0xFFFF) | 0x8000);
         v.push((x & !0xFFFF) | 0x7FFF);
         v.push((x & !0xFFFF) | 0x8001);
-        let e = 0x3800_0000 + ((x >> 9) % 0x0F00_0000) & 0x7F80_0000; // exponents near f16's
+        let e = (0x3800_0000 + ((x >> 9) % 0x0F00_0000)) & 0x7F80_0000; // exponents near f16's
         let base = (x & 0x8000_0000) | e | (x & 0x007F_E000);
         v.extend([base | 0x1000, base | 0x0FFF, base | 0x1001]);
         // Ties in the f16 subnormal range: 2^-25 .. 2^-14, random dropped-bit patterns.
@@ -156,8 +156,8 @@ fn inputs_f64() -> Vec<u64> {
         65520.0,
         2f64.powi(-24),
         2f64.powi(-25),
-        3.3895313892515355e38, // bf16 max
-        3.3961775292304740e38, // bf16 max + half ulp: the tie to infinity
+        (2.0 - 2f64.powi(-7)) * 2f64.powi(127), // bf16 max
+        (2.0 - 2f64.powi(-8)) * 2f64.powi(127), // bf16 max + half ulp: the tie to infinity
     ] {
         let b = f.to_bits();
         v.extend([b, b - 1, b + 1, b | (1 << 63)]);

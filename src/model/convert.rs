@@ -188,7 +188,7 @@ pub fn convert(from: DType, src: &[u8], to: DType, dst: &mut [u8]) -> Result<(),
         return Err(ConvertError::Unsupported { from, to });
     };
     let n = src.len() / from.size();
-    if src.len() % from.size() != 0 || n.checked_mul(to.size()) != Some(dst.len()) {
+    if !src.len().is_multiple_of(from.size()) || n.checked_mul(to.size()) != Some(dst.len()) {
         return Err(ConvertError::Length {
             from,
             src: src.len(),

@@ -3,6 +3,7 @@
 mod bench;
 mod bench_plan;
 mod demo;
+mod diff;
 mod export;
 mod import;
 mod inspect;
@@ -36,6 +37,10 @@ enum Command {
     Inspect(inspect::Args),
     /// Read every chunk, check every checksum and that every chunk exists.
     Verify(verify::Args),
+    /// Compare two checkpoints tensor by tensor, whatever their layouts, in bounded memory:
+    /// equal, or how many elements differ and by how much at most. Exit status 0 when
+    /// equal, 1 when they differ, 2 on an error.
+    Diff(diff::Args),
     /// Measure save and load against the machine's own limits, measured in the same run.
     Bench(bench::Args),
     /// Measure one rank's planning cost (save and load) for very large simulated jobs.
@@ -61,12 +66,23 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Launch(_)) {
+        // A closed stdout or stderr (`zarrckpt inspect CKPT | head`) ends the process quietly
+        // the Unix way, killed by SIGPIPE (status 141 in a shell), instead of a panic with a
+        // backtrace. Sockets are unaffected (the TCP communicator sends with MSG_NOSIGNAL).
+        // `launch` keeps ignoring SIGPIPE: it must go on draining its children's output.
+        // SAFETY: restoring a signal's default disposition has no other effect on the process.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let result = match cli.command {
         Command::Demo(a) => demo::run(&a),
         Command::Import(a) => import::run(&a),
         Command::Export(a) => export::run(&a),
         Command::Inspect(a) => inspect::run(&a),
         Command::Verify(a) => verify::run(&a),
+        Command::Diff(a) => diff::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::BenchPlan(a) => bench_plan::run(&a),
         Command::Launch(a) => launch::run(&a),
