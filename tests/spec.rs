@@ -725,6 +725,40 @@ fn key_examples_map_and_reject_as_specified() {
     }
 }
 
+/// Section 13: a key maps to itself exactly when all its characters are `/` or in
+/// `[A-Za-z0-9._-]` and no segment begins with `__`. Checked over every key of up to four
+/// characters from a small alphabet.
+#[test]
+fn keys_map_to_themselves_exactly_as_section_13_says() {
+    let alphabet = ['a', 'Z', '0', '_', '.', '-', '/', '~', ' ', 'é'];
+    let mut keys = vec![String::new()];
+    let mut identity = 0;
+    for _ in 0..4 {
+        let next: Vec<String> = keys
+            .iter()
+            .flat_map(|k| alphabet.iter().map(move |c| format!("{k}{c}")))
+            .collect();
+        for key in &next {
+            let Ok(k) = TensorKey::new(key.as_str()) else {
+                continue;
+            };
+            let plain = key
+                .chars()
+                .all(|c| c == '/' || c.is_ascii_alphanumeric() || "._-".contains(c));
+            let rule = plain && !key.split('/').any(|seg| seg.starts_with("__"));
+            assert_eq!(
+                k.node_path() == *key,
+                rule,
+                "`{key}` maps to `{}`",
+                k.node_path()
+            );
+            identity += usize::from(rule);
+        }
+        keys = next;
+    }
+    assert!(identity > 100, "{identity}");
+}
+
 #[test]
 fn collision_examples_behave_as_specified() {
     for ex in of_kind("collisions") {
@@ -754,6 +788,7 @@ fn grid_examples_are_what_the_planner_chooses() {
         1 << 20,
         "spec section 8 states the defaults"
     );
+    let mut saved = 0;
     for ex in of_kind("grid") {
         for case in ex.json().as_array().unwrap() {
             let shape = u64s(&case["shape"]);
@@ -764,14 +799,56 @@ fn grid_examples_are_what_the_planner_chooses() {
                 .iter()
                 .map(|p| Region::new(u64s(&p[0]), u64s(&p[1])).unwrap())
                 .collect();
-            let refs: Vec<&Region> = pieces.iter().collect();
+            // Section 8: the main pieces, leaving out empty ones.
+            let refs: Vec<&Region> = pieces.iter().filter(|p| !p.is_empty()).collect();
             let (chunk, aligned) = grid::choose_chunk_shape(&shape, &refs, elem, &opts);
             assert_eq!(chunk, u64s(&case["chunk_shape"]), "{case}");
             assert_eq!(aligned, case["aligned"].as_bool().unwrap(), "{case}");
             let sub = grid::subchunk_shape(&chunk, &shape, elem, opts.subchunk_target_bytes);
             assert_eq!(sub, u64s(&case["subchunk_shape"]), "{case}");
+            // The writer itself, given the pieces as they are (empty ones included), where the
+            // tensor is small enough to save here.
+            let total = shape.iter().product::<u64>() * elem as u64;
+            if total <= 1 << 16 {
+                let d = dtype(case["dtype"].as_str().unwrap());
+                let full = test_bytes(9, shape.iter().product(), d);
+                let datas: Vec<Vec<u8>> = pieces
+                    .iter()
+                    .map(|r| {
+                        let mut out = vec![0u8; r.shape.iter().product::<u64>() as usize * elem];
+                        copy_box(&full, &Region::full(&shape), &mut out, r, r, elem);
+                        out
+                    })
+                    .collect();
+                let key = TensorKey::new("t").unwrap();
+                let sharded: Vec<ShardedTensor> = pieces
+                    .iter()
+                    .zip(&datas)
+                    .map(|(r, b)| {
+                        ShardedTensor::new(key.clone(), d, shape.clone(), r.clone(), 0, b).unwrap()
+                    })
+                    .collect();
+                let tmp = tempfile::tempdir().unwrap();
+                let dir = tmp.path().join("ckpt");
+                save(
+                    &sharded,
+                    &dir,
+                    &LocalComm::single(),
+                    &SaveOptions::default(),
+                )
+                .unwrap();
+                let meta = check_checkpoint(&dir, &BTreeMap::from([("t".to_owned(), full)]));
+                let e = &meta.tensors[&key];
+                assert_eq!(
+                    (&e.chunk_shape, &e.subchunk_shape),
+                    (&u64s(&case["chunk_shape"]), &u64s(&case["subchunk_shape"])),
+                    "the writer's grid for {case}"
+                );
+                saved += 1;
+            }
         }
     }
+    assert!(saved >= 5, "only {saved} grid examples were saved");
 }
 
 #[test]
