@@ -1489,3 +1489,57 @@ fn readers_refuse_incomplete_and_damaged_checkpoints() {
         data
     );
 }
+
+/// Section 11, step 3: an empty box meets no chunk, even at an offset that is not a multiple
+/// of the chunk shape, so reading it opens no shard file: it succeeds with every shard file
+/// gone and reads no byte.
+#[test]
+fn empty_boxes_read_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let shape = vec![10u64, 6];
+    let data = test_bytes(4, 60, DType::Int32);
+    let halves: Vec<(Region, Vec<u8>)> = [0u64, 5]
+        .iter()
+        .map(|&o| {
+            let r = Region::new(vec![o, 0], vec![5, 6]).unwrap();
+            let mut out = vec![0u8; 5 * 6 * 4];
+            copy_box(&data, &Region::full(&shape), &mut out, &r, &r, 4);
+            (r, out)
+        })
+        .collect();
+    let key = TensorKey::new("t").unwrap();
+    let pieces: Vec<ShardedTensor> = halves
+        .iter()
+        .map(|(r, b)| {
+            ShardedTensor::new(key.clone(), DType::Int32, shape.clone(), r.clone(), 0, b).unwrap()
+        })
+        .collect();
+    save(&pieces, &dir, &LocalComm::single(), &SaveOptions::default()).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ckpt.tensor(&key).unwrap().chunk_shape, vec![5, 6]);
+    for f in ["c.0.0", "c.1.0"] {
+        std::fs::remove_file(dir.join("tensors/t").join(f)).unwrap();
+    }
+    // Unaligned offsets: the formula of step 3 would pick chunk 1 (rows) and chunk 0 (columns).
+    for (offset, shape) in [
+        (vec![7, 0], vec![0, 6]),
+        (vec![7, 3], vec![2, 0]),
+        (vec![10, 6], vec![0, 0]),
+    ] {
+        let region = Region::new(offset, shape).unwrap();
+        let report = ckpt.read_region(&key, &region, &mut []).unwrap();
+        assert_eq!(
+            (report.bytes_read, report.loaded_bytes),
+            (0, 0),
+            "{region:?}"
+        );
+    }
+    // A non-empty box does need the file.
+    let one = Region::new(vec![7, 3], vec![1, 1]).unwrap();
+    let e = ckpt.read_region(&key, &one, &mut [0; 4]).unwrap_err();
+    assert!(
+        matches!(e, Error::Storage(StorageError::MissingChunk { .. })),
+        "{e}"
+    );
+}
