@@ -1335,6 +1335,29 @@ fn invalid_documents_are_rejected() {
             }),
         ),
     ];
+    // Section 6.3: integers are written as integers.
+    let semantic: Vec<Mutation> = semantic
+        .into_iter()
+        .chain::<Vec<Mutation>>(vec![
+            (
+                "a shape entry written 8192.0",
+                Box::new(move |d| {
+                    d["attributes"]["zarrckpt"]["tensors"][key]["shape"] = json!([8192.0, 2048]);
+                }),
+            ),
+            (
+                "a subchunk extent written 2048.0",
+                Box::new(move |d| {
+                    d["attributes"]["zarrckpt"]["tensors"][key]["subchunk_shape"] =
+                        json!([256, 2048.0]);
+                }),
+            ),
+            (
+                "world_size written 2.0",
+                Box::new(|d| d["attributes"]["zarrckpt"]["world_size"] = json!(2.0)),
+            ),
+        ])
+        .collect();
     for (what, m) in &semantic {
         let mut doc = base.clone();
         m(&mut doc);
@@ -1542,4 +1565,84 @@ fn empty_boxes_read_nothing() {
         matches!(e, Error::Storage(StorageError::MissingChunk { .. })),
         "{e}"
     );
+}
+
+/// Section 6.3, "Numbers": an array `zarr.json` whose numbers are spelled otherwise than the
+/// prescribed document (as the section compares them) is refused with a typed error naming the
+/// file; non-integer spellings of +0 for a float fill value are accepted.
+#[test]
+fn array_documents_compare_numbers_as_section_6_3_says() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let data = test_bytes(5, 12, DType::Float32);
+    let ints = test_bytes(6, 3, DType::Int16);
+    let key = TensorKey::new("f").unwrap();
+    let ikey = TensorKey::new("i").unwrap();
+    let pieces = [
+        ShardedTensor::new(
+            key.clone(),
+            DType::Float32,
+            vec![3, 4],
+            Region::full(&[3, 4]),
+            0,
+            &data,
+        )
+        .unwrap(),
+        ShardedTensor::new(
+            ikey.clone(),
+            DType::Int16,
+            vec![3],
+            Region::full(&[3]),
+            0,
+            &ints,
+        )
+        .unwrap(),
+    ];
+    save(&pieces, &dir, &LocalComm::single(), &SaveOptions::default()).unwrap();
+    let path = |k: &str| dir.join("tensors").join(k).join("zarr.json");
+    let original = |k: &str| -> String {
+        let v: Value = serde_json::from_slice(&std::fs::read(path(k)).unwrap()).unwrap();
+        serde_json::to_string(&v).unwrap()
+    };
+    let (f_doc, i_doc) = (original("f"), original("i"));
+    assert!(f_doc.contains(r#""fill_value":0.0"#), "{f_doc}");
+    assert!(i_doc.contains(r#""fill_value":0,"#), "{i_doc}");
+    let read = |k: &TensorKey| Checkpoint::open(&dir).unwrap().read_tensor(k);
+    // (tensor, text to replace, replacement, accepted?)
+    let cases = [
+        ("f", r#""fill_value":0.0"#, r#""fill_value":-0.0"#, false),
+        ("f", r#""fill_value":0.0"#, r#""fill_value":-0"#, false),
+        ("f", r#""fill_value":0.0"#, r#""fill_value":0"#, false),
+        (
+            "f",
+            r#""fill_value":0.0"#,
+            r#""fill_value":"0x00000000""#,
+            false,
+        ),
+        ("f", r#""fill_value":0.0"#, r#""fill_value":0e0"#, true),
+        ("f", r#""fill_value":0.0"#, r#""fill_value":0.000"#, true),
+        ("f", r#""shape":[3,4]"#, r#""shape":[3.0,4]"#, false),
+        ("f", r#""shape":[3,4]"#, r#""shape":[3e0,4]"#, false),
+        ("f", r#""zarr_format":3"#, r#""zarr_format":3.0"#, false),
+        ("i", r#""fill_value":0,"#, r#""fill_value":0.0,"#, false),
+        ("i", r#""fill_value":0,"#, r#""fill_value":-0,"#, false),
+    ];
+    for (k, from, to, accepted) in cases {
+        let doc = if k == "f" { &f_doc } else { &i_doc };
+        let tkey = if k == "f" { &key } else { &ikey };
+        assert!(doc.contains(from), "{from} not in {doc}");
+        std::fs::write(path(k), doc.replacen(from, to, 1)).unwrap();
+        let got = read(tkey);
+        if accepted {
+            assert_eq!(&got.unwrap(), if k == "f" { &data } else { &ints }, "{to}");
+        } else {
+            let e = got.expect_err(to);
+            assert!(
+                matches!(&e, Error::Storage(StorageError::Malformed { path: p, .. }) if *p == path(k)),
+                "{to}: {e}"
+            );
+        }
+        std::fs::write(path(k), doc).unwrap();
+    }
+    assert_eq!(read(&key).unwrap(), data);
 }
