@@ -15,6 +15,7 @@
 
 pub mod checkpoint;
 pub mod comm;
+mod coord;
 pub mod error;
 pub mod launch;
 pub mod load;
