@@ -20,17 +20,23 @@ pub mod error;
 pub mod launch;
 pub mod load;
 pub mod model;
+mod objects;
 pub mod plan;
 pub mod save;
+pub mod state;
 pub mod storage;
 pub mod synth;
 
-pub use checkpoint::{Checkpoint, TensorInfo};
+pub use checkpoint::{Checkpoint, ObjectInfo, TensorInfo};
 pub use comm::{CommError, Communicator, LocalComm, TcpComm};
 pub use error::{Error, Result};
-pub use load::{LoadOptions, LoadReport, StrictMode, load};
-pub use model::{DType, LoadTarget, Region, ShardedTensor, TensorKey};
-pub use save::{SaveOptions, SaveReport, save};
+pub use load::{LoadOptions, LoadReport, StrictMode, load, load_with_objects};
+pub use model::{
+    DType, Encoding, LoadTarget, ObjectRequest, ObjectScope, ObjectSlot, ObjectValue, Region,
+    ShardedTensor, StateDict, StateObject, StateValue, TensorKey,
+};
+pub use save::{SaveOptions, SaveReport, save, save_with_objects};
+pub use state::{load_state, save_state};
 pub use storage::Compression;
 pub use storage::read::ReadMethod;
 
