@@ -52,7 +52,9 @@ pub mod error;
 pub mod launch;
 pub mod load;
 pub mod model;
+mod objects;
 pub mod save;
+pub mod state;
 
 // Internals: public only so that the CLI, the tests, the fuzz targets and the benches can
 // reach them; not part of the supported API (no stability promise, hidden from the docs).
@@ -63,16 +65,18 @@ pub mod storage;
 #[doc(hidden)]
 pub mod synth;
 
-pub use checkpoint::{Checkpoint, Problem, TensorInfo};
+pub use checkpoint::{Checkpoint, ObjectInfo, Problem, TensorInfo};
 pub use comm::{CommError, Communicator, LocalComm, TcpComm, TcpConfig, run_local};
 pub use error::{Error, Result};
-pub use load::{LoadOptions, LoadReport, StrictMode, load};
+pub use load::{LoadOptions, LoadReport, StrictMode, load, load_with_objects};
 pub use model::{
-    DType, Element, KeyError, LoadTarget, Region, RegionError, ShardedTensor, TensorError,
-    TensorKey,
+    DType, Element, Encoding, KeyError, LoadTarget, ObjectRequest, ObjectScope, ObjectSlot,
+    ObjectValue, Region, RegionError, ShardedTensor, StateDict, StateObject, StateValue,
+    TensorError, TensorKey,
 };
 pub use plan::{GridOptions, LayoutDecodeError, PlanError};
-pub use save::{Progress, SaveOptions, SaveReport, save};
+pub use save::{Progress, SaveOptions, SaveReport, save, save_with_objects};
+pub use state::{load_state, save_state};
 pub use storage::read::ReadMethod;
 pub use storage::{Compression, StorageError};
 

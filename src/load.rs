@@ -11,7 +11,7 @@ use crate::comm::{RecvBuf, SendBuf};
 use crate::coord::{BoxDecl, Progress, agree, gather_layouts, io_pool, rank_layout};
 use crate::error::{Error, Result};
 use crate::model::copy::DisjointBuf;
-use crate::model::{LoadTarget, Region, TensorKey};
+use crate::model::{LoadTarget, ObjectRequest, ObjectValue, Region, TensorKey};
 use crate::plan::exchange::{ExchangePlan, SharedRead};
 use crate::plan::layout::{GatheredLayouts, RankLayout};
 use crate::plan::load::{ShardRead, StoredGeometry};
@@ -43,13 +43,13 @@ pub enum StrictMode {
 }
 
 impl StrictMode {
-    fn needs_missing(self) -> bool {
+    pub(crate) fn needs_missing(self) -> bool {
         matches!(
             self,
             StrictMode::LogAll | StrictMode::RaiseAll | StrictMode::ReturnAll
         )
     }
-    fn raises_unexpected(self) -> bool {
+    pub(crate) fn raises_unexpected(self) -> bool {
         matches!(
             self,
             StrictMode::RaiseUnexpected | StrictMode::RaiseAll | StrictMode::AssumeOkUnexpected
@@ -112,6 +112,9 @@ pub struct LoadReport {
     pub unexpected: Vec<TensorKey>,
     /// Keys in the checkpoint no rank requested, when the mode computes them.
     pub missing: Vec<TensorKey>,
+    /// With [`load_with_objects`]: one value per object request, in order (`None` for a key
+    /// the checkpoint lacks, when the strict mode skips it).
+    pub objects: Vec<Option<ObjectValue>>,
 }
 
 fn request_layout(targets: &[LoadTarget<'_>]) -> Result<RankLayout> {
@@ -238,12 +241,51 @@ pub fn load(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
+    load_impl(targets, None, dir, comm, opts)
+}
+
+/// Loads tensors as [`load`] does and objects: one value per request, returned in order in
+/// [`LoadReport::objects`]. A per-rank object is asked for by rank index
+/// ([`ObjectRequest::rank`], usually this rank's); the strict mode applies to object keys as
+/// to tensor keys (missing keys count objects only here, not in [`load`]). Every rank calls
+/// it, with its own requests.
+///
+/// # Errors
+/// As [`load`], plus [`Error::ObjectScopeMismatch`], [`Error::ObjectRankMissing`] (a rank the
+/// saving job did not have) and [`Error::ObjectGridMismatch`] for requests that do not match
+/// what is stored, and storage errors for damaged object files.
+pub fn load_with_objects(
+    targets: &mut [LoadTarget<'_>],
+    objects: &[ObjectRequest],
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<LoadReport> {
+    load_impl(targets, Some(objects), dir, comm, opts)
+}
+
+fn load_impl(
+    targets: &mut [LoadTarget<'_>],
+    objects: Option<&[ObjectRequest]>,
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<LoadReport> {
     let me = comm.rank();
     let me32 = u32::try_from(me).unwrap_or(u32::MAX);
     let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
     let layout = agree(comm, request_layout(targets))?;
     let (gathered, _) = gather_layouts(comm, &layout)?;
-    let (unexpected, missing) = check_requests(dir, &meta, &gathered, me, opts.strict)?;
+    let (mut unexpected, mut missing) = check_requests(dir, &meta, &gathered, me, opts.strict)?;
+    let object_values = match objects {
+        Some(requests) => {
+            let o = crate::objects::load_objects(dir, &meta, requests, comm, opts.strict)?;
+            unexpected.extend(o.unexpected);
+            missing.extend(o.missing);
+            o.values
+        }
+        None => Vec::new(),
+    };
     let plan = if opts.exchange && comm.world_size() > 1 {
         ExchangePlan::build(&gathered, |key| stored_geometry(&meta, key))
     } else {
@@ -286,6 +328,7 @@ pub fn load(
         bytes_read: counters.bytes.load(Ordering::Relaxed),
         bytes_received: received,
         bytes_sent: sent,
+        objects: object_values,
         ..LoadReport::default()
     };
     if matches!(

@@ -11,7 +11,8 @@ use crate::comm::{Communicator, RecvBuf, SendBuf};
 use crate::coord::{BoxDecl, agree, gather_layouts, io_pool, rank_layout};
 use crate::error::{Error, Result};
 use crate::model::copy::copy_region;
-use crate::model::{Region, ShardedTensor, TensorKey};
+use crate::model::{Region, ShardedTensor, StateObject, TensorKey};
+use crate::objects::AgreedObjects;
 use crate::plan::GridOptions;
 use crate::plan::layout::RankLayout;
 use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan};
@@ -322,14 +323,52 @@ pub fn save(
     comm: &dyn Communicator,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
+    save_impl(pieces, None, dir, comm, opts)
+}
+
+/// Saves tensor pieces as [`save`] does, and objects (non-tensor state: common, per-rank and
+/// sharded values, JSON or bytes) in the same checkpoint and commit. Every rank calls it.
+///
+/// Common objects must have the same value on every rank declaring them, per-rank objects
+/// are declared by every rank, and every shard of a sharded object's grid by some rank (its
+/// replicas agreeing); values are compared by digest, never silently picked.
+///
+/// # Errors
+/// As [`save`], plus [`Error::Object`] for an invalid object and [`Error::ObjectPlan`] when
+/// the ranks' objects disagree (naming the key and the ranks).
+pub fn save_with_objects(
+    pieces: &[ShardedTensor<'_>],
+    objects: &[StateObject],
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
+    save_impl(pieces, Some(objects), dir, comm, opts)
+}
+
+fn save_impl(
+    pieces: &[ShardedTensor<'_>],
+    objects: Option<&[StateObject]>,
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+) -> Result<SaveReport> {
     let agreed = agree_on_layout(pieces, comm, opts)?;
+    let objects = objects
+        .map(|o| crate::objects::agree_on_objects(o, comm))
+        .transpose()?;
     let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
     let tasks = agreed.plan.tasks_for(rank);
-    prepare_directory(dir, comm, &agreed.plan, opts)?;
+    prepare_directory(dir, comm, &agreed.plan, objects.as_ref(), opts)?;
     let received = exchange_unaligned(comm, &agreed, &tasks)?;
-    let written = write_files(dir, &agreed.plan, &tasks, &agreed.local, &received, opts);
+    let written = write_files(dir, &agreed.plan, &tasks, &agreed.local, &received, opts).and_then(
+        |(data, files)| match &objects {
+            Some(o) => Ok((data, files + crate::objects::write_values(dir, rank, o)?)),
+            None => Ok((data, files)),
+        },
+    );
     let (data_bytes, file_bytes) = agree(comm, written)?;
-    commit_index(dir, comm, &agreed.plan, opts)?;
+    commit_index(dir, comm, &agreed.plan, objects.as_ref(), opts)?;
     let plan = agreed.plan;
     Ok(SaveReport {
         tensors: plan.tensors.len(),
@@ -339,7 +378,7 @@ pub fn save(
         write_balance: plan.write_balance(),
         bytes_per_rank: plan.bytes_per_rank,
         plan_time: agreed.plan_time,
-        gathered_bytes: agreed.gathered_bytes,
+        gathered_bytes: agreed.gathered_bytes + objects.map_or(0, |o| o.gathered_bytes),
     })
 }
 
@@ -382,12 +421,14 @@ fn prepare_directory(
     dir: &Path,
     comm: &dyn Communicator,
     plan: &SavePlan,
+    objects: Option<&AgreedObjects<'_>>,
     opts: &SaveOptions,
 ) -> Result<()> {
     let prepared = if comm.rank() == 0 {
         commit::prepare(dir, opts.overwrite)
             .and_then(|()| commit::write_groups(dir, plan.tensors.iter().map(|t| &t.key)))
             .map_err(Error::from)
+            .and_then(|()| objects.map_or(Ok(()), |o| crate::objects::write_groups(dir, o)))
     } else {
         Ok(())
     };
@@ -417,11 +458,15 @@ fn commit_index(
     dir: &Path,
     comm: &dyn Communicator,
     plan: &SavePlan,
+    objects: Option<&AgreedObjects<'_>>,
     opts: &SaveOptions,
 ) -> Result<()> {
     let committed = if comm.rank() == 0 {
         let mut meta = CheckpointMeta::new(comm.world_size() as u64);
         meta.user = opts.user_metadata.clone();
+        if let Some(o) = objects {
+            meta.objects = crate::objects::index_entries(o);
+        }
         for tp in &plan.tensors {
             meta.tensors
                 .insert(tp.key.clone(), entry_of(tp, opts.compression));
