@@ -7,13 +7,16 @@ use std::sync::Mutex;
 use rayon::prelude::*;
 
 use crate::comm::LocalComm;
+use crate::coord::io_pool;
 use crate::error::{Error, Result};
 use crate::load::{LoadOptions, LoadReport, load};
 use crate::model::copy::DisjointBuf as Dest;
-use crate::model::{DType, LoadTarget, Region, TensorKey};
+use crate::model::{
+    DType, Encoding, LoadTarget, ObjectRequest, ObjectSlot, ObjectValue, Region, TensorKey,
+};
 use crate::plan::grid;
 use crate::plan::load::StoredGeometry;
-use crate::save::io_pool;
+use crate::storage::object::StoredScope;
 use crate::storage::read::{ReadCounters, ReadMethod, read_shard};
 use crate::storage::{CheckpointMeta, Compression, TensorArray, commit};
 
@@ -65,8 +68,30 @@ pub struct VerifyReport {
     pub chunks: u64,
     /// Bytes read.
     pub bytes_read: u64,
-    /// Everything found wrong (empty when the checkpoint is sound).
+    /// Everything found wrong (empty when the checkpoint is sound). Problems of objects
+    /// have no chunk; their error names the object and the file.
     pub problems: Vec<Problem>,
+    /// Object values checked.
+    pub object_values: u64,
+}
+
+/// What the index says about one object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    /// The key.
+    pub key: TensorKey,
+    /// Common, per-rank or sharded.
+    pub scope: StoredScope,
+    /// JSON or bytes.
+    pub encoding: Encoding,
+    /// A common object's size in bytes.
+    pub size: Option<u64>,
+    /// A per-rank object's world size (one value per rank below it).
+    pub world_size: Option<u64>,
+    /// A sharded object's grid.
+    pub grid: Option<Vec<u64>>,
+    /// Number of stored values.
+    pub values: u64,
 }
 
 impl Checkpoint {
@@ -301,11 +326,81 @@ impl Checkpoint {
             .into_inner()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         problems.sort_by(|a, b| (&a.key, &a.chunk).cmp(&(&b.key, &b.chunk)));
+        let (object_values, object_bytes) = self.verify_objects(&mut problems);
         Ok(VerifyReport {
             tensors: self.meta.tensors.len(),
             chunks: chunks_total,
-            bytes_read: counters.bytes.load(std::sync::atomic::Ordering::Relaxed),
+            bytes_read: counters.bytes.load(std::sync::atomic::Ordering::Relaxed) + object_bytes,
             problems,
+            object_values,
         })
+    }
+
+    /// Every object, sorted by key.
+    #[must_use]
+    pub fn objects(&self) -> Vec<ObjectInfo> {
+        self.meta
+            .objects
+            .iter()
+            .map(|(key, e)| ObjectInfo {
+                key: key.clone(),
+                scope: e.scope,
+                encoding: e.encoding,
+                size: e.size,
+                world_size: e.world_size,
+                grid: e.grid.clone(),
+                values: match e.scope {
+                    StoredScope::Common => 1,
+                    StoredScope::PerRank => e.world_size.unwrap_or(0),
+                    StoredScope::Sharded => {
+                        e.grid.as_ref().map_or(0, |g| g.iter().product::<u64>())
+                    }
+                },
+            })
+            .collect()
+    }
+
+    /// Reads one stored value of an object: the common value ([`ObjectSlot::Common`]), the
+    /// value rank `r` saved ([`ObjectSlot::Rank`], whatever this job's size), or a shard
+    /// ([`ObjectSlot::Shard`]). Checks the array's metadata, length and CRC-32C.
+    ///
+    /// # Errors
+    /// [`Error::UnexpectedKeys`] when there is no such object, [`Error::ObjectScopeMismatch`]
+    /// for a slot of another scope, [`Error::ObjectRankMissing`] /
+    /// [`Error::ObjectGridMismatch`] for a rank or shard the object does not have, storage
+    /// errors for damaged files.
+    pub fn read_object(&self, key: &TensorKey, slot: &ObjectSlot) -> Result<ObjectValue> {
+        let r = ObjectRequest {
+            key: key.clone(),
+            slot: slot.clone(),
+            grid: None,
+        };
+        let e = crate::objects::check_request(&self.dir, &self.meta, &r)?.ok_or_else(|| {
+            Error::UnexpectedKeys {
+                path: self.dir.clone(),
+                keys: vec![key.clone()],
+                rank: 0,
+            }
+        })?;
+        crate::objects::read(&self.dir, e, &r)
+    }
+
+    /// Reads every value of every object, collecting problems. Returns (values, bytes).
+    fn verify_objects(&self, problems: &mut Vec<Problem>) -> (u64, u64) {
+        let (mut n, mut bytes) = (0u64, 0u64);
+        for (key, e) in &self.meta.objects {
+            for slot in e.slots() {
+                n += 1;
+                match self.read_object(key, &slot) {
+                    Ok(v) => bytes += v.to_stored().len() as u64,
+                    Err(error) => problems.push(Problem {
+                        key: key.clone(),
+                        chunk: None,
+                        error,
+                    }),
+                }
+            }
+        }
+        (n, bytes)
     }
 }

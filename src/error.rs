@@ -108,6 +108,57 @@ pub enum Error {
     /// The I/O thread pool could not be created.
     #[error("could not start the I/O thread pool: {0}")]
     ThreadPool(String),
+    /// An object handed in or asked for is invalid.
+    #[error(transparent)]
+    Object(#[from] crate::model::ObjectError),
+    /// The ranks' object declarations disagree (naming the key and the ranks).
+    #[error(transparent)]
+    ObjectPlan(#[from] crate::plan::objects::ObjectPlanError),
+    /// A state dict cannot be flattened.
+    #[error(transparent)]
+    State(#[from] crate::model::StateError),
+    /// An object was asked for with another scope than it was saved with.
+    #[error("object `{key}` in {}: requested as {requested}, stored as {stored}", path.display())]
+    ObjectScopeMismatch {
+        /// The object.
+        key: TensorKey,
+        /// The checkpoint.
+        path: PathBuf,
+        /// The scope asked for (`common`, `per_rank`, `sharded`).
+        requested: &'static str,
+        /// The scope stored.
+        stored: &'static str,
+    },
+    /// A per-rank object was asked for a rank the saving job did not have.
+    #[error(
+        "per-rank object `{key}` in {}: no value for rank {rank}; the checkpoint was saved by {world_size} ranks. \
+         A job with another world size can read any saved rank's value (Checkpoint::read_object with ObjectSlot::Rank(r), \
+         or ObjectRequest::rank in a load) and redistribute it",
+        path.display()
+    )]
+    ObjectRankMissing {
+        /// The object.
+        key: TensorKey,
+        /// The checkpoint.
+        path: PathBuf,
+        /// The rank asked for.
+        rank: u64,
+        /// The saving job's world size.
+        world_size: u64,
+    },
+    /// A sharded object was asked for with another grid than it was saved with, or a shard
+    /// index outside its grid.
+    #[error("sharded object `{key}` in {}: requested {requested:?}, stored grid {stored:?}", path.display())]
+    ObjectGridMismatch {
+        /// The object.
+        key: TensorKey,
+        /// The checkpoint.
+        path: PathBuf,
+        /// The grid (or shard index) asked for.
+        requested: Vec<u64>,
+        /// The stored grid.
+        stored: Vec<u64>,
+    },
 }
 
 /// Shorthand for results of this crate.

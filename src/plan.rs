@@ -5,6 +5,7 @@ pub mod exchange;
 pub mod grid;
 pub mod layout;
 pub mod load;
+pub mod objects;
 pub mod save;
 
 pub use grid::GridOptions;

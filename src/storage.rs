@@ -8,6 +8,7 @@ pub mod error;
 pub mod foreign;
 pub mod fsio;
 pub mod meta;
+pub mod object;
 pub mod read;
 pub mod shard;
 pub mod write;

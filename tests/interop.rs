@@ -666,3 +666,85 @@ fn zarrckpt_reads_arrays_written_by_tensorstore_and_zarr_python() {
     );
     println!("read {read} foreign arrays exactly");
 }
+
+/// Objects (common JSON, per-rank bytes, sharded JSON, an empty value) read by tensorstore
+/// and zarr-python without zarrckpt: every byte, every JSON value and the attributes.
+#[test]
+fn zarr_python_and_tensorstore_read_objects() {
+    use zarrckpt::storage::object::StoredScope;
+    use zarrckpt::{Communicator, ObjectSlot, StateObject, save_with_objects};
+    let Some(python) = python("zarr_python_and_tensorstore_read_objects") else {
+        return;
+    };
+    let work = work_dir();
+    let dir = work.path().join("ckpt");
+    let rng = |r: usize| {
+        (0..300u32)
+            .map(|i| (i * 7 + r as u32 * 13) as u8)
+            .collect::<Vec<u8>>()
+    };
+    let results = zarrckpt::comm::run_local(3, Duration::from_secs(30), |c| {
+        let r = c.rank();
+        let objs = vec![
+            StateObject::common("iteration", json!(1000)).unwrap(),
+            StateObject::common("config/model", json!({"hidden": 4096, "name": "ü \"x\""}))
+                .unwrap(),
+            StateObject::per_rank("rng state", rng(r)).unwrap(),
+            StateObject::sharded("pp", &[3], &[r as u64], json!({"stage": r})).unwrap(),
+            StateObject::common("empty", Vec::<u8>::new()).unwrap(),
+        ];
+        save_with_objects(&[], &objs, &dir, &c, &zarrckpt::SaveOptions::default())
+    });
+    for r in results {
+        r.unwrap();
+    }
+    let ckpt = zarrckpt::Checkpoint::open(&dir).unwrap();
+    let mut values = Vec::new();
+    let mut groups = vec!["objects".to_string(), "objects/config".to_string()];
+    for (key, e) in &ckpt.meta().objects {
+        if e.scope != StoredScope::Common {
+            groups.push(e.path.clone());
+        }
+        for slot in e.slots() {
+            let v = ckpt.read_object(key, &slot).unwrap();
+            let bytes = v.to_stored();
+            let mut attributes = json!({"kind": "object", "key": key.as_str(),
+                "scope": e.scope.name(), "encoding": e.encoding.name()});
+            match &slot {
+                ObjectSlot::Rank(r) => attributes["rank"] = json!(r),
+                ObjectSlot::Shard(i) => attributes["index"] = json!(i),
+                ObjectSlot::Common => {}
+            }
+            values.push(json!({
+                "path": e.value_path(&slot), "key": key.as_str(), "scope": e.scope.name(),
+                "encoding": e.encoding.name(), "attributes": attributes,
+                "hex": bytes.iter().map(|b| format!("{b:02x}")).collect::<String>(),
+                "json": v.as_json().cloned().unwrap_or(Value::Null),
+            }));
+        }
+    }
+    assert_eq!(values.len(), 1 + 1 + 3 + 3 + 1);
+    assert_eq!(
+        ckpt.read_object(&TensorKey::new("rng state").unwrap(), &ObjectSlot::Rank(2))
+            .unwrap()
+            .as_bytes(),
+        Some(rng(2).as_slice())
+    );
+    let manifest = work.path().join("objects.json");
+    std::fs::write(
+        &manifest,
+        serde_json::to_vec_pretty(&json!({"dir": dir, "values": values, "groups": groups}))
+            .unwrap(),
+    )
+    .unwrap();
+    let stdout = run_python(&python, "check_objects.py", &[&manifest], work.path());
+    let counts = summary(&stdout, "OBJECTS");
+    assert_eq!(
+        count(&counts, "tensorstore"),
+        values.len() as u64,
+        "{stdout}"
+    );
+    assert_eq!(count(&counts, "zarr"), values.len() as u64, "{stdout}");
+    assert_eq!(count(&counts, "json"), 1 + 1 + 3, "{stdout}");
+    assert_eq!(count(&counts, "groups"), groups.len() as u64, "{stdout}");
+}

@@ -51,7 +51,10 @@ fn looks_like_checkpoint(dir: &Path) -> bool {
     entries.flatten().all(|e| {
         let name = e.file_name();
         let name = name.to_string_lossy();
-        name == ROOT_JSON || name == TENSORS_GROUP || name.starts_with(".zarr.json.tmp-")
+        name == ROOT_JSON
+            || name == TENSORS_GROUP
+            || name == super::object::OBJECTS_GROUP
+            || name.starts_with(".zarr.json.tmp-")
     })
 }
 

@@ -15,7 +15,7 @@ pub const FORMAT_NAME: &str = "zarrckpt";
 /// The major version this crate reads and writes.
 pub const FORMAT_MAJOR: u32 = 1;
 /// The minor version this crate writes.
-pub const FORMAT_MINOR: u32 = 0;
+pub const FORMAT_MINOR: u32 = 1;
 /// The attribute holding the checkpoint's metadata in the root group.
 pub const ATTRIBUTE: &str = "zarrckpt";
 /// Most subchunks one shard may have (its index is 16 bytes per subchunk).
@@ -84,6 +84,9 @@ pub struct CheckpointMeta {
     /// Caller metadata (training step and the like), free-form JSON.
     #[serde(default)]
     pub user: serde_json::Map<String, serde_json::Value>,
+    /// Every object (non-tensor state), by key (format 1.1; absent means none).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub objects: BTreeMap<TensorKey, super::object::ObjectEntry>,
 }
 
 /// The path of a tensor's array: `tensors/` followed by the key's node path.
@@ -174,6 +177,15 @@ impl CheckpointMeta {
                         e.inner()
                     ))
                 }
+                [Segment::Map { key: group }, Segment::Map { key }, rest @ ..]
+                    if group == "objects" =>
+                {
+                    malformed(format!(
+                        "object `{key}`: field `{}`: {}",
+                        field(rest),
+                        e.inner()
+                    ))
+                }
                 _ => malformed(format!("field `{ATTRIBUTE}.{}`: {}", e.path(), e.inner())),
             }
         })?;
@@ -183,6 +195,12 @@ impl CheckpointMeta {
         }
         crate::model::key::check_collisions(meta.tensors.keys())
             .map_err(|e| malformed(e.to_string()))?;
+        for (key, o) in &meta.objects {
+            o.validate(key)
+                .map_err(|r| malformed(format!("object `{key}`: {r}")))?;
+        }
+        crate::model::key::check_collisions(meta.objects.keys())
+            .map_err(|e| malformed(format!("objects: {e}")))?;
         Ok(meta)
     }
 
@@ -207,6 +225,7 @@ impl CheckpointMeta {
             world_size,
             tensors: BTreeMap::new(),
             user: serde_json::Map::new(),
+            objects: BTreeMap::new(),
         }
     }
 }

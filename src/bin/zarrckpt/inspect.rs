@@ -4,7 +4,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use serde_json::json;
-use zarrckpt::Checkpoint;
+use zarrckpt::storage::object::StoredScope;
+use zarrckpt::{Checkpoint, Encoding, ObjectInfo, ObjectSlot, ObjectValue};
 
 /// Arguments of `zarrckpt inspect`.
 #[derive(clap::Args)]
@@ -59,7 +60,9 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let chunks: u64 = tensors.iter().map(|t| t.num_chunks).sum();
     let on_disk = dir_bytes(&a.ckpt);
     let meta = ckpt.meta();
+    let objects = ckpt.objects();
     if a.json {
+        let objs: Vec<_> = objects.iter().map(object_json).collect();
         let list: Vec<_> = tensors
             .iter()
             .map(|t| {
@@ -74,7 +77,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             "path": a.ckpt.display().to_string(), "format": meta.format, "version": meta.version,
             "writer": meta.writer, "world_size": meta.world_size, "user": meta.user,
             "tensors": list, "total_tensors": tensors.len(), "total_bytes": total,
-            "total_chunks": chunks, "bytes_on_disk": on_disk,
+            "total_chunks": chunks, "bytes_on_disk": on_disk, "objects": objs,
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
         return Ok(ExitCode::SUCCESS);
@@ -115,12 +118,82 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             human(t.nbytes)
         );
     }
+    if !objects.is_empty() {
+        print_objects(&ckpt, &objects);
+    }
     println!(
-        "total: {} tensors, {} chunk files, {} of data, {} on disk",
+        "total: {} tensors, {} chunk files, {} of data, {} objects, {} on disk",
         tensors.len(),
         chunks,
         human(total),
+        objects.len(),
         human(on_disk)
     );
     Ok(ExitCode::SUCCESS)
+}
+
+fn object_json(o: &ObjectInfo) -> serde_json::Value {
+    let mut v = json!({
+        "key": o.key.as_str(), "scope": o.scope.name(), "encoding": o.encoding.name(),
+        "values": o.values,
+    });
+    if let Some(s) = o.size {
+        v["size"] = json!(s);
+    }
+    if let Some(w) = o.world_size {
+        v["world_size"] = json!(w);
+    }
+    if let Some(g) = &o.grid {
+        v["grid"] = json!(g);
+    }
+    v
+}
+
+/// A short preview of a common JSON object's value (read; common values are small).
+fn preview(ckpt: &Checkpoint, o: &ObjectInfo) -> String {
+    if o.scope != StoredScope::Common || o.encoding != Encoding::Json {
+        return String::new();
+    }
+    match ckpt.read_object(&o.key, &ObjectSlot::Common) {
+        Ok(ObjectValue::Json(v)) => {
+            let s = v.to_string();
+            if s.chars().count() > 60 {
+                format!("{}…", s.chars().take(60).collect::<String>())
+            } else {
+                s
+            }
+        }
+        Ok(ObjectValue::Bytes(_)) => String::new(),
+        Err(e) => format!("(unreadable: {e})"),
+    }
+}
+
+fn print_objects(ckpt: &Checkpoint, objects: &[ObjectInfo]) {
+    let kw = objects
+        .iter()
+        .map(|o| o.key.as_str().len())
+        .max()
+        .unwrap_or(3)
+        .clamp(3, 70);
+    println!(
+        "{:<kw$}  {:<8} {:<8} {:<18} {:>6}  value",
+        "object", "scope", "encoding", "layout", "values"
+    );
+    for o in objects {
+        let layout = match (&o.size, &o.world_size, &o.grid) {
+            (Some(s), _, _) => human(*s),
+            (_, Some(w), _) => format!("{w} ranks"),
+            (_, _, Some(g)) => format!("grid {}", dims(g)),
+            _ => String::new(),
+        };
+        println!(
+            "{:<kw$}  {:<8} {:<8} {:<18} {:>6}  {}",
+            o.key.as_str(),
+            o.scope.name(),
+            o.encoding.name(),
+            layout,
+            o.values,
+            preview(ckpt, o)
+        );
+    }
 }

@@ -27,19 +27,18 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let report = ckpt.verify(a.threads, Some(&inc))?;
     pb.finish_and_clear();
     for p in &report.problems {
-        eprintln!(
-            "PROBLEM tensor `{}` chunk {:?}: {}",
-            p.key,
-            p.chunk.as_deref().unwrap_or(&[]),
-            p.error
-        );
+        match &p.chunk {
+            Some(chunk) => eprintln!("PROBLEM tensor `{}` chunk {chunk:?}: {}", p.key, p.error),
+            None => eprintln!("PROBLEM `{}`: {}", p.key, p.error),
+        }
     }
     let secs = t0.elapsed().as_secs_f64();
     if report.problems.is_empty() {
         println!(
-            "OK: {} tensors, {} chunks, {:.3} GB read in {secs:.2} s; every checksum matches and every chunk is present",
+            "OK: {} tensors, {} chunks, {} object values, {:.3} GB read in {secs:.2} s; every checksum matches and every chunk is present",
             report.tensors,
             report.chunks,
+            report.object_values,
             report.bytes_read as f64 / 1e9
         );
         Ok(ExitCode::SUCCESS)

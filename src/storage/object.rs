@@ -1,0 +1,446 @@
+//! Objects on disk (spec § "Objects"): every value is a one-dimensional `uint8` Zarr array
+//! with one chunk and the codecs `bytes` + `crc32c`, so any Zarr reader can open it. A common
+//! object is an array at `objects/` + the key's node path; a per-rank or sharded object is a
+//! group there holding one array per rank (`rank.<r>`) or per shard (`shard.<i>.<j>…`).
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use super::error::StorageError;
+use super::fsio::{create_dir_durable, fsync_dir, write_durable};
+use super::meta::ATTRIBUTE;
+use crate::model::TensorKey;
+use crate::model::object::{Encoding, MAX_OBJECT_BYTES, MAX_OBJECT_SLOTS, ObjectSlot, check_grid};
+
+/// The group holding objects.
+pub const OBJECTS_GROUP: &str = "objects";
+
+const GROUP_JSON: &[u8] = br#"{"zarr_format":3,"node_type":"group","attributes":{}}"#;
+
+/// How an object is stored, in the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StoredScope {
+    /// One value.
+    Common,
+    /// One value per rank of the saving job.
+    PerRank,
+    /// One value per cell of a grid.
+    Sharded,
+}
+
+impl StoredScope {
+    /// The name in metadata.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            StoredScope::Common => "common",
+            StoredScope::PerRank => "per_rank",
+            StoredScope::Sharded => "sharded",
+        }
+    }
+}
+
+/// One object in the index.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ObjectEntry {
+    /// Node path of the array (common) or group (per-rank, sharded): `objects/` + the key's
+    /// node path.
+    pub path: String,
+    /// Scope.
+    pub scope: StoredScope,
+    /// How the value bytes are to be read.
+    pub encoding: Encoding,
+    /// Common objects: the value's length in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+    /// Per-rank objects: the saving job's world size (one value per rank below it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<u64>,
+    /// Sharded objects: the grid (one value per cell).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grid: Option<Vec<u64>>,
+}
+
+/// The node path of an object: `objects/` followed by the key's node path.
+#[must_use]
+pub fn object_path(key: &TensorKey) -> String {
+    format!("{OBJECTS_GROUP}/{}", key.node_path())
+}
+
+/// The name of a value's array inside a per-rank or sharded object's group. Contains a `.`
+/// followed by digits, which no escaped key segment is, and never collides with another key
+/// (the group is the key's own node).
+#[must_use]
+pub fn slot_name(slot: &ObjectSlot) -> Option<String> {
+    match slot {
+        ObjectSlot::Common => None,
+        ObjectSlot::Rank(r) => Some(format!("rank.{r}")),
+        ObjectSlot::Shard(i) => Some(format!(
+            "shard.{}",
+            i.iter().map(u64::to_string).collect::<Vec<_>>().join(".")
+        )),
+    }
+}
+
+impl ObjectEntry {
+    /// Checks the entry against its key (readers call it for every entry of the index).
+    ///
+    /// # Errors
+    /// A description of what is wrong.
+    pub fn validate(&self, key: &TensorKey) -> Result<(), String> {
+        if self.path != object_path(key) {
+            return Err(format!(
+                "path {:?} does not follow the key mapping (expected {:?})",
+                self.path,
+                object_path(key)
+            ));
+        }
+        let (size, ws, grid) = (
+            self.size.is_some(),
+            self.world_size.is_some(),
+            self.grid.is_some(),
+        );
+        match self.scope {
+            StoredScope::Common if size && !ws && !grid => {
+                if self.size.is_some_and(|s| s > MAX_OBJECT_BYTES) {
+                    return Err(format!("size exceeds {MAX_OBJECT_BYTES} bytes"));
+                }
+            }
+            StoredScope::PerRank if ws && !size && !grid => {
+                if self
+                    .world_size
+                    .is_none_or(|w| w == 0 || w > MAX_OBJECT_SLOTS)
+                {
+                    return Err(format!("world_size must be 1 to {MAX_OBJECT_SLOTS}"));
+                }
+            }
+            StoredScope::Sharded if grid && !size && !ws => {
+                check_grid(key, self.grid.as_deref().unwrap_or_default(), None)
+                    .map_err(|e| e.to_string())?;
+            }
+            s => {
+                return Err(format!(
+                    "a {} object has exactly the member {}",
+                    s.name(),
+                    match s {
+                        StoredScope::Common => "`size`",
+                        StoredScope::PerRank => "`world_size`",
+                        StoredScope::Sharded => "`grid`",
+                    }
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every slot of this object: the common value, each rank's, or each shard's.
+    #[must_use]
+    pub fn slots(&self) -> Vec<ObjectSlot> {
+        match self.scope {
+            StoredScope::Common => vec![ObjectSlot::Common],
+            StoredScope::PerRank => (0..self.world_size.unwrap_or(0))
+                .map(ObjectSlot::Rank)
+                .collect(),
+            StoredScope::Sharded => {
+                let grid = self.grid.clone().unwrap_or_default();
+                let mut v = Vec::new();
+                crate::plan::grid::for_each_index(&vec![0; grid.len()], &grid, |i| {
+                    v.push(ObjectSlot::Shard(i.to_vec()));
+                });
+                v
+            }
+        }
+    }
+
+    /// True when `slot` is one of this object's values.
+    #[must_use]
+    pub fn has_slot(&self, slot: &ObjectSlot) -> bool {
+        match (self.scope, slot) {
+            (StoredScope::Common, ObjectSlot::Common) => true,
+            (StoredScope::PerRank, ObjectSlot::Rank(r)) => self.world_size.is_some_and(|w| *r < w),
+            (StoredScope::Sharded, ObjectSlot::Shard(i)) => self
+                .grid
+                .as_ref()
+                .is_some_and(|g| i.len() == g.len() && i.iter().zip(g).all(|(i, g)| i < g)),
+            _ => false,
+        }
+    }
+
+    /// The node path of one value's array.
+    #[must_use]
+    pub fn value_path(&self, slot: &ObjectSlot) -> String {
+        match slot_name(slot) {
+            None => self.path.clone(),
+            Some(n) => format!("{}/{n}", self.path),
+        }
+    }
+}
+
+/// The `zarr.json` of one object value's array, exactly as zarrckpt writes it.
+#[must_use]
+pub fn value_metadata(key: &TensorKey, e: &ObjectEntry, slot: &ObjectSlot, len: u64) -> Value {
+    let mut attr = json!({
+        "kind": "object",
+        "key": key.as_str(),
+        "scope": e.scope.name(),
+        "encoding": e.encoding.name(),
+    });
+    match slot {
+        ObjectSlot::Common => {}
+        ObjectSlot::Rank(r) => attr["rank"] = json!(r),
+        ObjectSlot::Shard(i) => {
+            attr["grid"] = json!(e.grid);
+            attr["index"] = json!(i);
+        }
+    }
+    json!({
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [len],
+        "data_type": "uint8",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [len.max(1)]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+        "fill_value": 0,
+        "codecs": [
+            {"name": "bytes", "configuration": {"endian": "little"}},
+            {"name": "crc32c", "configuration": {}}
+        ],
+        "attributes": {ATTRIBUTE: attr},
+    })
+}
+
+/// Writes the `zarr.json` of the `objects` group, of every group above an object and of
+/// every per-rank or sharded object's own group (one rank, before values are written).
+///
+/// # Errors
+/// I/O errors naming the path.
+pub fn write_groups<'a>(
+    dir: &Path,
+    objects: impl IntoIterator<Item = (&'a TensorKey, &'a ObjectEntry)>,
+) -> Result<(), StorageError> {
+    let mut groups: BTreeSet<PathBuf> = BTreeSet::new();
+    let mut any = false;
+    for (key, e) in objects {
+        any = true;
+        let path = PathBuf::from(object_path(key));
+        if e.scope != StoredScope::Common {
+            groups.insert(path.clone());
+        }
+        let mut p = path.parent();
+        while let Some(g) = p {
+            if g.as_os_str().is_empty() {
+                break;
+            }
+            groups.insert(g.to_owned());
+            p = g.parent();
+        }
+    }
+    if !any {
+        return Ok(());
+    }
+    for g in &groups {
+        let d = dir.join(g);
+        create_dir_durable(&d)?;
+        write_durable(&d.join("zarr.json"), &[GROUP_JSON])?;
+    }
+    for g in &groups {
+        fsync_dir(&dir.join(g))?;
+    }
+    Ok(())
+}
+
+/// Writes one value: its array's `zarr.json` and, unless it is empty, its one chunk file `c.0`
+/// (the bytes followed by their CRC-32C, little endian), each fsynced, then the array's
+/// directory. Returns the bytes written to files.
+///
+/// # Errors
+/// I/O errors naming the path.
+pub fn write_value(
+    dir: &Path,
+    key: &TensorKey,
+    e: &ObjectEntry,
+    slot: &ObjectSlot,
+    bytes: &[u8],
+) -> Result<u64, StorageError> {
+    let adir = dir.join(e.value_path(slot));
+    create_dir_durable(&adir)?;
+    let doc = value_metadata(key, e, slot, bytes.len() as u64);
+    let doc = serde_json::to_vec_pretty(&doc).unwrap_or_default();
+    let mut n = write_durable(&adir.join("zarr.json"), &[&doc])?;
+    if !bytes.is_empty() {
+        let crc = crc32c::crc32c(bytes).to_le_bytes();
+        n += write_durable(&adir.join("c.0"), &[bytes, &crc])?;
+    }
+    fsync_dir(&adir)?;
+    Ok(n)
+}
+
+/// Reads one value back, checking its array's `zarr.json` against the index entry, the
+/// length (before allocating) and the CRC-32C. Returns the stored bytes.
+///
+/// # Errors
+/// [`StorageError::Malformed`] for a `zarr.json` that is not the one prescribed,
+/// [`StorageError::MissingChunk`] / [`StorageError::CorruptChunk`] /
+/// [`StorageError::Checksum`] for a missing, short or damaged chunk file.
+pub fn read_value(
+    dir: &Path,
+    key: &TensorKey,
+    e: &ObjectEntry,
+    slot: &ObjectSlot,
+) -> Result<Vec<u8>, StorageError> {
+    let adir = dir.join(e.value_path(slot));
+    let json_path = adir.join("zarr.json");
+    let malformed = |reason: String| StorageError::Malformed {
+        path: json_path.clone(),
+        reason: format!("object `{key}` ({slot}): {reason}"),
+    };
+    let raw = fs::read(&json_path).map_err(StorageError::io("read", &json_path))?;
+    if raw.len() > 1 << 20 {
+        return Err(malformed("zarr.json is larger than 1 MiB".into()));
+    }
+    let doc: Value =
+        serde_json::from_slice(&raw).map_err(|err| malformed(format!("not JSON: {err}")))?;
+    let len = match doc
+        .get("shape")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+    {
+        Some([n]) => n
+            .as_u64()
+            .ok_or_else(|| malformed("shape is not [length]".into()))?,
+        _ => return Err(malformed("shape is not [length]".into())),
+    };
+    if len > MAX_OBJECT_BYTES {
+        return Err(malformed(format!(
+            "length {len} exceeds {MAX_OBJECT_BYTES} bytes"
+        )));
+    }
+    if let Some(size) = e.size
+        && size != len
+    {
+        return Err(malformed(format!(
+            "length {len} differs from the index's size {size}"
+        )));
+    }
+    let want = value_metadata(key, e, slot, len);
+    for member in [
+        "zarr_format",
+        "node_type",
+        "shape",
+        "data_type",
+        "chunk_grid",
+        "chunk_key_encoding",
+        "fill_value",
+        "codecs",
+    ] {
+        if doc.get(member) != want.get(member) {
+            return Err(malformed(format!(
+                "`{member}` is {}, expected {}",
+                doc.get(member).unwrap_or(&Value::Null),
+                want[member]
+            )));
+        }
+    }
+    if doc
+        .get("storage_transformers")
+        .is_some_and(|s| s.as_array().is_none_or(|a| !a.is_empty()))
+    {
+        return Err(malformed("storage_transformers must be empty".into()));
+    }
+    let got_attr = doc.get("attributes").and_then(|a| a.get(ATTRIBUTE));
+    if let Some(want_attr) = want["attributes"][ATTRIBUTE].as_object() {
+        for (k, v) in want_attr {
+            if got_attr.and_then(|a| a.get(k)) != Some(v) {
+                return Err(malformed(format!("attribute `{ATTRIBUTE}.{k}` is not {v}")));
+            }
+        }
+    }
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let path = adir.join("c.0");
+    let chunk = vec![0];
+    let mut f = match fs::File::open(&path) {
+        Ok(f) => f,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            return Err(StorageError::MissingChunk {
+                key: key.to_string(),
+                chunk,
+                path,
+            });
+        }
+        Err(err) => return Err(StorageError::io("open", &path)(err)),
+    };
+    let file_len = f.metadata().map_err(StorageError::io("stat", &path))?.len();
+    if file_len != len + 4 {
+        return Err(StorageError::CorruptChunk {
+            key: key.to_string(),
+            chunk,
+            path,
+            detail: format!(
+                "object chunk is {file_len} bytes, expected {} (the value and its CRC-32C)",
+                len + 4
+            ),
+        });
+    }
+    let mut buf = vec![0u8; usize::try_from(len + 4).unwrap_or(usize::MAX)];
+    f.read_exact(&mut buf)
+        .map_err(StorageError::io("read", &path))?;
+    let split = buf.len() - 4;
+    let stored = u32::from_le_bytes([buf[split], buf[split + 1], buf[split + 2], buf[split + 3]]);
+    let computed = crc32c::crc32c(&buf[..split]);
+    if stored != computed {
+        return Err(StorageError::Checksum {
+            key: key.to_string(),
+            chunk,
+            subchunk: 0,
+            path,
+            stored,
+            computed,
+        });
+    }
+    buf.truncate(split);
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_names_and_paths() {
+        let key = TensorKey::new("rng state").unwrap();
+        let e = ObjectEntry {
+            path: object_path(&key),
+            scope: StoredScope::Sharded,
+            encoding: Encoding::Bytes,
+            size: None,
+            world_size: None,
+            grid: Some(vec![2, 3]),
+        };
+        e.validate(&key).unwrap();
+        assert_eq!(
+            e.value_path(&ObjectSlot::Shard(vec![1, 2])),
+            "objects/rng~20state/shard.1.2"
+        );
+        assert_eq!(e.slots().len(), 6);
+        assert!(e.has_slot(&ObjectSlot::Shard(vec![1, 2])));
+        assert!(!e.has_slot(&ObjectSlot::Shard(vec![2, 0])));
+        assert!(!e.has_slot(&ObjectSlot::Rank(0)));
+        let mut bad = e.clone();
+        bad.size = Some(3);
+        assert!(bad.validate(&key).is_err());
+        bad = e.clone();
+        bad.grid = Some(vec![0]);
+        assert!(bad.validate(&key).is_err());
+        bad = e;
+        bad.path = "objects/../x".into();
+        assert!(bad.validate(&key).is_err());
+    }
+}
