@@ -89,7 +89,7 @@ pub(crate) struct BoxDecl<'a> {
     pub dtype: DType,
     pub global_shape: &'a [u64],
     pub region: &'a Region,
-    /// Main replica (save); false for load requests.
+    /// Main replica (save); for load requests, a box read by this rank alone (converted).
     pub main: bool,
 }
 

@@ -70,7 +70,7 @@ pub use comm::{CommError, Communicator, LocalComm, TcpComm, TcpConfig, run_local
 pub use error::{Error, Result};
 pub use load::{LoadOptions, LoadReport, StrictMode, load, load_with_objects};
 pub use model::{
-    DType, Element, Encoding, KeyError, LoadTarget, ObjectRequest, ObjectScope, ObjectSlot,
+    Cast, DType, Element, Encoding, KeyError, LoadTarget, ObjectRequest, ObjectScope, ObjectSlot,
     ObjectValue, Region, RegionError, ShardedTensor, StateDict, StateObject, StateValue,
     TensorError, TensorKey,
 };

@@ -18,12 +18,18 @@ use crate::plan::load::{ShardRead, StoredGeometry};
 use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
 use crate::storage::{CheckpointMeta, TensorArray, commit};
 
+mod cast;
+
 /// How to treat keys requested but absent ("unexpected", per rank) and keys present but
 /// requested by no rank ("missing", global), after Megatron-Core's `StrictHandling`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum StrictMode {
-    /// No key checks at all (fastest); an unexpected key still fails when it is read.
+    /// No key check before reading (Megatron's `ASSUME_OK_UNEXPECTED`: the caller vouches
+    /// that every requested key exists, and nothing is looked up before the read step). A key
+    /// the checkpoint lacks still fails, when it is read: [`Error::UnexpectedKeys`] on the rank
+    /// that asked for it, naming that rank ([`Error::RemoteFailure`] naming it on the others).
+    /// Data types and shapes are checked as in every mode; missing keys are not computed.
     AssumeOkUnexpected,
     /// Log unexpected keys and skip them (their buffers are left untouched).
     LogUnexpected,
@@ -117,14 +123,20 @@ pub struct LoadReport {
     pub objects: Vec<Option<ObjectValue>>,
 }
 
-fn request_layout(targets: &[LoadTarget<'_>]) -> Result<RankLayout> {
+/// This rank's requests as a layout. A request that converts declares the stored data type
+/// and is marked as read by this rank alone (its buffer holds another type, so it cannot
+/// share boxes with other ranks).
+fn request_layout(targets: &[LoadTarget<'_>], meta: &CheckpointMeta) -> Result<RankLayout> {
     rank_layout(
-        targets.iter().map(|t| BoxDecl {
-            key: t.key(),
-            dtype: t.dtype(),
-            global_shape: t.global_shape(),
-            region: t.region(),
-            main: false,
+        targets.iter().map(|t| {
+            let from = cast::converts_from(t, meta);
+            BoxDecl {
+                key: t.key(),
+                dtype: from.unwrap_or(t.dtype()),
+                global_shape: t.global_shape(),
+                region: t.region(),
+                main: from.is_some(),
+            }
         }),
         "requests",
     )
@@ -180,7 +192,8 @@ fn check_requests(
             first_other = Some((lowest, unexpected));
         }
     }
-    if strict.raises_unexpected() {
+    // AssumeOkUnexpected: no check here; a missing key fails when this rank reads it.
+    if strict.raises_unexpected() && strict != StrictMode::AssumeOkUnexpected {
         if !my_unexpected.is_empty() {
             return Err(Error::UnexpectedKeys {
                 path: dir.to_owned(),
@@ -274,7 +287,7 @@ fn load_impl(
     let me = comm.rank();
     let me32 = u32::try_from(me).unwrap_or(u32::MAX);
     let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
-    let layout = agree(comm, request_layout(targets))?;
+    let layout = agree(comm, request_layout(targets, &meta))?;
     let (gathered, _) = gather_layouts(comm, &layout)?;
     let (mut unexpected, mut missing) = check_requests(dir, &meta, &gathered, me, opts.strict)?;
     let object_values = match objects {
@@ -300,6 +313,11 @@ fn load_impl(
         .iter()
         .map(|t| (t.key().clone(), t.region().clone()))
         .collect();
+    // (stored, target) data types of the requests that convert.
+    let casts: Vec<Option<(crate::model::DType, crate::model::DType)>> = targets
+        .iter()
+        .map(|t| cast::converts_from(t, &meta).map(|from| (from, t.dtype())))
+        .collect();
     let dests: Vec<DisjointBuf> = targets
         .iter_mut()
         .zip(&requests)
@@ -311,9 +329,9 @@ fn load_impl(
 
     let counters = ReadCounters::default();
     let mut first_target = HashMap::new();
-    let local = open_arrays(dir, &meta, &requests).and_then(|arrays| {
-        let items = shard_reads(&arrays, &requests, &plan, me32, &mut first_target);
-        read_shards(&arrays, &requests, &items, &dests, &counters, opts)
+    let local = open_arrays(dir, &meta, &requests, me, opts.strict).and_then(|arrays| {
+        let items = shard_reads(&arrays, &requests, &casts, &plan, me32, &mut first_target);
+        read_shards(&arrays, &requests, &items, &dests, &casts, &counters, opts)
     });
     agree(comm, local)?;
 
@@ -356,13 +374,30 @@ fn stored_geometry(meta: &CheckpointMeta, key: &TensorKey) -> Option<StoredGeome
 /// Arrays this rank reads, opened once each, with their geometry.
 type OpenArrays<'k> = BTreeMap<&'k TensorKey, (TensorArray, StoredGeometry)>;
 
-/// Opens every requested array present in the index, once.
+/// Opens every requested array present in the index, once. With
+/// [`StrictMode::AssumeOkUnexpected`], a requested key the index lacks fails here.
 fn open_arrays<'k>(
     dir: &Path,
     meta: &CheckpointMeta,
     requests: &'k [(TensorKey, Region)],
+    me: usize,
+    strict: StrictMode,
 ) -> Result<OpenArrays<'k>> {
     let mut arrays = BTreeMap::new();
+    if strict == StrictMode::AssumeOkUnexpected {
+        let absent: BTreeSet<&TensorKey> = requests
+            .iter()
+            .map(|(k, _)| k)
+            .filter(|k| !meta.tensors.contains_key(*k))
+            .collect();
+        if !absent.is_empty() {
+            return Err(Error::UnexpectedKeys {
+                path: dir.to_owned(),
+                keys: absent.into_iter().cloned().collect(),
+                rank: me,
+            });
+        }
+    }
     for (key, _) in requests {
         if let (Some(entry), Some(geom), false) = (
             meta.tensors.get(key),
@@ -381,6 +416,7 @@ fn open_arrays<'k>(
 fn shard_reads(
     arrays: &OpenArrays<'_>,
     requests: &[(TensorKey, Region)],
+    casts: &[Option<(crate::model::DType, crate::model::DType)>],
     plan: &ExchangePlan,
     me: u32,
     first_target: &mut HashMap<usize, usize>,
@@ -406,9 +442,11 @@ fn shard_reads(
                     .collect(),
                 shape: geom.chunk_shape.clone(),
             };
+            // A converting request reads alone: it never takes part in shared reads.
             let unit = region
                 .intersect(&chunk_box)
                 .as_ref()
+                .filter(|_| casts[i].is_none())
                 .and_then(|b| mine.get(&(key, shard.chunk.as_slice(), b)).copied());
             if let Some(u) = unit
                 && !first_target.contains_key(&u)
@@ -430,6 +468,7 @@ fn read_shards(
     requests: &[(TensorKey, Region)],
     items: &[(usize, ShardRead)],
     dests: &[DisjointBuf<'_>],
+    casts: &[Option<(crate::model::DType, crate::model::DType)>],
     counters: &ReadCounters,
     opts: &LoadOptions,
 ) -> Result<()> {
@@ -439,24 +478,38 @@ fn read_shards(
             let (arr, geom) = &arrays[&requests[*i].0];
             // SAFETY: the shards of one target are disjoint boxes, so the items of one
             // target write disjoint bytes of its buffer; targets own distinct buffers.
-            with_scratch(|scratch| unsafe {
-                read_shard(
-                    arr,
-                    geom,
-                    shard,
-                    dests[*i],
-                    scratch,
-                    counters,
-                    opts.read_method,
-                )
-            })?;
+            match casts[*i] {
+                None => with_scratch(|scratch| unsafe {
+                    read_shard(
+                        arr,
+                        geom,
+                        shard,
+                        dests[*i],
+                        scratch,
+                        counters,
+                        opts.read_method,
+                    )
+                })?,
+                Some((from, to)) => unsafe {
+                    cast::read_shard_converted(
+                        arr,
+                        geom,
+                        shard,
+                        dests[*i],
+                        from,
+                        to,
+                        counters,
+                        opts.read_method,
+                    )
+                }?,
+            }
             if let Some(p) = &opts.progress {
                 let n: u64 = shard
                     .subchunks
                     .iter()
                     .map(|s| s.needed.num_elements().unwrap_or(0))
                     .sum();
-                p(n * geom.elem as u64);
+                p(n * dests[*i].elem() as u64);
             }
             Ok::<(), Error>(())
         })

@@ -21,9 +21,14 @@ mod common;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
-use zarrckpt::DType;
+use common::{cut, piece, tensor_bytes};
 use zarrckpt::model::convert::convert;
+use zarrckpt::{
+    Cast, Communicator, Compression, DType, Error, GridOptions, LoadOptions, LoadTarget, LocalComm,
+    Region, SaveOptions, ShardedTensor, TensorKey, load, run_local, save,
+};
 
 const TYPES: [DType; 4] = [
     DType::Float16,
@@ -318,4 +323,193 @@ fn conversions_match_numpy_and_ml_dtypes_bit_for_bit() {
         }
     }
     eprint!("{summary}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real loads
+// ---------------------------------------------------------------------------------------------
+
+const T: Duration = Duration::from_secs(60);
+
+/// A float32 tensor's bytes: random bit patterns (NaNs, infinities and subnormals included)
+/// with every fourth element a value of moderate size, so that most rounding is exercised.
+fn f32_data(seed: u64, shape: &[u64]) -> Vec<u8> {
+    let mut b = tensor_bytes(seed, shape, DType::Float32);
+    for (i, v) in b.chunks_exact_mut(4).enumerate() {
+        if i % 4 != 0 {
+            let x = u32::from_le_bytes([v[0], v[1], v[2], v[3]]);
+            let moderate = (x & 0x807F_FFFF) | ((0x70 + (x >> 24) % 32) << 23);
+            v.copy_from_slice(&moderate.to_le_bytes());
+        }
+    }
+    b
+}
+
+/// Saves float32 `key` of `shape` by `ranks` in-process ranks, split by rows.
+fn save_f32(dir: &Path, key: &str, shape: &[u64], data: &[u8], ranks: u64, opts: &SaveOptions) {
+    for r in run_local(ranks as usize, T, |comm| {
+        let region = piece(shape, 0, ranks, comm.rank() as u64);
+        let bytes = cut(data, shape, &region, 4);
+        let p = ShardedTensor::new(
+            TensorKey::new(key).unwrap(),
+            DType::Float32,
+            shape.to_vec(),
+            region,
+            0,
+            &bytes,
+        )
+        .unwrap();
+        save(&[p], dir, &comm, opts).map(|_| ())
+    }) {
+        r.unwrap();
+    }
+}
+
+/// `region` of the tensor converted to `to`, as the loads must give it.
+fn expected(data: &[u8], shape: &[u64], region: &Region, to: DType) -> Vec<u8> {
+    let part = cut(data, shape, region, 4);
+    let mut out = vec![0u8; part.len() / 4 * to.size()];
+    convert(DType::Float32, &part, to, &mut out).unwrap();
+    out
+}
+
+fn target<'a>(
+    key: &str,
+    to: DType,
+    shape: &[u64],
+    region: &Region,
+    buf: &'a mut [u8],
+) -> LoadTarget<'a> {
+    LoadTarget::new(
+        TensorKey::new(key).unwrap(),
+        to,
+        shape.to_vec(),
+        region.clone(),
+        buf,
+    )
+    .unwrap()
+}
+
+#[test]
+fn float32_checkpoint_loads_into_bf16_f16_f64_resharded_and_by_boxes() {
+    let shape = [45u64, 33];
+    let data = f32_data(7, &shape);
+    let tmp = tempfile::tempdir().unwrap();
+    // Small subchunks (many per shard, staged and converted tile by tile); uncompressed and zstd.
+    for (name, compression) in [("raw", Compression::None), ("zstd", Compression::Zstd)] {
+        let dir = tmp.path().join(name);
+        let opts = SaveOptions {
+            compression,
+            grid: GridOptions {
+                subchunk_target_bytes: 256,
+                ..GridOptions::default()
+            },
+            ..SaveOptions::default()
+        };
+        save_f32(&dir, "w", &shape, &data, 4, &opts);
+        // 3 ranks, split by columns, each with: its column block in bfloat16 (converted), the
+        // same block in float32 (exact, shared with nobody) and an unaligned box in float16
+        // and float64; ranks 0 and 1 also both ask for rows 10..30 in float32 and in
+        // bfloat16 (the exact ones are read once and exchanged; the converted ones alone).
+        let results = run_local(3, T, |comm| {
+            let r = comm.rank() as u64;
+            let cols = piece(&shape, 1, 3, r);
+            let unaligned = Region::new(vec![3 + r, 5], vec![29, 17 + r]).unwrap();
+            let shared = Region::new(vec![10, 0], vec![20, 33]).unwrap();
+            let cases: Vec<(Region, DType)> = [
+                (cols.clone(), DType::BFloat16),
+                (cols.clone(), DType::Float32),
+                (unaligned.clone(), DType::Float16),
+                (unaligned, DType::Float64),
+            ]
+            .into_iter()
+            .chain(
+                (r < 2)
+                    .then(|| [(shared.clone(), DType::Float32), (shared, DType::BFloat16)])
+                    .into_iter()
+                    .flatten(),
+            )
+            .collect();
+            let mut bufs: Vec<Vec<u8>> = cases
+                .iter()
+                .map(|(reg, d)| vec![0u8; reg.num_elements().unwrap() as usize * d.size()])
+                .collect();
+            let report = {
+                let mut targets: Vec<LoadTarget> = cases
+                    .iter()
+                    .zip(bufs.iter_mut())
+                    .map(|((reg, d), b)| {
+                        target("w", *d, &shape, reg, b).with_cast(Cast::FloatConvert)
+                    })
+                    .collect();
+                load(&mut targets, &dir, &comm, &LoadOptions::default())
+            };
+            (cases, bufs, report)
+        });
+        for (rank, (cases, bufs, report)) in results.into_iter().enumerate() {
+            let report = report.unwrap_or_else(|e| panic!("{name} rank {rank}: {e}"));
+            for ((region, to), got) in cases.iter().zip(&bufs) {
+                assert!(
+                    *got == expected(&data, &shape, region, *to),
+                    "{name} rank {rank}: {region} as {to}"
+                );
+            }
+            if rank < 2 {
+                assert!(
+                    report.bytes_received + report.bytes_sent > 0,
+                    "{name} rank {rank}: the exact shared box is still exchanged"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn conversion_over_several_staging_tiles_and_mismatches_without_it() {
+    // One 6 MiB shard: more than one staging tile.
+    let shape = [1536u64, 1024];
+    let data = f32_data(11, &shape);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("big");
+    save_f32(&dir, "big", &shape, &data, 1, &SaveOptions::default());
+    let full = Region::full(&shape);
+    let mut buf = vec![0u8; 1536 * 1024 * 2];
+    let mut t =
+        [target("big", DType::BFloat16, &shape, &full, &mut buf).with_cast(Cast::FloatConvert)];
+    load(&mut t, &dir, &LocalComm::single(), &LoadOptions::default()).unwrap();
+    assert!(buf == expected(&data, &shape, &full, DType::BFloat16));
+
+    // Never a silent cast: without `Cast::FloatConvert` it is a mismatch.
+    let mut small = vec![0u8; 2];
+    let one = Region::new(vec![0, 0], vec![1, 1]).unwrap();
+    let mut t = [target("big", DType::BFloat16, &shape, &one, &mut small)];
+    let e = load(&mut t, &dir, &LocalComm::single(), &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::DtypeMismatch {
+                requested: DType::BFloat16,
+                stored: DType::Float32,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    // Nor between types the conversion does not cover.
+    let mut ints = vec![0u8; 4];
+    let mut t =
+        [target("big", DType::Int32, &shape, &one, &mut ints).with_cast(Cast::FloatConvert)];
+    let e = load(&mut t, &dir, &LocalComm::single(), &LoadOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::DtypeMismatch {
+                requested: DType::Int32,
+                stored: DType::Float32,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(ints, vec![0; 4]);
 }

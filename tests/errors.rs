@@ -2165,3 +2165,57 @@ fn one_sided_exchange_failure_never_commits_an_incomplete_checkpoint() {
         );
     }
 }
+
+/// `AssumeOkUnexpected` (Megatron's `ASSUME_OK_UNEXPECTED`): no key check before reading; a
+/// key the checkpoint lacks fails on the rank that reads it, naming that rank, while the
+/// other ranks' reads go ahead and they fail with a `RemoteFailure` naming it. Contrast
+/// `unexpected_key_of_another_rank_names_it`, where every rank fails before reading.
+#[test]
+fn assume_ok_unexpected_fails_when_the_key_is_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    save_standard(&dir, 1);
+    let want_w = full("w", DType::Float32, &[8, 6]);
+    let run = |ghost: bool| {
+        run_local(3, T, |comm| {
+            let mut w = vec![0f32; 48];
+            let mut x = vec![0f32; 2];
+            let r = {
+                let mut t =
+                    vec![LoadTarget::from_slice("w", &[8, 6], &[0, 0], &mut w, &[8, 6]).unwrap()];
+                if ghost && comm.rank() == 2 {
+                    t.push(LoadTarget::from_slice("ghost", &[2], &[0], &mut x, &[2]).unwrap());
+                }
+                let opts = LoadOptions {
+                    strict: StrictMode::AssumeOkUnexpected,
+                    exchange: false,
+                    ..Default::default()
+                };
+                load(&mut t, &dir, &comm, &opts)
+            };
+            (r, f32_bytes(&w))
+        })
+    };
+    for (rank, (res, w)) in run(true).into_iter().enumerate() {
+        let e = res.as_ref().unwrap_err();
+        if rank == 2 {
+            assert!(
+                matches!(e, Error::UnexpectedKeys { rank: 2, keys, path } if keys[0].as_str() == "ghost" && path == &dir),
+                "rank {rank}: {e:?}"
+            );
+            has(&e.to_string(), &["`ghost`", dir.to_str().unwrap()]);
+        } else {
+            assert!(
+                matches!(e, Error::RemoteFailure { rank: 2, message } if message.contains("`ghost`")),
+                "rank {rank}: {e:?}"
+            );
+            assert_eq!(w, want_w, "rank {rank}: no check before reading");
+        }
+    }
+    // With every key present, it loads like any other mode, and reports no key sets.
+    for (res, w) in run(false) {
+        let report = res.unwrap();
+        assert_eq!(w, want_w);
+        assert!(report.unexpected.is_empty() && report.missing.is_empty());
+    }
+}

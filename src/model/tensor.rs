@@ -1,5 +1,6 @@
 //! Sharded tensors: the pieces a rank holds when saving, and the pieces it asks for when loading.
 
+use super::convert::Cast;
 use super::dtype::{DType, Element, as_bytes, as_bytes_mut};
 use super::key::{KeyError, TensorKey};
 use super::region::{Region, RegionError, num_bytes};
@@ -201,6 +202,7 @@ pub struct LoadTarget<'a> {
     global_shape: Vec<u64>,
     region: Region,
     buf: &'a mut [u8],
+    cast: Cast,
 }
 
 impl<'a> LoadTarget<'a> {
@@ -224,6 +226,7 @@ impl<'a> LoadTarget<'a> {
             global_shape,
             region,
             buf,
+            cast: Cast::Exact,
         })
     }
 
@@ -284,6 +287,30 @@ impl<'a> LoadTarget<'a> {
     /// The region and the buffer at once.
     pub fn region_and_buf(&mut self) -> (&Region, &mut [u8]) {
         (&self.region, self.buf)
+    }
+
+    /// The same request, accepting a stored data type other than its own as `cast` says
+    /// (by default [`Cast::Exact`]: the stored type must be the target's).
+    ///
+    /// ```
+    /// use zarrckpt::{Cast, LoadTarget};
+    /// // Load a float32 (or float16, float64) checkpoint tensor into bfloat16, rounding to
+    /// // nearest even.
+    /// let mut w = vec![half::bf16::ZERO; 12];
+    /// let t = LoadTarget::from_slice("w", &[4, 3], &[0, 0], &mut w, &[4, 3])?
+    ///     .with_cast(Cast::FloatConvert);
+    /// # Ok::<(), zarrckpt::TensorError>(())
+    /// ```
+    #[must_use]
+    pub fn with_cast(mut self, cast: Cast) -> Self {
+        self.cast = cast;
+        self
+    }
+
+    /// Which stored data types this request accepts.
+    #[must_use]
+    pub fn cast(&self) -> Cast {
+        self.cast
     }
 }
 

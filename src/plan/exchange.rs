@@ -39,8 +39,8 @@ pub struct ExchangePlan {
 }
 
 impl ExchangePlan {
-    /// Plans the shared reads for the requests in `g` (load layouts: every piece a request)
-    /// against the stored geometry of each tensor (`geometry` returns `None` for keys the
+    /// Plans the shared reads for the requests in `g` (load layouts: every piece a request;
+    /// those marked `main` are read by their rank alone and left out) against the stored geometry of each tensor (`geometry` returns `None` for keys the
     /// checkpoint lacks, which are left out).
     #[must_use]
     pub fn build(
@@ -53,6 +53,9 @@ impl ExchangePlan {
         for (u, layout) in g.unique.iter().enumerate() {
             let u = u32::try_from(u).unwrap_or(u32::MAX);
             for p in &layout.pieces {
+                if p.main {
+                    continue; // read by its rank alone (converted to another data type)
+                }
                 let key = &layout.tensors[p.tensor as usize].key;
                 let geom = geoms.entry(key).or_insert_with(|| geometry(key));
                 let Some(geom) = geom else { continue };

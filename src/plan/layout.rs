@@ -29,7 +29,8 @@ pub struct PieceDecl {
     pub tensor: u32,
     /// The box.
     pub region: Region,
-    /// True for a main replica (save) ; unused for load requests.
+    /// True for a main replica (save). For a load request: true when the requesting rank
+    /// reads the box itself and shares it with no other rank (it converts the data type).
     pub main: bool,
 }
 
