@@ -491,7 +491,14 @@ fn check_checkpoint(dir: &Path, expect: &BTreeMap<String, Vec<u8>>) -> Checkpoin
         "zarrckpt attribute of a saved checkpoint",
     );
     let meta = parse_root(&root).unwrap();
-    assert_eq!(meta.version, "1.0");
+    assert_eq!(
+        meta.version,
+        format!(
+            "{}.{}",
+            zarrckpt::storage::meta::FORMAT_MAJOR,
+            zarrckpt::storage::meta::FORMAT_MINOR
+        )
+    );
     assert_eq!(meta.format, "zarrckpt");
     let files = list_files(dir);
     assert_eq!(
