@@ -158,7 +158,7 @@ fn same_tensors_saved_by_other_topologies_are_equal_and_one_change_is_found() {
     // Text mode says the same.
     let out = bin().arg("diff").arg(&a).arg(&b).output().unwrap();
     assert_eq!(out.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("equal: 6 tensors"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("equal: 6 tensors, 0 objects"));
 
     // One element of two tensors changed, saved by a third layout.
     t[0].set(7 * 21 + 13, &1.5f32.to_le_bytes());
@@ -318,4 +318,81 @@ fn a_tensor_larger_than_the_budget_is_compared_in_bounded_memory() {
         big_peak as f64 / MIB as f64
     );
     assert!(big_peak > 2 * tensor_bytes, "{big_peak}");
+}
+
+#[test]
+fn objects_are_compared_value_by_value() {
+    use zarrckpt::{StateObject, save_with_objects};
+    let tmp = tempfile::tempdir().unwrap();
+    // (config, per-rank rng, sharded stage state, an object only on one side, one whose scope
+    // differs), saved by 2 ranks; `b` changes rank 1's rng and shard [1]'s value.
+    let save_objects = |dir: &Path, changed: bool| {
+        for r in run_local(2, Duration::from_secs(60), |comm| {
+            let r = comm.rank() as u64;
+            let mut objs = vec![
+                StateObject::common("config", serde_json::json!({"lr": 0.1, "layers": 4})).unwrap(),
+                StateObject::per_rank(
+                    "rng",
+                    vec![r as u8, 7, if changed && r == 1 { 9 } else { 8 }],
+                )
+                .unwrap(),
+                StateObject::sharded(
+                    "stage",
+                    &[2],
+                    &[r],
+                    serde_json::json!({"stage": r, "x": if changed && r == 1 { 2 } else { 1 }}),
+                )
+                .unwrap(),
+            ];
+            if changed {
+                objs.push(StateObject::common("extra", serde_json::json!(1)).unwrap());
+                objs.push(StateObject::per_rank("scope", serde_json::json!(0)).unwrap());
+            } else {
+                objs.push(StateObject::common("scope", serde_json::json!(0)).unwrap());
+            }
+            save_with_objects(&[], &objs, dir, &comm, &SaveOptions::default()).map(|_| ())
+        }) {
+            r.unwrap();
+        }
+    };
+    let (a, a2, b) = (
+        tmp.path().join("a"),
+        tmp.path().join("a2"),
+        tmp.path().join("b"),
+    );
+    save_objects(&a, false);
+    save_objects(&a2, false);
+    save_objects(&b, true);
+    let (code, report, all) = diff(&a, &a2, &[]);
+    assert_eq!(code, 0, "{all}");
+    assert_eq!(report["objects_compared"], 4, "{all}");
+    let (code, report, all) = diff(&a, &b, &[]);
+    assert_eq!(code, 1, "{all}");
+    let obj = |k: &str| {
+        report["objects"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["key"] == k)
+            .unwrap_or_else(|| panic!("{k}: {all}"))
+            .clone()
+    };
+    assert_eq!(obj("config")["status"], "equal");
+    assert_eq!(obj("rng")["status"], "differ");
+    assert_eq!(obj("rng")["differing"], serde_json::json!(["rank 1"]));
+    assert_eq!(obj("rng")["values"], 2);
+    assert_eq!(obj("stage")["differing"], serde_json::json!(["shard [1]"]));
+    assert_eq!(obj("extra")["status"], "only_b");
+    assert_eq!(obj("scope")["status"], "layout");
+    assert_eq!(report["objects_differing"], 4, "{all}");
+    let out = bin().arg("diff").arg(&a).arg(&b).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "= object config",
+        "~ object rng: 1 of 2 values differ (rank 1)",
+        "> object extra: only in B",
+        "! object scope: common json vs per_rank json of 2 ranks",
+    ] {
+        assert!(text.contains(line), "{line} missing from:\n{text}");
+    }
 }

@@ -10,6 +10,10 @@
 //! compared by value (NaN equal to NaN). The largest absolute difference is taken over the
 //! differing elements where neither side is NaN; those involving a NaN are counted apart.
 //!
+//! Objects (common, per-rank, sharded) are compared value by value (each read whole, one at a
+//! time): JSON values by value (their canonical text), bytes by bytes; an object whose scope,
+//! encoding, world size or grid differs is reported as such.
+//!
 //! With `--json`, the report also gives the process's peak resident memory
 //! (`peak_rss_bytes`, mapped file pages included).
 //!
@@ -22,7 +26,8 @@ use std::process::ExitCode;
 
 use serde_json::json;
 use zarrckpt::model::dtype::float8_value;
-use zarrckpt::{Checkpoint, DType, Region, TensorKey};
+use zarrckpt::storage::object::StoredScope;
+use zarrckpt::{Checkpoint, DType, ObjectInfo, ObjectSlot, Region, TensorKey};
 
 use crate::progress;
 
@@ -52,6 +57,130 @@ struct TensorDiff {
     differing: u64,
     with_nan: u64,
     max_abs_diff: f64,
+}
+
+/// What the comparison of one object found.
+#[derive(Debug, Default)]
+struct ObjectDiff {
+    /// "equal", "differ", "layout", "only_a", "only_b".
+    status: &'static str,
+    /// For "layout": what each side stores.
+    layouts: Option<(String, String)>,
+    /// Values compared, and the slots whose values differ.
+    values: u64,
+    differing: Vec<String>,
+}
+
+/// An object's stored layout, for reports: scope, encoding and world size or grid.
+fn object_layout(o: &ObjectInfo) -> String {
+    let mut s = format!("{} {}", o.scope.name(), o.encoding.name());
+    if let Some(w) = o.world_size {
+        s += &format!(" of {w} ranks");
+    }
+    if let Some(g) = &o.grid {
+        s += &format!(" grid {}", dims(g));
+    }
+    s
+}
+
+/// Every stored value of an object.
+fn object_slots(o: &ObjectInfo) -> Vec<ObjectSlot> {
+    match o.scope {
+        StoredScope::PerRank => (0..o.world_size.unwrap_or(0))
+            .map(ObjectSlot::Rank)
+            .collect(),
+        StoredScope::Sharded => {
+            let grid = o.grid.clone().unwrap_or_default();
+            let total: u64 = grid.iter().product();
+            (0..total)
+                .map(|mut lin| {
+                    let mut idx = vec![0u64; grid.len()];
+                    for d in (0..grid.len()).rev() {
+                        idx[d] = lin % grid[d];
+                        lin /= grid[d];
+                    }
+                    ObjectSlot::Shard(idx)
+                })
+                .collect()
+        }
+        _ => vec![ObjectSlot::Common],
+    }
+}
+
+fn compare_object(
+    a: &Checkpoint,
+    b: &Checkpoint,
+    x: Option<&ObjectInfo>,
+    y: Option<&ObjectInfo>,
+) -> anyhow::Result<ObjectDiff> {
+    let (x, y) = match (x, y) {
+        (Some(x), Some(y)) => (x, y),
+        (Some(_), None) => {
+            return Ok(ObjectDiff {
+                status: "only_a",
+                ..ObjectDiff::default()
+            });
+        }
+        _ => {
+            return Ok(ObjectDiff {
+                status: "only_b",
+                ..ObjectDiff::default()
+            });
+        }
+    };
+    let (lx, ly) = (object_layout(x), object_layout(y));
+    if lx != ly {
+        return Ok(ObjectDiff {
+            status: "layout",
+            layouts: Some((lx, ly)),
+            ..ObjectDiff::default()
+        });
+    }
+    let mut out = ObjectDiff {
+        status: "equal",
+        ..ObjectDiff::default()
+    };
+    for slot in object_slots(x) {
+        let va = a.read_object(&x.key, &slot)?;
+        let vb = b.read_object(&y.key, &slot)?;
+        out.values += 1;
+        if va.to_stored() != vb.to_stored() {
+            out.differing.push(slot.to_string());
+        }
+    }
+    if !out.differing.is_empty() {
+        out.status = "differ";
+    }
+    Ok(out)
+}
+
+fn describe_object(key: &TensorKey, d: &ObjectDiff) -> String {
+    match d.status {
+        "equal" => format!("= object {key}"),
+        "differ" => {
+            let mut shown = d
+                .differing
+                .iter()
+                .take(8)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ");
+            if d.differing.len() > 8 {
+                shown += ", ...";
+            }
+            format!(
+                "~ object {key}: {} of {} values differ ({shown})",
+                d.differing.len(),
+                d.values
+            )
+        }
+        "layout" => {
+            let (x, y) = d.layouts.clone().unwrap_or_default();
+            format!("! object {key}: {x} vs {y}")
+        }
+        "only_a" => format!("< object {key}: only in A"),
+        _ => format!("> object {key}: only in B"),
+    }
 }
 
 /// The value of element `i` of `bytes` holding elements of `dtype`, as `f64`.
@@ -302,11 +431,24 @@ fn diff(a: &Args) -> anyhow::Result<ExitCode> {
         }
         results.push((key, d));
     }
-    // Objects (issue 7): once `Checkpoint` lists common, per-rank and sharded objects, compare
-    // them here the same way (equal, differing bytes / JSON values, keys only on one side)
-    // and count them in `differ` below.
     pb.finish_and_clear();
+    let (oa, ob) = (ca.objects(), cb.objects());
+    let okeys: BTreeSet<&TensorKey> = oa.iter().chain(&ob).map(|o| &o.key).collect();
+    let mut objects: Vec<(&TensorKey, ObjectDiff)> = Vec::new();
+    for key in okeys {
+        let d = compare_object(
+            &ca,
+            &cb,
+            oa.iter().find(|o| &o.key == key),
+            ob.iter().find(|o| &o.key == key),
+        )?;
+        if !a.json {
+            println!("{}", describe_object(key, &d));
+        }
+        objects.push((key, d));
+    }
     let differ = results.iter().filter(|(_, d)| d.status != "equal").count();
+    let odiffer = objects.iter().filter(|(_, d)| d.status != "equal").count();
     if a.json {
         let list: Vec<_> = results
             .iter()
@@ -329,19 +471,43 @@ fn diff(a: &Args) -> anyhow::Result<ExitCode> {
                 o
             })
             .collect();
+        let olist: Vec<_> = objects
+            .iter()
+            .map(|(key, d)| {
+                let mut o = json!({ "key": key.as_str(), "status": d.status });
+                if let Some((x, y)) = &d.layouts {
+                    o["layout_a"] = json!(x);
+                    o["layout_b"] = json!(y);
+                }
+                if matches!(d.status, "equal" | "differ") {
+                    o["values"] = json!(d.values);
+                    o["differing"] = json!(d.differing);
+                }
+                o
+            })
+            .collect();
         let doc = json!({
             "a": a.a.display().to_string(), "b": a.b.display().to_string(),
-            "equal": differ == 0, "tensors": list,
+            "equal": differ + odiffer == 0, "tensors": list,
             "tensors_compared": results.len(), "tensors_differing": differ,
+            "objects": olist, "objects_compared": objects.len(), "objects_differing": odiffer,
             "peak_rss_bytes": crate::rss::peak(),
         });
         println!("{}", serde_json::to_string_pretty(&doc)?);
-    } else if differ == 0 {
-        println!("equal: {} tensors", results.len());
+    } else if differ + odiffer == 0 {
+        println!(
+            "equal: {} tensors, {} objects",
+            results.len(),
+            objects.len()
+        );
     } else {
-        println!("differ: {differ} of {} tensors", results.len());
+        println!(
+            "differ: {differ} of {} tensors, {odiffer} of {} objects",
+            results.len(),
+            objects.len()
+        );
     }
-    Ok(ExitCode::from(u8::from(differ > 0)))
+    Ok(ExitCode::from(u8::from(differ + odiffer > 0)))
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
