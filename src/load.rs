@@ -150,6 +150,7 @@ fn request_layout(targets: &[LoadTarget<'_>]) -> Result<RankLayout> {
             tensor: id,
             region: t.region().clone(),
             main: false,
+            auto: false,
         });
     }
     Ok(layout)

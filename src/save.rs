@@ -204,6 +204,7 @@ fn local_layout<'p, 'a>(
             tensor: id,
             region: p.region().clone(),
             main: p.is_main(),
+            auto: p.is_auto_replica(),
         });
     }
     Ok((layout, by_box))

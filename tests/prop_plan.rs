@@ -583,7 +583,7 @@ proptest! {
             let id = decl_of(l, &t.key, t.dtype, &t.shape);
             match l.pieces.iter_mut().find(|x| x.tensor == id && x.region == s && !(q == p.main && s == p.region)) {
                 Some(x) => x.main = true,
-                None => l.pieces.push(PieceDecl { tensor: id, region: s, main: true }),
+                None => l.pieces.push(PieceDecl { tensor: id, region: s, main: true, auto: false }),
             }
         }
         let mains: HashSet<(u32, Region)> = layouts
@@ -812,6 +812,7 @@ fn one_tensor_layout(shape: &[u64], pieces: &[(&[u64], &[u64], bool)]) -> RankLa
                 tensor: 0,
                 region: Region::new(o.to_vec(), s.to_vec()).unwrap(),
                 main: *main,
+                auto: false,
             })
             .collect(),
     }

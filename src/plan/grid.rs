@@ -71,8 +71,9 @@ fn product(shape: &[u64]) -> u64 {
     shape.iter().fold(1u64, |a, &b| a.saturating_mul(b))
 }
 
-/// Picks the chunk grid for one tensor: returns the outer chunk shape and whether it is
-/// aligned with the pieces.
+/// Picks the chunk grid for one tensor whose pieces are each held by a different rank:
+/// returns the outer chunk shape and whether it is aligned with the pieces. The tiny-chunk
+/// rule compares with the smallest piece.
 #[must_use]
 pub fn choose_chunk_shape(
     global_shape: &[u64],
@@ -80,15 +81,31 @@ pub fn choose_chunk_shape(
     elem: usize,
     opts: &GridOptions,
 ) -> (Vec<u64>, bool) {
-    let aligned = aligned_chunk_shape(global_shape, pieces);
-    let chunk_bytes = product(&aligned).saturating_mul(elem as u64);
     let smallest_piece = pieces
         .iter()
         .map(|p| product(&p.shape).saturating_mul(elem as u64))
         .filter(|&b| b > 0)
         .min()
         .unwrap_or(0);
-    if chunk_bytes < opts.min_chunk_bytes && chunk_bytes < smallest_piece {
+    choose_chunk_shape_with(global_shape, pieces, elem, smallest_piece, opts)
+}
+
+/// Picks the chunk grid for one tensor: returns the outer chunk shape and whether it is
+/// aligned with the pieces. `smallest_holding` is the least bytes of the tensor one rank
+/// holds as main (0 if none): the aligned grid is tiny when its chunks are smaller than
+/// `opts.min_chunk_bytes` and than that. (A rank holding a flat range holds several boxes,
+/// some possibly of a single element; its whole share is what counts.)
+#[must_use]
+pub fn choose_chunk_shape_with(
+    global_shape: &[u64],
+    pieces: &[&Region],
+    elem: usize,
+    smallest_holding: u64,
+    opts: &GridOptions,
+) -> (Vec<u64>, bool) {
+    let aligned = aligned_chunk_shape(global_shape, pieces);
+    let chunk_bytes = product(&aligned).saturating_mul(elem as u64);
+    if chunk_bytes < opts.min_chunk_bytes && chunk_bytes < smallest_holding {
         let coarse = coarse_chunk_shape(global_shape, pieces);
         if coarse != aligned {
             return (coarse, false);
