@@ -71,8 +71,8 @@ pub use comm::{CommError, Communicator, LocalComm, TcpComm, TcpConfig, run_local
 pub use error::{Error, Result};
 pub use load::{LoadOptions, LoadReport, StrictMode, load};
 pub use model::{
-    DType, Element, KeyError, LoadTarget, Region, RegionError, Replica, ShardedTensor,
-    TensorError, TensorKey,
+    DType, Element, KeyError, LoadTarget, Region, RegionError, Replica, ShardedTensor, TensorError,
+    TensorKey,
 };
 pub use plan::{GridOptions, LayoutDecodeError, PlanError};
 pub use save::{Progress, SaveOptions, SaveReport, save};

@@ -242,8 +242,10 @@ pub fn load(
     // Flat requests are loaded as the boxes of their decomposition, over disjoint parts of
     // their buffers.
     if targets.iter().any(|t| t.flat_range().is_some()) {
-        let mut boxed: Vec<LoadTarget<'_>> =
-            targets.iter_mut().flat_map(LoadTarget::box_targets).collect();
+        let mut boxed: Vec<LoadTarget<'_>> = targets
+            .iter_mut()
+            .flat_map(LoadTarget::box_targets)
+            .collect();
         return load_boxes(&mut boxed, dir, comm, opts);
     }
     load_boxes(targets, dir, comm, opts)

@@ -326,7 +326,7 @@ pub fn save(
     // Flat pieces are saved as the boxes of their decomposition.
     let boxed: Vec<ShardedTensor<'_>>;
     let pieces = if pieces.iter().any(|p| p.flat_range().is_some()) {
-        boxed = pieces.iter().flat_map(ShardedTensor::box_pieces).collect();
+        boxed = crate::model::tensor::expand_flat_pieces(pieces);
         &boxed
     } else {
         pieces

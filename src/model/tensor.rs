@@ -500,6 +500,27 @@ impl<'a> ShardedTensor<'a> {
     }
 }
 
+/// `pieces` with every flat piece replaced by its box pieces ([`ShardedTensor::box_pieces`]),
+/// what a save declares. Several empty flat pieces of one key give one empty box, so that a
+/// rank holding empty ranges does not declare the same empty box twice.
+#[must_use]
+pub fn expand_flat_pieces<'a>(pieces: &[ShardedTensor<'a>]) -> Vec<ShardedTensor<'a>> {
+    let mut empty_declared: Vec<&TensorKey> = Vec::new();
+    let mut out = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        for b in p.box_pieces() {
+            if p.flat.is_some() && b.region.is_empty() {
+                if empty_declared.contains(&p.key()) {
+                    continue;
+                }
+                empty_declared.push(p.key());
+            }
+            out.push(b);
+        }
+    }
+    out
+}
+
 /// A piece of a global tensor a rank asks for at load time, with the buffer to fill.
 ///
 /// Like a [`ShardedTensor`], a target is a box or a flat range of the tensor's C-order
