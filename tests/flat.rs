@@ -424,6 +424,11 @@ fn typical_flat_layouts_get_sensible_grids() {
             cuts: shifted(1024 * 64 * 64, 6, 77_777),
         },
         Layout {
+            name: "[8192, 8192] f32, 8 ranges cut at x + i*L",
+            shape: vec![8192, 8192],
+            cuts: shifted(8192 * 8192, 8, 12_345_679),
+        },
+        Layout {
             name: "[32, 1048576] f32, 64 ranges (several per row)",
             shape: vec![32, 1 << 20],
             cuts: shifted(32 << 20, 64, 5_000),

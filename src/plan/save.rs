@@ -547,8 +547,20 @@ impl SavePlan {
                     .filter(|r| !r.is_empty())
                     .collect();
                 let elem = acc.dtype.size();
-                let (chunk_shape, aligned) =
+                let (mut chunk_shape, aligned) =
                     grid::choose_chunk_shape_with(&acc.shape, &refs, elem, smallest, &opts.grid);
+                if !aligned {
+                    let parts: Vec<(&Region, u32)> =
+                        pieces.iter().map(|p| (&p.region, p.writer)).collect();
+                    chunk_shape = grid::refine_unaligned(
+                        &acc.shape,
+                        &chunk_shape,
+                        &parts,
+                        elem,
+                        opts.grid.min_chunk_bytes.min(smallest),
+                        opts.grid.min_chunk_bytes / 4,
+                    );
+                }
                 let subchunk_shape = grid::subchunk_shape(
                     &chunk_shape,
                     &acc.shape,
