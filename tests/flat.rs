@@ -569,7 +569,7 @@ fn flat_saves_load_in_every_direction() {
         load_and_check(
             dir,
             &shape,
-            &[vec![0..33, 90..91], vec![33..90, 91..n], vec![5..5]],
+            &[vec![0..33, 90..91], vec![33..90, 91..n], vec![5..5, 7..7]],
             &[vec![], vec![], vec![]],
         );
         // flat -> box, and box -> box

@@ -698,11 +698,12 @@ impl<'a> LoadTarget<'a> {
     pub fn buf(&self) -> &[u8] {
         self.buf
     }
-    /// The destination buffer, mutably.
+    /// The destination buffer, mutably (for a flat request it holds the range in flattening
+    /// order, not the box [`LoadTarget::region`]; see [`LoadTarget::box_targets`]).
     pub fn buf_mut(&mut self) -> &mut [u8] {
         self.buf
     }
-    /// The region and the buffer at once.
+    /// The region and the buffer at once (a box request's; see [`LoadTarget::buf_mut`]).
     pub fn region_and_buf(&mut self) -> (&Region, &mut [u8]) {
         (&self.region, self.buf)
     }
