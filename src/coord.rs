@@ -91,6 +91,8 @@ pub(crate) struct BoxDecl<'a> {
     pub region: &'a Region,
     /// Main replica (save); for load requests, a box read by this rank alone (converted).
     pub main: bool,
+    /// Declared replicated without an id (save, `Replica::Auto`); false for load requests.
+    pub auto: bool,
 }
 
 /// Builds a rank's layout from the boxes it declares; `what` ("pieces" or "requests") names
@@ -128,6 +130,7 @@ pub(crate) fn rank_layout<'a>(
             tensor: id,
             region: b.region.clone(),
             main: b.main,
+            auto: b.auto,
         });
     }
     Ok(layout)

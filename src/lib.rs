@@ -9,6 +9,9 @@
 //! # The API in one screen
 //! - Describe what a rank holds with [`ShardedTensor`] (its box of a global tensor, or a
 //!   replica of it) and what it wants with [`LoadTarget`] (a box and a buffer to fill).
+//!   Either may instead be a flat range of the tensor's C-order flattening (ZeRO / FSDP1
+//!   shards: [`ShardedTensor::from_flat_slice`]), and a box every holder declares
+//!   [`ShardedTensor::replicated`] is stored once with no replica ids to assign.
 //! - [`save()`] and [`load()`] are collective: every rank of a [`Communicator`] calls them
 //!   ([`run_local`] runs ranks as threads; [`TcpComm`] joins processes and hosts the way
 //!   torchrun configures PyTorch).
@@ -71,7 +74,7 @@ pub use error::{Error, Result};
 pub use load::{LoadOptions, LoadReport, StrictMode, load, load_with_objects};
 pub use model::{
     Cast, DType, Element, Encoding, KeyError, LoadTarget, ObjectRequest, ObjectScope, ObjectSlot,
-    ObjectValue, Region, RegionError, ShardedTensor, StateDict, StateObject, StateValue,
+    ObjectValue, Region, RegionError, Replica, ShardedTensor, StateDict, StateObject, StateValue,
     TensorError, TensorKey,
 };
 pub use plan::{GridOptions, LayoutDecodeError, PlanError};

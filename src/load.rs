@@ -136,6 +136,7 @@ fn request_layout(targets: &[LoadTarget<'_>], meta: &CheckpointMeta) -> Result<R
                 global_shape: t.global_shape(),
                 region: t.region(),
                 main: from.is_some(),
+                auto: false,
             }
         }),
         "requests",
@@ -278,6 +279,26 @@ pub fn load_with_objects(
 }
 
 fn load_impl(
+    targets: &mut [LoadTarget<'_>],
+    objects: Option<&[ObjectRequest]>,
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<LoadReport> {
+    // Flat requests are loaded as the boxes of their decomposition, over disjoint parts of
+    // their buffers.
+    if targets.iter().any(|t| t.flat_range().is_some()) {
+        let mut boxed: Vec<LoadTarget<'_>> = targets
+            .iter_mut()
+            .flat_map(LoadTarget::box_targets)
+            .collect();
+        return load_boxes(&mut boxed, objects, dir, comm, opts);
+    }
+    load_boxes(targets, objects, dir, comm, opts)
+}
+
+/// [`load_impl`] once every target is a box.
+fn load_boxes(
     targets: &mut [LoadTarget<'_>],
     objects: Option<&[ObjectRequest]>,
     dir: &Path,

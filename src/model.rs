@@ -4,6 +4,7 @@ pub mod convert;
 #[doc(hidden)]
 pub mod copy;
 pub mod dtype;
+pub mod flat;
 pub mod key;
 pub mod object;
 pub mod region;
@@ -12,10 +13,11 @@ pub mod tensor;
 
 pub use convert::Cast;
 pub use dtype::{DType, Element};
+pub use flat::FlatBox;
 pub use key::{KeyError, TensorKey};
 pub use object::{
     Encoding, ObjectError, ObjectRequest, ObjectScope, ObjectSlot, ObjectValue, StateObject,
 };
 pub use region::{Region, RegionError};
 pub use state::{StateDict, StateError, StateValue};
-pub use tensor::{LoadTarget, ShardedTensor, TensorError};
+pub use tensor::{LoadTarget, Replica, ShardedTensor, TensorError};

@@ -111,6 +111,7 @@ fn local_layout<'p, 'a>(
             global_shape: p.global_shape(),
             region: p.region(),
             main: p.is_main(),
+            auto: p.is_auto_replica(),
         }),
         "pieces",
     )?;
@@ -353,6 +354,14 @@ fn save_impl(
     comm: &dyn Communicator,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
+    // Flat pieces are saved as the boxes of their decomposition.
+    let boxed: Vec<ShardedTensor<'_>>;
+    let pieces = if pieces.iter().any(|p| p.flat_range().is_some()) {
+        boxed = crate::model::tensor::expand_flat_pieces(pieces);
+        &boxed
+    } else {
+        pieces
+    };
     let agreed = agree_on_layout(pieces, comm, opts)?;
     let objects = objects
         .map(|o| crate::objects::agree_on_objects(o, comm))

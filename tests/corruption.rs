@@ -907,6 +907,7 @@ fn fuzz_layout_decode_inputs() {
             tensor: 0,
             region: Region::new(vec![4, 0], vec![4, 300]).unwrap(),
             main: true,
+            auto: false,
         }],
     };
     let enc = layout.encode();
@@ -976,11 +977,13 @@ fn write_fuzz_seeds() {
                 tensor: 0,
                 region: Region::new(vec![4, 0], vec![4, 300]).unwrap(),
                 main: true,
+                auto: false,
             },
             zarrckpt::plan::PieceDecl {
                 tensor: 1,
                 region: Region::full(&[]),
                 main: false,
+                auto: false,
             },
         ],
     };

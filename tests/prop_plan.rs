@@ -489,6 +489,40 @@ proptest! {
         check_plan(&case, &layouts, &opts, &plan)?;
     }
 
+    /// Declaring every stored box replicated on all its holders (`Replica::Auto`, no ids)
+    /// instead of main on one and copies elsewhere: identical layouts still collapse (more of
+    /// them: the main holder's layout now equals its copies'), every element is written
+    /// exactly once, and the writers are the same as with explicit ids.
+    #[test]
+    fn replicated_declarations_plan_like_explicit_ids(case in g::save_case(g::PLAN, 1), grid in grid_options()) {
+        let opts = SavePlanOptions { grid, balance_replicas: true };
+        let layouts = case.layouts();
+        let explicit = build(&layouts, &opts).unwrap();
+        let mains: HashSet<(String, Region)> = layouts
+            .iter()
+            .flat_map(|l| l.pieces.iter().filter(|p| p.main).map(|p| (l.tensors[p.tensor as usize].key.to_string(), p.region.clone())))
+            .collect();
+        let mut auto_layouts = layouts.clone();
+        for l in &mut auto_layouts {
+            for p in &mut l.pieces {
+                if mains.contains(&(l.tensors[p.tensor as usize].key.to_string(), p.region.clone())) {
+                    p.main = false;
+                    p.auto = true;
+                }
+            }
+        }
+        let g_explicit = GatheredLayouts::from_layouts(&layouts);
+        let g_auto = GatheredLayouts::from_layouts(&auto_layouts);
+        prop_assert!(g_auto.unique.len() <= g_explicit.unique.len());
+        check_gathered(&auto_layouts, &g_auto)?;
+        let auto = SavePlan::build(&g_auto, &opts)
+            .map_err(|e| TestCaseError::fail(format!("replicated declarations rejected: {e}")))?;
+        check_plan(&case, &auto_layouts, &opts, &auto)?;
+        for (a, e) in auto.tensors.iter().zip(&explicit.tensors) {
+            prop_assert_eq!(&a.pieces, &e.pieces, "writers differ for {}", a.key);
+        }
+    }
+
     /// With every box held by every rank, balancing keeps the bytes the ranks write within
     /// one piece of each other.
     #[test]
@@ -583,7 +617,7 @@ proptest! {
             let id = decl_of(l, &t.key, t.dtype, &t.shape);
             match l.pieces.iter_mut().find(|x| x.tensor == id && x.region == s && !(q == p.main && s == p.region)) {
                 Some(x) => x.main = true,
-                None => l.pieces.push(PieceDecl { tensor: id, region: s, main: true }),
+                None => l.pieces.push(PieceDecl { tensor: id, region: s, main: true, auto: false }),
             }
         }
         let mains: HashSet<(u32, Region)> = layouts
@@ -812,6 +846,7 @@ fn one_tensor_layout(shape: &[u64], pieces: &[(&[u64], &[u64], bool)]) -> RankLa
                 tensor: 0,
                 region: Region::new(o.to_vec(), s.to_vec()).unwrap(),
                 main: *main,
+                auto: false,
             })
             .collect(),
     }

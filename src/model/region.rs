@@ -35,6 +35,16 @@ pub enum RegionError {
         /// The global shape.
         shape: Vec<u64>,
     },
+    /// A flat range is reversed or reaches past the tensor's element count.
+    #[error("flat range {start}..{end} is not within the tensor's {len} elements")]
+    FlatOutOfBounds {
+        /// Start of the range (elements, C order).
+        start: u64,
+        /// End of the range (exclusive).
+        end: u64,
+        /// Elements in the tensor.
+        len: u64,
+    },
     /// A size computation overflowed.
     #[error("size of {what} overflows: shape {shape:?}")]
     Overflow {

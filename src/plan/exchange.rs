@@ -188,6 +188,7 @@ mod tests {
                 tensor: 0,
                 region: Region::new(vec![rows.0, 0], vec![rows.1, 4]).unwrap(),
                 main: false,
+                auto: false,
             }],
         }
     }

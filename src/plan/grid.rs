@@ -71,8 +71,9 @@ fn product(shape: &[u64]) -> u64 {
     shape.iter().fold(1u64, |a, &b| a.saturating_mul(b))
 }
 
-/// Picks the chunk grid for one tensor: returns the outer chunk shape and whether it is
-/// aligned with the pieces.
+/// Picks the chunk grid for one tensor whose pieces are each held by a different rank:
+/// returns the outer chunk shape and whether it is aligned with the pieces. The tiny-chunk
+/// rule compares with the smallest piece.
 #[must_use]
 pub fn choose_chunk_shape(
     global_shape: &[u64],
@@ -80,21 +81,143 @@ pub fn choose_chunk_shape(
     elem: usize,
     opts: &GridOptions,
 ) -> (Vec<u64>, bool) {
-    let aligned = aligned_chunk_shape(global_shape, pieces);
-    let chunk_bytes = product(&aligned).saturating_mul(elem as u64);
     let smallest_piece = pieces
         .iter()
         .map(|p| product(&p.shape).saturating_mul(elem as u64))
         .filter(|&b| b > 0)
         .min()
         .unwrap_or(0);
-    if chunk_bytes < opts.min_chunk_bytes && chunk_bytes < smallest_piece {
+    choose_chunk_shape_with(global_shape, pieces, elem, smallest_piece, opts)
+}
+
+/// Picks the chunk grid for one tensor: returns the outer chunk shape and whether it is
+/// aligned with the pieces. `smallest_holding` is the least bytes of the tensor one rank
+/// holds as main (0 if none): the aligned grid is tiny when its chunks are smaller than
+/// `opts.min_chunk_bytes` and than that. (A rank holding a flat range holds several boxes,
+/// some possibly of a single element; its whole share is what counts.)
+#[must_use]
+pub fn choose_chunk_shape_with(
+    global_shape: &[u64],
+    pieces: &[&Region],
+    elem: usize,
+    smallest_holding: u64,
+    opts: &GridOptions,
+) -> (Vec<u64>, bool) {
+    let aligned = aligned_chunk_shape(global_shape, pieces);
+    let chunk_bytes = product(&aligned).saturating_mul(elem as u64);
+    if chunk_bytes < opts.min_chunk_bytes && chunk_bytes < smallest_holding {
         let coarse = coarse_chunk_shape(global_shape, pieces);
         if coarse != aligned {
             return (coarse, false);
         }
     }
     (aligned, true)
+}
+
+/// The largest number of parts [`refine_unaligned`] divides the coarse extent into.
+pub const REFINE_MAX_SPLIT: u64 = 8;
+
+/// [`refine_unaligned`] leaves grids with more chunks than this as they are (it walks every
+/// chunk of every candidate).
+const REFINE_MAX_CHUNKS: u64 = 1 << 16;
+
+/// Refines the coarse chunk shape of an unaligned tensor whose coarse chunk and main pieces
+/// are all contiguous in the C-order flattening (flat pieces, or pieces cut along the first
+/// split axis only), where pieces cut at arbitrary flat offsets would otherwise make chunk
+/// writers receive a large share of their chunks from other ranks.
+///
+/// With `a` the first axis where the coarse chunk extent `m` exceeds 1, the candidates divide
+/// `m` into `k = 1..=REFINE_MAX_SPLIT` parts (`ceil(m / k)`), keeping chunks of at least
+/// `floor_bytes`. Each candidate costs the bytes its chunk writers receive from other ranks
+/// (a chunk's writer is the writer of its largest part, as in the plan) plus `file_cost`
+/// bytes per chunk; the cheapest wins, ties going to the smaller `k`. `pieces` are the main
+/// boxes with their writers; any other input returns `coarse` unchanged.
+#[must_use]
+pub fn refine_unaligned(
+    global_shape: &[u64],
+    coarse: &[u64],
+    pieces: &[(&Region, u32)],
+    elem: usize,
+    floor_bytes: u64,
+    file_cost: u64,
+) -> Vec<u64> {
+    let Some(a) = coarse.iter().position(|&c| c > 1) else {
+        return coarse.to_vec();
+    };
+    if coarse[a + 1..] != global_shape[a + 1..] {
+        return coarse.to_vec();
+    }
+    // Every main box as a flat interval with its writer, in flat order.
+    let mut intervals = Vec::with_capacity(pieces.len());
+    for (region, writer) in pieces {
+        if region.is_empty() {
+            continue;
+        }
+        let Some(r) = crate::model::flat::box_flat_range(global_shape, region) else {
+            return coarse.to_vec();
+        };
+        intervals.push((r.start, r.end, *writer));
+    }
+    intervals.sort_unstable();
+    let slab = product(&global_shape[a + 1..]);
+    let rows = product(&global_shape[..a]);
+    let extent = global_shape[a];
+    let elem = elem as u64;
+    let mut best: Option<(u64, Vec<u64>)> = None;
+    let mut last_m = 0;
+    for k in 1..=REFINE_MAX_SPLIT {
+        let m = coarse[a].div_ceil(k);
+        if m == last_m {
+            continue;
+        }
+        last_m = m;
+        let chunk_len = m.saturating_mul(slab);
+        if k > 1 && chunk_len.saturating_mul(elem) < floor_bytes {
+            break;
+        }
+        let per_row = extent.div_ceil(m);
+        let n_chunks = rows.saturating_mul(per_row);
+        if n_chunks > REFINE_MAX_CHUNKS {
+            break;
+        }
+        let mut received = 0u64;
+        let mut first = 0usize;
+        for row in 0..rows {
+            let row_start = row * extent * slab;
+            let row_end = row_start + extent * slab;
+            for j in 0..per_row {
+                let cs = row_start + j * chunk_len;
+                let ce = (cs + chunk_len).min(row_end);
+                while first < intervals.len() && intervals[first].1 <= cs {
+                    first += 1;
+                }
+                // The chunk's writer: the writer of its largest part (first on ties).
+                let mut largest: Option<(u64, u32)> = None;
+                let parts = intervals[first..].iter().take_while(|iv| iv.0 < ce);
+                for &(s, e, w) in parts.clone() {
+                    let n = e.min(ce) - s.max(cs);
+                    if largest.is_none_or(|(bn, _)| n > bn) {
+                        largest = Some((n, w));
+                    }
+                }
+                let writer = largest.map_or(0, |l| l.1);
+                let local: u64 = parts
+                    .filter(|iv| iv.2 == writer)
+                    .map(|&(s, e, _)| e.min(ce) - s.max(cs))
+                    .sum();
+                received += (ce - cs).saturating_sub(local);
+            }
+        }
+        let cost = received
+            .saturating_mul(elem)
+            .saturating_add(n_chunks.saturating_mul(file_cost));
+        if best.as_ref().is_none_or(|(c, _)| cost < *c) {
+            let mut shape = coarse.to_vec();
+            shape[a] = m;
+            best = Some((cost, shape));
+        }
+    }
+    best.map_or_else(|| coarse.to_vec(), |(_, s)| s)
 }
 
 /// Largest divisor of `n` that is at most `limit` (at least 1).

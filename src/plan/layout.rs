@@ -32,6 +32,10 @@ pub struct PieceDecl {
     /// True for a main replica (save). For a load request: true when the requesting rank
     /// reads the box itself and shares it with no other rank (it converts the data type).
     pub main: bool,
+    /// True for a box declared replicated without an id ([`crate::model::Replica::Auto`]):
+    /// identical auto boxes on several ranks form one replica group, stored once. Never
+    /// together with `main`.
+    pub auto: bool,
 }
 
 /// Everything one rank declares: its tensors and the pieces it holds or asks for.
@@ -85,7 +89,7 @@ impl RankLayout {
         put_varint(&mut out, self.pieces.len() as u64);
         for p in &self.pieces {
             put_varint(&mut out, u64::from(p.tensor));
-            out.push(u8::from(p.main));
+            out.push(u8::from(p.main) | (u8::from(p.auto) << 1));
             for &o in &p.region.offset {
                 put_varint(&mut out, o);
             }
@@ -151,7 +155,7 @@ impl RankLayout {
                 .get(t as usize)
                 .ok_or_else(|| r.err("tensor index out of range"))?;
             let flags = r.take(1)?[0];
-            if flags > 1 {
+            if flags > 2 {
                 return Err(r.err("unknown piece flags"));
             }
             let nd = decl.global_shape.len();
@@ -165,6 +169,7 @@ impl RankLayout {
                 tensor: t,
                 region,
                 main: flags == 1,
+                auto: flags == 2,
             });
         }
         if r.pos != bytes.len() {
@@ -333,6 +338,7 @@ mod tests {
                 tensor: 0,
                 region: Region::new(vec![off, 0], vec![4, 300]).unwrap(),
                 main,
+                auto: false,
             }],
         }
     }
@@ -349,6 +355,17 @@ mod tests {
         *bad.last_mut().unwrap() = 0x7f; // shape 127 rows: out of bounds
         let e = RankLayout::decode(&bad, 5).unwrap_err();
         assert_eq!(e.rank, 5);
+        let mut auto = l.clone();
+        auto.pieces[0].main = false;
+        auto.pieces[0].auto = true;
+        assert_eq!(RankLayout::decode(&auto.encode(), 0).unwrap(), auto);
+        assert_ne!(auto.encode(), l.encode());
+        let mut both = auto.encode();
+        // the piece ends with: flags, offsets 0 and 0, extents 4 and 300 (two bytes)
+        let flags_at = both.len() - 6;
+        assert_eq!(both[flags_at - 1], 0); // tensor index 0
+        both[flags_at] = 3;
+        assert!(RankLayout::decode(&both, 0).is_err());
         let mut huge = MAGIC.to_vec();
         huge.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0x0f]);
         assert!(RankLayout::decode(&huge, 0).is_err());

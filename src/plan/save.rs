@@ -45,10 +45,9 @@ pub enum PlanError {
         /// Each variant seen, with (up to 8 of) the ranks that declared it.
         variants: Vec<(String, Vec<u32>)>,
     },
-    /// Two main replicas overlap (or the same piece is main on several ranks).
-    #[error(
-        "tensor `{key}`: main replicas overlap: {first} on ranks {first_ranks:?} and {second} on ranks {second_ranks:?}"
-    )]
+    /// Two main replicas overlap, or the same box is main on several ranks (then `first`
+    /// equals `second` and the message says how to declare a replicated box).
+    #[error("{}", describe_overlap(.key, .first, .first_ranks, .second, .second_ranks))]
     Overlap {
         /// The tensor.
         key: TensorKey,
@@ -75,6 +74,29 @@ pub enum PlanError {
         /// One element no main replica holds.
         missing: Vec<u64>,
     },
+}
+
+fn describe_overlap(
+    key: &TensorKey,
+    first: &Region,
+    first_ranks: &[u32],
+    second: &Region,
+    second_ranks: &[u32],
+) -> String {
+    if first == second {
+        format!(
+            "tensor `{key}`: ranks {first_ranks:?} each declare {first} as the main replica \
+             (replica id 0); if they hold the same data, declare it replicated on every holder \
+             (ShardedTensor::replicated, Replica::Auto) or give all of them but one a non-zero \
+             replica id; if not, their offsets are wrong"
+        )
+    } else {
+        format!(
+            "tensor `{key}`: main replicas overlap: {first} on ranks {first_ranks:?} and {second} \
+             on ranks {second_ranks:?}; every element must be held as main (replica id 0, or \
+             identical boxes declared replicated) by exactly one rank"
+        )
+    }
 }
 
 fn describe_variants(v: &[(String, Vec<u32>)]) -> String {
@@ -182,6 +204,8 @@ pub struct RankTasks {
 struct BoxAcc {
     /// Layout indices holding the box as main.
     main_layouts: Vec<u32>,
+    /// Layout indices holding the box declared replicated without an id (`Replica::Auto`).
+    auto_layouts: Vec<u32>,
     /// Layout indices holding the box at all.
     holder_layouts: Vec<u32>,
 }
@@ -268,6 +292,29 @@ fn check_coverage(
     Ok(())
 }
 
+/// The least bytes of a tensor that one rank holds as main (the sum of the non-empty main
+/// boxes its layout declares, replicated boxes counting for each of their holders), 0 when
+/// no rank holds any. A rank holding a flat range declares it as several boxes, some of them
+/// small (partial rows); what matters for the tiny-chunk rule is its whole share.
+fn smallest_holding_bytes(mains: &[(&Region, &[u32])], elem: usize) -> u64 {
+    let mut per_layout: HashMap<u32, u64> = HashMap::new();
+    for (region, layouts) in mains {
+        let bytes = region
+            .num_elements()
+            .unwrap_or(0)
+            .saturating_mul(elem as u64);
+        for &u in *layouts {
+            let e = per_layout.entry(u).or_default();
+            *e = e.saturating_add(bytes);
+        }
+    }
+    per_layout
+        .into_values()
+        .filter(|&b| b > 0)
+        .min()
+        .unwrap_or(0)
+}
+
 /// Finds one element covered by no box (boxes are disjoint and cover less than the tensor).
 /// Candidate coordinates per dimension are 0 and every box end; some combination of them is
 /// uncovered.
@@ -345,6 +392,8 @@ impl SavePlan {
                 let b = acc.boxes.entry(p.region.clone()).or_default();
                 if p.main {
                     b.main_layouts.push(u32_);
+                } else if p.auto {
+                    b.auto_layouts.push(u32_);
                 }
                 if b.holder_layouts.last() != Some(&u32_) {
                     b.holder_layouts.push(u32_);
@@ -358,10 +407,14 @@ impl SavePlan {
             tensor: usize,
             region: Region,
             holders: Vec<u32>,
+            /// Only the lowest holder rank may write (no balancing, no main holder).
+            lowest_only: bool,
             n_holders: usize,
             bytes: u64,
         }
         let mut pending: Vec<Pending> = Vec::new();
+        // Per tensor: the least bytes one rank holds as main (the tiny-chunk rule's `P`).
+        let mut smallest_holding: Vec<u64> = Vec::with_capacity(accs.len());
         accs.sort_by(|a, b| a.key.cmp(&b.key));
         for (ti, acc) in accs.iter().enumerate() {
             if acc.variants_dtype.len() > 1 {
@@ -388,7 +441,14 @@ impl SavePlan {
             }
             let mut mains: Vec<(&Region, &[u32])> = Vec::new();
             for (region, b) in &acc.boxes {
-                if b.main_layouts.is_empty() {
+                // A box is stored when some rank holds it as main or declares it replicated
+                // without an id; the latter form one replica group with any id-0 holder.
+                let declared: &[u32] = if b.main_layouts.is_empty() {
+                    &b.auto_layouts
+                } else {
+                    &b.main_layouts
+                };
+                if declared.is_empty() {
                     continue;
                 }
                 let n_main: usize = b
@@ -406,11 +466,12 @@ impl SavePlan {
                         second_ranks: ranks,
                     });
                 }
-                mains.push((region, &b.main_layouts));
+                mains.push((region, declared));
             }
             check_coverage(&acc.key, &acc.shape, &mains, g)?;
+            smallest_holding.push(smallest_holding_bytes(&mains, acc.dtype.size()));
             for (region, b) in &acc.boxes {
-                if b.main_layouts.is_empty() {
+                if b.main_layouts.is_empty() && b.auto_layouts.is_empty() {
                     continue;
                 }
                 let n_holders = b
@@ -427,9 +488,12 @@ impl SavePlan {
                     region: region.clone(),
                     holders: if opts.balance_replicas {
                         b.holder_layouts.clone()
+                    } else if b.main_layouts.is_empty() {
+                        b.auto_layouts.clone()
                     } else {
                         b.main_layouts.clone()
                     },
+                    lowest_only: !opts.balance_replicas && b.main_layouts.is_empty(),
                     n_holders,
                     bytes,
                 });
@@ -451,7 +515,11 @@ impl SavePlan {
             let mut best: Option<(u64, u32)> = None;
             for &u in &p.holders {
                 for &r in &g.ranks[u as usize] {
-                    let cand = (load[r as usize], r);
+                    let cand = if p.lowest_only {
+                        (0, r)
+                    } else {
+                        (load[r as usize], r)
+                    };
                     if best.is_none_or(|b| cand < b) {
                         best = Some(cand);
                     }
@@ -469,7 +537,8 @@ impl SavePlan {
         let tensors = accs
             .into_iter()
             .zip(pieces)
-            .map(|(acc, mut pieces)| {
+            .zip(smallest_holding)
+            .map(|((acc, mut pieces), smallest)| {
                 pieces.sort_by(|a, b| a.region.cmp(&b.region));
                 // Empty pieces hold nothing: their boundaries do not constrain the grid.
                 let refs: Vec<&Region> = pieces
@@ -478,8 +547,20 @@ impl SavePlan {
                     .filter(|r| !r.is_empty())
                     .collect();
                 let elem = acc.dtype.size();
-                let (chunk_shape, aligned) =
-                    grid::choose_chunk_shape(&acc.shape, &refs, elem, &opts.grid);
+                let (mut chunk_shape, aligned) =
+                    grid::choose_chunk_shape_with(&acc.shape, &refs, elem, smallest, &opts.grid);
+                if !aligned {
+                    let parts: Vec<(&Region, u32)> =
+                        pieces.iter().map(|p| (&p.region, p.writer)).collect();
+                    chunk_shape = grid::refine_unaligned(
+                        &acc.shape,
+                        &chunk_shape,
+                        &parts,
+                        elem,
+                        opts.grid.min_chunk_bytes.min(smallest),
+                        opts.grid.min_chunk_bytes / 4,
+                    );
+                }
                 let subchunk_shape = grid::subchunk_shape(
                     &chunk_shape,
                     &acc.shape,
@@ -644,6 +725,7 @@ mod tests {
             tensor: t,
             region: Region::new(o.to_vec(), s.to_vec()).unwrap(),
             main,
+            auto: false,
         }
     }
 
@@ -762,6 +844,138 @@ mod tests {
             ),
             "{e}"
         );
+    }
+
+    fn auto(t: u32, o: &[u64], s: &[u64]) -> PieceDecl {
+        PieceDecl {
+            auto: true,
+            ..piece(t, o, s, false)
+        }
+    }
+
+    #[test]
+    fn replicated_boxes_are_stored_once_and_balanced() {
+        // 4 data-parallel ranks, each declaring 4 biases replicated without ids.
+        let layout = RankLayout {
+            tensors: (0..4)
+                .map(|i| decl(&format!("b{i}"), DType::Float32, &[2048]))
+                .collect(),
+            pieces: (0..4).map(|i| auto(i, &[0], &[2048])).collect(),
+        };
+        let g = GatheredLayouts::from_layouts(&vec![layout.clone(); 4]);
+        assert_eq!(
+            g.unique.len(),
+            1,
+            "identical layouts are still de-duplicated"
+        );
+        let plan = SavePlan::build(&g, &SavePlanOptions::default()).unwrap();
+        let mut writers: Vec<u32> = plan.tensors.iter().map(|t| t.pieces[0].writer).collect();
+        writers.sort_unstable();
+        assert_eq!(writers, vec![0, 1, 2, 3]);
+        let writes: usize = (0..4).map(|r| plan.tasks_for(r).writes.len()).sum();
+        assert_eq!(writes, 4);
+        // unbalanced: the lowest holder writes
+        let plan = SavePlan::build(
+            &g,
+            &SavePlanOptions {
+                balance_replicas: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(plan.tensors.iter().all(|t| t.pieces[0].writer == 0));
+        // one explicit main among auto holders: fine, and with balancing off it writes
+        let mut l = vec![layout.clone(); 3];
+        l[2].pieces[1] = piece(1, &[0], &[2048], true);
+        let plan = SavePlan::build(
+            &GatheredLayouts::from_layouts(&l),
+            &SavePlanOptions {
+                balance_replicas: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(plan.tensors[1].pieces[0].writer, 2);
+        // replicated boxes that are not identical overlap
+        let mut l = vec![layout.clone(); 2];
+        l[1].pieces[0] = auto(0, &[0], &[1024]);
+        let e = SavePlan::build(
+            &GatheredLayouts::from_layouts(&l),
+            &SavePlanOptions::default(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, PlanError::Overlap { .. }), "{e}");
+        // a replicated box on one rank only is just stored
+        let mut l = vec![layout; 2];
+        l[1].pieces.clear();
+        assert!(
+            SavePlan::build(
+                &GatheredLayouts::from_layouts(&l),
+                &SavePlanOptions::default()
+            )
+            .is_ok()
+        );
+    }
+
+    #[test]
+    fn same_main_box_on_several_ranks_says_what_to_do() {
+        let layout = RankLayout {
+            tensors: vec![decl("bias", DType::Float32, &[2048])],
+            pieces: vec![piece(0, &[0], &[2048], true)],
+        };
+        let e = SavePlan::build(
+            &GatheredLayouts::from_layouts(&vec![layout; 4]),
+            &SavePlanOptions::default(),
+        )
+        .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("ranks [0, 1, 2, 3] each declare [0..2048] as the main replica"),
+            "{msg}"
+        );
+        assert!(msg.contains("ShardedTensor::replicated"), "{msg}");
+        assert!(msg.contains("non-zero replica id"), "{msg}");
+        assert!(!msg.contains(" and [0..2048]"), "{msg}");
+    }
+
+    #[test]
+    fn flat_layouts_get_no_tiny_chunks() {
+        // A [64, 4096] f32 tensor (1 MiB) cut into 4 flat ranges at offsets that are not
+        // row-aligned: each rank holds a partial row, whole rows and another partial row,
+        // some partial rows a single element long.
+        let shape = [64u64, 4096];
+        let cuts = [
+            0u64,
+            16 * 4096 + 1,
+            32 * 4096 + 4095,
+            48 * 4096 - 1,
+            64 * 4096,
+        ];
+        let layouts: Vec<RankLayout> = cuts
+            .windows(2)
+            .map(|w| RankLayout {
+                tensors: vec![decl("w", DType::Float32, &shape)],
+                pieces: crate::model::flat::flat_boxes(&shape, w[0]..w[1])
+                    .unwrap()
+                    .into_iter()
+                    .map(|b| PieceDecl {
+                        tensor: 0,
+                        region: b.region,
+                        main: true,
+                        auto: false,
+                    })
+                    .collect(),
+            })
+            .collect();
+        let plan = SavePlan::build(
+            &GatheredLayouts::from_layouts(&layouts),
+            &SavePlanOptions::default(),
+        )
+        .unwrap();
+        let tp = &plan.tensors[0];
+        assert!(!tp.aligned);
+        assert_eq!(tp.chunk_shape, vec![16, 4096]);
+        assert_eq!(tp.num_chunks(), 4);
     }
 
     #[test]

@@ -671,6 +671,7 @@ impl SaveCase {
                         tensor: id,
                         region: h.region,
                         main: h.main,
+                        auto: false,
                     });
                 }
                 layout

@@ -114,6 +114,7 @@ fn layout(m: &[Tensor], tp: u64, t: u64, s: u64, d: u64) -> RankLayout {
             tensor: idx,
             region,
             main,
+            auto: false,
         });
     }
     l
