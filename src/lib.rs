@@ -21,6 +21,7 @@ pub mod load;
 pub mod model;
 pub mod plan;
 pub mod save;
+mod stage;
 pub mod storage;
 pub mod synth;
 
