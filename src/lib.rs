@@ -13,6 +13,7 @@
 #![cfg(target_endian = "little")]
 #![warn(missing_docs)]
 
+pub mod async_save;
 pub mod checkpoint;
 pub mod comm;
 pub mod error;
@@ -25,6 +26,7 @@ mod stage;
 pub mod storage;
 pub mod synth;
 
+pub use async_save::{IfBusy, SaveHandle, Saver, SaverOptions};
 pub use checkpoint::{Checkpoint, TensorInfo};
 pub use comm::{CommError, Communicator, LocalComm, TcpComm};
 pub use error::{Error, Result};

@@ -86,6 +86,9 @@ pub struct SaveReport {
     pub plan_time: Duration,
     /// Bytes this rank received in the layout all-gathers.
     pub gathered_bytes: u64,
+    /// True when the ranks found the structure unchanged since the last save of the same
+    /// [`crate::Saver`] and reused its plan after a constant-size check.
+    pub plan_reused: bool,
 }
 
 pub(crate) fn io_pool(threads: usize) -> Result<rayon::ThreadPool> {
@@ -157,9 +160,9 @@ pub(crate) fn gather_layouts(
 
 /// Builds this rank's layout and an index from (key, region) to the local piece.
 /// Local pieces by (key, region).
-type PieceIndex<'p, 'a> = HashMap<(&'p TensorKey, &'p Region), &'p ShardedTensor<'a>>;
+pub(crate) type PieceIndex<'p, 'a> = HashMap<(&'p TensorKey, &'p Region), &'p ShardedTensor<'a>>;
 
-fn local_layout<'p, 'a>(
+pub(crate) fn local_layout<'p, 'a>(
     pieces: &'p [ShardedTensor<'a>],
 ) -> Result<(RankLayout, PieceIndex<'p, 'a>)> {
     let mut layout = RankLayout::default();
@@ -221,7 +224,7 @@ pub(crate) fn entry_of(tp: &TensorPlan, compression: Compression) -> TensorEntry
 }
 
 /// The full (unclipped) box of a chunk: stored chunks always have the full chunk shape.
-fn full_chunk_box(tp: &TensorPlan, chunk: &[u64]) -> Region {
+pub(crate) fn full_chunk_box(tp: &TensorPlan, chunk: &[u64]) -> Region {
     Region {
         offset: chunk
             .iter()
@@ -277,7 +280,7 @@ fn chunk_source<'a>(
 
 /// Sends and receives the parts of unaligned chunks. Returns, per write, the received parts
 /// in order.
-fn exchange_parts(
+pub(crate) fn exchange_parts(
     comm: &dyn Communicator,
     plan: &SavePlan,
     tasks: &RankTasks,
@@ -330,7 +333,7 @@ fn exchange_parts(
     Ok(received)
 }
 
-fn write_files(
+pub(crate) fn write_files(
     dir: &Path,
     plan: &SavePlan,
     tasks: &RankTasks,
@@ -467,5 +470,6 @@ pub fn save(
         bytes_per_rank: plan.bytes_per_rank,
         plan_time,
         gathered_bytes,
+        plan_reused: false,
     })
 }

@@ -136,9 +136,7 @@ pub fn decide(
         hashes.push(<[u8; 16]>::try_from(h).unwrap_or_default());
     }
     let unchanged = offered.is_some_and(|c| {
-        c.world == msgs.len()
-            && digests.iter().all(|d| *d == c.digest)
-            && hashes == c.hashes
+        c.world == msgs.len() && digests.iter().all(|d| *d == c.digest) && hashes == c.hashes
     });
     Ok(if unchanged {
         CheckOutcome::Unchanged
@@ -192,7 +190,10 @@ mod tests {
         }
         // One rank has no plan (a new process): everyone agrees in full.
         let out = run(&[Some(&c), None, Some(&c)], &h);
-        assert!(out.iter().all(|o| matches!(o, CheckOutcome::Changed { .. })));
+        assert!(
+            out.iter()
+                .all(|o| matches!(o, CheckOutcome::Changed { .. }))
+        );
         // Two ranks swapped layouts: the per-rank hashes differ from the plan's.
         let swapped = [h[1], h[0], h[2]];
         assert!(
@@ -221,7 +222,10 @@ mod tests {
         assert!(!a.fits(3, &SavePlanOptions::default()));
         // Ranks holding plans for different options do not reuse either.
         let out = run(&[Some(&a), Some(&b)], &h);
-        assert!(out.iter().all(|o| matches!(o, CheckOutcome::Changed { .. })));
+        assert!(
+            out.iter()
+                .all(|o| matches!(o, CheckOutcome::Changed { .. }))
+        );
         // A malformed message names its rank.
         let m = check_message(Some(&a), h[0]);
         let e = decide(Some(&a), &[&m, &m[..5]]).unwrap_err();
