@@ -28,15 +28,14 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use crate::comm::Communicator;
+use crate::coord::{agree, io_pool};
 use crate::error::{Error, Result};
 use crate::model::ShardedTensor;
 use crate::model::copy::{byte_offset, is_contiguous};
 use crate::plan::cache::CachedPlan;
 use crate::plan::save::{RankTasks, SavePlan, Source};
-use crate::save::{SaveOptions, SaveReport};
+use crate::save::{self as steps, AgreedLayout, SaveOptions, SaveReport};
 use crate::stage::{self, ItemSource, Lease, StagingPool};
-
-mod steps;
 use crate::storage::{fsio, write};
 
 /// What a new save does while the previous asynchronous save of the same [`Saver`] is still
@@ -297,8 +296,8 @@ impl Saver {
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
         self.settle()?;
-        let planned = steps::plan_step(&*self.comm, pieces, opts, &mut self.cache)?;
-        steps::save_planned(dir, &*self.comm, opts, &planned)
+        let agreed = steps::agree_on_layout(pieces, &*self.comm, opts, &mut self.cache)?;
+        steps::save_agreed(dir, &*self.comm, opts, &agreed)
     }
 
     /// Starts a save and returns once this rank's part of the state is staged in host memory;
@@ -321,11 +320,13 @@ impl Saver {
         let threads = self.threads()?;
         let comm = Arc::clone(&self.comm);
         let rank = comm.rank();
-        let planned = steps::plan_step(&*comm, pieces, opts, &mut self.cache)?;
-        let plan = Arc::clone(&planned.plan);
+        let agreed = steps::agree_on_layout(pieces, &*comm, opts, &mut self.cache)?;
+        let plan = Arc::clone(&agreed.plan);
         let tasks = plan.tasks_for(u32::try_from(rank).unwrap_or(u32::MAX));
-        let received = steps::receive_parts(&*comm, &plan, &tasks, &planned.local)?;
-        let items = stage_sources(&plan, &tasks, &planned.local, &received);
+        // Unaligned parts travel now, from the caller's buffers, while the communicator is
+        // still the caller's; what arrives is staged with the rest.
+        let received = steps::exchange_unaligned(&*comm, &agreed, &tasks)?;
+        let items = stage_sources(&plan, &tasks, &agreed.local, &received);
         let sizes: Vec<usize> = items.iter().map(item_len).collect();
         let rounds = stage::pack(&sizes, self.pool.arena_cap());
 
@@ -337,11 +338,7 @@ impl Saver {
             plan: Arc::clone(&plan),
             tasks: tasks.clone(),
             opts: opts.clone(),
-            report: ReportParts {
-                plan_time: planned.plan_time,
-                gathered_bytes: planned.gathered_bytes,
-                plan_reused: planned.reused,
-            },
+            report: ReportParts::of(&agreed),
         };
         let finisher = Finisher {
             job: Arc::clone(&job),
@@ -476,10 +473,21 @@ fn stage_rounds(
     staged
 }
 
+/// What the report says about planning (the plan itself travels separately).
 struct ReportParts {
     plan_time: Duration,
     gathered_bytes: u64,
     plan_reused: bool,
+}
+
+impl ReportParts {
+    fn of(agreed: &AgreedLayout<'_, '_>) -> Self {
+        ReportParts {
+            plan_time: agreed.plan_time,
+            gathered_bytes: agreed.gathered_bytes,
+            plan_reused: agreed.reused,
+        }
+    }
 }
 
 /// The background half of an asynchronous save: everything after staging.
@@ -495,14 +503,14 @@ struct Background {
 impl Background {
     fn run(self, rx: Receiver<StagedRound>) -> Result<SaveReport> {
         let comm = &*self.comm;
-        let prepared = steps::prepare_step(comm, &self.dir, &self.plan, &self.opts);
+        let prepared = steps::prepare_directory(&self.dir, comm, &self.plan, &self.opts);
         if let Err(e) = prepared {
             drop(rx);
             return Err(e);
         }
         let written = self.write_rounds(rx);
-        let (data_bytes, file_bytes) = steps::agree(comm, written)?;
-        steps::commit_step(comm, &self.dir, &self.plan, &self.opts)?;
+        let (data_bytes, file_bytes) = agree(comm, written)?;
+        steps::commit_index(&self.dir, comm, &self.plan, &self.opts)?;
         Ok(SaveReport {
             tensors: self.plan.tensors.len(),
             chunks_written: self.tasks.writes.len(),
@@ -520,9 +528,9 @@ impl Background {
     /// waiting for staging memory is released even when writing failed.
     fn write_rounds(&self, rx: Receiver<StagedRound>) -> Result<(u64, u64)> {
         let (plan, tasks, opts) = (&*self.plan, &self.tasks, &self.opts);
-        let arrays = steps::create_arrays(&self.dir, plan, tasks, opts)?;
-        let pool = steps::io_pool(opts.io_threads)?;
-        let dirs = pool.install(|| steps::write_metadata(tasks, &arrays))?;
+        let arrays = steps::open_arrays(&self.dir, plan, tasks, opts)?;
+        let pool = io_pool(opts.io_threads)?;
+        let dirs = pool.install(|| steps::write_array_documents(tasks, &arrays))?;
         let (mut data, mut files, mut done) = (0u64, 0u64, 0usize);
         for round in rx {
             let (d, f) = pool.install(|| -> Result<(u64, u64)> {

@@ -7,13 +7,13 @@ use std::sync::Mutex;
 use rayon::prelude::*;
 
 use crate::comm::LocalComm;
+use crate::coord::io_pool;
 use crate::error::{Error, Result};
 use crate::load::{LoadOptions, LoadReport, load};
 use crate::model::copy::DisjointBuf as Dest;
 use crate::model::{DType, LoadTarget, Region, TensorKey};
 use crate::plan::grid;
 use crate::plan::load::StoredGeometry;
-use crate::save::io_pool;
 use crate::storage::read::{ReadCounters, ReadMethod, read_shard};
 use crate::storage::{CheckpointMeta, Compression, TensorArray, commit};
 

@@ -8,13 +8,13 @@ use rayon::prelude::*;
 
 use crate::comm::Communicator;
 use crate::comm::{RecvBuf, SendBuf};
+use crate::coord::{BoxDecl, Progress, agree, gather_layouts, io_pool, rank_layout};
 use crate::error::{Error, Result};
 use crate::model::copy::DisjointBuf;
-use crate::model::{LoadTarget, TensorKey};
+use crate::model::{LoadTarget, Region, TensorKey};
 use crate::plan::exchange::{ExchangePlan, SharedRead};
-use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
+use crate::plan::layout::{GatheredLayouts, RankLayout};
 use crate::plan::load::{ShardRead, StoredGeometry};
-use crate::save::{Progress, agree, gather_layouts, io_pool};
 use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
 use crate::storage::{CheckpointMeta, TensorArray, commit};
 
@@ -115,44 +115,16 @@ pub struct LoadReport {
 }
 
 fn request_layout(targets: &[LoadTarget<'_>]) -> Result<RankLayout> {
-    let mut layout = RankLayout::default();
-    let mut ids: HashMap<&TensorKey, u32> = HashMap::new();
-    for t in targets {
-        let id = match ids.get(t.key()) {
-            Some(&id) => {
-                let d = &layout.tensors[id as usize];
-                if d.dtype != t.dtype() || d.global_shape != t.global_shape() {
-                    return Err(Error::InconsistentPieces {
-                        key: t.key().clone(),
-                        detail: format!(
-                            "requests on this rank declare {} {:?} and {} {:?}",
-                            d.dtype,
-                            d.global_shape,
-                            t.dtype(),
-                            t.global_shape()
-                        ),
-                    });
-                }
-                id
-            }
-            None => {
-                let id = u32::try_from(layout.tensors.len()).unwrap_or(u32::MAX);
-                layout.tensors.push(TensorDecl {
-                    key: t.key().clone(),
-                    dtype: t.dtype(),
-                    global_shape: t.global_shape().to_vec(),
-                });
-                ids.insert(t.key(), id);
-                id
-            }
-        };
-        layout.pieces.push(PieceDecl {
-            tensor: id,
-            region: t.region().clone(),
+    rank_layout(
+        targets.iter().map(|t| BoxDecl {
+            key: t.key(),
+            dtype: t.dtype(),
+            global_shape: t.global_shape(),
+            region: t.region(),
             main: false,
-        });
-    }
-    Ok(layout)
+        }),
+        "requests",
+    )
 }
 
 /// Checks every rank's requests against the index, identically on every rank, so that all
@@ -267,125 +239,40 @@ pub fn load(
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
     let me = comm.rank();
+    let me32 = u32::try_from(me).unwrap_or(u32::MAX);
     let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
     let layout = agree(comm, request_layout(targets))?;
     let (gathered, _) = gather_layouts(comm, &layout)?;
     let (unexpected, missing) = check_requests(dir, &meta, &gathered, me, opts.strict)?;
-    let geometry = |key: &TensorKey| {
-        meta.tensors.get(key).map(|e| StoredGeometry {
-            global_shape: e.shape.clone(),
-            chunk_shape: e.chunk_shape.clone(),
-            subchunk_shape: e.subchunk_shape.clone(),
-            elem: e.dtype.size(),
-        })
-    };
     let plan = if opts.exchange && comm.world_size() > 1 {
-        ExchangePlan::build(&gathered, geometry)
+        ExchangePlan::build(&gathered, |key| stored_geometry(&meta, key))
     } else {
         ExchangePlan::default()
     };
-    // This rank's part in the shared reads: for each, the first of its targets that needs it.
-    let me32 = u32::try_from(me).unwrap_or(u32::MAX);
-    let mut mine: HashMap<(&TensorKey, &[u64], &crate::model::Region), usize> = HashMap::new();
-    for (u, r) in plan.reads.iter().enumerate() {
-        if r.ranks.binary_search(&me32).is_ok() {
-            mine.insert((&r.key, r.chunk.as_slice(), &r.region), u);
-        }
-    }
-    let mut first_target: HashMap<usize, usize> = HashMap::new();
-
-    let keys: Vec<TensorKey> = targets.iter().map(|t| t.key().clone()).collect();
-    let regions: Vec<crate::model::Region> = targets.iter().map(|t| t.region().clone()).collect();
     let loaded: u64 = targets
         .iter()
         .filter(|t| meta.tensors.contains_key(t.key()))
         .map(|t| t.buf().len() as u64)
         .sum();
+    let requests: Vec<(TensorKey, Region)> = targets
+        .iter()
+        .map(|t| (t.key().clone(), t.region().clone()))
+        .collect();
     let dests: Vec<DisjointBuf> = targets
         .iter_mut()
-        .zip(&regions)
-        .map(|(t, region)| {
+        .zip(&requests)
+        .map(|(t, (_, region))| {
             let elem = t.dtype().size();
             DisjointBuf::new(t.buf_mut(), region, elem)
         })
         .collect();
-    let counters = ReadCounters::default();
 
-    let local = (|| -> Result<()> {
-        // Open each needed array once.
-        let mut arrays: BTreeMap<&TensorKey, (TensorArray, StoredGeometry)> = BTreeMap::new();
-        for key in &keys {
-            if let (Some(entry), false) = (meta.tensors.get(key), arrays.contains_key(key)) {
-                let arr = TensorArray::open(dir, key, entry)?;
-                arrays.insert(
-                    key,
-                    (
-                        arr,
-                        geometry(key).unwrap_or_else(|| unreachable!("present")),
-                    ),
-                );
-            }
-        }
-        let mut items: Vec<(usize, ShardRead)> = Vec::new();
-        for (i, key) in keys.iter().enumerate() {
-            let Some((_, geom)) = arrays.get(key) else {
-                continue;
-            };
-            for shard in geom.reads_for(&regions[i]) {
-                let chunk_box = crate::model::Region {
-                    offset: shard
-                        .chunk
-                        .iter()
-                        .zip(&geom.chunk_shape)
-                        .map(|(c, s)| c * s)
-                        .collect(),
-                    shape: geom.chunk_shape.clone(),
-                };
-                let inner = regions[i].intersect(&chunk_box);
-                let unit = inner
-                    .as_ref()
-                    .and_then(|b| mine.get(&(key, shard.chunk.as_slice(), b)).copied());
-                if let Some(u) = unit
-                    && !first_target.contains_key(&u)
-                {
-                    first_target.insert(u, i);
-                    if plan.reads[u].reader != me32 {
-                        continue; // received from the reader
-                    }
-                }
-                items.push((i, shard));
-            }
-        }
-        let pool = io_pool(opts.io_threads)?;
-        pool.install(|| {
-            items.par_iter().try_for_each(|(i, shard)| {
-                let (arr, geom) = &arrays[&keys[*i]];
-                // SAFETY: the shards of one target are disjoint boxes, so the items of one
-                // target write disjoint bytes of its buffer; targets own distinct buffers.
-                with_scratch(|scratch| unsafe {
-                    read_shard(
-                        arr,
-                        geom,
-                        shard,
-                        dests[*i],
-                        scratch,
-                        &counters,
-                        opts.read_method,
-                    )
-                })?;
-                if let Some(p) = &opts.progress {
-                    let n: u64 = shard
-                        .subchunks
-                        .iter()
-                        .map(|s| s.needed.num_elements().unwrap_or(0))
-                        .sum();
-                    p(n * geom.elem as u64);
-                }
-                Ok::<(), Error>(())
-            })
-        })?;
-        Ok(())
-    })();
+    let counters = ReadCounters::default();
+    let mut first_target = HashMap::new();
+    let local = open_arrays(dir, &meta, &requests).and_then(|arrays| {
+        let items = shard_reads(&arrays, &requests, &plan, me32, &mut first_target);
+        read_shards(&arrays, &requests, &items, &dests, &counters, opts)
+    });
     agree(comm, local)?;
 
     let (sent, received) = if plan.reads.is_empty() {
@@ -411,6 +298,126 @@ pub fn load(
         report.missing = missing;
     }
     Ok(report)
+}
+
+/// The stored geometry of a tensor of the index.
+fn stored_geometry(meta: &CheckpointMeta, key: &TensorKey) -> Option<StoredGeometry> {
+    meta.tensors.get(key).map(|e| StoredGeometry {
+        global_shape: e.shape.clone(),
+        chunk_shape: e.chunk_shape.clone(),
+        subchunk_shape: e.subchunk_shape.clone(),
+        elem: e.dtype.size(),
+    })
+}
+
+/// Arrays this rank reads, opened once each, with their geometry.
+type OpenArrays<'k> = BTreeMap<&'k TensorKey, (TensorArray, StoredGeometry)>;
+
+/// Opens every requested array present in the index, once.
+fn open_arrays<'k>(
+    dir: &Path,
+    meta: &CheckpointMeta,
+    requests: &'k [(TensorKey, Region)],
+) -> Result<OpenArrays<'k>> {
+    let mut arrays = BTreeMap::new();
+    for (key, _) in requests {
+        if let (Some(entry), Some(geom), false) = (
+            meta.tensors.get(key),
+            stored_geometry(meta, key),
+            arrays.contains_key(key),
+        ) {
+            arrays.insert(key, (TensorArray::open(dir, key, entry)?, geom));
+        }
+    }
+    Ok(arrays)
+}
+
+/// The shard reads this rank does itself: every shard intersecting a request, except the
+/// boxes another rank of its read group reads and sends. Fills `first_target` with, for each
+/// shared read this rank takes part in, the first of its requests that needs it.
+fn shard_reads(
+    arrays: &OpenArrays<'_>,
+    requests: &[(TensorKey, Region)],
+    plan: &ExchangePlan,
+    me: u32,
+    first_target: &mut HashMap<usize, usize>,
+) -> Vec<(usize, ShardRead)> {
+    let mut mine: HashMap<(&TensorKey, &[u64], &Region), usize> = HashMap::new();
+    for (u, r) in plan.reads.iter().enumerate() {
+        if r.ranks.binary_search(&me).is_ok() {
+            mine.insert((&r.key, r.chunk.as_slice(), &r.region), u);
+        }
+    }
+    let mut items = Vec::new();
+    for (i, (key, region)) in requests.iter().enumerate() {
+        let Some((_, geom)) = arrays.get(key) else {
+            continue;
+        };
+        for shard in geom.reads_for(region) {
+            let chunk_box = Region {
+                offset: shard
+                    .chunk
+                    .iter()
+                    .zip(&geom.chunk_shape)
+                    .map(|(c, s)| c * s)
+                    .collect(),
+                shape: geom.chunk_shape.clone(),
+            };
+            let unit = region
+                .intersect(&chunk_box)
+                .as_ref()
+                .and_then(|b| mine.get(&(key, shard.chunk.as_slice(), b)).copied());
+            if let Some(u) = unit
+                && !first_target.contains_key(&u)
+            {
+                first_target.insert(u, i);
+                if plan.reads[u].reader != me {
+                    continue; // received from the reader
+                }
+            }
+            items.push((i, shard));
+        }
+    }
+    items
+}
+
+/// Reads the shard items in parallel on the I/O pool, straight into the requests' buffers.
+fn read_shards(
+    arrays: &OpenArrays<'_>,
+    requests: &[(TensorKey, Region)],
+    items: &[(usize, ShardRead)],
+    dests: &[DisjointBuf<'_>],
+    counters: &ReadCounters,
+    opts: &LoadOptions,
+) -> Result<()> {
+    let pool = io_pool(opts.io_threads)?;
+    pool.install(|| {
+        items.par_iter().try_for_each(|(i, shard)| {
+            let (arr, geom) = &arrays[&requests[*i].0];
+            // SAFETY: the shards of one target are disjoint boxes, so the items of one
+            // target write disjoint bytes of its buffer; targets own distinct buffers.
+            with_scratch(|scratch| unsafe {
+                read_shard(
+                    arr,
+                    geom,
+                    shard,
+                    dests[*i],
+                    scratch,
+                    counters,
+                    opts.read_method,
+                )
+            })?;
+            if let Some(p) = &opts.progress {
+                let n: u64 = shard
+                    .subchunks
+                    .iter()
+                    .map(|s| s.needed.num_elements().unwrap_or(0))
+                    .sum();
+                p(n * geom.elem as u64);
+            }
+            Ok::<(), Error>(())
+        })
+    })
 }
 
 /// Bytes of shared reads moved through one exchange round at most: bounds what a rank stages

@@ -9,17 +9,18 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use crate::comm::{Communicator, RecvBuf, SendBuf};
+use crate::coord::{BoxDecl, agree, io_pool, rank_layout};
 use crate::error::{Error, Result};
 use crate::model::copy::copy_region;
 use crate::model::{Region, ShardedTensor, TensorKey};
 use crate::plan::GridOptions;
-use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
+use crate::plan::cache::{self, CachedPlan, CheckOutcome};
+use crate::plan::layout::{GatheredLayouts, RankLayout};
 use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan};
 use crate::storage::meta::tensor_path;
 use crate::storage::{CheckpointMeta, Compression, TensorArray, TensorEntry, commit, fsio, write};
 
-/// Called with a number of bytes each time that many more bytes are done.
-pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
+pub use crate::coord::Progress;
 
 /// How to save.
 #[derive(Clone)]
@@ -91,124 +92,32 @@ pub struct SaveReport {
     pub plan_reused: bool,
 }
 
-pub(crate) fn io_pool(threads: usize) -> Result<rayon::ThreadPool> {
-    let n = if threads == 0 {
-        std::thread::available_parallelism()
-            .map_or(2, std::num::NonZero::get)
-            .min(8)
-    } else {
-        threads
-    };
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .thread_name(|i| format!("zarrckpt-io-{i}"))
-        .build()
-        .map_err(|e| Error::ThreadPool(e.to_string()))
-}
-
-/// Every rank reports its local outcome; everyone returns an error if anyone failed, so no
-/// rank proceeds to a step the others will not reach.
-pub(crate) fn agree<T>(comm: &dyn Communicator, local: Result<T>) -> Result<T> {
-    let msg = match &local {
-        Ok(_) => vec![0u8],
-        Err(e) => {
-            let mut v = vec![1u8];
-            v.extend_from_slice(e.to_string().as_bytes());
-            v
-        }
-    };
-    let all = match comm.all_gather(&msg) {
-        Ok(all) => all,
-        Err(e) => return Err(local.err().unwrap_or(Error::Comm(e))),
-    };
-    let v = local?;
-    for (rank, m) in all.iter().enumerate() {
-        if m.first() != Some(&0) {
-            let message = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
-            return Err(Error::RemoteFailure { rank, message });
-        }
-    }
-    Ok(v)
-}
-
-/// All-gathers layouts with de-duplication: a hash from every rank, then the description from
-/// the lowest rank of each distinct hash. Returns the global view and the bytes received.
-pub(crate) fn gather_layouts(
-    comm: &dyn Communicator,
-    layout: &RankLayout,
-) -> Result<(GatheredLayouts, u64)> {
-    let encoded = layout.encode();
-    let hash = RankLayout::hash_bytes(&encoded);
-    let hashes_raw = comm.all_gather(&hash)?;
-    let mut hashes = Vec::with_capacity(hashes_raw.len());
-    for (r, h) in hashes_raw.iter().enumerate() {
-        let h: [u8; 16] = h.as_slice().try_into().map_err(|_| {
-            Error::Layout(crate::plan::LayoutDecodeError {
-                rank: r,
-                at: 0,
-                reason: "layout hash is not 16 bytes".into(),
-            })
-        })?;
-        hashes.push(h);
-    }
-    let reps = GatheredLayouts::representatives(&hashes);
-    let mine: &[u8] = if reps[comm.rank()] { &encoded } else { &[] };
-    let blobs = comm.all_gather(mine)?;
-    let bytes = (hashes_raw.len() * 16 + blobs.iter().map(Vec::len).sum::<usize>()) as u64;
-    Ok((GatheredLayouts::from_parts(&hashes, &blobs)?, bytes))
-}
-
-/// Builds this rank's layout and an index from (key, region) to the local piece.
 /// Local pieces by (key, region).
 pub(crate) type PieceIndex<'p, 'a> = HashMap<(&'p TensorKey, &'p Region), &'p ShardedTensor<'a>>;
 
-pub(crate) fn local_layout<'p, 'a>(
+/// This rank's layout, and an index from (key, region) to its local pieces.
+fn local_layout<'p, 'a>(
     pieces: &'p [ShardedTensor<'a>],
 ) -> Result<(RankLayout, PieceIndex<'p, 'a>)> {
-    let mut layout = RankLayout::default();
-    let mut tensor_ids: HashMap<&TensorKey, u32> = HashMap::new();
     let mut by_box = HashMap::with_capacity(pieces.len());
     for p in pieces {
-        let id = match tensor_ids.get(p.key()) {
-            Some(&id) => {
-                let d = &layout.tensors[id as usize];
-                if d.dtype != p.dtype() || d.global_shape != p.global_shape() {
-                    return Err(Error::InconsistentPieces {
-                        key: p.key().clone(),
-                        detail: format!(
-                            "pieces on this rank declare {} {:?} and {} {:?}",
-                            d.dtype,
-                            d.global_shape,
-                            p.dtype(),
-                            p.global_shape()
-                        ),
-                    });
-                }
-                id
-            }
-            None => {
-                let id = u32::try_from(layout.tensors.len()).unwrap_or(u32::MAX);
-                layout.tensors.push(TensorDecl {
-                    key: p.key().clone(),
-                    dtype: p.dtype(),
-                    global_shape: p.global_shape().to_vec(),
-                });
-                tensor_ids.insert(p.key(), id);
-                id
-            }
-        };
         if by_box.insert((p.key(), p.region()), p).is_some() {
             return Err(Error::InconsistentPieces {
                 key: p.key().clone(),
                 detail: format!("this rank holds the piece {} twice", p.region()),
             });
         }
-        layout.pieces.push(PieceDecl {
-            tensor: id,
-            region: p.region().clone(),
-            main: p.is_main(),
-        });
     }
+    let layout = rank_layout(
+        pieces.iter().map(|p| BoxDecl {
+            key: p.key(),
+            dtype: p.dtype(),
+            global_shape: p.global_shape(),
+            region: p.region(),
+            main: p.is_main(),
+        }),
+        "pieces",
+    )?;
     Ok((layout, by_box))
 }
 
@@ -280,7 +189,7 @@ fn chunk_source<'a>(
 
 /// Sends and receives the parts of unaligned chunks. Returns, per write, the received parts
 /// in order.
-pub(crate) fn exchange_parts(
+fn exchange_parts(
     comm: &dyn Communicator,
     plan: &SavePlan,
     tasks: &RankTasks,
@@ -333,14 +242,13 @@ pub(crate) fn exchange_parts(
     Ok(received)
 }
 
-pub(crate) fn write_files(
+/// The arrays this rank writes documents or chunks of, by tensor index.
+pub(crate) fn open_arrays(
     dir: &Path,
     plan: &SavePlan,
     tasks: &RankTasks,
-    local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
-    received: &[Vec<Vec<u8>>],
     opts: &SaveOptions,
-) -> Result<(u64, u64)> {
+) -> Result<HashMap<usize, TensorArray>> {
     let mut arrays: HashMap<usize, TensorArray> = HashMap::new();
     for &ti in tasks
         .metadata
@@ -356,16 +264,41 @@ pub(crate) fn write_files(
             )?);
         }
     }
+    Ok(arrays)
+}
+
+/// Writes the array documents this rank owns and creates every array directory it writes
+/// into (in the current thread pool); returns those directories, to fsync once their files
+/// are written.
+pub(crate) fn write_array_documents(
+    tasks: &RankTasks,
+    arrays: &HashMap<usize, TensorArray>,
+) -> Result<BTreeSet<PathBuf>> {
+    tasks
+        .metadata
+        .par_iter()
+        .try_for_each(|ti| write::write_array_metadata(&arrays[ti]))?;
+    let dirs: BTreeSet<PathBuf> = arrays.values().map(|a| a.dir().to_owned()).collect();
+    for d in &dirs {
+        fsio::create_dir_durable(d)?;
+    }
+    Ok(dirs)
+}
+
+/// Step 4: this rank writes its shard files (and the array documents it owns) in parallel,
+/// then makes them durable. Returns (tensor bytes, file bytes) written.
+fn write_files(
+    dir: &Path,
+    plan: &SavePlan,
+    tasks: &RankTasks,
+    local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
+    received: &[Vec<Vec<u8>>],
+    opts: &SaveOptions,
+) -> Result<(u64, u64)> {
+    let arrays = open_arrays(dir, plan, tasks, opts)?;
     let pool = io_pool(opts.io_threads)?;
     let (data, files) = pool.install(|| -> Result<(u64, u64)> {
-        tasks
-            .metadata
-            .par_iter()
-            .try_for_each(|ti| write::write_array_metadata(&arrays[ti]))?;
-        let dirs: BTreeSet<PathBuf> = arrays.values().map(|a| a.dir().to_owned()).collect();
-        for d in &dirs {
-            fsio::create_dir_durable(d)?;
-        }
+        let dirs = write_array_documents(tasks, &arrays)?;
         let totals = tasks
             .writes
             .par_iter()
@@ -416,40 +349,166 @@ pub fn save(
     comm: &dyn Communicator,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    let t0 = Instant::now();
-    let rank = comm.rank();
-    let (layout, local) = agree(comm, local_layout(pieces))?;
-    let (gathered, gathered_bytes) = gather_layouts(comm, &layout)?;
-    let plan = SavePlan::build(
-        &gathered,
-        &SavePlanOptions {
-            grid: opts.grid,
-            balance_replicas: opts.balance_replicas,
-        },
-    )?;
-    let plan_time = t0.elapsed();
-    let tasks = plan.tasks_for(u32::try_from(rank).unwrap_or(u32::MAX));
+    let agreed = agree_on_layout(pieces, comm, opts, &mut None)?;
+    save_agreed(dir, comm, opts, &agreed)
+}
 
-    let prepared = if rank == 0 {
+/// Steps 2 to 5 of a save, once the ranks agreed on the plan.
+pub(crate) fn save_agreed(
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+    agreed: &AgreedLayout<'_, '_>,
+) -> Result<SaveReport> {
+    let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
+    let tasks = agreed.plan.tasks_for(rank);
+    prepare_directory(dir, comm, &agreed.plan, opts)?;
+    let received = exchange_unaligned(comm, agreed, &tasks)?;
+    let written = write_files(dir, &agreed.plan, &tasks, &agreed.local, &received, opts);
+    let (data_bytes, file_bytes) = agree(comm, written)?;
+    commit_index(dir, comm, &agreed.plan, opts)?;
+    Ok(agreed.report(&tasks, data_bytes, file_bytes))
+}
+
+/// The global save plan every rank computed from the gathered layouts, and this rank's pieces.
+pub(crate) struct AgreedLayout<'p, 'a> {
+    pub(crate) plan: Arc<SavePlan>,
+    pub(crate) local: PieceIndex<'p, 'a>,
+    pub(crate) plan_time: Duration,
+    pub(crate) gathered_bytes: u64,
+    /// The plan of the previous save, found unchanged on every rank.
+    pub(crate) reused: bool,
+}
+
+impl AgreedLayout<'_, '_> {
+    /// The report of a save of this plan that wrote `tasks`.
+    pub(crate) fn report(&self, tasks: &RankTasks, data_bytes: u64, file_bytes: u64) -> SaveReport {
+        SaveReport {
+            tensors: self.plan.tensors.len(),
+            chunks_written: tasks.writes.len(),
+            data_bytes,
+            file_bytes,
+            write_balance: self.plan.write_balance(),
+            bytes_per_rank: self.plan.bytes_per_rank.clone(),
+            plan_time: self.plan_time,
+            gathered_bytes: self.gathered_bytes,
+            plan_reused: self.reused,
+        }
+    }
+}
+
+/// Step 1: every rank describes its pieces and the ranks agree on the global plan, reusing
+/// `cached` (the plan of the previous save, if any) when no rank's structure changed.
+///
+/// One all-gather of a fixed-size message per rank (a status byte, then
+/// [`cache::CHECK_LEN`] bytes: the digest of the plan offered for reuse and the hash of the
+/// rank's layout) carries local errors and the check. When something changed, or there is no
+/// plan to reuse, the layout hashes it delivered are the first round of the full agreement: the
+/// lowest rank of each distinct hash then sends its description, and every rank builds and
+/// validates the same global plan, which replaces `cached`. A plan that did not validate
+/// replaces nothing.
+pub(crate) fn agree_on_layout<'p, 'a>(
+    pieces: &'p [ShardedTensor<'a>],
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+    cached: &mut Option<CachedPlan>,
+) -> Result<AgreedLayout<'p, 'a>> {
+    let t0 = Instant::now();
+    let plan_opts = SavePlanOptions {
+        grid: opts.grid,
+        balance_replicas: opts.balance_replicas,
+    };
+    let offered = cached
+        .as_ref()
+        .filter(|c| c.fits(comm.world_size(), &plan_opts));
+    let local = local_layout(pieces).map(|(layout, index)| {
+        let encoded = layout.encode();
+        let hash = RankLayout::hash_bytes(&encoded);
+        (encoded, hash, index)
+    });
+    let msg = match &local {
+        Ok((_, hash, _)) => [&[0u8][..], &cache::check_message(offered, *hash)].concat(),
+        Err(e) => [&[1u8][..], e.to_string().as_bytes()].concat(),
+    };
+    let all = match comm.all_gather(&msg) {
+        Ok(all) => all,
+        Err(e) => return Err(local.err().unwrap_or(Error::Comm(e))),
+    };
+    let (encoded, _, local) = local?;
+    for (rank, m) in all.iter().enumerate() {
+        if m.first() != Some(&0) {
+            let message = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
+            return Err(Error::RemoteFailure { rank, message });
+        }
+    }
+    let mut gathered_bytes = all.iter().map(|m| m.len() as u64).sum::<u64>();
+    let checks: Vec<&[u8]> = all.iter().map(|m| &m[1..]).collect();
+    let (plan, reused) = match cache::decide(offered, &checks)? {
+        CheckOutcome::Unchanged(c) => (Arc::clone(c.plan()), true),
+        CheckOutcome::Changed { hashes } => {
+            let reps = GatheredLayouts::representatives(&hashes);
+            let mine: &[u8] = if reps[comm.rank()] { &encoded } else { &[] };
+            let blobs = comm.all_gather(mine)?;
+            gathered_bytes += blobs.iter().map(|b| b.len() as u64).sum::<u64>();
+            let gathered = GatheredLayouts::from_parts(&hashes, &blobs)?;
+            let plan = Arc::new(SavePlan::build(&gathered, &plan_opts)?);
+            *cached = Some(CachedPlan::new(plan_opts, hashes, Arc::clone(&plan)));
+            (plan, false)
+        }
+    };
+    Ok(AgreedLayout {
+        plan,
+        local,
+        plan_time: t0.elapsed(),
+        gathered_bytes,
+        reused,
+    })
+}
+
+/// Step 2: rank 0 prepares the directory (refusing to overwrite what it must not) and writes
+/// the group documents; every rank waits for the outcome.
+pub(crate) fn prepare_directory(
+    dir: &Path,
+    comm: &dyn Communicator,
+    plan: &SavePlan,
+    opts: &SaveOptions,
+) -> Result<()> {
+    let prepared = if comm.rank() == 0 {
         commit::prepare(dir, opts.overwrite)
             .and_then(|()| commit::write_groups(dir, plan.tensors.iter().map(|t| &t.key)))
             .map_err(Error::from)
     } else {
         Ok(())
     };
-    agree(comm, prepared)?;
+    agree(comm, prepared)
+}
 
-    let received = if plan.tensors.iter().any(|t| !t.aligned) {
-        // Agreed on, so that a rank whose exchange failed cannot fall out of step with the
-        // others' next collective.
-        agree(comm, exchange_parts(comm, &plan, &tasks, &local))?
-    } else {
-        vec![Vec::new(); tasks.writes.len()]
-    };
-    let written = write_files(dir, &plan, &tasks, &local, &received, opts);
-    let (data_bytes, file_bytes) = agree(comm, written)?;
+/// Step 3: the parts of chunks that are not aligned with pieces travel to their chunk's
+/// writer. Returns, per write of this rank, the received parts in order.
+pub(crate) fn exchange_unaligned(
+    comm: &dyn Communicator,
+    agreed: &AgreedLayout<'_, '_>,
+    tasks: &RankTasks,
+) -> Result<Vec<Vec<Vec<u8>>>> {
+    if agreed.plan.tensors.iter().all(|t| t.aligned) {
+        return Ok(vec![Vec::new(); tasks.writes.len()]);
+    }
+    // Agreed on, so that a rank whose exchange failed cannot fall out of step with the
+    // others' next collective.
+    agree(
+        comm,
+        exchange_parts(comm, &agreed.plan, tasks, &agreed.local),
+    )
+}
 
-    let committed = if rank == 0 {
+/// Step 5: once every rank's files are durable, rank 0 writes the index: the commit.
+pub(crate) fn commit_index(
+    dir: &Path,
+    comm: &dyn Communicator,
+    plan: &SavePlan,
+    opts: &SaveOptions,
+) -> Result<()> {
+    let committed = if comm.rank() == 0 {
         let mut meta = CheckpointMeta::new(comm.world_size() as u64);
         meta.user = opts.user_metadata.clone();
         for tp in &plan.tensors {
@@ -460,16 +519,5 @@ pub fn save(
     } else {
         Ok(())
     };
-    agree(comm, committed)?;
-    Ok(SaveReport {
-        tensors: plan.tensors.len(),
-        chunks_written: tasks.writes.len(),
-        data_bytes,
-        file_bytes,
-        write_balance: plan.write_balance(),
-        bytes_per_rank: plan.bytes_per_rank,
-        plan_time,
-        gathered_bytes,
-        plan_reused: false,
-    })
+    agree(comm, committed)
 }

@@ -96,10 +96,10 @@ pub fn check_message(offered: Option<&CachedPlan>, layout_hash: [u8; 16]) -> [u8
 }
 
 /// What the check decided.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CheckOutcome {
-    /// Every rank holds the same plan and no layout changed: reuse it.
-    Unchanged,
+#[derive(Debug, Clone)]
+pub enum CheckOutcome<'c> {
+    /// Every rank holds the same plan and no layout changed: reuse this one.
+    Unchanged(&'c CachedPlan),
     /// Something changed (or some rank has no plan): agree in full. Carries every rank's
     /// current layout hash, the first round of the full agreement.
     Changed {
@@ -114,10 +114,10 @@ pub enum CheckOutcome {
 ///
 /// # Errors
 /// [`LayoutDecodeError`] naming the rank whose message is not [`CHECK_LEN`] bytes.
-pub fn decide(
-    offered: Option<&CachedPlan>,
+pub fn decide<'c>(
+    offered: Option<&'c CachedPlan>,
     msgs: &[&[u8]],
-) -> Result<CheckOutcome, LayoutDecodeError> {
+) -> Result<CheckOutcome<'c>, LayoutDecodeError> {
     let mut digests = Vec::with_capacity(msgs.len());
     let mut hashes = Vec::with_capacity(msgs.len());
     for (rank, m) in msgs.iter().enumerate() {
@@ -135,13 +135,15 @@ pub fn decide(
         digests.push(<[u8; 16]>::try_from(d).unwrap_or_default());
         hashes.push(<[u8; 16]>::try_from(h).unwrap_or_default());
     }
-    let unchanged = offered.is_some_and(|c| {
-        c.world == msgs.len() && digests.iter().all(|d| *d == c.digest) && hashes == c.hashes
-    });
-    Ok(if unchanged {
-        CheckOutcome::Unchanged
-    } else {
-        CheckOutcome::Changed { hashes }
+    Ok(match offered {
+        Some(c)
+            if c.world == msgs.len()
+                && digests.iter().all(|d| *d == c.digest)
+                && hashes == c.hashes =>
+        {
+            CheckOutcome::Unchanged(c)
+        }
+        _ => CheckOutcome::Changed { hashes },
     })
 }
 
@@ -160,7 +162,7 @@ mod tests {
         CachedPlan::new(SavePlanOptions::default(), hashes.to_vec(), plan())
     }
 
-    fn run(offers: &[Option<&CachedPlan>], layouts: &[[u8; 16]]) -> Vec<CheckOutcome> {
+    fn run<'c>(offers: &[Option<&'c CachedPlan>], layouts: &[[u8; 16]]) -> Vec<CheckOutcome<'c>> {
         let msgs: Vec<[u8; CHECK_LEN]> = offers
             .iter()
             .zip(layouts)
@@ -175,18 +177,17 @@ mod tests {
         let h = [[1u8; 16], [2; 16], [1; 16]];
         let c = cached(&h);
         let all = [Some(&c), Some(&c), Some(&c)];
-        assert!(run(&all, &h).iter().all(|o| *o == CheckOutcome::Unchanged));
+        assert!(
+            run(&all, &h)
+                .iter()
+                .all(|o| matches!(o, CheckOutcome::Unchanged(p) if p.digest() == c.digest()))
+        );
         // One rank's layout changed: everyone agrees in full, with the new hashes.
         let mut h2 = h;
         h2[1] = [9; 16];
         let out = run(&all, &h2);
         for o in &out {
-            assert_eq!(
-                *o,
-                CheckOutcome::Changed {
-                    hashes: h2.to_vec()
-                }
-            );
+            assert!(matches!(o, CheckOutcome::Changed { hashes } if *hashes == h2));
         }
         // One rank has no plan (a new process): everyone agrees in full.
         let out = run(&[Some(&c), None, Some(&c)], &h);

@@ -215,7 +215,8 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
                 mine.extend_from_slice(&cache::check_message(Some(&cached), own_hash));
                 let refs: Vec<&[u8]> = msgs.iter().map(|m| &m[1..]).collect();
                 let outcome = cache::decide(Some(&cached), &refs)?;
-                repeat_reused &= outcome == CheckOutcome::Unchanged && mine == msgs[me as usize];
+                repeat_reused &=
+                    matches!(outcome, CheckOutcome::Unchanged(_)) && mine == msgs[me as usize];
                 let again = cached
                     .plan()
                     .tasks_for(u32::try_from(me).unwrap_or(u32::MAX))

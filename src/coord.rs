@@ -1,0 +1,134 @@
+//! What save and load share: agreeing on outcomes (so that no rank runs ahead of a failed
+//! one), describing what a rank holds or asks for, gathering those descriptions
+//! (de-duplicated), and the I/O thread pool.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+use crate::model::{DType, Region, TensorKey};
+use crate::plan::LayoutDecodeError;
+use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
+
+/// Called with a number of bytes each time that many more bytes are done.
+pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// The thread pool a rank does its file I/O in: `threads`, or the number of CPUs (at most 8)
+/// when 0.
+pub(crate) fn io_pool(threads: usize) -> Result<rayon::ThreadPool> {
+    let n = if threads == 0 {
+        std::thread::available_parallelism()
+            .map_or(2, std::num::NonZero::get)
+            .min(8)
+    } else {
+        threads
+    };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("zarrckpt-io-{i}"))
+        .build()
+        .map_err(|e| Error::ThreadPool(e.to_string()))
+}
+
+/// Every rank reports its local outcome; everyone returns an error if anyone failed, so no
+/// rank proceeds to a step the others will not reach.
+pub(crate) fn agree<T>(comm: &dyn Communicator, local: Result<T>) -> Result<T> {
+    let msg = match &local {
+        Ok(_) => vec![0u8],
+        Err(e) => {
+            let mut v = vec![1u8];
+            v.extend_from_slice(e.to_string().as_bytes());
+            v
+        }
+    };
+    let all = match comm.all_gather(&msg) {
+        Ok(all) => all,
+        Err(e) => return Err(local.err().unwrap_or(Error::Comm(e))),
+    };
+    let v = local?;
+    for (rank, m) in all.iter().enumerate() {
+        if m.first() != Some(&0) {
+            let message = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
+            return Err(Error::RemoteFailure { rank, message });
+        }
+    }
+    Ok(v)
+}
+
+/// All-gathers layouts with de-duplication: a hash from every rank, then the description from
+/// the lowest rank of each distinct hash. Returns the global view and the bytes received.
+pub(crate) fn gather_layouts(
+    comm: &dyn Communicator,
+    layout: &RankLayout,
+) -> Result<(GatheredLayouts, u64)> {
+    let encoded = layout.encode();
+    let hash = RankLayout::hash_bytes(&encoded);
+    let hashes_raw = comm.all_gather(&hash)?;
+    let mut hashes = Vec::with_capacity(hashes_raw.len());
+    for (r, h) in hashes_raw.iter().enumerate() {
+        let h: [u8; 16] = h.as_slice().try_into().map_err(|_| {
+            Error::Layout(LayoutDecodeError {
+                rank: r,
+                at: 0,
+                reason: "layout hash is not 16 bytes".into(),
+            })
+        })?;
+        hashes.push(h);
+    }
+    let reps = GatheredLayouts::representatives(&hashes);
+    let mine: &[u8] = if reps[comm.rank()] { &encoded } else { &[] };
+    let blobs = comm.all_gather(mine)?;
+    let bytes = (hashes_raw.len() * 16 + blobs.iter().map(Vec::len).sum::<usize>()) as u64;
+    Ok((GatheredLayouts::from_parts(&hashes, &blobs)?, bytes))
+}
+
+/// One box a rank declares: a piece it holds (save) or a box it asks for (load).
+pub(crate) struct BoxDecl<'a> {
+    pub key: &'a TensorKey,
+    pub dtype: DType,
+    pub global_shape: &'a [u64],
+    pub region: &'a Region,
+    /// Main replica (save); false for load requests.
+    pub main: bool,
+}
+
+/// Builds a rank's layout from the boxes it declares; `what` ("pieces" or "requests") names
+/// them in the error when one key is declared with two data types or global shapes.
+pub(crate) fn rank_layout<'a>(
+    boxes: impl IntoIterator<Item = BoxDecl<'a>>,
+    what: &str,
+) -> Result<RankLayout> {
+    let mut layout = RankLayout::default();
+    let mut ids: HashMap<&TensorKey, u32> = HashMap::new();
+    for b in boxes {
+        let id = if let Some(&id) = ids.get(b.key) {
+            let d = &layout.tensors[id as usize];
+            if d.dtype != b.dtype || d.global_shape != b.global_shape {
+                return Err(Error::InconsistentPieces {
+                    key: b.key.clone(),
+                    detail: format!(
+                        "{what} on this rank declare {} {:?} and {} {:?}",
+                        d.dtype, d.global_shape, b.dtype, b.global_shape
+                    ),
+                });
+            }
+            id
+        } else {
+            let id = u32::try_from(layout.tensors.len()).unwrap_or(u32::MAX);
+            layout.tensors.push(TensorDecl {
+                key: b.key.clone(),
+                dtype: b.dtype,
+                global_shape: b.global_shape.to_vec(),
+            });
+            ids.insert(b.key, id);
+            id
+        };
+        layout.pieces.push(PieceDecl {
+            tensor: id,
+            region: b.region.clone(),
+            main: b.main,
+        });
+    }
+    Ok(layout)
+}
