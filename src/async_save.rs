@@ -296,7 +296,7 @@ impl Saver {
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
         self.settle()?;
-        let agreed = steps::agree_on_layout(pieces, &*self.comm, opts, &mut self.cache)?;
+        let agreed = steps::agree_on_layout_cached(pieces, &*self.comm, opts, &mut self.cache)?;
         steps::save_agreed(dir, &*self.comm, opts, &agreed)
     }
 
@@ -320,7 +320,7 @@ impl Saver {
         let threads = self.threads()?;
         let comm = Arc::clone(&self.comm);
         let rank = comm.rank();
-        let agreed = steps::agree_on_layout(pieces, &*comm, opts, &mut self.cache)?;
+        let agreed = steps::agree_on_layout_cached(pieces, &*comm, opts, &mut self.cache)?;
         let plan = Arc::clone(&agreed.plan);
         let tasks = plan.tasks_for(u32::try_from(rank).unwrap_or(u32::MAX));
         // Unaligned parts travel now, from the caller's buffers, while the communicator is

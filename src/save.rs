@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use crate::comm::{Communicator, RecvBuf, SendBuf};
-use crate::coord::{BoxDecl, agree, io_pool, rank_layout};
+use crate::coord::{BoxDecl, agree, gather_layouts, io_pool, rank_layout};
 use crate::error::{Error, Result};
 use crate::model::copy::copy_region;
 use crate::model::{Region, ShardedTensor, TensorKey};
@@ -349,7 +349,7 @@ pub fn save(
     comm: &dyn Communicator,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    let agreed = agree_on_layout(pieces, comm, opts, &mut None)?;
+    let agreed = agree_on_layout(pieces, comm, opts)?;
     save_agreed(dir, comm, opts, &agreed)
 }
 
@@ -397,8 +397,35 @@ impl AgreedLayout<'_, '_> {
     }
 }
 
-/// Step 1: every rank describes its pieces and the ranks agree on the global plan, reusing
-/// `cached` (the plan of the previous save, if any) when no rank's structure changed.
+fn plan_options(opts: &SaveOptions) -> SavePlanOptions {
+    SavePlanOptions {
+        grid: opts.grid,
+        balance_replicas: opts.balance_replicas,
+    }
+}
+
+/// Step 1: every rank describes its pieces, the descriptions are gathered (de-duplicated) and
+/// every rank builds and validates the same global plan.
+fn agree_on_layout<'p, 'a>(
+    pieces: &'p [ShardedTensor<'a>],
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+) -> Result<AgreedLayout<'p, 'a>> {
+    let t0 = Instant::now();
+    let (layout, local) = agree(comm, local_layout(pieces))?;
+    let (gathered, gathered_bytes) = gather_layouts(comm, &layout)?;
+    let plan = SavePlan::build(&gathered, &plan_options(opts))?;
+    Ok(AgreedLayout {
+        plan: Arc::new(plan),
+        local,
+        plan_time: t0.elapsed(),
+        gathered_bytes,
+        reused: false,
+    })
+}
+
+/// Step 1 of a [`crate::Saver`]'s saves: as [`agree_on_layout`], reusing `cached` (the plan
+/// of its previous save, if any) when no rank's structure changed.
 ///
 /// One all-gather of a fixed-size message per rank (a status byte, then
 /// [`cache::CHECK_LEN`] bytes: the digest of the plan offered for reuse and the hash of the
@@ -407,17 +434,14 @@ impl AgreedLayout<'_, '_> {
 /// lowest rank of each distinct hash then sends its description, and every rank builds and
 /// validates the same global plan, which replaces `cached`. A plan that did not validate
 /// replaces nothing.
-pub(crate) fn agree_on_layout<'p, 'a>(
+pub(crate) fn agree_on_layout_cached<'p, 'a>(
     pieces: &'p [ShardedTensor<'a>],
     comm: &dyn Communicator,
     opts: &SaveOptions,
     cached: &mut Option<CachedPlan>,
 ) -> Result<AgreedLayout<'p, 'a>> {
     let t0 = Instant::now();
-    let plan_opts = SavePlanOptions {
-        grid: opts.grid,
-        balance_replicas: opts.balance_replicas,
-    };
+    let plan_opts = plan_options(opts);
     let offered = cached
         .as_ref()
         .filter(|c| c.fits(comm.world_size(), &plan_opts));
