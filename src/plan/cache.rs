@@ -214,8 +214,10 @@ mod tests {
     fn other_options_or_world_never_match() {
         let h = [[1u8; 16], [2; 16]];
         let a = cached(&h);
-        let mut opts = SavePlanOptions::default();
-        opts.balance_replicas = false;
+        let opts = SavePlanOptions {
+            balance_replicas: false,
+            ..SavePlanOptions::default()
+        };
         let b = CachedPlan::new(opts, h.to_vec(), plan());
         assert_ne!(a.digest(), b.digest());
         assert!(!b.fits(2, &SavePlanOptions::default()));
