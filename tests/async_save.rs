@@ -345,3 +345,47 @@ fn a_second_save_waits_or_fails_as_asked() {
     check(&tmp.path().join("c"), 1);
     check(&tmp.path().join("d"), 2);
 }
+
+#[test]
+fn over_tcp_the_background_owns_the_communicator_until_done() {
+    use zarrckpt::comm::{TcpComm, TcpConfig, TcpMaster};
+    let world = 3;
+    let cfg = |rank: usize, port: u16| {
+        let mut c = TcpConfig::new(rank, world, "127.0.0.1", port);
+        c.timeout = TIMEOUT;
+        c
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let master = TcpMaster::bind(cfg(0, 0)).unwrap();
+    let port = master.port().unwrap();
+    let run = |comm: TcpComm| {
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let rank = comm.rank() as u64;
+        let mut saver = Saver::new(Arc::clone(&comm));
+        for step in 1..=3u64 {
+            let mut state = RankState::new(world as u64, rank, step);
+            let dir = tmp.path().join(format!("tcp{step}"));
+            let h = saver
+                .save_async(&state.sharded(), &dir, &SaveOptions::default())
+                .unwrap();
+            state.scribble(0x11);
+            let rep = h.wait().unwrap();
+            assert_eq!(rep.plan_reused, step > 1, "rank {rank} step {step}");
+            // Free again for the caller's own collectives.
+            comm.barrier().unwrap();
+        }
+    };
+    std::thread::scope(|s| {
+        let run = &run;
+        let mut hs = vec![s.spawn(move || run(master.accept().unwrap()))];
+        for r in 1..world {
+            hs.push(s.spawn(move || run(TcpComm::connect(cfg(r, port)).unwrap())));
+        }
+        for h in hs {
+            h.join().unwrap();
+        }
+    });
+    for step in 1..=3 {
+        check(&tmp.path().join(format!("tcp{step}")), step);
+    }
+}
