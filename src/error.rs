@@ -159,6 +159,26 @@ pub enum Error {
         /// The stored grid.
         stored: Vec<u64>,
     },
+    /// A save was started while this rank's previous asynchronous save was still in flight
+    /// (with [`crate::IfBusy::Fail`]); nothing was started.
+    #[error("rank {rank}: an asynchronous save to {} is still in flight; wait for it first", path.display())]
+    SaveInFlight {
+        /// This rank.
+        rank: usize,
+        /// Where the save in flight writes.
+        path: PathBuf,
+    },
+    /// The background writer of an asynchronous save could not start or stopped without
+    /// finishing; nothing was committed by this rank.
+    #[error("rank {rank}: background save to {}: {detail}", path.display())]
+    Background {
+        /// This rank.
+        rank: usize,
+        /// The checkpoint.
+        path: PathBuf,
+        /// What happened.
+        detail: String,
+    },
 }
 
 /// Shorthand for results of this crate.

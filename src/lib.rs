@@ -15,6 +15,10 @@
 //! - [`save()`] and [`load()`] are collective: every rank of a [`Communicator`] calls them
 //!   ([`run_local`] runs ranks as threads; [`TcpComm`] joins processes and hosts the way
 //!   torchrun configures PyTorch).
+//! - [`Saver`] saves the same job repeatedly: in the background ([`Saver::save_async`]
+//!   returns once the state is copied to bounded, reused host memory; [`SaveHandle::wait`]
+//!   gives the outcome), and with the layout agreed once and then checked with a
+//!   constant-size exchange while it is unchanged.
 //! - [`Checkpoint::open`] inspects, reads and verifies a checkpoint without a job.
 //! - Every failure is an [`Error`] that names the tensor key, chunk, rank and path involved.
 //!
@@ -48,6 +52,7 @@
 #![cfg(target_endian = "little")]
 #![warn(missing_docs)]
 
+pub mod async_save;
 pub mod checkpoint;
 pub mod comm;
 mod coord;
@@ -57,6 +62,7 @@ pub mod load;
 pub mod model;
 mod objects;
 pub mod save;
+mod stage;
 pub mod state;
 
 // Internals: public only so that the CLI, the tests, the fuzz targets and the benches can
@@ -68,6 +74,7 @@ pub mod storage;
 #[doc(hidden)]
 pub mod synth;
 
+pub use async_save::{IfBusy, SaveHandle, Saver, SaverOptions};
 pub use checkpoint::{Checkpoint, ObjectInfo, Problem, TensorInfo};
 pub use comm::{CommError, Communicator, LocalComm, TcpComm, TcpConfig, run_local};
 pub use error::{Error, Result};

@@ -1,6 +1,7 @@
 //! Pure geometry and decisions: layouts, chunk grids, who writes what, what a load reads.
 //! No I/O, no zarrs, no network.
 
+pub mod cache;
 pub mod exchange;
 pub mod grid;
 pub mod layout;

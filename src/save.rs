@@ -3,6 +3,7 @@
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
@@ -14,7 +15,8 @@ use crate::model::copy::copy_region;
 use crate::model::{Region, ShardedTensor, StateObject, TensorKey};
 use crate::objects::AgreedObjects;
 use crate::plan::GridOptions;
-use crate::plan::layout::RankLayout;
+use crate::plan::cache::{self, CachedPlan, CheckOutcome};
+use crate::plan::layout::{GatheredLayouts, RankLayout};
 use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan};
 use crate::storage::meta::tensor_path;
 use crate::storage::{CheckpointMeta, Compression, TensorArray, TensorEntry, commit, fsio, write};
@@ -86,10 +88,13 @@ pub struct SaveReport {
     pub plan_time: Duration,
     /// Bytes this rank received in the layout all-gathers.
     pub gathered_bytes: u64,
+    /// True when the ranks found the structure unchanged since the last save of the same
+    /// [`crate::Saver`] and reused its plan after a constant-size check.
+    pub plan_reused: bool,
 }
 
 /// Local pieces by (key, region).
-type PieceIndex<'p, 'a> = HashMap<(&'p TensorKey, &'p Region), &'p ShardedTensor<'a>>;
+pub(crate) type PieceIndex<'p, 'a> = HashMap<(&'p TensorKey, &'p Region), &'p ShardedTensor<'a>>;
 
 /// This rank's layout, and an index from (key, region) to its local pieces.
 fn local_layout<'p, 'a>(
@@ -130,7 +135,7 @@ pub(crate) fn entry_of(tp: &TensorPlan, compression: Compression) -> TensorEntry
 }
 
 /// The full (unclipped) box of a chunk: stored chunks always have the full chunk shape.
-fn full_chunk_box(tp: &TensorPlan, chunk: &[u64]) -> Region {
+pub(crate) fn full_chunk_box(tp: &TensorPlan, chunk: &[u64]) -> Region {
     Region {
         offset: chunk
             .iter()
@@ -239,16 +244,13 @@ fn exchange_parts(
     Ok(received)
 }
 
-/// Step 4: this rank writes its shard files (and the array documents it owns) in parallel,
-/// then makes them durable. Returns (tensor bytes, file bytes) written.
-fn write_files(
+/// The arrays this rank writes documents or chunks of, by tensor index.
+pub(crate) fn open_arrays(
     dir: &Path,
     plan: &SavePlan,
     tasks: &RankTasks,
-    local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
-    received: &[Vec<Vec<u8>>],
     opts: &SaveOptions,
-) -> Result<(u64, u64)> {
+) -> Result<HashMap<usize, TensorArray>> {
     let mut arrays: HashMap<usize, TensorArray> = HashMap::new();
     for &ti in tasks
         .metadata
@@ -264,16 +266,41 @@ fn write_files(
             )?);
         }
     }
+    Ok(arrays)
+}
+
+/// Writes the array documents this rank owns and creates every array directory it writes
+/// into (in the current thread pool); returns those directories, to fsync once their files
+/// are written.
+pub(crate) fn write_array_documents(
+    tasks: &RankTasks,
+    arrays: &HashMap<usize, TensorArray>,
+) -> Result<BTreeSet<PathBuf>> {
+    tasks
+        .metadata
+        .par_iter()
+        .try_for_each(|ti| write::write_array_metadata(&arrays[ti]))?;
+    let dirs: BTreeSet<PathBuf> = arrays.values().map(|a| a.dir().to_owned()).collect();
+    for d in &dirs {
+        fsio::create_dir_durable(d)?;
+    }
+    Ok(dirs)
+}
+
+/// Step 4: this rank writes its shard files (and the array documents it owns) in parallel,
+/// then makes them durable. Returns (tensor bytes, file bytes) written.
+fn write_files(
+    dir: &Path,
+    plan: &SavePlan,
+    tasks: &RankTasks,
+    local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
+    received: &[Vec<Vec<u8>>],
+    opts: &SaveOptions,
+) -> Result<(u64, u64)> {
+    let arrays = open_arrays(dir, plan, tasks, opts)?;
     let pool = io_pool(opts.io_threads)?;
     let (data, files) = pool.install(|| -> Result<(u64, u64)> {
-        tasks
-            .metadata
-            .par_iter()
-            .try_for_each(|ti| write::write_array_metadata(&arrays[ti]))?;
-        let dirs: BTreeSet<PathBuf> = arrays.values().map(|a| a.dir().to_owned()).collect();
-        for d in &dirs {
-            fsio::create_dir_durable(d)?;
-        }
+        let dirs = write_array_documents(tasks, &arrays)?;
         let totals = tasks
             .writes
             .par_iter()
@@ -366,37 +393,66 @@ fn save_impl(
     let objects = objects
         .map(|o| crate::objects::agree_on_objects(o, comm))
         .transpose()?;
+    let mut report = save_agreed(dir, comm, opts, &agreed, objects.as_ref())?;
+    report.gathered_bytes += objects.map_or(0, |o| o.gathered_bytes);
+    Ok(report)
+}
+
+/// Steps 2 to 5 of a save, once the ranks agreed on the plan (and on the objects, if any).
+pub(crate) fn save_agreed(
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+    agreed: &AgreedLayout<'_, '_>,
+    objects: Option<&AgreedObjects<'_>>,
+) -> Result<SaveReport> {
     let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
     let tasks = agreed.plan.tasks_for(rank);
-    prepare_directory(dir, comm, &agreed.plan, objects.as_ref(), opts)?;
-    let received = exchange_unaligned(comm, &agreed, &tasks)?;
+    prepare_directory(dir, comm, &agreed.plan, objects, opts)?;
+    let received = exchange_unaligned(comm, agreed, &tasks)?;
     let written = write_files(dir, &agreed.plan, &tasks, &agreed.local, &received, opts).and_then(
-        |(data, files)| match &objects {
+        |(data, files)| match objects {
             Some(o) => Ok((data, files + crate::objects::write_values(dir, rank, o)?)),
             None => Ok((data, files)),
         },
     );
     let (data_bytes, file_bytes) = agree(comm, written)?;
-    commit_index(dir, comm, &agreed.plan, objects.as_ref(), opts)?;
-    let plan = agreed.plan;
-    Ok(SaveReport {
-        tensors: plan.tensors.len(),
-        chunks_written: tasks.writes.len(),
-        data_bytes,
-        file_bytes,
-        write_balance: plan.write_balance(),
-        bytes_per_rank: plan.bytes_per_rank,
-        plan_time: agreed.plan_time,
-        gathered_bytes: agreed.gathered_bytes + objects.map_or(0, |o| o.gathered_bytes),
-    })
+    commit_index(dir, comm, &agreed.plan, objects, opts)?;
+    Ok(agreed.report(&tasks, data_bytes, file_bytes))
 }
 
 /// The global save plan every rank computed from the gathered layouts, and this rank's pieces.
-struct AgreedLayout<'p, 'a> {
-    plan: SavePlan,
-    local: PieceIndex<'p, 'a>,
-    plan_time: Duration,
-    gathered_bytes: u64,
+pub(crate) struct AgreedLayout<'p, 'a> {
+    pub(crate) plan: Arc<SavePlan>,
+    pub(crate) local: PieceIndex<'p, 'a>,
+    pub(crate) plan_time: Duration,
+    pub(crate) gathered_bytes: u64,
+    /// The plan of the previous save, found unchanged on every rank.
+    pub(crate) reused: bool,
+}
+
+impl AgreedLayout<'_, '_> {
+    /// The report of a save of this plan that wrote `tasks`.
+    pub(crate) fn report(&self, tasks: &RankTasks, data_bytes: u64, file_bytes: u64) -> SaveReport {
+        SaveReport {
+            tensors: self.plan.tensors.len(),
+            chunks_written: tasks.writes.len(),
+            data_bytes,
+            file_bytes,
+            write_balance: self.plan.write_balance(),
+            bytes_per_rank: self.plan.bytes_per_rank.clone(),
+            plan_time: self.plan_time,
+            gathered_bytes: self.gathered_bytes,
+            plan_reused: self.reused,
+        }
+    }
+}
+
+fn plan_options(opts: &SaveOptions) -> SavePlanOptions {
+    SavePlanOptions {
+        grid: opts.grid,
+        balance_replicas: opts.balance_replicas,
+    }
 }
 
 /// Step 1: every rank describes its pieces, the descriptions are gathered (de-duplicated) and
@@ -409,24 +465,84 @@ fn agree_on_layout<'p, 'a>(
     let t0 = Instant::now();
     let (layout, local) = agree(comm, local_layout(pieces))?;
     let (gathered, gathered_bytes) = gather_layouts(comm, &layout)?;
-    let plan = SavePlan::build(
-        &gathered,
-        &SavePlanOptions {
-            grid: opts.grid,
-            balance_replicas: opts.balance_replicas,
-        },
-    )?;
+    let plan = SavePlan::build(&gathered, &plan_options(opts))?;
+    Ok(AgreedLayout {
+        plan: Arc::new(plan),
+        local,
+        plan_time: t0.elapsed(),
+        gathered_bytes,
+        reused: false,
+    })
+}
+
+/// Step 1 of a [`crate::Saver`]'s saves: as [`agree_on_layout`], reusing `cached` (the plan
+/// of its previous save, if any) when no rank's structure changed.
+///
+/// One all-gather of a fixed-size message per rank (a status byte, then
+/// [`cache::CHECK_LEN`] bytes: the digest of the plan offered for reuse and the hash of the
+/// rank's layout) carries local errors and the check. When something changed, or there is no
+/// plan to reuse, the layout hashes it delivered are the first round of the full agreement: the
+/// lowest rank of each distinct hash then sends its description, and every rank builds and
+/// validates the same global plan, which replaces `cached`. A plan that did not validate
+/// replaces nothing.
+pub(crate) fn agree_on_layout_cached<'p, 'a>(
+    pieces: &'p [ShardedTensor<'a>],
+    comm: &dyn Communicator,
+    opts: &SaveOptions,
+    cached: &mut Option<CachedPlan>,
+) -> Result<AgreedLayout<'p, 'a>> {
+    let t0 = Instant::now();
+    let plan_opts = plan_options(opts);
+    let offered = cached
+        .as_ref()
+        .filter(|c| c.fits(comm.world_size(), &plan_opts));
+    let local = local_layout(pieces).map(|(layout, index)| {
+        let encoded = layout.encode();
+        let hash = RankLayout::hash_bytes(&encoded);
+        (encoded, hash, index)
+    });
+    let msg = match &local {
+        Ok((_, hash, _)) => [&[0u8][..], &cache::check_message(offered, *hash)].concat(),
+        Err(e) => [&[1u8][..], e.to_string().as_bytes()].concat(),
+    };
+    let all = match comm.all_gather(&msg) {
+        Ok(all) => all,
+        Err(e) => return Err(local.err().unwrap_or(Error::Comm(e))),
+    };
+    let (encoded, _, local) = local?;
+    for (rank, m) in all.iter().enumerate() {
+        if m.first() != Some(&0) {
+            let message = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
+            return Err(Error::RemoteFailure { rank, message });
+        }
+    }
+    let mut gathered_bytes = all.iter().map(|m| m.len() as u64).sum::<u64>();
+    let checks: Vec<&[u8]> = all.iter().map(|m| &m[1..]).collect();
+    let (plan, reused) = match cache::decide(offered, &checks)? {
+        CheckOutcome::Unchanged(c) => (Arc::clone(c.plan()), true),
+        CheckOutcome::Changed { hashes } => {
+            let reps = GatheredLayouts::representatives(&hashes);
+            let mine: &[u8] = if reps[comm.rank()] { &encoded } else { &[] };
+            let blobs = comm.all_gather(mine)?;
+            gathered_bytes += blobs.iter().map(|b| b.len() as u64).sum::<u64>();
+            let gathered = GatheredLayouts::from_parts(&hashes, &blobs)?;
+            let plan = Arc::new(SavePlan::build(&gathered, &plan_opts)?);
+            *cached = Some(CachedPlan::new(plan_opts, hashes, Arc::clone(&plan)));
+            (plan, false)
+        }
+    };
     Ok(AgreedLayout {
         plan,
         local,
         plan_time: t0.elapsed(),
         gathered_bytes,
+        reused,
     })
 }
 
 /// Step 2: rank 0 prepares the directory (refusing to overwrite what it must not) and writes
 /// the group documents; every rank waits for the outcome.
-fn prepare_directory(
+pub(crate) fn prepare_directory(
     dir: &Path,
     comm: &dyn Communicator,
     plan: &SavePlan,
@@ -446,7 +562,7 @@ fn prepare_directory(
 
 /// Step 3: the parts of chunks that are not aligned with pieces travel to their chunk's
 /// writer. Returns, per write of this rank, the received parts in order.
-fn exchange_unaligned(
+pub(crate) fn exchange_unaligned(
     comm: &dyn Communicator,
     agreed: &AgreedLayout<'_, '_>,
     tasks: &RankTasks,
@@ -463,7 +579,7 @@ fn exchange_unaligned(
 }
 
 /// Step 5: once every rank's files are durable, rank 0 writes the index: the commit.
-fn commit_index(
+pub(crate) fn commit_index(
     dir: &Path,
     comm: &dyn Communicator,
     plan: &SavePlan,

@@ -139,13 +139,29 @@ impl SynthModel {
     /// rows (a load in another split then reads whole subchunks straight into place).
     #[must_use]
     pub fn gpt_with(target_bytes: u64, hidden: u64, row_parallel_axis: usize) -> Self {
+        Self::build(target_bytes, hidden, row_parallel_axis, false)
+    }
+
+    /// A full mixed-precision training state: as [`SynthModel::gpt_with`], plus an fp32
+    /// master copy of every bf16 weight (`optimizer/master/...`), split like the weight.
+    #[must_use]
+    pub fn training_state(target_bytes: u64, hidden: u64, row_parallel_axis: usize) -> Self {
+        Self::build(target_bytes, hidden, row_parallel_axis, true)
+    }
+
+    fn build(target_bytes: u64, hidden: u64, row_parallel_axis: usize, master: bool) -> Self {
         let rp = Some(row_parallel_axis.min(1));
         let h = hidden.max(8);
         let vocab = 8 * h + 3; // not divisible by common TP sizes: uneven splits
-        let per_layer = 12 * h * h * 10 + 9 * h * 4 * 3; // bf16 weights + 2 fp32 moments
-        let embed = vocab * h * 10;
+        // Bytes per weight element: bf16 weight + 2 fp32 moments (+ fp32 master).
+        let per_elem = if master { 14 } else { 10 };
+        let per_layer = 12 * h * h * per_elem + 9 * h * 4 * 3;
+        let embed = vocab * h * per_elem;
         let layers = (target_bytes.saturating_sub(embed) / per_layer).max(1);
-        let mut b = Builder::default();
+        let mut b = Builder {
+            master,
+            ..Builder::default()
+        };
         b.param("embedding.word_embeddings.weight", vec![vocab, h], Some(0));
         for l in 0..layers {
             let p = format!("decoder.layers.{l}");
@@ -189,6 +205,8 @@ impl SynthModel {
 #[derive(Default)]
 struct Builder {
     tensors: Vec<SynthTensor>,
+    /// Add an fp32 master copy of every bf16 weight.
+    master: bool,
 }
 
 impl Builder {
@@ -204,9 +222,17 @@ impl Builder {
         });
     }
 
-    /// A bf16 weight with its two fp32 Adam moments.
+    /// A bf16 weight with its two fp32 Adam moments (and its fp32 master copy).
     fn param(&mut self, name: &str, shape: Vec<u64>, split: Option<usize>) {
         self.push(name, DType::BFloat16, shape.clone(), split);
+        if self.master {
+            self.push(
+                &format!("optimizer/master/{name}"),
+                DType::Float32,
+                shape.clone(),
+                split,
+            );
+        }
         self.push(
             &format!("optimizer/exp_avg/{name}"),
             DType::Float32,

@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde_json::{Value, json};
 use zarrckpt::comm::run_local;
-use zarrckpt::synth::SynthModel;
 
 use crate::inspect::human;
 use crate::rss;
@@ -58,6 +57,13 @@ pub struct Args {
     /// Keep the checkpoint afterwards.
     #[arg(long)]
     keep: bool,
+    /// Save the full training state: fp32 master weights besides the bf16 weights and fp32
+    /// Adam moments.
+    #[arg(long)]
+    full_state: bool,
+    /// Skip the asynchronous save rounds.
+    #[arg(long)]
+    no_async: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -230,7 +236,7 @@ fn run_ranks(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<(Vec<Valu
         let before = rss::current();
         let reset = rss::reset_peak();
         let results = run_local(world as usize, Duration::from_secs(600), |comm| {
-            worker::run_rank(w, &comm)
+            worker::run_rank(w, std::sync::Arc::new(comm))
         });
         let peak = if reset { rss::peak() } else { 0 };
         let reports = results
@@ -243,7 +249,12 @@ fn run_ranks(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<(Vec<Valu
 /// The command-line form of worker arguments.
 fn worker_args(w: &worker::Args) -> Vec<OsString> {
     let mut v: Vec<OsString> = vec![
-        if w.job == Job::Save { "save" } else { "load" }.into(),
+        match w.job {
+            Job::Save => "save",
+            Job::SaveAsync => "save-async",
+            Job::Load => "load",
+        }
+        .into(),
         "--dir".into(),
         w.dir.clone().into(),
         "--size".into(),
@@ -262,6 +273,9 @@ fn worker_args(w: &worker::Args) -> Vec<OsString> {
     }
     if w.rows_only {
         v.push("--rows-only".into());
+    }
+    if w.full_state {
+        v.push("--full-state".into());
     }
     if w.read_method == ReadArg::Pread {
         v.push("--read-method=pread".into());
@@ -336,6 +350,89 @@ fn load_run(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<LoadRun> {
     })
 }
 
+/// One round of the asynchronous save: the slowest rank's figures.
+struct AsyncRound {
+    blocked: f64,
+    memcpy: f64,
+    write: f64,
+    raw: f64,
+    staged: u64,
+    file_bytes: u64,
+    plan_reused: bool,
+}
+
+fn max_of(reports: &[Value], field: &str) -> f64 {
+    reports
+        .iter()
+        .filter_map(|r| r.get(field).and_then(Value::as_f64))
+        .fold(0.0, f64::max)
+}
+
+/// Rounds of (memcpy, asynchronous save, raw write+fsync): each rank saves once to warm up
+/// (staging memory allocated, plan agreed), copies the bytes it stages with a plain memcpy
+/// into warm memory, then saves again, measured: the time its caller is blocked and the time
+/// the background takes to write, fsync and commit.
+fn async_save_rounds(
+    a: &Args,
+    base: &worker::Args,
+    ckpt: &Path,
+    rawdir: &Path,
+    world: u64,
+    say: &dyn Fn(String),
+) -> anyhow::Result<Vec<AsyncRound>> {
+    let args = worker::Args {
+        job: Job::SaveAsync,
+        ..base.clone()
+    };
+    let mut rounds = Vec::new();
+    for round in 0..a.rounds {
+        if ckpt.exists() {
+            fs::remove_dir_all(ckpt).with_context(|| format!("remove {}", ckpt.display()))?;
+        }
+        sync_all();
+        let (reports, _, _) = run_ranks(a, &args, world)?;
+        let file_bytes = sum(&reports, "file_bytes");
+        let r = AsyncRound {
+            blocked: max_of(&reports, "blocked_secs"),
+            memcpy: max_of(&reports, "memcpy_secs"),
+            write: max_of(&reports, "write_secs"),
+            raw: 0.0,
+            staged: sum(&reports, "staged_bytes"),
+            file_bytes,
+            plan_reused: reports
+                .iter()
+                .all(|r| r.get("plan_reused").and_then(Value::as_bool) == Some(true)),
+        };
+        sync_all();
+        let one = raw_write(rawdir, file_bytes, 1)?;
+        sync_all();
+        let many = raw_write(rawdir, file_bytes, world as usize)?;
+        let r = AsyncRound {
+            raw: one.min(many),
+            ..r
+        };
+        say(format!(
+            "async save round {round}: caller blocked {:.3} s, memcpy of the same {} {:.3} s -> {:.2}x | background write+fsync+commit {:.3} s = {:.2} GB/s | raw write+fsync {:.3} s = {:.2} GB/s | ratio {:.2}{}",
+            r.blocked,
+            human(r.staged),
+            r.memcpy,
+            r.blocked / r.memcpy,
+            r.write,
+            file_bytes as f64 / r.write / 1e9,
+            r.raw,
+            file_bytes as f64 / r.raw / 1e9,
+            r.raw / r.write,
+            if r.plan_reused {
+                ""
+            } else {
+                " (plan NOT reused)"
+            }
+        ));
+        rounds.push(r);
+    }
+    Ok(rounds)
+}
+
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if a.save_ranks == 0 || a.load_ranks == 0 || a.rounds == 0 || a.dp == 0 {
         bail!("ranks, dp and rounds must be at least 1");
@@ -343,8 +440,6 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     fs::create_dir_all(&a.dir).with_context(|| format!("create {}", a.dir.display()))?;
     let ckpt = a.dir.join("ckpt");
     let rawdir = a.dir.join("raw");
-    let model = SynthModel::gpt_with(a.size, a.hidden, if a.rows_only { 0 } else { 1 });
-    let bytes = model.nbytes();
     let (n, m, dp) = (a.save_ranks, a.load_ranks, a.dp);
     let (save_world, load_world) = (n * dp, m * dp);
     let threads = |world: u64| {
@@ -359,18 +454,6 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             println!("{s}");
         }
     };
-    say(format!(
-        "model: {} tensors, {} ({bytes} bytes); save {n}x{dp} ranks, load {m}x{dp} ranks (tp x dp) as {}; {} cores; dir {}",
-        model.tensors.len(),
-        human(bytes),
-        if a.processes {
-            "processes over TCP"
-        } else {
-            "threads"
-        },
-        cores(),
-        a.dir.display()
-    ));
     let base = worker::Args {
         job: Job::Save,
         dir: ckpt.clone(),
@@ -386,7 +469,22 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         die_after_bytes: None,
         die_rank: 0,
         read_method: a.read_method,
+        full_state: a.full_state,
     };
+    let model = base.model();
+    let bytes = model.nbytes();
+    say(format!(
+        "model: {} tensors, {} ({bytes} bytes); save {n}x{dp} ranks, load {m}x{dp} ranks (tp x dp) as {}; {} cores; dir {}",
+        model.tensors.len(),
+        human(bytes),
+        if a.processes {
+            "processes over TCP"
+        } else {
+            "threads"
+        },
+        cores(),
+        a.dir.display()
+    ));
 
     // ---- save: (zarrckpt, raw) pairs ----
     let mut save_rounds = Vec::new();
@@ -422,6 +520,13 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         ));
         save_rounds.push((secs, raw));
     }
+
+    // ---- asynchronous save: (memcpy, zarrckpt async, raw) per round ----
+    let async_rounds = if a.no_async {
+        Vec::new()
+    } else {
+        async_save_rounds(a, &base, &ckpt, &rawdir, save_world, &say)?
+    };
 
     // ---- load: (raw, zarrckpt[, zarrckpt without exchange]) ----
     let mut files = Vec::new();
@@ -539,6 +644,38 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         "save_rounds": save_rounds.iter().map(|p| json!({"zarrckpt_s": p.0, "raw_s": p.1})).collect::<Vec<_>>(),
         "load_rounds": load_rounds.iter().map(|p| json!({"zarrckpt_s": p.0, "raw_s": p.1})).collect::<Vec<_>>(),
     });
+    if let Some(last) = async_rounds.last() {
+        let blocked = median(async_rounds.iter().map(|r| r.blocked).collect());
+        let memcpy = median(async_rounds.iter().map(|r| r.memcpy).collect());
+        doc["async_blocked_s"] = json!(blocked);
+        doc["memcpy_s"] = json!(memcpy);
+        doc["async_block_ratio"] = json!(median(
+            async_rounds.iter().map(|r| r.blocked / r.memcpy).collect()
+        ));
+        doc["async_staged_bytes"] = json!(last.staged);
+        doc["async_write_gbps"] = json!(median(
+            async_rounds
+                .iter()
+                .map(|r| r.file_bytes as f64 / r.write / 1e9)
+                .collect()
+        ));
+        doc["async_write_ratio"] = json!(median(
+            async_rounds.iter().map(|r| r.raw / r.write).collect()
+        ));
+        doc["async_raw_write_gbps"] = json!(median(
+            async_rounds
+                .iter()
+                .map(|r| r.file_bytes as f64 / r.raw / 1e9)
+                .collect()
+        ));
+        doc["async_plan_reused"] = json!(async_rounds.iter().all(|r| r.plan_reused));
+        doc["async_rounds"] = json!(
+            async_rounds
+                .iter()
+                .map(|r| json!({"blocked_s": r.blocked, "memcpy_s": r.memcpy, "write_s": r.write, "raw_s": r.raw}))
+                .collect::<Vec<_>>()
+        );
+    }
     if dp > 1 {
         let plain_gbps = median(
             plain_rounds
@@ -564,6 +701,17 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         println!(
             "         bytes read from storage / bytes needed {amplification:.4} (target <= 1.05)"
         );
+        if !async_rounds.is_empty() {
+            println!(
+                "         async save: caller blocked {:.3} s vs memcpy of the same bytes {:.3} s -> {:.2}x (target <= 1.2x); background write {:.2} GB/s vs raw write+fsync {:.2} GB/s -> {:.0}% (target 85%)",
+                doc["async_blocked_s"].as_f64().unwrap_or(0.0),
+                doc["memcpy_s"].as_f64().unwrap_or(0.0),
+                doc["async_block_ratio"].as_f64().unwrap_or(0.0),
+                doc["async_write_gbps"].as_f64().unwrap_or(0.0),
+                doc["async_raw_write_gbps"].as_f64().unwrap_or(0.0),
+                doc["async_write_ratio"].as_f64().unwrap_or(0.0) * 100.0
+            );
+        }
         if dp > 1 {
             println!(
                 "         without exchange: {:.2} GB/s, bytes read / bytes needed {:.4}",

@@ -12,7 +12,8 @@ use anyhow::Context;
 use serde_json::json;
 use zarrckpt::synth::{Held, SynthModel, Topology, Wanted};
 use zarrckpt::{
-    Communicator, LoadOptions, ReadMethod, SaveOptions, StrictMode, TcpComm, load, save,
+    Communicator, LoadOptions, ReadMethod, SaveOptions, Saver, SaverOptions, StrictMode, TcpComm,
+    load, save,
 };
 
 use crate::rss;
@@ -22,6 +23,9 @@ use crate::rss;
 pub enum Job {
     /// Save the synthetic model.
     Save,
+    /// Save it twice with `Saver::save_async` (a warm-up, then the measured one), with a
+    /// plain memcpy of the same bytes measured in between.
+    SaveAsync,
     /// Load it and check every byte.
     Load,
 }
@@ -71,6 +75,21 @@ pub struct Args {
     /// Load: how shard files are read.
     #[arg(long, value_enum, default_value_t = ReadArg::Mmap)]
     pub read_method: ReadArg,
+    /// The full training state: fp32 master weights besides bf16 weights and Adam moments.
+    #[arg(long)]
+    pub full_state: bool,
+}
+
+impl Args {
+    /// The synthetic model these arguments describe.
+    pub fn model(&self) -> SynthModel {
+        let axis = if self.rows_only { 0 } else { 1 };
+        if self.full_state {
+            SynthModel::training_state(self.size, self.hidden, axis)
+        } else {
+            SynthModel::gpt_with(self.size, self.hidden, axis)
+        }
+    }
 }
 
 /// `--read-method`: see [`ReadMethod`].
@@ -106,7 +125,8 @@ fn fault_progress(a: &Args, rank: usize) -> Option<zarrckpt::save::Progress> {
 }
 
 /// Runs one rank of `a.job` on `comm`; returns its report.
-pub fn run_rank(a: &Args, comm: &dyn Communicator) -> anyhow::Result<serde_json::Value> {
+pub fn run_rank(a: &Args, shared: Arc<dyn Communicator>) -> anyhow::Result<serde_json::Value> {
+    let comm = &*shared;
     let rank = comm.rank();
     let topo = Topology { tp: a.tp, dp: a.dp };
     anyhow::ensure!(
@@ -116,7 +136,7 @@ pub fn run_rank(a: &Args, comm: &dyn Communicator) -> anyhow::Result<serde_json:
         a.dp,
         comm.world_size()
     );
-    let model = SynthModel::gpt_with(a.size, a.hidden, if a.rows_only { 0 } else { 1 });
+    let model = a.model();
     match a.job {
         Job::Save => {
             let held = Held::generate(&model, topo, rank as u64);
@@ -137,6 +157,7 @@ pub fn run_rank(a: &Args, comm: &dyn Communicator) -> anyhow::Result<serde_json:
                 "plan_secs": rep.plan_time.as_secs_f64(), "gathered_bytes": rep.gathered_bytes,
             }))
         }
+        Job::SaveAsync => save_async(a, shared, &model),
         Job::Load => {
             let mut wanted = Wanted::allocate(&model, topo, rank as u64);
             let opts = LoadOptions {
@@ -168,6 +189,70 @@ pub fn run_rank(a: &Args, comm: &dyn Communicator) -> anyhow::Result<serde_json:
     }
 }
 
+/// `Job::SaveAsync`: a warm-up save (allocates the staging memory and agrees on the plan, as
+/// a job's first checkpoint does), then a plain memcpy of the bytes the save stages into
+/// warm memory, then the measured save.
+fn save_async(
+    a: &Args,
+    shared: Arc<dyn Communicator>,
+    model: &SynthModel,
+) -> anyhow::Result<serde_json::Value> {
+    let comm = &*shared;
+    let rank = comm.rank();
+    let topo = Topology { tp: a.tp, dp: a.dp };
+    let held = Held::generate(model, topo, rank as u64);
+    let pieces = held.sharded(model);
+    let opts = SaveOptions {
+        overwrite: a.overwrite,
+        io_threads: a.io_threads,
+        progress: fault_progress(a, rank),
+        ..Default::default()
+    };
+    let saver_opts = SaverOptions {
+        copy_threads: a.io_threads,
+        ..SaverOptions::default()
+    };
+    let mut saver = Saver::with_options(Arc::clone(&shared), saver_opts);
+    let warm_dir = a.dir.with_extension("warm");
+    let warm = saver.save_async(&pieces, &warm_dir, &opts)?;
+    let staged = usize::try_from(warm.staged_bytes())?;
+    warm.wait()?;
+    comm.barrier()?;
+    if rank == 0 {
+        std::fs::remove_dir_all(&warm_dir)
+            .with_context(|| format!("remove {}", warm_dir.display()))?;
+        // SAFETY: sync takes no arguments and cannot fail.
+        unsafe { libc::sync() };
+    }
+    // The same bytes, from the same buffers, into memory already touched.
+    let mut dest = vec![0x5Au8; staged];
+    comm.barrier()?;
+    let t0 = Instant::now();
+    let mut at = 0;
+    for p in &pieces {
+        let n = p.data().len().min(staged - at);
+        dest[at..at + n].copy_from_slice(&p.data()[..n]);
+        at += n;
+    }
+    let memcpy = t0.elapsed().as_secs_f64();
+    std::hint::black_box(&dest);
+    drop(dest);
+    comm.barrier()?;
+    let t0 = Instant::now();
+    let h = saver.save_async(&pieces, &a.dir, &opts)?;
+    let blocked = t0.elapsed().as_secs_f64();
+    let staged_now = h.staged_bytes();
+    let rep = h.wait()?;
+    let secs = t0.elapsed().as_secs_f64();
+    Ok(json!({
+        "rank": rank, "secs": secs, "blocked_secs": blocked, "memcpy_secs": memcpy,
+        "write_secs": secs - blocked, "staged_bytes": staged_now,
+        "file_bytes": rep.file_bytes, "data_bytes": rep.data_bytes,
+        "write_balance": rep.write_balance, "plan_reused": rep.plan_reused,
+        "plan_secs": rep.plan_time.as_secs_f64(), "gathered_bytes": rep.gathered_bytes,
+    }))
+}
+
 /// Writes a rank's report next to `path`.
 pub fn write_report(path: &Path, rank: usize, report: &serde_json::Value) -> anyhow::Result<()> {
     let p = path.with_extension(format!("{rank}"));
@@ -178,9 +263,10 @@ pub fn write_report(path: &Path, rank: usize, report: &serde_json::Value) -> any
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let comm = TcpComm::from_env()
         .context("worker must run under `zarrckpt launch` (or torchrun-style environment)")?;
-    let report = run_rank(a, &comm)?;
+    let rank = comm.rank();
+    let report = run_rank(a, Arc::new(comm))?;
     if let Some(p) = &a.report {
-        write_report(p, comm.rank(), &report)?;
+        write_report(p, rank, &report)?;
     }
     let ok = report
         .get("verified")

@@ -1,0 +1,577 @@
+//! Asynchronous saves and repeated saves of the same structure: [`Saver`].
+//!
+//! A [`Saver`] owns what repeated saves share: the communicator, a bounded staging pool
+//! reused from save to save, and the plan the ranks last agreed on.
+//!
+//! [`Saver::save_async`] plans (collectively, reusing the last plan when no rank's structure
+//! changed), copies the chunks this rank writes into staging memory, hands them to a
+//! background thread and returns a [`SaveHandle`]. The background thread writes the shard
+//! files, makes them durable and takes part in the commit; its outcome, including any error,
+//! comes back from [`SaveHandle::wait`]. A save that fails on any rank commits nothing.
+//!
+//! # Who may use the communicator when
+//! The communicator is shared (`Arc<dyn Communicator>`) between the caller and the
+//! background thread, and collectives must not overlap (see [`crate::comm`]). The rule: from
+//! the moment `save_async` is called until its save is done ([`SaveHandle::is_done`] or
+//! [`Saver::is_busy`] false, or [`SaveHandle::wait`] returned), the background thread owns
+//! the communicator and the caller must not start any collective on it; training
+//! collectives belong on another communicator (as with `torch.distributed` process groups).
+//! The `Saver` itself keeps the rule: a new save on it first waits for (or, with
+//! [`IfBusy::Fail`], refuses to start while) the previous one is in flight.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+
+use crate::comm::Communicator;
+use crate::coord::{agree, io_pool};
+use crate::error::{Error, Result};
+use crate::model::ShardedTensor;
+use crate::model::copy::{byte_offset, is_contiguous};
+use crate::plan::cache::CachedPlan;
+use crate::plan::save::{RankTasks, SavePlan, Source};
+use crate::save::{self as steps, AgreedLayout, SaveOptions, SaveReport};
+use crate::stage::{self, ItemSource, Lease, StagingPool};
+use crate::storage::{fsio, write};
+
+/// What a new save does while the previous asynchronous save of the same [`Saver`] is still
+/// in flight.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum IfBusy {
+    /// Wait until the previous save is done, then start (the default).
+    #[default]
+    Wait,
+    /// Return [`Error::SaveInFlight`] at once, starting nothing. The check is local to the
+    /// rank: ranks finish a save within moments of each other (its last step is collective),
+    /// but a rank that gets this error must make sure the others do not go on saving
+    /// without it (they would time out), e.g. by all ranks skipping this save.
+    Fail,
+}
+
+/// How a [`Saver`] stages.
+#[derive(Debug, Clone)]
+pub struct SaverOptions {
+    /// Cap on staging memory, in bytes (default 4 GiB). A rank's chunks beyond it are staged
+    /// in rounds, the caller waiting only for the writes that free the memory it needs next.
+    /// The pool may exceed the cap only to hold one chunk larger than half of it.
+    pub staging_bytes: u64,
+    /// Threads copying into staging memory; 0 picks the machine's cores (at most 8).
+    pub copy_threads: usize,
+    /// What a save does while the previous one is still in flight.
+    pub if_busy: IfBusy,
+}
+
+impl Default for SaverOptions {
+    fn default() -> Self {
+        SaverOptions {
+            staging_bytes: stage::DEFAULT_STAGING_BYTES,
+            copy_threads: 0,
+            if_busy: IfBusy::Wait,
+        }
+    }
+}
+
+/// The shared outcome of one background save.
+#[derive(Debug, Default)]
+struct Job {
+    state: Mutex<JobState>,
+    done: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct JobState {
+    finished: bool,
+    result: Option<Result<SaveReport>>,
+}
+
+impl Job {
+    fn lock(&self) -> MutexGuard<'_, JobState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn finish(&self, result: Result<SaveReport>) {
+        let mut s = self.lock();
+        if !s.finished {
+            s.finished = true;
+            s.result = Some(result);
+        }
+        drop(s);
+        self.done.notify_all();
+    }
+
+    fn is_finished(&self) -> bool {
+        self.lock().finished
+    }
+
+    fn wait_finished(&self) -> MutexGuard<'_, JobState> {
+        let mut s = self.lock();
+        while !s.finished {
+            s = self
+                .done
+                .wait(s)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        s
+    }
+}
+
+/// Marks the job failed if the background thread ends without finishing it (it unwound).
+struct Finisher {
+    job: Arc<Job>,
+    rank: usize,
+    path: PathBuf,
+}
+
+impl Drop for Finisher {
+    fn drop(&mut self) {
+        self.job.finish(Err(Error::Background {
+            rank: self.rank,
+            path: self.path.clone(),
+            detail: "the background writer stopped unexpectedly".into(),
+        }));
+    }
+}
+
+/// An asynchronous save in flight.
+#[derive(Debug)]
+#[must_use = "an asynchronous save's outcome is only known from `wait`"]
+pub struct SaveHandle {
+    job: Arc<Job>,
+    blocked: Duration,
+    staged_bytes: u64,
+}
+
+impl SaveHandle {
+    /// True once the background work (writing, fsync, commit) is over, successfully or not.
+    #[must_use]
+    pub fn is_done(&self) -> bool {
+        self.job.is_finished()
+    }
+
+    /// Waits for the save to finish and returns its report.
+    ///
+    /// # Errors
+    /// Whatever the save failed with on this rank, or [`Error::RemoteFailure`] when another
+    /// rank failed; nothing was committed then.
+    pub fn wait(self) -> Result<SaveReport> {
+        let mut s = self.job.wait_finished();
+        s.result.take().unwrap_or_else(|| {
+            Err(Error::Background {
+                rank: 0,
+                path: PathBuf::new(),
+                detail: "the outcome was already taken".into(),
+            })
+        })
+    }
+
+    /// How long the call that started this save kept its caller (planning and staging).
+    #[must_use]
+    pub fn blocked(&self) -> Duration {
+        self.blocked
+    }
+
+    /// Bytes this rank copied into staging memory.
+    #[must_use]
+    pub fn staged_bytes(&self) -> u64 {
+        self.staged_bytes
+    }
+}
+
+/// One round of staged chunks on its way to the writer.
+struct StagedRound {
+    lease: Lease,
+    /// (index into the rank's writes, range in the arena).
+    items: Vec<(usize, Range<usize>)>,
+}
+
+/// Saves repeatedly on one communicator: synchronously ([`Saver::save`]) or in the
+/// background ([`Saver::save_async`]), reusing the agreed plan while the structure is
+/// unchanged and the staging memory from save to save. Every rank creates its own `Saver`
+/// on its own communicator and calls the same methods in the same order. See the module
+/// docs for who may use the communicator while a save is in flight.
+pub struct Saver {
+    comm: Arc<dyn Communicator>,
+    opts: SaverOptions,
+    pool: Arc<StagingPool>,
+    threads: Option<Arc<rayon::ThreadPool>>,
+    cache: Option<CachedPlan>,
+    in_flight: Option<(Arc<Job>, PathBuf)>,
+}
+
+impl std::fmt::Debug for Saver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Saver")
+            .field("rank", &self.comm.rank())
+            .field("world_size", &self.comm.world_size())
+            .field("opts", &self.opts)
+            .field("busy", &self.is_busy())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Saver {
+    /// A saver on `comm` with default options.
+    #[must_use]
+    pub fn new(comm: Arc<dyn Communicator>) -> Self {
+        Self::with_options(comm, SaverOptions::default())
+    }
+
+    /// A saver on `comm` with `opts`. Allocates nothing until the first save.
+    #[must_use]
+    pub fn with_options(comm: Arc<dyn Communicator>, opts: SaverOptions) -> Self {
+        Saver {
+            pool: Arc::new(StagingPool::new(opts.staging_bytes)),
+            comm,
+            opts,
+            threads: None,
+            cache: None,
+            in_flight: None,
+        }
+    }
+
+    /// The communicator (free for other collectives only while no save is in flight).
+    #[must_use]
+    pub fn communicator(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
+    /// True while an asynchronous save started by this saver is still running.
+    #[must_use]
+    pub fn is_busy(&self) -> bool {
+        self.in_flight.as_ref().is_some_and(|j| !j.0.is_finished())
+    }
+
+    /// Bytes of staging memory the saver holds between saves.
+    #[must_use]
+    pub fn staging_bytes_held(&self) -> usize {
+        self.pool.held_bytes()
+    }
+
+    /// Applies the busy policy: waits for the previous save, or refuses to start.
+    fn settle(&mut self) -> Result<()> {
+        if let Some((job, path)) = &self.in_flight
+            && !job.is_finished()
+        {
+            if self.opts.if_busy == IfBusy::Fail {
+                return Err(Error::SaveInFlight {
+                    rank: self.comm.rank(),
+                    path: path.clone(),
+                });
+            }
+            drop(job.wait_finished());
+        }
+        self.in_flight = None;
+        // The writer drops its last arena just after finishing the job.
+        self.pool.wait_idle();
+        Ok(())
+    }
+
+    fn threads(&mut self) -> Result<Arc<rayon::ThreadPool>> {
+        if let Some(t) = &self.threads {
+            return Ok(Arc::clone(t));
+        }
+        let t = Arc::new(
+            stage::copy_pool(self.opts.copy_threads)
+                .map_err(|e| Error::ThreadPool(e.to_string()))?,
+        );
+        self.threads = Some(Arc::clone(&t));
+        Ok(t)
+    }
+
+    /// Saves synchronously, as [`crate::save()`], reusing the agreed plan while no rank's
+    /// structure changed.
+    ///
+    /// # Errors
+    /// As [`crate::save()`]; [`Error::SaveInFlight`] as [`Saver::save_async`].
+    pub fn save(
+        &mut self,
+        pieces: &[ShardedTensor<'_>],
+        dir: &Path,
+        opts: &SaveOptions,
+    ) -> Result<SaveReport> {
+        self.settle()?;
+        let agreed = steps::agree_on_layout_cached(pieces, &*self.comm, opts, &mut self.cache)?;
+        steps::save_agreed(dir, &*self.comm, opts, &agreed, None)
+    }
+
+    /// Starts a save and returns once this rank's part of the state is staged in host memory;
+    /// writing, fsync and commit go on in the background. The caller may change or free its
+    /// tensors as soon as this returns: what is saved is what they held during the call.
+    ///
+    /// # Errors
+    /// Planning errors as [`crate::save()`] (an invalid layout, a rank that died) are returned
+    /// here; errors of the background work come from [`SaveHandle::wait`].
+    /// [`Error::SaveInFlight`] when the previous save is still in flight and the policy is
+    /// [`IfBusy::Fail`].
+    pub fn save_async(
+        &mut self,
+        pieces: &[ShardedTensor<'_>],
+        dir: &Path,
+        opts: &SaveOptions,
+    ) -> Result<SaveHandle> {
+        let t0 = Instant::now();
+        self.settle()?;
+        let threads = self.threads()?;
+        let comm = Arc::clone(&self.comm);
+        let rank = comm.rank();
+        let agreed = steps::agree_on_layout_cached(pieces, &*comm, opts, &mut self.cache)?;
+        let plan = Arc::clone(&agreed.plan);
+        let tasks = plan.tasks_for(u32::try_from(rank).unwrap_or(u32::MAX));
+        // Unaligned parts travel now, from the caller's buffers, while the communicator is
+        // still the caller's; what arrives is staged with the rest.
+        let received = steps::exchange_unaligned(&*comm, &agreed, &tasks)?;
+        let items = stage_sources(&plan, &tasks, &agreed.local, &received);
+        let sizes: Vec<usize> = items.iter().map(item_len).collect();
+        let rounds = stage::pack(&sizes, self.pool.arena_cap());
+
+        let job = Arc::new(Job::default());
+        let (tx, rx) = sync_channel::<StagedRound>(stage::ARENAS);
+        let bg = Background {
+            comm,
+            dir: dir.to_owned(),
+            plan: Arc::clone(&plan),
+            tasks: tasks.clone(),
+            opts: opts.clone(),
+            report: ReportParts::of(&agreed),
+        };
+        let finisher = Finisher {
+            job: Arc::clone(&job),
+            rank,
+            path: dir.to_owned(),
+        };
+        std::thread::Builder::new()
+            .name(format!("zarrckpt-save-{rank}"))
+            .spawn(move || {
+                let result = bg.run(rx);
+                finisher.job.finish(result);
+                drop(finisher);
+            })
+            .map_err(|e| Error::Background {
+                rank,
+                path: dir.to_owned(),
+                detail: format!("could not start the background writer: {e}"),
+            })?;
+        self.in_flight = Some((Arc::clone(&job), dir.to_owned()));
+        let staged = stage_rounds(&self.pool, &threads, &items, &sizes, &rounds, &tx);
+        drop(tx);
+        Ok(SaveHandle {
+            job,
+            blocked: t0.elapsed(),
+            staged_bytes: staged,
+        })
+    }
+}
+
+fn item_len(item: &ItemSource<'_>) -> usize {
+    match item {
+        ItemSource::Bytes(b) => b.len(),
+        ItemSource::Parts { full, elem, .. } => {
+            usize::try_from(full.num_elements().unwrap_or(0)).unwrap_or(usize::MAX) * elem
+        }
+    }
+}
+
+/// Where each chunk this rank writes comes from: a contiguous run of a local piece, or a box
+/// assembled from local pieces and received parts (zero-padded at the tensor's edge).
+fn stage_sources<'a>(
+    plan: &'a SavePlan,
+    tasks: &'a RankTasks,
+    local: &'a steps::PieceIndex<'a, 'a>,
+    received: &'a [Vec<Vec<u8>>],
+) -> Vec<ItemSource<'a>> {
+    tasks
+        .writes
+        .iter()
+        .zip(received.iter().map(Some).chain(std::iter::repeat(None)))
+        .map(|(w, recv)| {
+            let tp = &plan.tensors[w.tensor];
+            let elem = tp.dtype.size();
+            let full = steps::full_chunk_box(tp, &w.chunk);
+            if let [part] = w.parts.as_slice()
+                && let Source::Local(piece_region) = &part.source
+                && w.region == full
+                && let Some(piece) = local.get(&(&tp.key, piece_region))
+            {
+                if is_contiguous(&full.shape, &piece_region.shape) {
+                    let rel: Vec<u64> = full
+                        .offset
+                        .iter()
+                        .zip(&piece_region.offset)
+                        .map(|(a, b)| a - b)
+                        .collect();
+                    let start = byte_offset(&rel, &piece_region.shape, elem);
+                    let len = usize::try_from(full.num_elements().unwrap_or(0))
+                        .unwrap_or(usize::MAX)
+                        * elem;
+                    return ItemSource::Bytes(&piece.data()[start..start + len]);
+                }
+                return ItemSource::Parts {
+                    parts: vec![(piece.data(), piece.region(), full.clone())],
+                    full,
+                    elem,
+                    covered: true,
+                };
+            }
+            let mut remote = recv.into_iter().flatten();
+            let parts = w
+                .parts
+                .iter()
+                .filter_map(|part| match &part.source {
+                    Source::Local(piece_region) => local
+                        .get(&(&tp.key, piece_region))
+                        .map(|p| (p.data(), p.region(), part.region.clone())),
+                    Source::Remote(_) => remote
+                        .next()
+                        .map(|d| (d.as_slice(), &part.region, part.region.clone())),
+                })
+                .collect();
+            ItemSource::Parts {
+                full,
+                elem,
+                covered: false,
+                parts,
+            }
+        })
+        .collect()
+}
+
+/// Copies the rounds into arenas and sends them to the writer; stops early if the writer
+/// gave up (its error comes from `wait`). Returns the bytes staged.
+fn stage_rounds(
+    pool: &Arc<StagingPool>,
+    threads: &rayon::ThreadPool,
+    items: &[ItemSource<'_>],
+    sizes: &[usize],
+    rounds: &[Range<usize>],
+    tx: &SyncSender<StagedRound>,
+) -> u64 {
+    let mut staged = 0u64;
+    for round in rounds {
+        let mut at = 0usize;
+        let ranges: Vec<Range<usize>> = sizes[round.clone()]
+            .iter()
+            .map(|&s| {
+                let r = at..at + s;
+                at += s;
+                r
+            })
+            .collect();
+        let mut lease = pool.take(at);
+        stage::fill(lease.bytes_mut(), &ranges, &items[round.clone()], threads);
+        staged += at as u64;
+        let items = round.clone().zip(ranges).collect();
+        if tx.send(StagedRound { lease, items }).is_err() {
+            break;
+        }
+    }
+    staged
+}
+
+/// What the report says about planning (the plan itself travels separately).
+struct ReportParts {
+    plan_time: Duration,
+    gathered_bytes: u64,
+    plan_reused: bool,
+}
+
+impl ReportParts {
+    fn of(agreed: &AgreedLayout<'_, '_>) -> Self {
+        ReportParts {
+            plan_time: agreed.plan_time,
+            gathered_bytes: agreed.gathered_bytes,
+            plan_reused: agreed.reused,
+        }
+    }
+}
+
+/// The background half of an asynchronous save: everything after staging.
+struct Background {
+    comm: Arc<dyn Communicator>,
+    dir: PathBuf,
+    plan: Arc<SavePlan>,
+    tasks: RankTasks,
+    opts: SaveOptions,
+    report: ReportParts,
+}
+
+impl Background {
+    fn run(self, rx: Receiver<StagedRound>) -> Result<SaveReport> {
+        let comm = &*self.comm;
+        let prepared = steps::prepare_directory(&self.dir, comm, &self.plan, None, &self.opts);
+        if let Err(e) = prepared {
+            drop(rx);
+            return Err(e);
+        }
+        let written = self.write_rounds(rx);
+        let (data_bytes, file_bytes) = agree(comm, written)?;
+        steps::commit_index(&self.dir, comm, &self.plan, None, &self.opts)?;
+        Ok(SaveReport {
+            tensors: self.plan.tensors.len(),
+            chunks_written: self.tasks.writes.len(),
+            data_bytes,
+            file_bytes,
+            write_balance: self.plan.write_balance(),
+            bytes_per_rank: self.plan.bytes_per_rank.clone(),
+            plan_time: self.report.plan_time,
+            gathered_bytes: self.report.gathered_bytes,
+            plan_reused: self.report.plan_reused,
+        })
+    }
+
+    /// Writes the staged rounds as they come; the receiver is dropped on return, so a caller
+    /// waiting for staging memory is released even when writing failed.
+    fn write_rounds(&self, rx: Receiver<StagedRound>) -> Result<(u64, u64)> {
+        let (plan, tasks, opts) = (&*self.plan, &self.tasks, &self.opts);
+        let arrays = steps::open_arrays(&self.dir, plan, tasks, opts)?;
+        let pool = io_pool(opts.io_threads)?;
+        let dirs = pool.install(|| steps::write_array_documents(tasks, &arrays))?;
+        let (mut data, mut files, mut done) = (0u64, 0u64, 0usize);
+        for round in rx {
+            let (d, f) = pool.install(|| -> Result<(u64, u64)> {
+                let totals = round
+                    .items
+                    .par_iter()
+                    .map(|(wi, range)| -> Result<(u64, u64)> {
+                        let w = &tasks.writes[*wi];
+                        let tp = &plan.tensors[w.tensor];
+                        let full = steps::full_chunk_box(tp, &w.chunk);
+                        let src = &round.lease.bytes()[range.clone()];
+                        let n =
+                            write::write_shard(&arrays[&w.tensor], &w.chunk, src, &full, &full)?;
+                        let d = w.region.num_elements().unwrap_or(0) * tp.dtype.size() as u64;
+                        if let Some(p) = &opts.progress {
+                            p(d);
+                        }
+                        Ok((d, n))
+                    })
+                    .try_reduce(|| (0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1)))?;
+                round.items.par_iter().try_for_each(|(wi, _)| {
+                    let w = &tasks.writes[*wi];
+                    write::sync_file(&arrays[&w.tensor].chunk_path(&w.chunk))
+                })?;
+                Ok(totals)
+            })?;
+            data += d;
+            files += f;
+            done += round.items.len();
+        }
+        if done != tasks.writes.len() {
+            return Err(Error::Background {
+                rank: self.comm.rank(),
+                path: self.dir.clone(),
+                detail: format!(
+                    "{done} of {} staged chunks reached the writer",
+                    tasks.writes.len()
+                ),
+            });
+        }
+        pool.install(|| dirs.par_iter().try_for_each(|d| fsio::fsync_dir(d)))?;
+        Ok((data, files))
+    }
+}
