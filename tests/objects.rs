@@ -460,7 +460,10 @@ fn inspect_and_verify_show_objects() {
         .output()
         .unwrap();
     let text = String::from_utf8(out.stdout).unwrap();
-    assert!(out.status.success() && text.contains("13 object values"), "{text}");
+    assert!(
+        out.status.success() && text.contains("13 object values"),
+        "{text}"
+    );
     std::fs::write(dir.join("objects/dataloader/rank.1/c.0"), b"{}").unwrap();
     let out = std::process::Command::new(bin)
         .arg("verify")

@@ -386,6 +386,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         die_after_bytes: None,
         die_rank: 0,
         read_method: a.read_method,
+        objects: false,
     };
 
     // ---- save: (zarrckpt, raw) pairs ----
