@@ -9,7 +9,8 @@
 //! Layers, each depending only on those above it: [`model`] (data types, keys, regions, no
 //! I/O), [`plan`] (pure geometry and decisions), [`storage`] (the only user of zarrs and the
 //! file system), [`comm`] (how ranks talk), and the front doors [`save()`], [`load()`] and
-//! [`Checkpoint`].
+//! [`Checkpoint`]; for whole training states (tensors, objects, nested state dicts)
+//! [`save_state`] / [`load_state`] and [`save_with_objects`] / [`load_with_objects`].
 #![cfg(target_endian = "little")]
 #![warn(missing_docs)]
 

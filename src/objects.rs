@@ -238,6 +238,14 @@ pub(crate) fn load_objects(
     } else {
         Vec::new()
     };
+    if matches!(strict, StrictMode::LogUnexpected | StrictMode::LogAll) {
+        if !unexpected.is_empty() {
+            tracing::warn!(rank = comm.rank(), keys = ?unexpected, "requested objects not in checkpoint {}", dir.display());
+        }
+        if !missing.is_empty() {
+            tracing::warn!(keys = ?missing, "checkpoint objects requested by no rank in {}", dir.display());
+        }
+    }
     if strict == StrictMode::RaiseAll && !missing.is_empty() {
         return Err(Error::MissingKeys {
             path: dir.to_owned(),
