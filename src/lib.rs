@@ -6,11 +6,46 @@
 //! into its own buffers; zarr-python, tensorstore and zarrs open the checkpoint without this
 //! crate. The format is specified in `spec/format.md`.
 //!
-//! Layers, each depending only on those above it: [`model`] (data types, keys, regions, no
-//! I/O), [`plan`] (pure geometry and decisions), [`storage`] (the only user of zarrs and the
-//! file system), [`comm`] (how ranks talk), and the front doors [`save()`], [`load()`] and
-//! [`Checkpoint`]; for whole training states (tensors, objects, nested state dicts)
-//! [`save_state`] / [`load_state`] and [`save_with_objects`] / [`load_with_objects`].
+//! # The API in one screen
+//! - Describe what a rank holds with [`ShardedTensor`] (its box of a global tensor, or a
+//!   replica of it) and what it wants with [`LoadTarget`] (a box and a buffer to fill).
+//! - [`save()`] and [`load()`] are collective: every rank of a [`Communicator`] calls them
+//!   ([`run_local`] runs ranks as threads; [`TcpComm`] joins processes and hosts the way
+//!   torchrun configures PyTorch).
+//! - [`Checkpoint::open`] inspects, reads and verifies a checkpoint without a job.
+//! - The whole training state: objects ([`StateObject`]: configuration, iteration, RNG
+//!   states; JSON or bytes, common, per-rank or sharded) with [`save_with_objects`] /
+//!   [`load_with_objects`], and nested state dicts ([`StateDict`]) with [`save_state`] /
+//!   [`load_state`].
+//! - Every failure is an [`Error`] that names the tensor key, chunk, rank and path involved.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use zarrckpt::{Communicator, LoadOptions, LoadTarget, SaveOptions, ShardedTensor, run_local};
+//!
+//! let dir = std::path::Path::new("ckpt");
+//! // Two ranks each hold half of a [4, 3] float32 weight...
+//! run_local(2, Duration::from_secs(60), |comm| {
+//!     let r = comm.rank() as u64;
+//!     let half: Vec<f32> = (0..6).map(|i| (r * 6 + i) as f32).collect();
+//!     let piece = ShardedTensor::from_slice("w", &[4, 3], &[2 * r, 0], &half, &[2, 3], 0)?;
+//!     zarrckpt::save(&[piece], dir, &comm, &SaveOptions::default())
+//! })
+//! .into_iter()
+//! .collect::<Result<Vec<_>, _>>()?;
+//! // ...and one rank loads it whole.
+//! run_local(1, Duration::from_secs(60), |comm| {
+//!     let mut all = vec![0f32; 12];
+//!     let mut t = [LoadTarget::from_slice("w", &[4, 3], &[0, 0], &mut all, &[4, 3])?];
+//!     zarrckpt::load(&mut t, dir, &comm, &LoadOptions::default())
+//! })
+//! .into_iter()
+//! .collect::<Result<Vec<_>, _>>()?;
+//! # Ok::<(), zarrckpt::Error>(())
+//! ```
+//!
+//! Modules hidden from these docs (`plan`, `storage`, `synth`, `model::copy`) are internals
+//! the CLI, tests and benches use; they carry no stability promise.
 #![cfg(target_endian = "little")]
 #![warn(missing_docs)]
 
@@ -22,24 +57,34 @@ pub mod launch;
 pub mod load;
 pub mod model;
 mod objects;
-pub mod plan;
 pub mod save;
 pub mod state;
+
+// Internals: public only so that the CLI, the tests, the fuzz targets and the benches can
+// reach them; not part of the supported API (no stability promise, hidden from the docs).
+#[doc(hidden)]
+pub mod plan;
+#[doc(hidden)]
 pub mod storage;
+#[doc(hidden)]
 pub mod synth;
 
-pub use checkpoint::{Checkpoint, ObjectInfo, TensorInfo};
-pub use comm::{CommError, Communicator, LocalComm, TcpComm};
+pub use checkpoint::{Checkpoint, ObjectInfo, Problem, TensorInfo};
+pub use comm::{CommError, Communicator, LocalComm, TcpComm, TcpConfig, run_local};
 pub use error::{Error, Result};
 pub use load::{LoadOptions, LoadReport, StrictMode, load, load_with_objects};
 pub use model::{
-    DType, Encoding, LoadTarget, ObjectRequest, ObjectScope, ObjectSlot, ObjectValue, Region,
-    ShardedTensor, StateDict, StateObject, StateValue, TensorKey,
+    DType, Element, Encoding, KeyError, LoadTarget, ObjectError, ObjectRequest, ObjectScope,
+    ObjectSlot, ObjectValue, Region, RegionError, ShardedTensor, StateDict, StateError,
+    StateObject, StateValue, TensorError, TensorKey,
 };
-pub use save::{SaveOptions, SaveReport, save, save_with_objects};
+pub use plan::objects::ObjectPlanError;
+pub use plan::{GridOptions, LayoutDecodeError, PlanError};
+pub use save::{Progress, SaveOptions, SaveReport, save, save_with_objects};
 pub use state::{load_state, save_state};
-pub use storage::Compression;
+pub use storage::object::StoredScope;
 pub use storage::read::ReadMethod;
+pub use storage::{Compression, StorageError};
 
 /// The README's examples, compiled as doc tests so they cannot rot.
 #[doc = include_str!("../README.md")]

@@ -1,5 +1,6 @@
 //! The data model: data types, validated keys, regions and tensor pieces. No I/O.
 
+#[doc(hidden)]
 pub mod copy;
 pub mod dtype;
 pub mod key;

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde_json::json;
 use zarrckpt::Communicator;
+use zarrckpt::StoredScope;
 use zarrckpt::comm::run_local;
-use zarrckpt::storage::object::StoredScope;
 use zarrckpt::{
     Checkpoint, Error, LoadOptions, ObjectRequest, ObjectSlot, ObjectValue, SaveOptions,
     ShardedTensor, StateObject, StrictMode, TensorKey, load_with_objects, save_with_objects,

@@ -491,7 +491,14 @@ fn check_checkpoint(dir: &Path, expect: &BTreeMap<String, Vec<u8>>) -> Checkpoin
         "zarrckpt attribute of a saved checkpoint",
     );
     let meta = parse_root(&root).unwrap();
-    assert_eq!(meta.version, "1.1");
+    assert_eq!(
+        meta.version,
+        format!(
+            "{}.{}",
+            zarrckpt::storage::meta::FORMAT_MAJOR,
+            zarrckpt::storage::meta::FORMAT_MINOR
+        )
+    );
     assert_eq!(meta.format, "zarrckpt");
     let files = list_files(dir);
     assert_eq!(
@@ -727,6 +734,40 @@ fn key_examples_map_and_reject_as_specified() {
     }
 }
 
+/// Section 13: a key maps to itself exactly when all its characters are `/` or in
+/// `[A-Za-z0-9._-]` and no segment begins with `__`. Checked over every key of up to four
+/// characters from a small alphabet.
+#[test]
+fn keys_map_to_themselves_exactly_as_section_13_says() {
+    let alphabet = ['a', 'Z', '0', '_', '.', '-', '/', '~', ' ', 'é'];
+    let mut keys = vec![String::new()];
+    let mut identity = 0;
+    for _ in 0..4 {
+        let next: Vec<String> = keys
+            .iter()
+            .flat_map(|k| alphabet.iter().map(move |c| format!("{k}{c}")))
+            .collect();
+        for key in &next {
+            let Ok(k) = TensorKey::new(key.as_str()) else {
+                continue;
+            };
+            let plain = key
+                .chars()
+                .all(|c| c == '/' || c.is_ascii_alphanumeric() || "._-".contains(c));
+            let rule = plain && !key.split('/').any(|seg| seg.starts_with("__"));
+            assert_eq!(
+                k.node_path() == *key,
+                rule,
+                "`{key}` maps to `{}`",
+                k.node_path()
+            );
+            identity += usize::from(rule);
+        }
+        keys = next;
+    }
+    assert!(identity > 100, "{identity}");
+}
+
 #[test]
 fn collision_examples_behave_as_specified() {
     for ex in of_kind("collisions") {
@@ -756,6 +797,7 @@ fn grid_examples_are_what_the_planner_chooses() {
         1 << 20,
         "spec section 8 states the defaults"
     );
+    let mut saved = 0;
     for ex in of_kind("grid") {
         for case in ex.json().as_array().unwrap() {
             let shape = u64s(&case["shape"]);
@@ -766,14 +808,56 @@ fn grid_examples_are_what_the_planner_chooses() {
                 .iter()
                 .map(|p| Region::new(u64s(&p[0]), u64s(&p[1])).unwrap())
                 .collect();
-            let refs: Vec<&Region> = pieces.iter().collect();
+            // Section 8: the main pieces, leaving out empty ones.
+            let refs: Vec<&Region> = pieces.iter().filter(|p| !p.is_empty()).collect();
             let (chunk, aligned) = grid::choose_chunk_shape(&shape, &refs, elem, &opts);
             assert_eq!(chunk, u64s(&case["chunk_shape"]), "{case}");
             assert_eq!(aligned, case["aligned"].as_bool().unwrap(), "{case}");
             let sub = grid::subchunk_shape(&chunk, &shape, elem, opts.subchunk_target_bytes);
             assert_eq!(sub, u64s(&case["subchunk_shape"]), "{case}");
+            // The writer itself, given the pieces as they are (empty ones included), where the
+            // tensor is small enough to save here.
+            let total = shape.iter().product::<u64>() * elem as u64;
+            if total <= 1 << 16 {
+                let d = dtype(case["dtype"].as_str().unwrap());
+                let full = test_bytes(9, shape.iter().product(), d);
+                let datas: Vec<Vec<u8>> = pieces
+                    .iter()
+                    .map(|r| {
+                        let mut out = vec![0u8; r.shape.iter().product::<u64>() as usize * elem];
+                        copy_box(&full, &Region::full(&shape), &mut out, r, r, elem);
+                        out
+                    })
+                    .collect();
+                let key = TensorKey::new("t").unwrap();
+                let sharded: Vec<ShardedTensor> = pieces
+                    .iter()
+                    .zip(&datas)
+                    .map(|(r, b)| {
+                        ShardedTensor::new(key.clone(), d, shape.clone(), r.clone(), 0, b).unwrap()
+                    })
+                    .collect();
+                let tmp = tempfile::tempdir().unwrap();
+                let dir = tmp.path().join("ckpt");
+                save(
+                    &sharded,
+                    &dir,
+                    &LocalComm::single(),
+                    &SaveOptions::default(),
+                )
+                .unwrap();
+                let meta = check_checkpoint(&dir, &BTreeMap::from([("t".to_owned(), full)]));
+                let e = &meta.tensors[&key];
+                assert_eq!(
+                    (&e.chunk_shape, &e.subchunk_shape),
+                    (&u64s(&case["chunk_shape"]), &u64s(&case["subchunk_shape"])),
+                    "the writer's grid for {case}"
+                );
+                saved += 1;
+            }
         }
     }
+    assert!(saved >= 5, "only {saved} grid examples were saved");
 }
 
 #[test]
@@ -1260,6 +1344,29 @@ fn invalid_documents_are_rejected() {
             }),
         ),
     ];
+    // Section 6.3: integers are written as integers.
+    let semantic: Vec<Mutation> = semantic
+        .into_iter()
+        .chain::<Vec<Mutation>>(vec![
+            (
+                "a shape entry written 8192.0",
+                Box::new(move |d| {
+                    d["attributes"]["zarrckpt"]["tensors"][key]["shape"] = json!([8192.0, 2048]);
+                }),
+            ),
+            (
+                "a subchunk extent written 2048.0",
+                Box::new(move |d| {
+                    d["attributes"]["zarrckpt"]["tensors"][key]["subchunk_shape"] =
+                        json!([256, 2048.0]);
+                }),
+            ),
+            (
+                "world_size written 2.0",
+                Box::new(|d| d["attributes"]["zarrckpt"]["world_size"] = json!(2.0)),
+            ),
+        ])
+        .collect();
     for (what, m) in &semantic {
         let mut doc = base.clone();
         m(&mut doc);
@@ -1504,4 +1611,138 @@ fn object_chunk_example_is_what_a_save_writes_and_saved_objects_validate() {
     ] {
         assert!(!schema_errors(&entry, &bad).is_empty(), "{bad}");
     }
+}
+
+/// Section 11, step 3: an empty box meets no chunk, even at an offset that is not a multiple
+/// of the chunk shape, so reading it opens no shard file: it succeeds with every shard file
+/// gone and reads no byte.
+#[test]
+fn empty_boxes_read_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let shape = vec![10u64, 6];
+    let data = test_bytes(4, 60, DType::Int32);
+    let halves: Vec<(Region, Vec<u8>)> = [0u64, 5]
+        .iter()
+        .map(|&o| {
+            let r = Region::new(vec![o, 0], vec![5, 6]).unwrap();
+            let mut out = vec![0u8; 5 * 6 * 4];
+            copy_box(&data, &Region::full(&shape), &mut out, &r, &r, 4);
+            (r, out)
+        })
+        .collect();
+    let key = TensorKey::new("t").unwrap();
+    let pieces: Vec<ShardedTensor> = halves
+        .iter()
+        .map(|(r, b)| {
+            ShardedTensor::new(key.clone(), DType::Int32, shape.clone(), r.clone(), 0, b).unwrap()
+        })
+        .collect();
+    save(&pieces, &dir, &LocalComm::single(), &SaveOptions::default()).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    assert_eq!(ckpt.tensor(&key).unwrap().chunk_shape, vec![5, 6]);
+    for f in ["c.0.0", "c.1.0"] {
+        std::fs::remove_file(dir.join("tensors/t").join(f)).unwrap();
+    }
+    // Unaligned offsets: the formula of step 3 would pick chunk 1 (rows) and chunk 0 (columns).
+    for (offset, shape) in [
+        (vec![7, 0], vec![0, 6]),
+        (vec![7, 3], vec![2, 0]),
+        (vec![10, 6], vec![0, 0]),
+    ] {
+        let region = Region::new(offset, shape).unwrap();
+        let report = ckpt.read_region(&key, &region, &mut []).unwrap();
+        assert_eq!(
+            (report.bytes_read, report.loaded_bytes),
+            (0, 0),
+            "{region:?}"
+        );
+    }
+    // A non-empty box does need the file.
+    let one = Region::new(vec![7, 3], vec![1, 1]).unwrap();
+    let e = ckpt.read_region(&key, &one, &mut [0; 4]).unwrap_err();
+    assert!(
+        matches!(e, Error::Storage(StorageError::MissingChunk { .. })),
+        "{e}"
+    );
+}
+
+/// Section 6.3, "Numbers": an array `zarr.json` whose numbers are spelled otherwise than the
+/// prescribed document (as the section compares them) is refused with a typed error naming the
+/// file; non-integer spellings of +0 for a float fill value are accepted.
+#[test]
+fn array_documents_compare_numbers_as_section_6_3_says() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let data = test_bytes(5, 12, DType::Float32);
+    let ints = test_bytes(6, 3, DType::Int16);
+    let key = TensorKey::new("f").unwrap();
+    let ikey = TensorKey::new("i").unwrap();
+    let pieces = [
+        ShardedTensor::new(
+            key.clone(),
+            DType::Float32,
+            vec![3, 4],
+            Region::full(&[3, 4]),
+            0,
+            &data,
+        )
+        .unwrap(),
+        ShardedTensor::new(
+            ikey.clone(),
+            DType::Int16,
+            vec![3],
+            Region::full(&[3]),
+            0,
+            &ints,
+        )
+        .unwrap(),
+    ];
+    save(&pieces, &dir, &LocalComm::single(), &SaveOptions::default()).unwrap();
+    let path = |k: &str| dir.join("tensors").join(k).join("zarr.json");
+    let original = |k: &str| -> String {
+        let v: Value = serde_json::from_slice(&std::fs::read(path(k)).unwrap()).unwrap();
+        serde_json::to_string(&v).unwrap()
+    };
+    let (f_doc, i_doc) = (original("f"), original("i"));
+    assert!(f_doc.contains(r#""fill_value":0.0"#), "{f_doc}");
+    assert!(i_doc.contains(r#""fill_value":0,"#), "{i_doc}");
+    let read = |k: &TensorKey| Checkpoint::open(&dir).unwrap().read_tensor(k);
+    // (tensor, text to replace, replacement, accepted?)
+    let cases = [
+        ("f", r#""fill_value":0.0"#, r#""fill_value":-0.0"#, false),
+        ("f", r#""fill_value":0.0"#, r#""fill_value":-0"#, false),
+        ("f", r#""fill_value":0.0"#, r#""fill_value":0"#, false),
+        (
+            "f",
+            r#""fill_value":0.0"#,
+            r#""fill_value":"0x00000000""#,
+            false,
+        ),
+        ("f", r#""fill_value":0.0"#, r#""fill_value":0e0"#, true),
+        ("f", r#""fill_value":0.0"#, r#""fill_value":0.000"#, true),
+        ("f", r#""shape":[3,4]"#, r#""shape":[3.0,4]"#, false),
+        ("f", r#""shape":[3,4]"#, r#""shape":[3e0,4]"#, false),
+        ("f", r#""zarr_format":3"#, r#""zarr_format":3.0"#, false),
+        ("i", r#""fill_value":0,"#, r#""fill_value":0.0,"#, false),
+        ("i", r#""fill_value":0,"#, r#""fill_value":-0,"#, false),
+    ];
+    for (k, from, to, accepted) in cases {
+        let doc = if k == "f" { &f_doc } else { &i_doc };
+        let tkey = if k == "f" { &key } else { &ikey };
+        assert!(doc.contains(from), "{from} not in {doc}");
+        std::fs::write(path(k), doc.replacen(from, to, 1)).unwrap();
+        let got = read(tkey);
+        if accepted {
+            assert_eq!(&got.unwrap(), if k == "f" { &data } else { &ints }, "{to}");
+        } else {
+            let e = got.expect_err(to);
+            assert!(
+                matches!(&e, Error::Storage(StorageError::Malformed { path: p, .. }) if *p == path(k)),
+                "{to}: {e}"
+            );
+        }
+        std::fs::write(path(k), doc).unwrap();
+    }
+    assert_eq!(read(&key).unwrap(), data);
 }

@@ -78,6 +78,33 @@ pub fn array_metadata(key: &TensorKey, e: &TensorEntry) -> Value {
     })
 }
 
+/// Equality of JSON values as spec section 6.3 defines it: numbers are equal when both are
+/// integers (written without fraction or exponent) of equal value, or both are not and have
+/// equal value and sign; so `5` and `5.0` differ, and so do `0.0` and `-0.0`.
+fn same_json(a: Option<&Value>, b: Option<&Value>) -> bool {
+    fn eq(a: &Value, b: &Value) -> bool {
+        match (a, b) {
+            (Value::Number(x), Value::Number(y)) => match (x.as_f64(), y.as_f64()) {
+                _ if x.is_f64() != y.is_f64() => false,
+                (Some(p), Some(q)) if x.is_f64() => p.to_bits() == q.to_bits(),
+                _ => x == y,
+            },
+            (Value::Array(x), Value::Array(y)) => {
+                x.len() == y.len() && x.iter().zip(y).all(|(p, q)| eq(p, q))
+            }
+            (Value::Object(x), Value::Object(y)) => {
+                x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| eq(v, w)))
+            }
+            _ => a == b,
+        }
+    }
+    match (a, b) {
+        (Some(a), Some(b)) => eq(a, b),
+        (None, None) => true,
+        _ => false,
+    }
+}
+
 /// A tensor's array, ready to encode chunks or decode shard indexes.
 pub struct TensorArray {
     key: TensorKey,
@@ -236,7 +263,7 @@ impl TensorArray {
             "codecs",
         ];
         for field in fields {
-            if meta.get(field) != expected.get(field) {
+            if !same_json(meta.get(field), expected.get(field)) {
                 return Err(StorageError::Malformed {
                     path,
                     reason: format!(
