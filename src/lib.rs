@@ -20,6 +20,10 @@
 //!   gives the outcome), and with the layout agreed once and then checked with a
 //!   constant-size exchange while it is unchanged.
 //! - [`Checkpoint::open`] inspects, reads and verifies a checkpoint without a job.
+//! - The whole training state: objects ([`StateObject`]: configuration, iteration, RNG
+//!   states; JSON or bytes, common, per-rank or sharded) with [`save_with_objects`] /
+//!   [`load_with_objects`], and nested state dicts ([`StateDict`]) with [`save_state`] /
+//!   [`load_state`].
 //! - Every failure is an [`Error`] that names the tensor key, chunk, rank and path involved.
 //!
 //! ```no_run
@@ -80,13 +84,15 @@ pub use comm::{CommError, Communicator, LocalComm, TcpComm, TcpConfig, run_local
 pub use error::{Error, Result};
 pub use load::{LoadOptions, LoadReport, StrictMode, load, load_with_objects};
 pub use model::{
-    Cast, DType, Element, Encoding, KeyError, LoadTarget, ObjectRequest, ObjectScope, ObjectSlot,
-    ObjectValue, Region, RegionError, Replica, ShardedTensor, StateDict, StateObject, StateValue,
-    TensorError, TensorKey,
+    Cast, DType, Element, Encoding, KeyError, LoadTarget, ObjectError, ObjectRequest, ObjectScope,
+    ObjectSlot, ObjectValue, Region, RegionError, Replica, ShardedTensor, StateDict, StateError,
+    StateObject, StateValue, TensorError, TensorKey,
 };
+pub use plan::objects::ObjectPlanError;
 pub use plan::{GridOptions, LayoutDecodeError, PlanError};
 pub use save::{Progress, SaveOptions, SaveReport, save, save_with_objects};
 pub use state::{load_state, save_state};
+pub use storage::object::StoredScope;
 pub use storage::read::ReadMethod;
 pub use storage::{Compression, StorageError};
 

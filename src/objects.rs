@@ -189,8 +189,8 @@ pub(crate) struct ObjectLoad {
     pub(crate) missing: Vec<TensorKey>,
 }
 
-/// Load step: checks this rank's requests against the index and reads them; with a strict
-/// mode that needs them, finds the objects no rank requested (one bit per object gathered).
+/// Load step: checks this rank's requests against the index and reads them, and finds the
+/// objects no rank requested (one bit per object gathered) for the modes that report them.
 pub(crate) fn load_objects(
     dir: &Path,
     meta: &CheckpointMeta,
@@ -218,15 +218,17 @@ pub(crate) fn load_objects(
         Ok((entries, unexpected))
     })();
     let (entries, unexpected) = agree(comm, checked)?;
-    let missing = if strict.needs_missing() {
-        let keys: Vec<&TensorKey> = meta.objects.keys().collect();
-        let mut bits = vec![0u8; keys.len().div_ceil(8)];
-        for r in requests {
-            if let Ok(i) = keys.binary_search(&&r.key) {
-                bits[i / 8] |= 1 << (i % 8);
-            }
+    // Gathered whatever the mode (one bit per object), so that ranks called with different
+    // strict modes still run the same collectives.
+    let keys: Vec<&TensorKey> = meta.objects.keys().collect();
+    let mut bits = vec![0u8; keys.len().div_ceil(8)];
+    for r in requests {
+        if let Ok(i) = keys.binary_search(&&r.key) {
+            bits[i / 8] |= 1 << (i % 8);
         }
-        let all = comm.all_gather(&bits)?;
+    }
+    let all = comm.all_gather(&bits)?;
+    let missing: Vec<TensorKey> = if strict.needs_missing() {
         keys.iter()
             .enumerate()
             .filter(|(i, _)| {
@@ -238,6 +240,14 @@ pub(crate) fn load_objects(
     } else {
         Vec::new()
     };
+    if matches!(strict, StrictMode::LogUnexpected | StrictMode::LogAll) {
+        if !unexpected.is_empty() {
+            tracing::warn!(rank = comm.rank(), keys = ?unexpected, "requested objects not in checkpoint {}", dir.display());
+        }
+        if !missing.is_empty() {
+            tracing::warn!(keys = ?missing, "checkpoint objects requested by no rank in {}", dir.display());
+        }
+    }
     if strict == StrictMode::RaiseAll && !missing.is_empty() {
         return Err(Error::MissingKeys {
             path: dir.to_owned(),

@@ -671,7 +671,7 @@ fn zarrckpt_reads_arrays_written_by_tensorstore_and_zarr_python() {
 /// and zarr-python without zarrckpt: every byte, every JSON value and the attributes.
 #[test]
 fn zarr_python_and_tensorstore_read_objects() {
-    use zarrckpt::storage::object::StoredScope;
+    use zarrckpt::StoredScope;
     use zarrckpt::{Communicator, ObjectSlot, StateObject, save_with_objects};
     let Some(python) = python("zarr_python_and_tensorstore_read_objects") else {
         return;

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde_json::json;
 use zarrckpt::Communicator;
+use zarrckpt::StoredScope;
 use zarrckpt::comm::run_local;
-use zarrckpt::storage::object::StoredScope;
 use zarrckpt::{
     Checkpoint, Error, LoadOptions, ObjectRequest, ObjectSlot, ObjectValue, SaveOptions,
     ShardedTensor, StateObject, StrictMode, TensorKey, load_with_objects, save_with_objects,
@@ -419,4 +419,58 @@ fn overwriting_a_checkpoint_with_objects_and_plain_saves_stay_as_before() {
             .unwrap(),
         [1f32.to_le_bytes(), 2f32.to_le_bytes()].concat()
     );
+}
+
+#[test]
+fn inspect_and_verify_show_objects() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    save4(&dir);
+    let bin = env!("CARGO_BIN_EXE_zarrckpt");
+    let out = std::process::Command::new(bin)
+        .args(["inspect", "--json"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let objs = doc["objects"].as_array().unwrap();
+    assert_eq!(objs.len(), 6);
+    assert_eq!(
+        objs[5],
+        json!({"key": "rng/cuda", "scope": "per_rank", "encoding": "bytes", "values": 4, "world_size": 4})
+    );
+    assert_eq!(objs[4]["grid"], json!([2]));
+    assert_eq!(objs[3]["size"], json!(4));
+    let out = std::process::Command::new(bin)
+        .arg("inspect")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("iteration") && l.contains("common") && l.ends_with("1000")),
+        "{text}"
+    );
+    assert!(text.contains("6 objects"), "{text}");
+    let out = std::process::Command::new(bin)
+        .arg("verify")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.status.success() && text.contains("13 object values"),
+        "{text}"
+    );
+    std::fs::write(dir.join("objects/dataloader/rank.1/c.0"), b"{}").unwrap();
+    let out = std::process::Command::new(bin)
+        .arg("verify")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("PROBLEM `dataloader`"), "{err}");
 }

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::cut;
 use serde_json::json;
+use zarrckpt::StateError;
 use zarrckpt::comm::{TcpComm, TcpConfig, TcpMaster, run_local};
-use zarrckpt::model::StateError;
 use zarrckpt::{
     Checkpoint, Communicator, DType, Error, LoadOptions, LoadTarget, ObjectSlot, ObjectValue,
     Region, SaveOptions, ShardedTensor, StateDict, StateObject, StateValue, StrictMode, TensorKey,

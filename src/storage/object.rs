@@ -139,23 +139,31 @@ impl ObjectEntry {
         Ok(())
     }
 
-    /// Every slot of this object: the common value, each rank's, or each shard's.
-    #[must_use]
-    pub fn slots(&self) -> Vec<ObjectSlot> {
-        match self.scope {
-            StoredScope::Common => vec![ObjectSlot::Common],
-            StoredScope::PerRank => (0..self.world_size.unwrap_or(0))
-                .map(ObjectSlot::Rank)
-                .collect(),
+    /// Every slot of this object, in order: the common value, each rank's, or each shard's
+    /// (grid cells in C order). Lazy: a large grid or world size allocates nothing.
+    pub fn slots(&self) -> impl Iterator<Item = ObjectSlot> + '_ {
+        let grid: &[u64] = self.grid.as_deref().unwrap_or_default();
+        let n = match self.scope {
+            StoredScope::Common => 1,
+            StoredScope::PerRank => self.world_size.unwrap_or(0),
+            StoredScope::Sharded => grid
+                .iter()
+                .try_fold(1u64, |a, &g| a.checked_mul(g))
+                .unwrap_or(0),
+        };
+        (0..n).map(move |i| match self.scope {
+            StoredScope::Common => ObjectSlot::Common,
+            StoredScope::PerRank => ObjectSlot::Rank(i),
             StoredScope::Sharded => {
-                let grid = self.grid.clone().unwrap_or_default();
-                let mut v = Vec::new();
-                crate::plan::grid::for_each_index(&vec![0; grid.len()], &grid, |i| {
-                    v.push(ObjectSlot::Shard(i.to_vec()));
-                });
-                v
+                let mut index = vec![0u64; grid.len()];
+                let mut rest = i;
+                for (d, &g) in grid.iter().enumerate().rev() {
+                    index[d] = rest % g.max(1);
+                    rest /= g.max(1);
+                }
+                ObjectSlot::Shard(index)
             }
-        }
+        })
     }
 
     /// True when `slot` is one of this object's values.
@@ -429,7 +437,9 @@ mod tests {
             e.value_path(&ObjectSlot::Shard(vec![1, 2])),
             "objects/rng~20state/shard.1.2"
         );
-        assert_eq!(e.slots().len(), 6);
+        let slots: Vec<ObjectSlot> = e.slots().collect();
+        assert_eq!(slots.len(), 6);
+        assert_eq!(slots[4], ObjectSlot::Shard(vec![1, 1]));
         assert!(e.has_slot(&ObjectSlot::Shard(vec![1, 2])));
         assert!(!e.has_slot(&ObjectSlot::Shard(vec![2, 0])));
         assert!(!e.has_slot(&ObjectSlot::Rank(0)));

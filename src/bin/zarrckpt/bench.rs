@@ -470,6 +470,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         die_rank: 0,
         read_method: a.read_method,
         full_state: a.full_state,
+        objects: false,
     };
     let model = base.model();
     let bytes = model.nbytes();

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use serde_json::json;
-use zarrckpt::storage::object::StoredScope;
+use zarrckpt::StoredScope;
 use zarrckpt::{Checkpoint, Encoding, ObjectInfo, ObjectSlot, ObjectValue};
 
 /// Arguments of `zarrckpt inspect`.

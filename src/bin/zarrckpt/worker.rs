@@ -78,6 +78,9 @@ pub struct Args {
     /// The full training state: fp32 master weights besides bf16 weights and Adam moments.
     #[arg(long)]
     pub full_state: bool,
+    /// Save and load objects too (see `objects::declared`).
+    #[arg(long)]
+    pub objects: bool,
 }
 
 impl Args {
@@ -149,7 +152,12 @@ pub fn run_rank(a: &Args, shared: Arc<dyn Communicator>) -> anyhow::Result<serde
             };
             comm.barrier()?;
             let t0 = Instant::now();
-            let rep = save(&pieces, &a.dir, comm, &opts)?;
+            let rep = if a.objects {
+                let objs = objects::declared(rank)?;
+                zarrckpt::save_with_objects(&pieces, &objs, &a.dir, comm, &opts)?
+            } else {
+                save(&pieces, &a.dir, comm, &opts)?
+            };
             let secs = t0.elapsed().as_secs_f64();
             Ok(json!({
                 "rank": rank, "secs": secs, "file_bytes": rep.file_bytes, "data_bytes": rep.data_bytes,
@@ -172,11 +180,22 @@ pub fn run_rank(a: &Args, shared: Arc<dyn Communicator>) -> anyhow::Result<serde
             let reset = rss::reset_peak();
             comm.barrier()?;
             let t0 = Instant::now();
-            let rep = load(&mut targets, &a.dir, comm, &opts)?;
+            let rep = if a.objects {
+                let reqs = objects::requests(rank)?;
+                zarrckpt::load_with_objects(&mut targets, &reqs, &a.dir, comm, &opts)?
+            } else {
+                load(&mut targets, &a.dir, comm, &opts)?
+            };
             let secs = t0.elapsed().as_secs_f64();
             let peak = if reset { rss::peak() } else { 0 };
             drop(targets);
-            let verified = wanted.check(&model);
+            let verified = wanted.check(&model).and_then(|()| {
+                if a.objects {
+                    objects::check(rank, &rep.objects)
+                } else {
+                    Ok(())
+                }
+            });
             if let Err(e) = &verified {
                 eprintln!("worker: rank {rank}: VERIFY FAILED: {e}");
             }
@@ -277,4 +296,49 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The objects of `worker --objects`: an iteration counter (common), RNG bytes per rank, and
+/// a value per pair of ranks (sharded over a grid of 2). Loaders ask for the common value,
+/// their own rank's RNG bytes and the shard of `rank % 2`.
+mod objects {
+    use serde_json::json;
+    use zarrckpt::{ObjectRequest, ObjectValue, StateObject};
+
+    fn rng(rank: usize) -> Vec<u8> {
+        (0..256u32)
+            .map(|i| (i.wrapping_mul(31) ^ (rank as u32).wrapping_mul(97)) as u8)
+            .collect()
+    }
+
+    pub fn declared(rank: usize) -> anyhow::Result<Vec<StateObject>> {
+        let half = rank as u64 % 2;
+        Ok(vec![
+            StateObject::common("iteration", json!(1234))?,
+            StateObject::per_rank("rng", rng(rank))?,
+            StateObject::sharded("pair", &[2], &[half], json!({"half": half}))?,
+        ])
+    }
+
+    pub fn requests(rank: usize) -> anyhow::Result<Vec<ObjectRequest>> {
+        Ok(vec![
+            ObjectRequest::common("iteration")?,
+            ObjectRequest::rank("rng", rank as u64)?,
+            ObjectRequest::shard("pair", &[2], &[rank as u64 % 2])?,
+        ])
+    }
+
+    pub fn check(rank: usize, got: &[Option<ObjectValue>]) -> Result<(), String> {
+        let half = rank as u64 % 2;
+        let want = [
+            Some(ObjectValue::Json(json!(1234))),
+            Some(ObjectValue::Bytes(rng(rank))),
+            Some(ObjectValue::Json(json!({"half": half}))),
+        ];
+        if got == want {
+            Ok(())
+        } else {
+            Err(format!("objects differ: {got:?}"))
+        }
+    }
 }
