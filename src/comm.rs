@@ -14,7 +14,7 @@ pub mod tcp;
 use std::time::Duration;
 
 pub use local::{LocalComm, run_local};
-pub use tcp::{TcpComm, TcpConfig, TcpMaster};
+pub use tcp::{TcpComm, TcpConfig, TcpMaster, fds_needed};
 
 /// The default bound on any single wait.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -56,6 +56,22 @@ pub enum CommError {
         rank: usize,
         /// What did not match.
         detail: String,
+    },
+    /// A peer announced a message larger than this rank accepts; refused before allocating.
+    #[error(
+        "rank {rank}: {op}: rank {peer} announced a message of {declared} bytes, above the limit of {limit} bytes"
+    )]
+    TooLarge {
+        /// The operation.
+        op: &'static str,
+        /// The rank that refused it.
+        rank: usize,
+        /// The sender.
+        peer: usize,
+        /// The size it announced.
+        declared: u64,
+        /// The limit.
+        limit: u64,
     },
     /// Setting up or using the transport failed.
     #[error("rank {rank}: {op}: {detail}")]

@@ -32,8 +32,10 @@
 mod config;
 mod engine;
 mod frame;
+mod greet;
 mod link;
 mod setup;
+mod watch;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
@@ -43,12 +45,47 @@ use std::time::Duration;
 use super::{CommError, Communicator, RecvBuf, SendBuf};
 pub use config::TcpConfig;
 use engine::{OpCtx, Step, Target};
-use frame::{Failure, Header, Kind, Op};
+use frame::{Failure, Header, Kind, MAX_CONTROL_LEN, Op};
+use greet::Greeter;
 use link::Link;
-use setup::Table;
+use setup::{AcceptWait, Conns, Table, Want};
+use watch::Watch;
 
-/// Largest contribution accepted in a collective, as a guard against absurd allocations.
-const MAX_COLLECTIVE_BYTES: u64 = 1 << 40;
+/// The default of [`TcpConfig::max_message_bytes`].
+pub(crate) const DEFAULT_MAX_MESSAGE: u64 = 4 << 30;
+
+/// File descriptors a rank may need for a world of `world` ranks: rank 0 holds one socket
+/// per other rank during the rendezvous, and a rank exchanging with every other rank holds
+/// one link per partner; plus a constant for the listener, tree and liveness links, wake-up
+/// pipes and the files of the save or load itself.
+#[must_use]
+pub fn fds_needed(world: usize) -> u64 {
+    world as u64 + 256
+}
+
+/// Raises this process's soft limit on open files towards its hard limit when it is below
+/// what a world of `world` ranks may need (the default soft limit is often 1,024).
+fn raise_fd_limit(world: usize) {
+    let want = fds_needed(world).max(65_536);
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid, exclusively borrowed struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &raw mut lim) != 0 {
+            return;
+        }
+        let target = lim.rlim_max.min(want as libc::rlim_t);
+        if lim.rlim_cur < target {
+            let old = lim.rlim_cur;
+            lim.rlim_cur = target;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raw const lim) == 0 {
+                tracing::debug!("raised the open-file limit from {old} to {target}");
+            }
+        }
+    }
+}
 
 /// Rank 0's rendezvous listener, bound but not yet serving: lets a program learn the port
 /// (when it asked for port 0) before the other ranks are told where to connect.
@@ -143,11 +180,13 @@ impl TcpMaster {
             rank: 0,
             detail: e.to_string(),
         })?;
+        raise_fd_limit(self.cfg.world_size);
         let table = setup::serve_rendezvous(
             &self.master,
             self.cfg.world_size,
             own.port(),
             self.cfg.timeout,
+            setup::token_hash(&self.cfg.job_token),
         )
         .map_err(|f| f.to_error("rendezvous", 0))?;
         drop(self.master);
@@ -159,18 +198,26 @@ impl TcpMaster {
 struct Inner {
     table: Table,
     listener: Option<TcpListener>,
+    /// Connections accepted on `listener` that have not introduced themselves yet.
+    greeter: Greeter,
     links: HashMap<usize, Link>,
+    /// The liveness watch over the tree neighbours (none for a single rank).
+    watch: Option<Watch>,
     seq: u64,
     poison: Option<CommError>,
 }
 
 impl Inner {
-    /// Remembers the first error and tells every linked peer, then stops listening.
+    /// Remembers the first error and tells every linked peer (and, through the liveness
+    /// watch, every rank), then stops listening.
     fn poison(&mut self, failure: &Failure, error: CommError) {
         if self.poison.is_some() {
             return;
         }
         self.poison = Some(error);
+        if let Some(w) = &self.watch {
+            w.shared().report(failure);
+        }
         let notice = failure.encode();
         let h = Header::control(Kind::Abort, 0, notice.len());
         for link in self.links.values_mut() {
@@ -187,6 +234,8 @@ pub struct TcpComm {
     world: usize,
     local_rank: Option<usize>,
     timeout: Duration,
+    deadline: Option<Duration>,
+    max_message: u64,
     inner: Mutex<Inner>,
 }
 
@@ -232,6 +281,7 @@ impl TcpComm {
         if cfg.rank == 0 {
             return TcpMaster::bind(cfg)?.accept();
         }
+        raise_fd_limit(cfg.world_size);
         let (table, listener) = setup::join_rendezvous(
             cfg.rank,
             cfg.world_size,
@@ -239,6 +289,7 @@ impl TcpComm {
             cfg.master_port,
             cfg.bind_addr,
             cfg.timeout,
+            setup::token_hash(&cfg.job_token),
         )
         .map_err(|f| f.to_error("rendezvous", cfg.rank))?;
         Self::finish(&cfg, table, listener)
@@ -250,21 +301,55 @@ impl TcpComm {
             world: cfg.world_size,
             local_rank: cfg.local_rank,
             timeout: cfg.timeout,
+            deadline: cfg.deadline,
+            max_message: cfg.max_message_bytes,
             inner: Mutex::new(Inner {
                 table,
                 listener,
+                greeter: Greeter::new(format!("rank {}: peer listener", cfg.rank), MAX_CONTROL_LEN),
                 links: HashMap::new(),
+                watch: None,
                 seq: 0,
                 poison: None,
             }),
         }
     }
 
-    /// Opens the tree links and checks that everyone got there with a barrier.
+    /// Opens the tree links and the liveness watch over them, and checks that everyone got
+    /// there with a barrier.
     fn finish(cfg: &TcpConfig, table: Table, listener: TcpListener) -> Result<TcpComm, CommError> {
         let comm = Self::new(cfg, table, Some(listener));
         comm.run(Op::Barrier, 0, |c, inner, ctx| {
-            c.links_to(inner, &c.neighbours())?;
+            let near = c.neighbours();
+            let mut streams = Vec::new();
+            let Inner {
+                table,
+                listener,
+                greeter,
+                links,
+                ..
+            } = &mut *inner;
+            setup::ensure_links(
+                c.rank,
+                c.world,
+                table,
+                Conns {
+                    listener: listener.as_ref(),
+                    greeter,
+                    links,
+                    watch: &mut streams,
+                },
+                &Want {
+                    data: &near,
+                    watch: &near,
+                },
+                c.timeout,
+                &AcceptWait::Until(std::time::Instant::now() + c.timeout),
+            )?;
+            let w = Watch::start(c.rank, c.timeout, streams)
+                .map_err(|e| Failure::transport(c.rank, e))?;
+            ctx.live = Some(w.shared().clone());
+            inner.watch = Some(w);
             c.up_down(inner, ctx, Vec::new(), false).map(|_| ())
         })
         .map_err(|e| match e {
@@ -336,7 +421,14 @@ impl TcpComm {
         let seq = inner.seq;
         inner.seq += 1;
         let mut ctx = OpCtx::new(self.rank, op, seq, arg, self.timeout, op != Op::Exchange);
-        f(self, &mut inner, &mut ctx).map_err(|failure| {
+        ctx.deadline = self.deadline;
+        ctx.live = inner.watch.as_ref().map(|w| w.shared().clone());
+        let known = ctx.live.as_ref().and_then(|l| l.verdict());
+        let result = match known {
+            Some(failure) => Err(failure),
+            None => f(self, &mut inner, &mut ctx),
+        };
+        result.map_err(|failure| {
             let e = failure.to_error(op.name(), self.rank);
             tracing::debug!("rank {}: {e}", self.rank);
             inner.poison(&failure, e.clone());
@@ -344,21 +436,40 @@ impl TcpComm {
         })
     }
 
+    /// Opens data links to `peers` (exchange partners), waiting for lower ranks to connect
+    /// for as long as they are alive.
     fn links_to(&self, inner: &mut Inner, peers: &[usize]) -> Result<(), Failure> {
         let Inner {
             table,
             listener,
+            greeter,
             links,
+            watch,
             ..
         } = inner;
+        let wait = match watch {
+            Some(w) => AcceptWait::WhileAlive {
+                live: w.shared(),
+                deadline: self.deadline.map(|d| std::time::Instant::now() + d),
+            },
+            None => AcceptWait::Until(std::time::Instant::now() + self.timeout),
+        };
         setup::ensure_links(
             self.rank,
             self.world,
             table,
-            listener.as_ref(),
-            links,
-            peers,
+            Conns {
+                listener: listener.as_ref(),
+                greeter,
+                links,
+                watch: &mut Vec::new(),
+            },
+            &Want {
+                data: peers,
+                watch: &[],
+            },
             self.timeout,
+            &wait,
         )
     }
 
@@ -376,7 +487,7 @@ impl TcpComm {
         let all = self.neighbours();
         let alloc = || Target::Alloc {
             buf: Vec::new(),
-            max: MAX_COLLECTIVE_BYTES,
+            max: self.max_message,
         };
         let mut up = mine;
         if !children.is_empty() {
@@ -441,7 +552,7 @@ impl TcpComm {
         let all = self.neighbours();
         let alloc = || Target::Alloc {
             buf: Vec::new(),
-            max: MAX_COLLECTIVE_BYTES,
+            max: self.max_message,
         };
         let take = |mut got: Vec<Target<'_>>| match got.pop() {
             Some(Target::Alloc { buf, .. }) => buf,
@@ -571,6 +682,8 @@ impl Drop for TcpComm {
             }
             link.drain();
         }
+        // Says goodbye on the liveness links too, so that neighbours stop expecting heartbeats.
+        inner.watch = None;
     }
 }
 

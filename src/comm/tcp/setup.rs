@@ -9,14 +9,12 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use super::frame::{Cursor, Failure, HEADER_LEN, Header, Kind, MAX_CONTROL_LEN, put_blob};
+use super::greet::{Greeter, Greeting};
 use super::link::{Link, poll};
+use super::watch::Shared;
 
-/// Largest address table accepted at rendezvous.
-const MAX_TABLE_LEN: u64 = 256 << 20;
 /// Backlog of every listener: many ranks may connect at once.
 const BACKLOG: libc::c_int = 4096;
-/// Longest wait for the handshake of one accepted connection.
-const HELLO_WAIT: Duration = Duration::from_secs(5);
 
 /// What the rendezvous yields: every rank's listening address and the job's session token.
 pub(super) struct Table {
@@ -63,15 +61,34 @@ fn read_frame(s: &mut TcpStream, max: u64, deadline: Instant) -> io::Result<(Hea
     s.read_exact(&mut raw)?;
     let h = Header::decode(&raw).map_err(io::Error::other)?;
     if h.len > max {
-        return Err(io::Error::other(format!(
-            "{:?} frame of {} bytes exceeds {max}",
-            h.kind, h.len
-        )));
+        return Err(io::Error::other(TooBig {
+            declared: h.len,
+            limit: max,
+        }));
     }
     let mut payload = vec![0u8; usize::try_from(h.len).map_err(io::Error::other)?];
     s.read_exact(&mut payload)?;
     Ok((h, payload))
 }
+
+/// A frame announcing more than its reader accepts.
+#[derive(Debug)]
+struct TooBig {
+    declared: u64,
+    limit: u64,
+}
+
+impl std::fmt::Display for TooBig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "a frame of {} bytes exceeds the limit of {}",
+            self.declared, self.limit
+        )
+    }
+}
+
+impl std::error::Error for TooBig {}
 
 fn is_timeout(e: &io::Error) -> bool {
     matches!(
@@ -81,12 +98,16 @@ fn is_timeout(e: &io::Error) -> bool {
 }
 
 /// Rank 0's side: accepts registrations on `master` until all `world - 1` workers are in,
-/// then sends each the table. `own` is rank 0's peer listener port.
+/// then sends each the table. `own` is rank 0's peer listener port; `token` the job token's
+/// hash. Connections are served concurrently, each with a deadline of its own: idle, foreign
+/// or malformed ones are dropped (or refused) without holding up the others, and a process of
+/// another job (a different token) is refused without disturbing this one.
 pub(super) fn serve_rendezvous(
     master: &TcpListener,
     world: usize,
     own: u16,
     timeout: Duration,
+    token: u64,
 ) -> Result<Table, Failure> {
     let deadline = Instant::now() + timeout;
     let tr = |e: String| Failure::transport(0, e);
@@ -97,6 +118,8 @@ pub(super) fn serve_rendezvous(
     entries[0] = Some((String::new(), own));
     let mut conns: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     let mut joined = 1;
+    let mut greeter = Greeter::new("rank 0: rendezvous", MAX_CONTROL_LEN);
+    let mut fds: Vec<libc::pollfd> = Vec::new();
     while joined < world {
         let wait = remaining(deadline);
         if wait.is_zero() {
@@ -114,86 +137,99 @@ pub(super) fn serve_rendezvous(
                 detail,
             ));
         }
-        let mut fds = [libc::pollfd {
+        fds.clear();
+        fds.push(libc::pollfd {
             fd: master.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
-        }];
-        poll(&mut fds, wait.min(Duration::from_millis(500)))
-            .map_err(|e| tr(format!("poll: {e}")))?;
-        let (mut s, from) = match master.accept() {
-            Ok(c) => c,
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    || e.kind() == io::ErrorKind::Interrupted =>
-            {
-                continue;
-            }
-            Err(e) => return Err(tr(format!("accepting registrations failed: {e}"))),
-        };
-        let hello_deadline = Instant::now() + HELLO_WAIT.min(remaining(deadline));
-        let _ = s.set_nonblocking(false);
-        let _ = s.set_nodelay(true);
-        let (h, payload) = match read_frame(&mut s, MAX_CONTROL_LEN, hello_deadline) {
-            Ok(f) => f,
-            Err(e) => {
-                tracing::warn!("rendezvous: ignoring connection from {from}: {e}");
-                continue;
-            }
-        };
-        let parsed = (|| {
-            let mut c = Cursor::new(&payload);
-            let w = c.u64()?;
-            let port = u16::try_from(c.u64()?).ok()?;
-            let ip = std::str::from_utf8(c.blob()?).ok()?.to_owned();
-            ip.parse::<IpAddr>().ok()?;
-            Some((w, port, ip))
-        })();
-        let refuse = |s: &mut TcpStream, reason: &str| {
-            let _ = write_frame(
-                s,
-                Header::control(Kind::Reject, 0, reason.len()),
-                reason.as_bytes(),
-                hello_deadline,
-            );
-        };
-        let (Kind::Register, Some((w, port, ip))) = (h.kind, parsed) else {
-            refuse(&mut s, "malformed registration");
-            tracing::warn!("rendezvous: ignoring a malformed registration from {from}");
-            continue;
-        };
-        let problem = if w != world as u64 {
-            Some(format!(
-                "rank {} at {from} says WORLD_SIZE={w}, rank 0 has WORLD_SIZE={world}",
-                h.arg
-            ))
-        } else if h.arg == 0 || h.arg >= world as u64 {
-            Some(format!(
-                "a process at {from} registered as rank {}, outside 1..{world}",
-                h.arg
-            ))
-        } else if let Some((ip0, _)) = usize::try_from(h.arg)
-            .ok()
-            .and_then(|r| entries[r].as_ref())
-        {
-            Some(format!(
-                "rank {} registered twice (from {ip0} and from {from}); two jobs sharing MASTER_PORT?",
-                h.arg
-            ))
-        } else {
-            None
-        };
-        if let Some(reason) = problem {
-            refuse(&mut s, &reason);
-            for c in conns.iter_mut().flatten() {
-                refuse(c, &reason);
-            }
-            return Err(tr(format!("rendezvous: {reason}")));
+        });
+        greeter.poll_set(&mut fds);
+        let mut wake = Instant::now() + wait.min(Duration::from_millis(500));
+        if let Some(d) = greeter.next_deadline() {
+            wake = wake.min(d);
         }
-        let r = usize::try_from(h.arg).unwrap_or(0);
-        entries[r] = Some((ip, port));
-        conns[r] = Some(s);
-        joined += 1;
+        poll(&mut fds, wake.saturating_duration_since(Instant::now()))
+            .map_err(|e| tr(format!("poll: {e}")))?;
+        greeter.accept_from(master).map_err(|e| {
+            tr(format!(
+                "accepting registrations failed: {}",
+                fd_hint(&e, world)
+            ))
+        })?;
+        for g in greeter.progress() {
+            let Greeting {
+                stream: mut s,
+                from,
+                header: h,
+                payload,
+            } = g;
+            let _ = s.set_nonblocking(false);
+            let parsed = (|| {
+                let mut c = Cursor::new(&payload);
+                let w = c.u64()?;
+                let port = u16::try_from(c.u64()?).ok()?;
+                let ip = std::str::from_utf8(c.blob()?).ok()?.to_owned();
+                ip.parse::<IpAddr>().ok()?;
+                let tok = c.u64()?;
+                Some((w, port, ip, tok))
+            })();
+            let refuse = |s: &mut TcpStream, reason: &str| {
+                let _ = write_frame(
+                    s,
+                    Header::control(Kind::Reject, 0, reason.len()),
+                    reason.as_bytes(),
+                    Instant::now() + Duration::from_secs(1),
+                );
+            };
+            let (Kind::Register, Some((w, port, ip, tok))) = (h.kind, parsed) else {
+                refuse(&mut s, "malformed registration");
+                tracing::warn!("rendezvous: ignoring a malformed registration from {from}");
+                continue;
+            };
+            if tok != token {
+                let reason = format!(
+                    "rank {} at {from} belongs to another job: its job token differs from rank \
+                     0's (ZARRCKPT_JOB_TOKEN, else TORCHELASTIC_RUN_ID); two jobs sharing \
+                     MASTER_ADDR:MASTER_PORT?",
+                    h.arg
+                );
+                refuse(&mut s, &reason);
+                tracing::warn!("rendezvous: refused {reason}");
+                continue;
+            }
+            let problem = if w != world as u64 {
+                Some(format!(
+                    "rank {} at {from} says WORLD_SIZE={w}, rank 0 has WORLD_SIZE={world}",
+                    h.arg
+                ))
+            } else if h.arg == 0 || h.arg >= world as u64 {
+                Some(format!(
+                    "a process at {from} registered as rank {}, outside 1..{world}",
+                    h.arg
+                ))
+            } else if let Some((ip0, _)) = usize::try_from(h.arg)
+                .ok()
+                .and_then(|r| entries[r].as_ref())
+            {
+                Some(format!(
+                    "rank {} registered twice (from {ip0} and from {from}); two jobs sharing MASTER_PORT?",
+                    h.arg
+                ))
+            } else {
+                None
+            };
+            if let Some(reason) = problem {
+                refuse(&mut s, &reason);
+                for c in conns.iter_mut().flatten() {
+                    refuse(c, &reason);
+                }
+                return Err(tr(format!("rendezvous: {reason}")));
+            }
+            let r = usize::try_from(h.arg).unwrap_or(0);
+            entries[r] = Some((ip, port));
+            conns[r] = Some(s);
+            joined += 1;
+        }
     }
     let session = session_token(own);
     let mut table = Vec::new();
@@ -206,10 +242,12 @@ pub(super) fn serve_rendezvous(
     let h = Header::control(Kind::Table, 0, table.len());
     let send_deadline = Instant::now() + timeout;
     for (r, c) in conns.iter_mut().enumerate() {
-        if let Some(s) = c {
-            write_frame(s, h, &table, send_deadline).map_err(|e| {
+        if let Some(s) = c.take() {
+            let mut s = s;
+            write_frame(&mut s, h, &table, send_deadline).map_err(|e| {
                 Failure::lost(0, r, format!("sending the address table failed: {e}"))
             })?;
+            // Closed as soon as it is sent: rank 0 holds no rendezvous socket afterwards.
         }
     }
     // Rank 0's peers reach it where they reached the master.
@@ -221,6 +259,35 @@ pub(super) fn serve_rendezvous(
         })
         .collect();
     Ok(Table { addrs, session })
+}
+
+/// The hash of a job token carried in registrations (FNV-1a, stable across builds).
+pub(super) fn token_hash(token: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in token.as_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Largest address table for `world` ranks: session and count, then per rank an address of at
+/// most 45 characters (IPv6) with its length and port.
+fn table_cap(world: usize) -> u64 {
+    16 + 64 * world as u64
+}
+
+/// Adds advice to "too many open files".
+pub(super) fn fd_hint(e: &io::Error, world: usize) -> String {
+    if e.raw_os_error() == Some(libc::EMFILE) || e.raw_os_error() == Some(libc::ENFILE) {
+        format!(
+            "{e}: the open-file limit is too low for a world of {world} (raise `ulimit -n` to at \
+             least {})",
+            super::fds_needed(world)
+        )
+    } else {
+        e.to_string()
+    }
 }
 
 /// A token that differs between jobs, so that a stray process of an earlier job that reused
@@ -247,6 +314,7 @@ pub(super) fn join_rendezvous(
     master_port: u16,
     bind: Option<IpAddr>,
     timeout: Duration,
+    token: u64,
 ) -> Result<(Table, TcpListener), Failure> {
     let deadline = Instant::now() + timeout;
     let tr = |e: String| Failure::transport(rank, e);
@@ -299,8 +367,11 @@ pub(super) fn join_rendezvous(
     reg.extend_from_slice(&(world as u64).to_le_bytes());
     reg.extend_from_slice(&u64::from(port).to_le_bytes());
     put_blob(&mut reg, local.ip().to_string().as_bytes());
+    reg.extend_from_slice(&token.to_le_bytes());
     let lost = |e: io::Error| {
-        if is_timeout(&e) {
+        if let Some(t) = e.get_ref().and_then(|i| i.downcast_ref::<TooBig>()) {
+            Failure::too_large(rank, 0, t.declared, t.limit)
+        } else if is_timeout(&e) {
             Failure::timeout(
                 rank,
                 Some(0),
@@ -318,7 +389,7 @@ pub(super) fn join_rendezvous(
         deadline,
     )
     .map_err(lost)?;
-    let (h, payload) = read_frame(&mut s, MAX_TABLE_LEN, deadline).map_err(lost)?;
+    let (h, payload) = read_frame(&mut s, table_cap(world), deadline).map_err(lost)?;
     if h.kind == Kind::Reject {
         return Err(tr(format!(
             "the master refused this rank: {}",
@@ -354,45 +425,106 @@ fn hello_payload(session: u64, world: usize) -> Vec<u8> {
     p
 }
 
-/// Opens links to every peer in `peers` that has none yet: connecting to higher ranks,
-/// accepting from lower ones. Connections from other peers accepted meanwhile are kept.
+/// What [`ensure_links`] must open: data links and liveness (watch) links, to the peers named.
+pub(super) struct Want<'a> {
+    pub data: &'a [usize],
+    pub watch: &'a [usize],
+}
+
+/// Where [`ensure_links`] keeps what it opens, and what it listens with.
+pub(super) struct Conns<'a> {
+    pub listener: Option<&'a TcpListener>,
+    pub greeter: &'a mut Greeter,
+    pub links: &'a mut HashMap<usize, Link>,
+    pub watch: &'a mut Vec<(usize, TcpStream)>,
+}
+
+/// How long [`ensure_links`] may wait for lower ranks to connect.
+pub(super) enum AcceptWait<'a> {
+    /// Until this instant (setup: everyone is there).
+    Until(Instant),
+    /// As long as the peers are alive: a verdict of the liveness watch ends the wait, and so
+    /// does a peer whose listener is closed (its communicator was dropped or its process
+    /// exited), found by probing it; `deadline`, if any, bounds the wait anyway.
+    WhileAlive {
+        live: &'a Shared,
+        deadline: Option<Instant>,
+    },
+}
+
+/// Opens links to every peer that has none yet: connecting to higher ranks, accepting from
+/// lower ones. Connections from other peers accepted meanwhile are kept; each accepted
+/// connection must introduce itself within its own deadline, so idle or foreign connections
+/// never hold the others up.
 pub(super) fn ensure_links(
     me: usize,
     world: usize,
     table: &Table,
-    listener: Option<&TcpListener>,
-    links: &mut HashMap<usize, Link>,
-    peers: &[usize],
+    conns: Conns<'_>,
+    want: &Want<'_>,
     timeout: Duration,
+    wait: &AcceptWait<'_>,
 ) -> Result<(), Failure> {
+    let Conns {
+        listener,
+        greeter,
+        links,
+        watch,
+    } = conns;
     let deadline = Instant::now() + timeout;
-    for &p in peers.iter().filter(|&&p| p > me) {
-        if links.contains_key(&p) {
-            continue;
-        }
+    let has_watch = |w: &Vec<(usize, TcpStream)>, p: usize| w.iter().any(|(q, _)| *q == p);
+    let hello = hello_payload(table.session, world);
+    let to_open = want
+        .data
+        .iter()
+        .filter(|&&p| p > me && !links.contains_key(&p))
+        .map(|&p| (p, Kind::Hello))
+        .chain(
+            want.watch
+                .iter()
+                .filter(|&&p| p > me && !has_watch(watch, p))
+                .map(|&p| (p, Kind::Watch)),
+        )
+        .collect::<Vec<_>>();
+    for (p, kind) in to_open {
         let addr = table.addrs[p];
         let mut s = TcpStream::connect_timeout(&addr, positive(remaining(deadline))).map_err(|e| {
             if is_timeout(&e) {
                 Failure::timeout(me, Some(p), timeout, format!("connecting to rank {p} at {addr}: {e}"))
             } else {
-                Failure::lost(me, p, format!("cannot connect to it at {addr}: {e} (its communicator is closed or it exited)"))
+                Failure::lost(me, p, format!("cannot connect to it at {addr}: {} (its communicator is closed or it exited)", fd_hint(&e, world)))
             }
         })?;
-        let hello = hello_payload(table.session, world);
         write_frame(
             &mut s,
-            Header::control(Kind::Hello, me as u64, hello.len()),
+            Header::control(kind, me as u64, hello.len()),
             &hello,
             deadline,
         )
         .map_err(|e| Failure::lost(me, p, format!("handshake failed: {e}")))?;
-        let link =
-            Link::new(p, s).map_err(|e| Failure::transport(me, format!("socket setup: {e}")))?;
-        links.insert(p, link);
+        if kind == Kind::Watch {
+            watch.push((p, s));
+        } else {
+            let link = Link::new(p, s)
+                .map_err(|e| Failure::transport(me, format!("socket setup: {e}")))?;
+            links.insert(p, link);
+        }
     }
+    let missing = |links: &HashMap<usize, Link>, watch: &Vec<(usize, TcpStream)>| {
+        want.data
+            .iter()
+            .copied()
+            .find(|&p| p < me && !links.contains_key(&p))
+            .or_else(|| {
+                want.watch
+                    .iter()
+                    .copied()
+                    .find(|&p| p < me && !has_watch(watch, p))
+            })
+    };
     let Some(listener) = listener else {
-        return match peers.iter().find(|&&p| p < me && !links.contains_key(&p)) {
-            Some(&p) => Err(Failure::lost(
+        return match missing(links, watch) {
+            Some(p) => Err(Failure::lost(
                 me,
                 p,
                 "this communicator no longer accepts connections",
@@ -403,11 +535,65 @@ pub(super) fn ensure_links(
     listener
         .set_nonblocking(true)
         .map_err(|e| Failure::transport(me, format!("listener: {e}")))?;
-    while let Some(&p) = peers.iter().find(|&&p| p < me && !links.contains_key(&p)) {
-        let wait = remaining(deadline);
-        if wait.is_zero() {
-            let detail = format!("rank {p} never connected to this rank within {timeout:?}");
-            return Err(Failure::timeout(me, Some(p), timeout, detail));
+    let started = Instant::now();
+    let probe_every = super::watch::beat_every(timeout).max(Duration::from_millis(200));
+    let mut next_probe = started + probe_every;
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    loop {
+        for g in greeter.progress() {
+            let q = usize::try_from(g.header.arg)
+                .ok()
+                .filter(|&q| q < me && g.payload == hello);
+            match (g.header.kind, q) {
+                (Kind::Hello, Some(q)) if !links.contains_key(&q) => {
+                    let link = Link::new(q, g.stream)
+                        .map_err(|e| Failure::transport(me, format!("socket setup: {e}")))?;
+                    links.insert(q, link);
+                }
+                (Kind::Watch, Some(q)) if want.watch.contains(&q) && !has_watch(watch, q) => {
+                    watch.push((q, g.stream));
+                }
+                _ => tracing::warn!(
+                    "rank {me}: ignoring a connection from {} without a valid handshake for this job",
+                    g.from
+                ),
+            }
+        }
+        let Some(p) = missing(links, watch) else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        let mut wake = now + Duration::from_millis(500);
+        match wait {
+            AcceptWait::Until(d) => {
+                if now >= *d {
+                    let detail =
+                        format!("rank {p} never connected to this rank within {timeout:?}");
+                    return Err(Failure::timeout(me, Some(p), timeout, detail));
+                }
+                wake = wake.min(*d);
+            }
+            AcceptWait::WhileAlive { live, deadline } => {
+                if let Some(f) = live.verdict() {
+                    return Err(f);
+                }
+                if let Some(d) = deadline {
+                    if now >= *d {
+                        let after = now.saturating_duration_since(started);
+                        let detail = format!(
+                            "rank {p} is alive but did not connect to this rank within the \
+                             deadline of {after:?}"
+                        );
+                        return Err(Failure::timeout(me, Some(p), after, detail));
+                    }
+                    wake = wake.min(*d);
+                }
+                if now >= next_probe {
+                    next_probe = now + probe_every;
+                    probe(me, p, table.addrs[p], timeout)?;
+                }
+                wake = wake.min(next_probe);
+            }
         }
         // Also watch the existing links: an abort notice ends the wait early.
         let watched: Vec<usize> = links
@@ -415,15 +601,28 @@ pub(super) fn ensure_links(
             .filter(|(_, l)| l.closed.is_none() && l.pending.is_none())
             .map(|(&q, _)| q)
             .collect();
-        let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
-            .chain(watched.iter().map(|q| links[q].fd()))
-            .map(|fd| libc::pollfd {
-                fd,
+        fds.clear();
+        fds.extend(
+            std::iter::once(listener.as_raw_fd())
+                .chain(watched.iter().map(|q| links[q].fd()))
+                .map(|fd| libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                }),
+        );
+        if let AcceptWait::WhileAlive { live, .. } = wait {
+            fds.push(libc::pollfd {
+                fd: live.wake_fd(),
                 events: libc::POLLIN,
                 revents: 0,
-            })
-            .collect();
-        poll(&mut fds, wait.min(Duration::from_millis(500)))
+            });
+        }
+        greeter.poll_set(&mut fds);
+        if let Some(d) = greeter.next_deadline() {
+            wake = wake.min(d);
+        }
+        poll(&mut fds, wake.saturating_duration_since(Instant::now()))
             .map_err(|e| Failure::transport(me, format!("poll: {e}")))?;
         for (q, f) in watched.iter().zip(&fds[1..]) {
             if f.revents != 0
@@ -432,42 +631,32 @@ pub(super) fn ensure_links(
                 l.watch(me)?;
             }
         }
-        let (mut s, from) = match listener.accept() {
-            Ok(c) => c,
-            Err(e)
-                if e.kind() == io::ErrorKind::WouldBlock
-                    || e.kind() == io::ErrorKind::Interrupted =>
-            {
-                continue;
-            }
-            Err(e) => {
-                return Err(Failure::transport(
-                    me,
-                    format!("accepting peer connections failed: {e}"),
-                ));
-            }
-        };
-        let _ = s.set_nonblocking(false);
-        let hello_deadline = Instant::now() + HELLO_WAIT.min(wait);
-        let ok = match read_frame(&mut s, MAX_CONTROL_LEN, hello_deadline) {
-            Ok((h, payload))
-                if h.kind == Kind::Hello && payload == hello_payload(table.session, world) =>
-            {
-                usize::try_from(h.arg)
-                    .ok()
-                    .filter(|&q| q < me && !links.contains_key(&q))
-            }
-            _ => None,
-        };
-        let Some(q) = ok else {
-            tracing::warn!(
-                "rank {me}: ignoring a connection from {from} without a valid handshake for this job"
-            );
-            continue;
-        };
-        let link =
-            Link::new(q, s).map_err(|e| Failure::transport(me, format!("socket setup: {e}")))?;
-        links.insert(q, link);
+        greeter.accept_from(listener).map_err(|e| {
+            Failure::transport(
+                me,
+                format!("accepting peer connections failed: {}", fd_hint(&e, world)),
+            )
+        })?;
     }
-    Ok(())
+}
+
+/// Whether rank `p` still listens: a refused connection means its communicator is closed or
+/// its process is gone. A probe that cannot tell (slow network, full backlog) says nothing.
+fn probe(me: usize, p: usize, addr: SocketAddr, timeout: Duration) -> Result<(), Failure> {
+    match TcpStream::connect_timeout(&addr, positive(timeout.min(Duration::from_secs(2)))) {
+        Ok(s) => {
+            // Nothing to say: the peer's greeter drops it quietly.
+            drop(s);
+            Ok(())
+        }
+        Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => Err(Failure::lost(
+            me,
+            p,
+            format!(
+                "it no longer accepts connections at {addr} (its communicator was closed or its \
+                 process exited) while this rank waits for it to connect"
+            ),
+        )),
+        Err(_) => Ok(()),
+    }
 }
