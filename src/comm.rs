@@ -35,6 +35,22 @@ pub enum CommError {
         /// How long it waited.
         after: Duration,
     },
+    /// A peer stopped answering: no heartbeat from it for the liveness timeout, although its
+    /// connections are open (its process is stopped or hung, or its host is unreachable). A
+    /// peer that is merely busy keeps answering and is never reported so.
+    #[error("rank {rank}: {op} failed: rank {peer} is unresponsive: {detail}")]
+    Unresponsive {
+        /// The operation.
+        op: &'static str,
+        /// The rank that noticed, or learnt it from the rank that did.
+        rank: usize,
+        /// The silent peer.
+        peer: usize,
+        /// How long it was silent when declared dead.
+        silent_for: Duration,
+        /// What was observed, and by whom.
+        detail: String,
+    },
     /// A peer went away (process died, connection closed, communicator dropped).
     #[error("rank {rank}: {op} failed: rank {peer} is gone ({detail})")]
     PeerLost {

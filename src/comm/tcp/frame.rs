@@ -229,6 +229,7 @@ pub(crate) enum FailKind {
     Mismatch = 3,
     Transport = 4,
     TooLarge = 5,
+    Silent = 6,
 }
 
 /// A failure as it travels between ranks: who saw it first, which rank is to blame, what
@@ -258,6 +259,18 @@ impl Failure {
         Failure {
             kind: FailKind::Timeout,
             culprit: peer,
+            after,
+            origin,
+            detail,
+            sizes: None,
+        }
+    }
+
+    /// `peer` sent no heartbeat for `after`.
+    pub(crate) fn silent(origin: usize, peer: usize, after: Duration, detail: String) -> Failure {
+        Failure {
+            kind: FailKind::Silent,
+            culprit: Some(peer),
             after,
             origin,
             detail,
@@ -330,6 +343,13 @@ impl Failure {
                 peer,
                 detail,
             },
+            (FailKind::Silent, Some(peer)) => CommError::Unresponsive {
+                op,
+                rank: me,
+                peer,
+                silent_for: self.after,
+                detail,
+            },
             (FailKind::TooLarge, Some(peer)) => {
                 let (declared, limit) = self.sizes.unwrap_or((0, 0));
                 CommError::TooLarge {
@@ -345,7 +365,7 @@ impl Failure {
                 rank: me,
                 detail,
             },
-            (FailKind::Lost | FailKind::Transport | FailKind::TooLarge, _) => {
+            (FailKind::Lost | FailKind::Transport | FailKind::TooLarge | FailKind::Silent, _) => {
                 CommError::Transport {
                     op,
                     rank: me,
@@ -384,6 +404,7 @@ impl Failure {
                 2 => FailKind::Lost,
                 3 => FailKind::Mismatch,
                 5 => FailKind::TooLarge,
+                6 => FailKind::Silent,
                 _ => FailKind::Transport,
             };
             let culprit = c.u64()?;

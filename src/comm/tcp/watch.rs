@@ -209,13 +209,10 @@ fn watch_loop(
                 p.active = false;
                 let peer = p.link.peer;
                 let detail = format!(
-                    "no heartbeat from rank {peer} for {timeout:?}: its process is stopped or \
-                     hung, or its host is unreachable"
+                    "no heartbeat from it for {timeout:?} (its process is stopped or hung, or \
+                     its host is unreachable)"
                 );
-                shared.decide(
-                    Failure::timeout(me, Some(peer), timeout, detail),
-                    Some(peer),
-                );
+                shared.decide(Failure::silent(me, peer, timeout, detail), Some(peer));
             }
         }
         forward(&mut peers, shared, &mut forwarded);
