@@ -520,3 +520,144 @@ fn exchange_with_a_vanished_partner_names_it() {
         assert!(took < Duration::from_millis(2500), "{took:?}");
     }
 }
+
+/// A frame header as the protocol writes it: magic, kind, operation, sequence, argument,
+/// payload length.
+fn raw_header(kind: u8, arg: u64, len: u64) -> Vec<u8> {
+    let mut h = b"ZCK1".to_vec();
+    h.extend_from_slice(&[kind, 0, 0, 0]);
+    h.extend_from_slice(&0u64.to_le_bytes());
+    h.extend_from_slice(&arg.to_le_bytes());
+    h.extend_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// Idle connections, garbage, a half-sent handshake and a registration declaring a huge
+/// payload, all made before the ranks join, do not hold the rendezvous up: each connection
+/// has its own deadline and they are served concurrently.
+#[test]
+fn rendezvous_is_not_stalled_by_idle_or_foreign_connections() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let world = 4;
+    let master = TcpMaster::bind(config(0, world, 0, Duration::from_secs(60))).unwrap();
+    let port = master.port().unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let mut junk: Vec<TcpStream> = (0..40)
+        .map(|_| TcpStream::connect(&addr).unwrap())
+        .collect();
+    let mut garbage = TcpStream::connect(&addr).unwrap();
+    garbage.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let mut half = TcpStream::connect(&addr).unwrap();
+    half.write_all(&raw_header(6, 1, 100)[..20]).unwrap();
+    let mut huge = TcpStream::connect(&addr).unwrap();
+    huge.write_all(&raw_header(6, 1, 1 << 40)).unwrap();
+    junk.extend([garbage, half, huge]);
+    let t0 = Instant::now();
+    let out = thread::scope(|s| {
+        let mut hs = vec![s.spawn(move || master.accept().map(|c| c.all_gather(&[0]).unwrap()))];
+        for r in 1..world {
+            hs.push(s.spawn(move || {
+                let c = TcpComm::connect(config(r, world, port, Duration::from_secs(60)))?;
+                Ok(c.all_gather(&[r as u8]).unwrap())
+            }));
+        }
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<Result<_, CommError>>>()
+    });
+    let took = t0.elapsed();
+    for r in out {
+        assert_eq!(r.unwrap(), vec![vec![0], vec![1], vec![2], vec![3]]);
+    }
+    // One connection at a time with a 5 s handshake wait each would take minutes.
+    assert!(took < Duration::from_secs(15), "joining took {took:?}");
+    drop(junk);
+}
+
+/// A process of another job (another job token) reaching the same master port is refused
+/// with a clear error, and the job it tried to join goes on.
+#[test]
+fn rendezvous_refuses_another_job() {
+    let world = 2;
+    let t = Duration::from_secs(20);
+    let cfg = |rank: usize, port: u16, token: &str| {
+        let mut c = config(rank, world, port, t);
+        c.job_token = token.to_owned();
+        c
+    };
+    let master = TcpMaster::bind(cfg(0, 0, "job-a")).unwrap();
+    let port = master.port().unwrap();
+    let (foreign, ours) = thread::scope(|s| {
+        let m = s.spawn(move || master.accept().map(|c| c.all_gather(b"a").unwrap()));
+        let foreign = TcpComm::connect(cfg(1, port, "job-b")).unwrap_err();
+        let ours = TcpComm::connect(cfg(1, port, "job-a")).map(|c| c.all_gather(b"b").unwrap());
+        assert!(m.join().unwrap().is_ok());
+        (foreign, ours)
+    });
+    assert!(
+        matches!(foreign, CommError::Transport { rank: 1, .. })
+            && foreign.to_string().contains("another job"),
+        "{foreign}"
+    );
+    assert_eq!(ours.unwrap(), vec![b"a".to_vec(), b"b".to_vec()]);
+}
+
+/// Size caps are real: a master announcing a 1 TiB address table, and a peer broadcasting
+/// more than `max_message_bytes`, are refused with a typed error before allocating.
+#[test]
+fn oversized_messages_are_refused_with_a_typed_error() {
+    use std::io::{Read, Write};
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = fake.local_addr().unwrap().port();
+    let server = thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        let mut reg = [0u8; 32];
+        s.read_exact(&mut reg).unwrap();
+        s.write_all(&raw_header(7, 0, 1 << 40)).unwrap();
+        thread::sleep(Duration::from_millis(500));
+    });
+    let e = TcpComm::connect(config(1, 2, port, Duration::from_secs(10))).unwrap_err();
+    server.join().unwrap();
+    assert!(
+        matches!(
+            e,
+            CommError::TooLarge {
+                peer: 0,
+                declared: 1_099_511_627_776,
+                ..
+            }
+        ),
+        "{e}"
+    );
+
+    // Rank 1 accepts at most 1000 bytes per message; rank 0 broadcasts 5000.
+    let master = TcpMaster::bind(config(0, 2, 0, T)).unwrap();
+    let port = master.port().unwrap();
+    let (m, w) = thread::scope(|s| {
+        let w = s.spawn(move || {
+            let mut cfg = config(1, 2, port, T);
+            cfg.max_message_bytes = 1000;
+            let c = TcpComm::connect(cfg)?;
+            c.broadcast(0, b"").and_then(|_| c.barrier())
+        });
+        let m = master
+            .accept()
+            .and_then(|c| c.broadcast(0, &[7u8; 5000]).and_then(|_| c.barrier()));
+        (m, w.join().unwrap())
+    });
+    assert_eq!(
+        w.unwrap_err(),
+        CommError::TooLarge {
+            op: "broadcast",
+            rank: 1,
+            peer: 0,
+            declared: 5000,
+            limit: 1000
+        }
+    );
+    assert!(
+        matches!(m, Err(CommError::TooLarge { peer: 0, .. })),
+        "rank 0 learns it too: {m:?}"
+    );
+}

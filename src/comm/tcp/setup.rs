@@ -389,7 +389,8 @@ pub(super) fn join_rendezvous(
         deadline,
     )
     .map_err(lost)?;
-    let (h, payload) = read_frame(&mut s, table_cap(world), deadline).map_err(lost)?;
+    let (h, payload) =
+        read_frame(&mut s, table_cap(world).max(MAX_CONTROL_LEN), deadline).map_err(lost)?;
     if h.kind == Kind::Reject {
         return Err(tr(format!(
             "the master refused this rank: {}",
