@@ -29,7 +29,12 @@ fn rank() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
     };
+    let t_join = Instant::now();
     let comm = TcpComm::from_env().expect("join");
+    // SAFETY: set_var before any other thread of ours reads the environment.
+    unsafe {
+        std::env::set_var("LIVENESS_JOIN_MS", t_join.elapsed().as_millis().to_string());
+    }
     let me = comm.rank();
     let victim = num("LIVENESS_VICTIM") as usize;
     comm.barrier().expect("first barrier");
@@ -64,8 +69,53 @@ fn rank() {
                 Err(e) => say(format!("result err {e}")),
             }
         }
+        // Figures for many processes: open descriptors after setup and after a ring
+        // exchange, and the time of small collectives.
+        "scale" => {
+            let fds_setup = open_fds();
+            let rounds = 20;
+            let t = Instant::now();
+            for _ in 0..rounds {
+                let all = comm.all_gather(&[me as u8; 64]).expect("all_gather");
+                assert_eq!(all.len(), comm.world_size());
+            }
+            let gather_us = t.elapsed().as_micros() / rounds;
+            let t = Instant::now();
+            for _ in 0..rounds {
+                comm.barrier().expect("barrier");
+            }
+            let barrier_us = t.elapsed().as_micros() / rounds;
+            let n = comm.world_size();
+            let data = [me as u8; 1024];
+            let mut buf = [0u8; 1024];
+            let t = Instant::now();
+            comm.exchange(
+                &[zarrckpt::comm::SendBuf {
+                    peer: (me + 1) % n,
+                    data: &data,
+                }],
+                &mut [zarrckpt::comm::RecvBuf {
+                    peer: (me + n - 1) % n,
+                    buf: &mut buf,
+                }],
+            )
+            .expect("exchange");
+            assert_eq!(buf[0], ((me + n - 1) % n) as u8);
+            let ring_us = t.elapsed().as_micros();
+            comm.barrier().expect("barrier");
+            say(format!(
+                "result ok fds_setup={fds_setup} fds_after={} gather_us={gather_us} \
+                 barrier_us={barrier_us} ring_us={ring_us} join_ms={}",
+                open_fds(),
+                num("LIVENESS_JOIN_MS")
+            ));
+        }
         other => panic!("unknown scenario {other}"),
     }
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count)
 }
 
 struct Job {
@@ -302,4 +352,88 @@ fn save_and_load_with_a_stalled_rank_succeed() {
     flags.extend(&stall[2..]);
     let err = ok(&launch(4, "load", &dir, &flags));
     assert!(err.contains("rank 1 stalls"), "{err}");
+}
+
+/// Parses `key=value` figures from a result line.
+fn figure(line: &str, key: &str) -> u64 {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {line}"))
+}
+
+/// Runs `world` processes of tiny collectives; returns rank 0's peak descriptor count during
+/// setup and every rank's result line.
+fn scale(world: usize) -> (usize, Vec<String>) {
+    let t0 = Instant::now();
+    let job = start(world, "scale", 60.0, &[]);
+    let pid0 = job.children[0].id();
+    let mut peak0 = 0;
+    let mut got = Vec::new();
+    let end = Instant::now() + Duration::from_secs(300);
+    while got.len() < world {
+        assert!(
+            Instant::now() < end,
+            "only {} of {world} answered",
+            got.len()
+        );
+        if let Ok(d) = std::fs::read_dir(format!("/proc/{pid0}/fd")) {
+            peak0 = peak0.max(d.count());
+        }
+        while let Ok((r, l)) = job.lines.try_recv() {
+            if l.starts_with("result ") {
+                got.push((r, l));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    got.sort();
+    let lines: Vec<String> = got.into_iter().map(|(_, l)| l).collect();
+    let col = |k: &str| {
+        let mut v: Vec<u64> = lines.iter().map(|l| figure(l, k)).collect();
+        v.sort_unstable();
+        (v[v.len() / 2], v[v.len() - 1])
+    };
+    eprintln!(
+        "{world} processes: all done in {:.2} s; rank 0 peak descriptors {peak0}; per rank \
+         (median, max): descriptors after setup {:?}, after a ring exchange {:?}; join {:?} ms; \
+         all_gather of 64 B {:?} us; barrier {:?} us; ring exchange incl. link setup {:?} us",
+        t0.elapsed().as_secs_f64(),
+        col("fds_setup"),
+        col("fds_after"),
+        col("join_ms"),
+        col("gather_us"),
+        col("barrier_us"),
+        col("ring_us"),
+    );
+    (peak0, lines)
+}
+
+/// 24 processes: descriptors per rank stay constant after setup, whatever the world size.
+#[test]
+fn many_processes_hold_few_descriptors() {
+    let (_, small) = scale(4);
+    let (_, big) = scale(24);
+    let max = |v: &[String], k: &str| v.iter().map(|l| figure(l, k)).max().unwrap();
+    // The tree and liveness links do not grow with the world; a ring exchange adds two links.
+    assert!(
+        max(&big, "fds_setup") <= max(&small, "fds_setup") + 2,
+        "{big:?}"
+    );
+    assert!(
+        max(&big, "fds_after") <= max(&big, "fds_setup") + 2,
+        "{big:?}"
+    );
+}
+
+/// Figures for as many processes as the machine bears:
+/// `LIVENESS_SCALE_N=128 cargo test --release --test liveness -- --ignored --nocapture scale_figures`.
+#[test]
+#[ignore = "figures; run by hand"]
+fn scale_figures() {
+    let n = std::env::var("LIVENESS_SCALE_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128);
+    scale(n);
 }
