@@ -275,6 +275,8 @@ impl TcpComm {
             let table = Table {
                 addrs: Vec::new(),
                 session: 0,
+                master_ip: std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+                full: None,
             };
             return Ok(Self::new(&cfg, table, None));
         }
@@ -350,7 +352,26 @@ impl TcpComm {
                 .map_err(|e| Failure::transport(c.rank, e))?;
             ctx.live = Some(w.shared().clone());
             inner.watch = Some(w);
-            c.up_down(inner, ctx, Vec::new(), false).map(|_| ())
+            // The full address table (for exchange partners) travels down the tree, so that
+            // rank 0 sends it twice rather than to every rank.
+            let full = inner.table.full.take();
+            let at_root = full.is_some();
+            let got = c.up_down(inner, ctx, full.unwrap_or_default(), false)?;
+            if !at_root {
+                if got.len() as u64 > setup::table_cap(c.world) {
+                    return Err(Failure::too_large(
+                        c.rank,
+                        c.parent().unwrap_or(0),
+                        got.len() as u64,
+                        setup::table_cap(c.world),
+                    ));
+                }
+                inner
+                    .table
+                    .merge(&got, c.world)
+                    .map_err(|e| Failure::mismatch(c.rank, e))?;
+            }
+            Ok(())
         })
         .map_err(|e| match e {
             CommError::Timeout {

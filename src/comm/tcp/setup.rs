@@ -16,10 +16,106 @@ use super::watch::Shared;
 /// Backlog of every listener: many ranks may connect at once.
 const BACKLOG: libc::c_int = 4096;
 
-/// What the rendezvous yields: every rank's listening address and the job's session token.
+/// What the rendezvous yields: the job's session token and the listening addresses this rank
+/// knows. The rendezvous tells a worker its tree children's addresses only (so that rank 0
+/// answers and closes each registration early and sends O(1) bytes per rank); the full table
+/// then travels down the tree (see [`Table::full`]).
 pub(super) struct Table {
-    pub addrs: Vec<SocketAddr>,
+    pub addrs: Vec<Option<SocketAddr>>,
     pub session: u64,
+    /// Rank 0's address as this rank reached it (rank 0's entry in tables is left empty).
+    pub master_ip: IpAddr,
+    /// At rank 0 until sent: the encoded full table.
+    pub full: Option<Vec<u8>>,
+}
+
+impl Table {
+    /// The listening address of `p`, once known.
+    pub(super) fn addr(&self, p: usize) -> Option<SocketAddr> {
+        self.addrs.get(p).copied().flatten()
+    }
+
+    /// Decodes a table (whole or partial) from rank 0 and adds its entries.
+    ///
+    /// # Errors
+    /// A description of what is malformed: another session or world size, a rank out of
+    /// range or listed twice, a bad address.
+    pub(super) fn merge(&mut self, payload: &[u8], world: usize) -> Result<(), String> {
+        let mut c = Cursor::new(payload);
+        let bad = |what: &str| format!("malformed address table from rank 0: {what}");
+        let session = c.u64().ok_or_else(|| bad("truncated"))?;
+        if c.u64() != Some(world as u64) {
+            return Err(bad("another world size"));
+        }
+        if self.addrs.is_empty() {
+            self.session = session;
+            self.addrs = vec![None; world];
+        } else if session != self.session {
+            return Err(bad("another session"));
+        }
+        let count = c.u64().ok_or_else(|| bad("truncated"))?;
+        if count > world as u64 {
+            return Err(bad("more entries than ranks"));
+        }
+        let mut seen = vec![false; world];
+        for _ in 0..count {
+            let r = c
+                .u64()
+                .and_then(|r| usize::try_from(r).ok())
+                .filter(|&r| r < world)
+                .ok_or_else(|| bad("rank out of range"))?;
+            if std::mem::replace(&mut seen[r], true) {
+                return Err(bad("a rank listed twice"));
+            }
+            let ip = std::str::from_utf8(c.blob().ok_or_else(|| bad("truncated"))?)
+                .map_err(|_| bad("address not UTF-8"))?;
+            let port = c
+                .u64()
+                .and_then(|p| u16::try_from(p).ok())
+                .ok_or_else(|| bad("bad port"))?;
+            let ip: IpAddr = if r == 0 && ip.is_empty() {
+                self.master_ip
+            } else {
+                ip.parse().map_err(|_| bad("bad address"))?
+            };
+            self.addrs[r] = Some(SocketAddr::new(ip, port));
+        }
+        if !c.is_empty() {
+            return Err(bad("trailing bytes"));
+        }
+        Ok(())
+    }
+}
+
+/// Encodes the entries `ranks` of `entries` (rank 0's address left empty).
+fn encode_table(
+    session: u64,
+    entries: &[Option<(String, u16)>],
+    ranks: impl Iterator<Item = usize>,
+) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(&session.to_le_bytes());
+    out.extend_from_slice(&(entries.len() as u64).to_le_bytes());
+    let at = out.len();
+    out.extend_from_slice(&0u64.to_le_bytes());
+    let mut count = 0u64;
+    for r in ranks {
+        if let Some((ip, port)) = &entries[r] {
+            out.extend_from_slice(&(r as u64).to_le_bytes());
+            put_blob(&mut out, if r == 0 { &[] } else { ip.as_bytes() });
+            out.extend_from_slice(&u64::from(*port).to_le_bytes());
+            count += 1;
+        }
+    }
+    out[at..at + 8].copy_from_slice(&count.to_le_bytes());
+    out
+}
+
+/// The children of `r` in the collective tree.
+fn children(r: usize, world: usize) -> impl Iterator<Item = usize> {
+    [2 * r + 1, 2 * r + 2]
+        .into_iter()
+        .filter(move |&c| c < world)
 }
 
 /// The unspecified address of the family of `like`.
@@ -118,6 +214,7 @@ pub(super) fn serve_rendezvous(
     entries[0] = Some((String::new(), own));
     let mut conns: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     let mut joined = 1;
+    let session = session_token(own);
     let mut greeter = Greeter::new("rank 0: rendezvous", MAX_CONTROL_LEN);
     let mut fds: Vec<libc::pollfd> = Vec::new();
     while joined < world {
@@ -229,36 +326,44 @@ pub(super) fn serve_rendezvous(
             entries[r] = Some((ip, port));
             conns[r] = Some(s);
             joined += 1;
+            // Answer every rank whose children are all known now (this one, its parent), and
+            // close its connection: rank 0 keeps sockets only for ranks still waiting.
+            for q in [Some(r), (r > 2).then(|| (r - 1) / 2)]
+                .into_iter()
+                .flatten()
+            {
+                if conns[q].is_none() || children(q, world).any(|ch| entries[ch].is_none()) {
+                    continue;
+                }
+                if let Some(mut s) = conns[q].take() {
+                    let t = encode_table(session, &entries, children(q, world));
+                    let h = Header::control(Kind::Table, 0, t.len());
+                    write_frame(&mut s, h, &t, Instant::now() + timeout).map_err(|e| {
+                        Failure::lost(
+                            0,
+                            q,
+                            format!("sending its children's addresses failed: {e}"),
+                        )
+                    })?;
+                }
+            }
         }
     }
-    let session = session_token(own);
-    let mut table = Vec::new();
-    table.extend_from_slice(&session.to_le_bytes());
-    table.extend_from_slice(&(world as u64).to_le_bytes());
-    for (ip, port) in entries.iter().flatten() {
-        put_blob(&mut table, ip.as_bytes());
-        table.extend_from_slice(&u64::from(*port).to_le_bytes());
-    }
-    let h = Header::control(Kind::Table, 0, table.len());
-    let send_deadline = Instant::now() + timeout;
-    for (r, c) in conns.iter_mut().enumerate() {
-        if let Some(s) = c.take() {
-            let mut s = s;
-            write_frame(&mut s, h, &table, send_deadline).map_err(|e| {
-                Failure::lost(0, r, format!("sending the address table failed: {e}"))
-            })?;
-            // Closed as soon as it is sent: rank 0 holds no rendezvous socket afterwards.
-        }
-    }
-    // Rank 0's peers reach it where they reached the master.
+    // Rank 0's peers reach it where they reached the master; its own entry is not used.
     let addrs = entries
         .iter()
-        .flatten()
-        .map(|(ip, port)| {
-            SocketAddr::new(ip.parse().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)), *port)
+        .map(|e| {
+            e.as_ref().map(|(ip, port)| {
+                SocketAddr::new(ip.parse().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)), *port)
+            })
         })
         .collect();
-    Ok(Table { addrs, session })
+    Ok(Table {
+        addrs,
+        session,
+        master_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+        full: Some(encode_table(session, &entries, 0..world)),
+    })
 }
 
 /// The hash of a job token carried in registrations (FNV-1a, stable across builds).
@@ -271,10 +376,10 @@ pub(super) fn token_hash(token: &str) -> u64 {
     h
 }
 
-/// Largest address table for `world` ranks: session and count, then per rank an address of at
-/// most 45 characters (IPv6) with its length and port.
-fn table_cap(world: usize) -> u64 {
-    16 + 64 * world as u64
+/// Largest address table for `world` ranks: session, world and count, then per rank its
+/// number and an address of at most 45 characters (IPv6) with its length and port.
+pub(super) fn table_cap(world: usize) -> u64 {
+    24 + 72 * world as u64
 }
 
 /// Adds advice to "too many open files".
@@ -390,34 +495,26 @@ pub(super) fn join_rendezvous(
     )
     .map_err(lost)?;
     let (h, payload) =
-        read_frame(&mut s, table_cap(world).max(MAX_CONTROL_LEN), deadline).map_err(lost)?;
+        read_frame(&mut s, table_cap(2).max(MAX_CONTROL_LEN), deadline).map_err(lost)?;
     if h.kind == Kind::Reject {
         return Err(tr(format!(
             "the master refused this rank: {}",
             String::from_utf8_lossy(&payload)
         )));
     }
-    let bad = || tr("malformed address table from the master".to_owned());
     if h.kind != Kind::Table {
-        return Err(bad());
+        return Err(tr(
+            "rank 0 answered the registration with something else".to_owned()
+        ));
     }
-    let mut c = Cursor::new(&payload);
-    let session = c.u64().ok_or_else(bad)?;
-    if c.u64() != Some(world as u64) {
-        return Err(bad());
-    }
-    let mut addrs = Vec::with_capacity(world);
-    for r in 0..world {
-        let ip = std::str::from_utf8(c.blob().ok_or_else(bad)?).map_err(|_| bad())?;
-        let port = u16::try_from(c.u64().ok_or_else(bad)?).map_err(|_| bad())?;
-        let ip: IpAddr = if r == 0 && ip.is_empty() {
-            master.ip()
-        } else {
-            ip.parse().map_err(|_| bad())?
-        };
-        addrs.push(SocketAddr::new(ip, port));
-    }
-    Ok((Table { addrs, session }, listener))
+    let mut table = Table {
+        addrs: Vec::new(),
+        session: 0,
+        master_ip: master.ip(),
+        full: None,
+    };
+    table.merge(&payload, world).map_err(tr)?;
+    Ok((table, listener))
 }
 
 fn hello_payload(session: u64, world: usize) -> Vec<u8> {
@@ -488,7 +585,12 @@ pub(super) fn ensure_links(
         )
         .collect::<Vec<_>>();
     for (p, kind) in to_open {
-        let addr = table.addrs[p];
+        let addr = table.addr(p).ok_or_else(|| {
+            Failure::transport(
+                me,
+                format!("no address known for rank {p} (internal error)"),
+            )
+        })?;
         let mut s = TcpStream::connect_timeout(&addr, positive(remaining(deadline))).map_err(|e| {
             if is_timeout(&e) {
                 Failure::timeout(me, Some(p), timeout, format!("connecting to rank {p} at {addr}: {e}"))
@@ -591,7 +693,9 @@ pub(super) fn ensure_links(
                 }
                 if now >= next_probe {
                     next_probe = now + probe_every;
-                    probe(me, p, table.addrs[p], timeout)?;
+                    if let Some(a) = table.addr(p) {
+                        probe(me, p, a, timeout)?;
+                    }
                 }
                 wake = wake.min(next_probe);
             }
