@@ -3,10 +3,13 @@
 //!
 //! Every method is collective: all ranks call the same methods in the same order, one at a
 //! time per communicator (calls from several threads must not overlap). A rank that dies or
-//! stops answering turns into a [`CommError`] on the others within the communicator's
-//! timeout; nothing waits forever. A successful call means this rank's part is done: a peer
-//! may still fail afterwards, which callers learn at their next collective (save and load end
-//! with one).
+//! stops answering turns into a [`CommError`] naming it on the others within about the
+//! communicator's timeout. What a late (alive, busy) rank means depends on the implementation:
+//! [`TcpComm`] waits for it however late (liveness is checked by heartbeats independent of
+//! progress; an optional deadline bounds single operations), while [`LocalComm`], whose ranks
+//! are threads of one process, bounds every wait by its timeout. A successful call means this
+//! rank's part is done: a peer may still fail afterwards, which callers learn at their next
+//! collective (save and load end with one).
 
 pub mod local;
 pub mod tcp;
@@ -16,14 +19,16 @@ use std::time::Duration;
 pub use local::{LocalComm, run_local};
 pub use tcp::{TcpComm, TcpConfig, TcpMaster, fds_needed};
 
-/// The default bound on any single wait.
+/// The default timeout: the liveness timeout of [`TcpComm`], the bound on any wait of
+/// [`LocalComm`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A failure of communication, naming the rank that saw it and the peer involved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum CommError {
-    /// A wait exceeded the timeout.
+    /// A wait exceeded its bound: the rendezvous or connecting timeout, a [`LocalComm`] wait,
+    /// or a [`TcpConfig::deadline`].
     #[error("rank {rank}: {op} timed out after {after:?} waiting for {}", peer.map_or("peers".to_owned(), |p| format!("rank {p}")))]
     Timeout {
         /// The operation.

@@ -7,27 +7,71 @@
 //!
 //! # Protocol
 //! - Rendezvous: rank 0 listens on the master address; every rank opens a listener of its own
-//!   and registers its address (as seen from the socket it reached the master with); rank 0
-//!   answers with the table of all addresses and a session token.
+//!   and registers its address (as seen from the socket it reached the master with) and the
+//!   hash of its job token. Rank 0 serves registrations concurrently, each connection with a
+//!   handshake deadline of its own (5 s), so idle, half-open or garbage connections never hold
+//!   the others up; a registration with another job token is refused ("belongs to another
+//!   job") and the job goes on. Rank 0 answers each worker with the addresses of its tree
+//!   children as soon as they have registered, and closes that connection.
 //! - Links: the lower rank of a pair connects to the higher one and introduces itself, so
-//!   simultaneous connects cannot race. Links to tree neighbours open at setup; links for
-//!   [`Communicator::exchange`] open the first time a pair exchanges data.
+//!   simultaneous connects cannot race. Links to tree neighbours open at setup, then the full
+//!   address table travels down the tree; links for [`Communicator::exchange`] open the first
+//!   time a pair exchanges data.
 //! - Collectives run over a binary tree rooted at rank 0 (parent of `r` is `(r - 1) / 2`):
 //!   contributions travel up, results travel down, so each rank holds at most three links for
 //!   them whatever the world size. A broadcast from another root first travels up the tree
 //!   path from the root to rank 0.
 //! - Every message has a 32-byte header (kind, operation, sequence number, argument, length),
 //!   checked on arrival: a different operation, sequence or size is a [`CommError::Mismatch`],
-//!   and a payload never lands outside the caller's buffer.
-//! - Liveness: every wait is bounded. A link with work pending that moves nothing for the
-//!   timeout is a [`CommError::Timeout`] naming the peer; during collectives ranks send
-//!   heartbeats to their tree neighbours, so only the neighbours of a silent rank time out and
-//!   they name it. A closed connection is a [`CommError::PeerLost`] naming the peer.
-//! - Failure: the first error poisons the communicator. It sends an abort notice (kind of
-//!   failure, culprit, detail) to every peer it is linked to and shuts its sockets, so the
-//!   notice spreads through the tree and every rank fails fast with an error naming the same
-//!   culprit. Later calls return the first error at once. Dropping a communicator says goodbye
-//!   to its peers and closes its sockets.
+//!   and a payload never lands outside the caller's buffer. Sizes are capped before anything
+//!   is allocated: collective messages by [`TcpConfig::max_message_bytes`] (default 4 GiB),
+//!   control frames at 16 KiB, address tables by the world size; more is a
+//!   [`CommError::TooLarge`].
+//!
+//! # Liveness: late is fine, dead is an error
+//! Liveness does not depend on progress. Each rank opens a second connection to each tree
+//! neighbour, served by a background thread that sends a heartbeat every quarter of the
+//! timeout ([`TcpConfig::timeout`], `ZARRCKPT_TIMEOUT_S`, at most every 5 s) and watches for the
+//! neighbours' ones, whatever the rank's main thread is doing (writing a big shard, reading a
+//! slow disk). So:
+//! - a rank that is alive but late, by any amount, is waited for (unless
+//!   [`TcpConfig::deadline`] / `ZARRCKPT_DEADLINE_S` sets a bound on single operations; none
+//!   by default);
+//! - a rank whose process dies is a [`CommError::PeerLost`] naming it at once (the kernel
+//!   closes its connections);
+//! - a rank that stops answering (process stopped or hung, host vanished or cut off) is a
+//!   [`CommError::Unresponsive`] naming it after the timeout.
+//!
+//! The neighbour that notices forwards the verdict over the liveness connections, so it
+//! crosses the tree in a few hops and every rank fails with an error naming the same rank,
+//! within about the timeout, even ranks busy outside any collective (they fail at their next
+//! call, or at once if they are waiting in one). A rank waiting for an exchange partner that
+//! is not its neighbour to connect also probes the partner's listener, so a partner whose
+//! communicator was closed is named at once. Close communicators (drop them) before a process
+//! exits on purpose: that says goodbye on every connection, and neighbours stop expecting
+//! heartbeats.
+//!
+//! Failure: the first error poisons the communicator. It sends an abort notice (kind of
+//! failure, culprit, detail) to every peer it is linked to and through the liveness
+//! connections, and shuts its sockets, so every rank fails fast with an error naming the same
+//! culprit. Later calls return the first error at once.
+//!
+//! # Limits at scale
+//! Measured on one host (2 cores, loopback; `tests/liveness.rs` `scale_figures`): 64, 128 and
+//! 256 processes join in 0.25, 0.56 and 2.3 s (slowest rank), and hold 15 to 17 descriptors
+//! each after setup whatever the world size. Per rank, a communicator needs: its listener,
+//! up to 3 tree links and 3 liveness links, 4 wake-up socket ends, and one link per exchange
+//! partner (at most `world - 1` for an all-to-all; data-parallel groups in a load); rank 0
+//! also holds, during the rendezvous, one connection per registered rank whose children have
+//! not registered yet (at worst `world - 1`). [`fds_needed`] says how many descriptors to
+//! allow; joining raises the soft `RLIMIT_NOFILE` towards the hard limit when it is lower, and
+//! "too many open files" errors say what to raise `ulimit -n` to. Rendezvous traffic is O(1)
+//! per rank at rank 0 (registrations, children's addresses) plus the O(world) address table
+//! sent down the tree (about 40 bytes per rank: 2.6 MB at 65,536 ranks). Fan-in at rank 0 is
+//! bounded by its accept rate and listen backlog (4,096 pending connections; workers retry
+//! until the timeout); collectives take O(log world) hops. Beyond a few thousand processes, or
+//! where the network needs RDMA, use the job's own process group (torch.distributed through
+//! the Python front, to come) as the communicator rather than this one.
 
 mod config;
 mod engine;
