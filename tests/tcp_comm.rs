@@ -661,3 +661,50 @@ fn oversized_messages_are_refused_with_a_typed_error() {
         "rank 0 learns it too: {m:?}"
     );
 }
+
+/// With `deadline` set, a live rank later than it is a timeout naming it.
+#[test]
+fn optional_deadline_bounds_a_wait_on_a_live_rank() {
+    let master_cfg = |r: usize, port: u16| {
+        let mut c = config(r, 3, port, Duration::from_secs(20));
+        // Only rank 0, which waits for rank 2 directly, has a deadline here: a rank with one
+        // that waits for its parent would name the parent, which waits for the late rank.
+        if r == 0 {
+            c.deadline = Some(Duration::from_millis(400));
+        }
+        c
+    };
+    let master = TcpMaster::bind(master_cfg(0, 0)).unwrap();
+    let port = master.port().unwrap();
+    let out = thread::scope(|s| {
+        let run = |c: Result<TcpComm, CommError>| {
+            let c = c.unwrap();
+            c.barrier().unwrap();
+            if c.rank() == 2 {
+                thread::sleep(Duration::from_millis(2000));
+                return None;
+            }
+            let t = Instant::now();
+            Some((c.barrier(), t.elapsed()))
+        };
+        let hs = vec![
+            s.spawn(move || run(master.accept())),
+            s.spawn(move || run(TcpComm::connect(master_cfg(1, port)))),
+            s.spawn(move || run(TcpComm::connect(master_cfg(2, port)))),
+        ];
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let (r0, took) = out[0].as_ref().unwrap();
+    assert!(
+        matches!(r0, Err(CommError::Timeout { peer: Some(2), .. })),
+        "{r0:?}"
+    );
+    assert!(*took < Duration::from_millis(1900), "{took:?}");
+    let (r1, _) = out[1].as_ref().unwrap();
+    assert!(
+        matches!(r1, Err(CommError::Timeout { peer: Some(2), .. })),
+        "rank 1 learns it too: {r1:?}"
+    );
+}

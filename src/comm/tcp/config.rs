@@ -27,7 +27,8 @@ pub struct TcpConfig {
     /// [`TcpConfig::deadline`]).
     pub timeout: Duration,
     /// Longest any single operation may wait for live but late peers; `None` (the default):
-    /// no limit, lateness alone is never an error.
+    /// no limit, lateness alone is never an error. When it strikes, the error names the peer
+    /// this rank waited for, which may itself be waiting for a later one.
     pub deadline: Option<Duration>,
     /// Largest message this rank accepts in a collective (an all-gather's whole result, a
     /// broadcast's value); a peer announcing more is refused with

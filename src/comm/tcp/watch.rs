@@ -168,7 +168,9 @@ fn watch_loop(
         .into_iter()
         .map(|link| Peer {
             link,
-            heard: start,
+            // A neighbour starts its watch once its own setup is done, which may take up to a
+            // timeout longer than ours (it waits for its parent to connect): one timeout of grace.
+            heard: start + timeout,
             active: true,
         })
         .collect();
