@@ -189,3 +189,58 @@ impl Greeter {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::super::frame::{Kind, MAX_CONTROL_LEN};
+    use super::*;
+
+    /// An idle, a garbage and an oversized connection do not delay a valid one; the idle one
+    /// goes at its deadline.
+    #[test]
+    fn idle_and_foreign_connections_do_not_block_others() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.set_nonblocking(true).unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut g = Greeter::new("test", MAX_CONTROL_LEN);
+        g.wait = Duration::from_millis(300);
+        let _idle = TcpStream::connect(addr).unwrap();
+        let mut garbage = TcpStream::connect(addr).unwrap();
+        garbage.write_all(&[0xAB; 64]).unwrap();
+        let mut huge = TcpStream::connect(addr).unwrap();
+        huge.write_all(&Header::control(Kind::Hello, 3, 0).encode()[..24])
+            .unwrap();
+        huge.write_all(&(1u64 << 40).to_le_bytes()).unwrap();
+        let mut good = TcpStream::connect(addr).unwrap();
+        let h = Header::control(Kind::Hello, 7, 3);
+        good.write_all(&h.encode()).unwrap();
+        good.write_all(b"abcNEXT").unwrap();
+        let t0 = Instant::now();
+        let mut got = Vec::new();
+        while got.is_empty() && t0.elapsed() < Duration::from_secs(5) {
+            g.accept_from(&l).unwrap();
+            got.extend(g.progress());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(
+            t0.elapsed() < Duration::from_millis(250),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].header, got[0].payload.as_slice()), (h, &b"abc"[..]));
+        // Nothing past the first frame was consumed.
+        let mut rest = [0u8; 4];
+        let mut s = &got[0].stream;
+        s.set_nonblocking(false).unwrap();
+        std::io::Read::read_exact(&mut s, &mut rest).unwrap();
+        assert_eq!(&rest, b"NEXT");
+        // Garbage and the oversized frame are gone; the idle connection waits out its deadline.
+        assert_eq!(g.conns.len(), 1);
+        std::thread::sleep(Duration::from_millis(350));
+        assert!(g.progress().is_empty());
+        assert!(g.conns.is_empty());
+    }
+}
