@@ -3,10 +3,13 @@
 //!
 //! Every method is collective: all ranks call the same methods in the same order, one at a
 //! time per communicator (calls from several threads must not overlap). A rank that dies or
-//! stops answering turns into a [`CommError`] on the others within the communicator's
-//! timeout; nothing waits forever. A successful call means this rank's part is done: a peer
-//! may still fail afterwards, which callers learn at their next collective (save and load end
-//! with one).
+//! stops answering turns into a [`CommError`] naming it on the others within about the
+//! communicator's timeout. What a late (alive, busy) rank means depends on the implementation:
+//! [`TcpComm`] waits for it however late (liveness is checked by heartbeats independent of
+//! progress; an optional deadline bounds single operations), while [`LocalComm`], whose ranks
+//! are threads of one process, bounds every wait by its timeout. A successful call means this
+//! rank's part is done: a peer may still fail afterwards, which callers learn at their next
+//! collective (save and load end with one).
 
 pub mod local;
 pub mod tcp;
@@ -14,16 +17,18 @@ pub mod tcp;
 use std::time::Duration;
 
 pub use local::{LocalComm, run_local};
-pub use tcp::{TcpComm, TcpConfig, TcpMaster};
+pub use tcp::{TcpComm, TcpConfig, TcpMaster, fds_needed};
 
-/// The default bound on any single wait.
+/// The default timeout: the liveness timeout of [`TcpComm`], the bound on any wait of
+/// [`LocalComm`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A failure of communication, naming the rank that saw it and the peer involved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum CommError {
-    /// A wait exceeded the timeout.
+    /// A wait exceeded its bound: the rendezvous or connecting timeout, a [`LocalComm`] wait,
+    /// or a [`TcpConfig::deadline`].
     #[error("rank {rank}: {op} timed out after {after:?} waiting for {}", peer.map_or("peers".to_owned(), |p| format!("rank {p}")))]
     Timeout {
         /// The operation.
@@ -34,6 +39,22 @@ pub enum CommError {
         peer: Option<usize>,
         /// How long it waited.
         after: Duration,
+    },
+    /// A peer stopped answering: no heartbeat from it for the liveness timeout, although its
+    /// connections are open (its process is stopped or hung, or its host is unreachable). A
+    /// peer that is merely busy keeps answering and is never reported so.
+    #[error("rank {rank}: {op} failed: rank {peer} is unresponsive: {detail}")]
+    Unresponsive {
+        /// The operation.
+        op: &'static str,
+        /// The rank that noticed, or learnt it from the rank that did.
+        rank: usize,
+        /// The silent peer.
+        peer: usize,
+        /// How long it was silent when declared dead.
+        silent_for: Duration,
+        /// What was observed, and by whom.
+        detail: String,
     },
     /// A peer went away (process died, connection closed, communicator dropped).
     #[error("rank {rank}: {op} failed: rank {peer} is gone ({detail})")]
@@ -56,6 +77,22 @@ pub enum CommError {
         rank: usize,
         /// What did not match.
         detail: String,
+    },
+    /// A peer announced a message larger than this rank accepts; refused before allocating.
+    #[error(
+        "rank {rank}: {op}: rank {peer} announced a message of {declared} bytes, above the limit of {limit} bytes"
+    )]
+    TooLarge {
+        /// The operation.
+        op: &'static str,
+        /// The rank that refused it.
+        rank: usize,
+        /// The sender.
+        peer: usize,
+        /// The size it announced.
+        declared: u64,
+        /// The limit.
+        limit: u64,
     },
     /// Setting up or using the transport failed.
     #[error("rank {rank}: {op}: {detail}")]

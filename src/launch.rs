@@ -206,6 +206,14 @@ fn signal_all(children: &[Child], statuses: &[Option<ExitStatus>], sig: libc::c_
     }
 }
 
+/// The job token every rank of this launch gets (`ZARRCKPT_JOB_TOKEN`): the launcher's own if
+/// it has one, else one naming this launcher process and port, so that ranks of another launch
+/// cannot join this one's rendezvous.
+fn job_token(port: u16) -> OsString {
+    std::env::var_os("ZARRCKPT_JOB_TOKEN")
+        .unwrap_or_else(|| format!("zarrckpt-launch-{}-{port}", std::process::id()).into())
+}
+
 fn spawn(
     rank: usize,
     n: usize,
@@ -221,6 +229,7 @@ fn spawn(
         .env("LOCAL_WORLD_SIZE", n.to_string())
         .env("MASTER_ADDR", &opts.master_addr)
         .env("MASTER_PORT", port.to_string())
+        .env("ZARRCKPT_JOB_TOKEN", job_token(port))
         .envs(opts.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

@@ -254,33 +254,55 @@ fn rank_dropped_during_exchange_is_named() {
     }
 }
 
+/// A rank far later than the timeout (busy, not dead: its liveness thread keeps answering)
+/// is waited for. Ranks that really stop are tested with processes in `tests/liveness.rs`.
 #[test]
-fn silent_rank_times_out_naming_it() {
-    let timeout = Duration::from_secs(1);
-    let t0 = Instant::now();
+fn late_rank_is_waited_for() {
+    let timeout = Duration::from_millis(300);
     let out = run_tcp(7, timeout, |c| {
         c.barrier().unwrap();
-        let start = Instant::now();
         if c.rank() == 4 {
-            thread::sleep(Duration::from_millis(3000));
-            return None;
+            thread::sleep(timeout * 6);
         }
-        let r = c.barrier();
-        Some((r, start.elapsed()))
+        let t = Instant::now();
+        let all = c.all_gather(&[c.rank() as u8]).unwrap();
+        let mut buf = [0u8; 1];
+        // Exchange partners that are not tree neighbours: 3 accepts a link from a late 0.
+        if c.rank() == 0 {
+            thread::sleep(timeout * 6);
+        }
+        match c.rank() {
+            0 => c
+                .exchange(
+                    &[SendBuf {
+                        peer: 3,
+                        data: b"z",
+                    }],
+                    &mut [],
+                )
+                .unwrap(),
+            3 => c
+                .exchange(
+                    &[],
+                    &mut [RecvBuf {
+                        peer: 0,
+                        buf: &mut buf,
+                    }],
+                )
+                .unwrap(),
+            _ => c.exchange(&[], &mut []).unwrap(),
+        }
+        c.barrier().unwrap();
+        (all, t.elapsed(), buf)
     });
-    assert!(t0.elapsed() < Duration::from_secs(6));
-    for (rank, r) in out.into_iter().enumerate() {
-        let Some((r, took)) = r else { continue };
-        let e = r.unwrap_err();
-        assert!(
-            matches!(e, CommError::Timeout { peer: Some(4), .. }),
-            "rank {rank}: {e}"
-        );
-        assert!(e.to_string().contains("rank 4"), "{e}");
-        assert!(
-            took >= Duration::from_millis(900) && took < Duration::from_millis(2500),
-            "rank {rank} took {took:?}"
-        );
+    for (rank, (all, took, buf)) in out.into_iter().enumerate() {
+        assert_eq!(all, (0..7u8).map(|r| vec![r]).collect::<Vec<_>>());
+        if rank != 0 && rank != 4 {
+            assert!(took >= timeout * 6, "rank {rank} waited only {took:?}");
+        }
+        if rank == 3 {
+            assert_eq!(&buf, b"z");
+        }
     }
 }
 
@@ -497,4 +519,192 @@ fn exchange_with_a_vanished_partner_names_it() {
         }
         assert!(took < Duration::from_millis(2500), "{took:?}");
     }
+}
+
+/// A frame header as the protocol writes it: magic, kind, operation, sequence, argument,
+/// payload length.
+fn raw_header(kind: u8, arg: u64, len: u64) -> Vec<u8> {
+    let mut h = b"ZCK1".to_vec();
+    h.extend_from_slice(&[kind, 0, 0, 0]);
+    h.extend_from_slice(&0u64.to_le_bytes());
+    h.extend_from_slice(&arg.to_le_bytes());
+    h.extend_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// Idle connections, garbage, a half-sent handshake and a registration declaring a huge
+/// payload, all made before the ranks join, do not hold the rendezvous up: each connection
+/// has its own deadline and they are served concurrently.
+#[test]
+fn rendezvous_is_not_stalled_by_idle_or_foreign_connections() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let world = 4;
+    let master = TcpMaster::bind(config(0, world, 0, Duration::from_secs(60))).unwrap();
+    let port = master.port().unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let mut junk: Vec<TcpStream> = (0..40)
+        .map(|_| TcpStream::connect(&addr).unwrap())
+        .collect();
+    let mut garbage = TcpStream::connect(&addr).unwrap();
+    garbage.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    let mut half = TcpStream::connect(&addr).unwrap();
+    half.write_all(&raw_header(6, 1, 100)[..20]).unwrap();
+    let mut huge = TcpStream::connect(&addr).unwrap();
+    huge.write_all(&raw_header(6, 1, 1 << 40)).unwrap();
+    junk.extend([garbage, half, huge]);
+    let t0 = Instant::now();
+    let out = thread::scope(|s| {
+        let mut hs = vec![s.spawn(move || master.accept().map(|c| c.all_gather(&[0]).unwrap()))];
+        for r in 1..world {
+            hs.push(s.spawn(move || {
+                let c = TcpComm::connect(config(r, world, port, Duration::from_secs(60)))?;
+                Ok(c.all_gather(&[r as u8]).unwrap())
+            }));
+        }
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<Result<_, CommError>>>()
+    });
+    let took = t0.elapsed();
+    for r in out {
+        assert_eq!(r.unwrap(), vec![vec![0], vec![1], vec![2], vec![3]]);
+    }
+    // One connection at a time with a 5 s handshake wait each would take minutes.
+    assert!(took < Duration::from_secs(15), "joining took {took:?}");
+    drop(junk);
+}
+
+/// A process of another job (another job token) reaching the same master port is refused
+/// with a clear error, and the job it tried to join goes on.
+#[test]
+fn rendezvous_refuses_another_job() {
+    let world = 2;
+    let t = Duration::from_secs(20);
+    let cfg = |rank: usize, port: u16, token: &str| {
+        let mut c = config(rank, world, port, t);
+        c.job_token = token.to_owned();
+        c
+    };
+    let master = TcpMaster::bind(cfg(0, 0, "job-a")).unwrap();
+    let port = master.port().unwrap();
+    let (foreign, ours) = thread::scope(|s| {
+        let m = s.spawn(move || master.accept().map(|c| c.all_gather(b"a").unwrap()));
+        let foreign = TcpComm::connect(cfg(1, port, "job-b")).unwrap_err();
+        let ours = TcpComm::connect(cfg(1, port, "job-a")).map(|c| c.all_gather(b"b").unwrap());
+        assert!(m.join().unwrap().is_ok());
+        (foreign, ours)
+    });
+    assert!(
+        matches!(foreign, CommError::Transport { rank: 1, .. })
+            && foreign.to_string().contains("another job"),
+        "{foreign}"
+    );
+    assert_eq!(ours.unwrap(), vec![b"a".to_vec(), b"b".to_vec()]);
+}
+
+/// Size caps are real: a master announcing a 1 TiB address table, and a peer broadcasting
+/// more than `max_message_bytes`, are refused with a typed error before allocating.
+#[test]
+fn oversized_messages_are_refused_with_a_typed_error() {
+    use std::io::{Read, Write};
+    let fake = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = fake.local_addr().unwrap().port();
+    let server = thread::spawn(move || {
+        let (mut s, _) = fake.accept().unwrap();
+        let mut reg = [0u8; 32];
+        s.read_exact(&mut reg).unwrap();
+        s.write_all(&raw_header(7, 0, 1 << 40)).unwrap();
+        thread::sleep(Duration::from_millis(500));
+    });
+    let e = TcpComm::connect(config(1, 2, port, Duration::from_secs(10))).unwrap_err();
+    server.join().unwrap();
+    assert!(
+        matches!(
+            e,
+            CommError::TooLarge {
+                peer: 0,
+                declared: 1_099_511_627_776,
+                ..
+            }
+        ),
+        "{e}"
+    );
+
+    // Rank 1 accepts at most 1000 bytes per message; rank 0 broadcasts 5000.
+    let master = TcpMaster::bind(config(0, 2, 0, T)).unwrap();
+    let port = master.port().unwrap();
+    let (m, w) = thread::scope(|s| {
+        let w = s.spawn(move || {
+            let mut cfg = config(1, 2, port, T);
+            cfg.max_message_bytes = 1000;
+            let c = TcpComm::connect(cfg)?;
+            c.broadcast(0, b"").and_then(|_| c.barrier())
+        });
+        let m = master
+            .accept()
+            .and_then(|c| c.broadcast(0, &[7u8; 5000]).and_then(|_| c.barrier()));
+        (m, w.join().unwrap())
+    });
+    assert_eq!(
+        w.unwrap_err(),
+        CommError::TooLarge {
+            op: "broadcast",
+            rank: 1,
+            peer: 0,
+            declared: 5000,
+            limit: 1000
+        }
+    );
+    assert!(
+        matches!(m, Err(CommError::TooLarge { peer: 0, .. })),
+        "rank 0 learns it too: {m:?}"
+    );
+}
+
+/// With `deadline` set, a live rank later than it is a timeout naming it.
+#[test]
+fn optional_deadline_bounds_a_wait_on_a_live_rank() {
+    let master_cfg = |r: usize, port: u16| {
+        let mut c = config(r, 3, port, Duration::from_secs(20));
+        // Only rank 0, which waits for rank 2 directly, has a deadline here: a rank with one
+        // that waits for its parent would name the parent, which waits for the late rank.
+        if r == 0 {
+            c.deadline = Some(Duration::from_millis(400));
+        }
+        c
+    };
+    let master = TcpMaster::bind(master_cfg(0, 0)).unwrap();
+    let port = master.port().unwrap();
+    let out = thread::scope(|s| {
+        let run = |c: Result<TcpComm, CommError>| {
+            let c = c.unwrap();
+            c.barrier().unwrap();
+            if c.rank() == 2 {
+                thread::sleep(Duration::from_millis(2000));
+                return None;
+            }
+            let t = Instant::now();
+            Some((c.barrier(), t.elapsed()))
+        };
+        let hs = vec![
+            s.spawn(move || run(master.accept())),
+            s.spawn(move || run(TcpComm::connect(master_cfg(1, port)))),
+            s.spawn(move || run(TcpComm::connect(master_cfg(2, port)))),
+        ];
+        hs.into_iter()
+            .map(|h| h.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let (r0, took) = out[0].as_ref().unwrap();
+    assert!(
+        matches!(r0, Err(CommError::Timeout { peer: Some(2), .. })),
+        "{r0:?}"
+    );
+    assert!(*took < Duration::from_millis(1900), "{took:?}");
+    let (r1, _) = out[1].as_ref().unwrap();
+    assert!(
+        matches!(r1, Err(CommError::Timeout { peer: Some(2), .. })),
+        "rank 1 learns it too: {r1:?}"
+    );
 }

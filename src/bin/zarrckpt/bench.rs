@@ -468,6 +468,8 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         report: None,
         die_after_bytes: None,
         die_rank: 0,
+        stall_secs: None,
+        stall_rank: 0,
         read_method: a.read_method,
         full_state: a.full_state,
         objects: false,

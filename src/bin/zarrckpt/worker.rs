@@ -72,6 +72,13 @@ pub struct Args {
     /// Fault injection: which rank dies.
     #[arg(long, default_value_t = 0)]
     pub die_rank: usize,
+    /// Fault injection: rank `stall_rank` stops for this many seconds once its first bytes
+    /// are done (a slow disk: alive, its liveness thread answering, just late).
+    #[arg(long)]
+    pub stall_secs: Option<f64>,
+    /// Fault injection: which rank stalls.
+    #[arg(long, default_value_t = 0)]
+    pub stall_rank: usize,
     /// Load: how shard files are read.
     #[arg(long, value_enum, default_value_t = ReadArg::Mmap)]
     pub read_method: ReadArg,
@@ -114,15 +121,27 @@ impl From<ReadArg> for ReadMethod {
 }
 
 fn fault_progress(a: &Args, rank: usize) -> Option<zarrckpt::save::Progress> {
-    let limit = a.die_after_bytes?;
-    if rank != a.die_rank {
+    let die = a.die_after_bytes.filter(|_| rank == a.die_rank);
+    let stall = a
+        .stall_secs
+        .filter(|_| rank == a.stall_rank)
+        .map(std::time::Duration::from_secs_f64);
+    if die.is_none() && stall.is_none() {
         return None;
     }
     let done = Arc::new(AtomicU64::new(0));
+    let stalled = Arc::new(std::sync::Once::new());
     Some(Arc::new(move |n| {
-        if done.fetch_add(n, Ordering::SeqCst) + n >= limit {
+        let total = done.fetch_add(n, Ordering::SeqCst) + n;
+        if die.is_some_and(|limit| total >= limit) {
             eprintln!("worker: rank {rank} dies now (fault injection)");
             std::process::exit(86);
+        }
+        if let Some(d) = stall {
+            stalled.call_once(|| {
+                eprintln!("worker: rank {rank} stalls for {d:?} (fault injection)");
+                std::thread::sleep(d);
+            });
         }
     }))
 }

@@ -21,8 +21,24 @@ pub struct TcpConfig {
     pub master_addr: String,
     /// Port rank 0 listens on for the rendezvous; 0 lets [`TcpMaster::bind`](super::TcpMaster::bind) pick one.
     pub master_port: u16,
-    /// Bound on every wait, and on the whole rendezvous.
+    /// The liveness timeout: a peer silent for this long (no heartbeat; its process is
+    /// stopped or hung, or its host unreachable) is dead. Also bounds the rendezvous and
+    /// connecting. A peer that is alive but late is waited for, however late (see
+    /// [`TcpConfig::deadline`]).
     pub timeout: Duration,
+    /// Longest any single operation may wait for live but late peers; `None` (the default):
+    /// no limit, lateness alone is never an error. When it strikes, the error names the peer
+    /// this rank waited for, which may itself be waiting for a later one.
+    pub deadline: Option<Duration>,
+    /// Largest message this rank accepts in a collective (an all-gather's whole result, a
+    /// broadcast's value); a peer announcing more is refused with
+    /// [`CommError::TooLarge`](crate::comm::CommError::TooLarge) before anything is allocated.
+    /// Default 4 GiB. Exchanges receive into the caller's buffers and accept exactly their size.
+    pub max_message_bytes: u64,
+    /// Identifies the job: ranks whose tokens differ refuse each other at rendezvous, so that
+    /// a process of another job reaching the same `MASTER_ADDR:MASTER_PORT` cannot join.
+    /// Empty by default; see [`TcpConfig::from_env`].
+    pub job_token: String,
     /// Address to bind listeners to; by default all interfaces. Peers connect to the address
     /// through which this rank reached the master, whatever this is.
     pub bind_addr: Option<IpAddr>,
@@ -44,12 +60,18 @@ impl TcpConfig {
             master_addr: master_addr.into(),
             master_port,
             timeout: DEFAULT_TIMEOUT,
+            deadline: None,
+            max_message_bytes: super::DEFAULT_MAX_MESSAGE,
+            job_token: String::new(),
             bind_addr: None,
         }
     }
 
-    /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (required), `LOCAL_RANK` and
-    /// `ZARRCKPT_TIMEOUT_S` (seconds, default 60; optional) from the environment.
+    /// Reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (required), `LOCAL_RANK`,
+    /// `ZARRCKPT_TIMEOUT_S` (the liveness timeout in seconds, default 60),
+    /// `ZARRCKPT_DEADLINE_S` (optional bound on any single operation's wait, default none) and
+    /// the job token (optional): `ZARRCKPT_JOB_TOKEN` if set (`zarrckpt launch` sets one per
+    /// launch), else torchrun's `TORCHELASTIC_RUN_ID`, else empty.
     ///
     /// # Errors
     /// [`CommError::Transport`] naming the variable that is missing or invalid.
@@ -114,19 +136,27 @@ impl TcpConfig {
                     format!("MASTER_PORT={port_text:?} is not a port number in 1..=65535"),
                 )
             })?;
-        let timeout = match text("ZARRCKPT_TIMEOUT_S", false, rank_seen)? {
-            None => DEFAULT_TIMEOUT,
-            Some(s) => s
-                .parse::<f64>()
-                .ok()
-                .filter(|t| *t > 0.0)
-                .and_then(|t| Duration::try_from_secs_f64(t).ok())
-                .ok_or_else(|| {
-                    err(
-                        rank_seen,
-                        format!("ZARRCKPT_TIMEOUT_S={s:?} is not a positive number of seconds"),
-                    )
-                })?,
+        let seconds = |name: &str| -> Result<Option<Duration>, CommError> {
+            text(name, false, rank_seen)?
+                .map(|s| {
+                    s.parse::<f64>()
+                        .ok()
+                        .filter(|t| *t > 0.0)
+                        .and_then(|t| Duration::try_from_secs_f64(t).ok())
+                        .ok_or_else(|| {
+                            err(
+                                rank_seen,
+                                format!("{name}={s:?} is not a positive number of seconds"),
+                            )
+                        })
+                })
+                .transpose()
+        };
+        let timeout = seconds("ZARRCKPT_TIMEOUT_S")?.unwrap_or(DEFAULT_TIMEOUT);
+        let deadline = seconds("ZARRCKPT_DEADLINE_S")?;
+        let job_token = match text("ZARRCKPT_JOB_TOKEN", false, rank_seen)? {
+            Some(t) => t,
+            None => text("TORCHELASTIC_RUN_ID", false, rank_seen)?.unwrap_or_default(),
         };
         Ok(TcpConfig {
             rank,
@@ -135,6 +165,9 @@ impl TcpConfig {
             master_addr,
             master_port,
             timeout,
+            deadline,
+            max_message_bytes: super::DEFAULT_MAX_MESSAGE,
+            job_token,
             bind_addr: None,
         })
     }
@@ -194,6 +227,19 @@ mod tests {
             (cfg.local_rank, cfg.timeout),
             (Some(1), Duration::from_millis(2500))
         );
+        assert_eq!((cfg.deadline, cfg.job_token.as_str()), (None, ""));
+        v.push(("TORCHELASTIC_RUN_ID", "run-7"));
+        v.push(("ZARRCKPT_DEADLINE_S", "600"));
+        let cfg = TcpConfig::from_lookup(lookup(&v)).unwrap();
+        assert_eq!(
+            (cfg.deadline, cfg.job_token.as_str()),
+            (Some(Duration::from_secs(600)), "run-7")
+        );
+        v.push(("ZARRCKPT_JOB_TOKEN", "launch-42"));
+        assert_eq!(
+            TcpConfig::from_lookup(lookup(&v)).unwrap().job_token,
+            "launch-42"
+        );
         let cases: &[(&str, Option<&str>)] = &[
             ("RANK", None),
             ("RANK", Some("x")),
@@ -204,6 +250,7 @@ mod tests {
             ("LOCAL_RANK", Some("-1")),
             ("ZARRCKPT_TIMEOUT_S", Some("0")),
             ("ZARRCKPT_TIMEOUT_S", Some("nan")),
+            ("ZARRCKPT_DEADLINE_S", Some("-1")),
         ];
         for (name, value) in cases {
             let mut v: Vec<(&str, &str)> =

@@ -2,17 +2,21 @@
 //! several links) on one thread with non-blocking sockets and `poll(2)`, so every link
 //! progresses concurrently and any matching pattern completes.
 //!
-//! Liveness: a link with work pending that moves no bytes for the timeout is a
-//! [`Failure`] of kind timeout naming that peer. During tree collectives ranks send heartbeats
-//! to the neighbours still taking part, so a rank waiting on a neighbour that itself waits on
-//! someone else keeps waiting, and the rank next to the silent one names it. Heartbeats alone
-//! never keep an operation alive for more than twice the timeout.
+//! Liveness is not judged here: a step waits for as long as its peers are alive, however late
+//! they are. It ends early on a closed connection (a [`Failure`] naming the peer), an abort
+//! notice, or a verdict of the liveness watch (see [`super::watch`]), which it polls along with
+//! its sockets; and, only if the configuration sets one, at the operation's deadline. During
+//! tree collectives ranks also send heartbeats on their data links to the neighbours still
+//! taking part: they carry the operation and sequence number, so a neighbour that has moved on
+//! to another operation is a mismatch rather than a wait.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::frame::{Failure, Header, Kind, Op, describe_op};
 use super::link::{Event, Got, Link, OutFrame, poll};
+use super::watch::{Shared, beat_every};
 
 /// Longest single sleep in `poll`, so that clocks are re-read regularly.
 const MAX_POLL: Duration = Duration::from_millis(500);
@@ -54,8 +58,10 @@ pub(crate) struct OpCtx {
     pub timeout: Duration,
     /// Whether to send heartbeats to involved peers.
     pub heartbeats: bool,
-    /// Last time payload bytes moved in this operation.
-    pub last_data: Instant,
+    /// The liveness watch, once there is one (not during setup).
+    pub live: Option<Arc<Shared>>,
+    /// Bound on the whole operation, if the configuration sets one.
+    pub deadline: Option<Duration>,
     hb_next: HashMap<usize, Instant>,
     started: Instant,
 }
@@ -69,7 +75,6 @@ impl OpCtx {
         timeout: Duration,
         heartbeats: bool,
     ) -> OpCtx {
-        let now = Instant::now();
         OpCtx {
             me,
             op,
@@ -77,9 +82,10 @@ impl OpCtx {
             arg,
             timeout,
             heartbeats,
-            last_data: now,
+            live: None,
+            deadline: None,
             hb_next: HashMap::new(),
-            started: now,
+            started: Instant::now(),
         }
     }
 
@@ -88,7 +94,7 @@ impl OpCtx {
     }
 
     fn hb_every(&self) -> Duration {
-        (self.timeout / 4).clamp(Duration::from_millis(5), Duration::from_secs(5))
+        beat_every(self.timeout)
     }
 }
 
@@ -103,7 +109,6 @@ struct Work<'a> {
     /// Receives completed from this peer in this step (for messages).
     received: usize,
     involved: bool,
-    last_progress: Instant,
 }
 
 impl Work<'_> {
@@ -125,7 +130,6 @@ pub(crate) fn run<'a>(
     let mut targets: Vec<Target<'a>> = Vec::with_capacity(step.recvs.len());
     let mut work: Vec<Work<'a>> = Vec::new();
     let mut index: HashMap<usize, usize> = HashMap::new();
-    let now = Instant::now();
     let mut slot = |peer: usize, work: &mut Vec<Work<'a>>| {
         *index.entry(peer).or_insert_with(|| {
             work.push(Work {
@@ -135,7 +139,6 @@ pub(crate) fn run<'a>(
                 got: None,
                 received: 0,
                 involved: false,
-                last_progress: now,
             });
             work.len() - 1
         })
@@ -208,20 +211,16 @@ fn drive(
                 .get_mut(&w.peer)
                 .ok_or_else(|| Failure::transport(me, "link vanished"))?;
             if rd {
-                receive(link, ctx, w, targets, now)?;
+                receive(link, ctx, w, targets)?;
             }
             if wr && (!w.out.is_empty() || link.has_ctrl()) {
-                let n = link.send(&mut w.out).map_err(|e| {
+                link.send(&mut w.out).map_err(|e| {
                     Failure::lost(
                         me,
                         w.peer,
                         format!("sending to it failed: {e} (process exited or crashed?)"),
                     )
                 })?;
-                if n > 0 {
-                    w.last_progress = now;
-                    ctx.last_data = now;
-                }
             }
             if link.closed.is_some() && w.busy() {
                 let why = link.closed.clone().unwrap_or_default();
@@ -238,11 +237,21 @@ fn drive(
         if work.iter().all(|w| !w.busy()) {
             return Ok(());
         }
+        if let Some(f) = ctx.live.as_ref().and_then(|l| l.verdict()) {
+            return Err(f);
+        }
         let mut wake = deadlines(ctx, work, now)?;
         if ctx.heartbeats {
             wake = wake.min(heartbeats(links, ctx, work, now)?);
         }
         poll_set(&mut fds, links, work, &others);
+        if let Some(l) = &ctx.live {
+            fds.push(libc::pollfd {
+                fd: l.wake_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            });
+        }
         let wait = wake.saturating_duration_since(Instant::now());
         poll(&mut fds, wait).map_err(|e| Failure::transport(me, format!("poll failed: {e}")))?;
         let bad = libc::POLLERR | libc::POLLHUP;
@@ -258,37 +267,26 @@ fn drive(
     }
 }
 
-/// Fails on a link that made no progress for the timeout, or an operation that moved no data
-/// for twice the timeout (heartbeats alone do not keep it alive forever). Returns when to
-/// check again.
+/// Fails once the operation has run for its deadline, if the configuration sets one, naming a
+/// peer it still waits for. Returns when to check again.
 fn deadlines(ctx: &OpCtx, work: &[Work<'_>], now: Instant) -> Result<Instant, Failure> {
-    let mut wake = now + MAX_POLL;
-    for w in work.iter().filter(|w| w.busy()) {
-        let deadline = w.last_progress + ctx.timeout;
-        if now >= deadline {
-            let detail = format!(
-                "{}: no progress from rank {} for {:?}",
-                ctx.describe(),
-                w.peer,
-                ctx.timeout
-            );
-            return Err(Failure::timeout(ctx.me, Some(w.peer), ctx.timeout, detail));
-        }
-        wake = wake.min(deadline);
-    }
-    let cap = ctx.last_data + 2 * ctx.timeout;
+    let wake = now + MAX_POLL;
+    let Some(limit) = ctx.deadline else {
+        return Ok(wake);
+    };
+    let cap = ctx.started + limit;
     if now >= cap {
         let peer = work
             .iter()
             .find(|w| !w.inq.is_empty())
             .or_else(|| work.iter().find(|w| w.busy()))
             .map(|w| w.peer);
+        let who = peer.map_or("its peers".to_owned(), |p| format!("rank {p}"));
         let detail = format!(
-            "{}: peers alive but nothing arrived for {:?}",
+            "{}: still waiting for {who} (alive) after the deadline of {limit:?}",
             ctx.describe(),
-            2 * ctx.timeout
         );
-        return Err(Failure::timeout(ctx.me, peer, ctx.timeout, detail));
+        return Err(Failure::timeout(ctx.me, peer, limit, detail));
     }
     Ok(wake.min(cap))
 }
@@ -372,7 +370,6 @@ fn receive(
     ctx: &mut OpCtx,
     w: &mut Work<'_>,
     targets: &mut [Target<'_>],
-    now: Instant,
 ) -> Result<(), Failure> {
     let me = ctx.me;
     let peer = w.peer;
@@ -390,7 +387,6 @@ fn receive(
                         );
                         return Err(Failure::mismatch(me, detail));
                     }
-                    w.last_progress = now;
                 } else if h.seq > ctx.seq && !w.inq.is_empty() {
                     let detail = format!(
                         "rank {peer} has moved on to {} without sending the message this rank expects from it in {}",
@@ -430,12 +426,7 @@ fn receive(
                 Target::Into(_) => {}
                 Target::Alloc { buf, max } => {
                     if h.len > *max {
-                        let detail = format!(
-                            "rank {peer} sends {} bytes in {}, above the limit of {max}",
-                            h.len,
-                            ctx.describe()
-                        );
-                        return Err(Failure::mismatch(me, detail));
+                        return Err(Failure::too_large(me, peer, h.len, *max));
                     }
                     let len = usize::try_from(h.len)
                         .map_err(|_| Failure::mismatch(me, "message too large"))?;
@@ -456,11 +447,7 @@ fn receive(
         let mut got = w.got.unwrap_or(0);
         while got < dst.len() {
             match link.read_payload(&mut dst[got..]) {
-                Got::Bytes(n) => {
-                    got += n;
-                    w.last_progress = now;
-                    ctx.last_data = now;
-                }
+                Got::Bytes(n) => got += n,
                 Got::WouldBlock => {
                     w.got = Some(got);
                     return Ok(());
@@ -474,8 +461,6 @@ fn receive(
         link.pending = None;
         w.got = None;
         w.received += 1;
-        w.last_progress = now;
-        ctx.last_data = now;
         w.inq.pop_front();
     }
 }

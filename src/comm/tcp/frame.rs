@@ -39,6 +39,8 @@ pub(crate) enum Kind {
     Table = 7,
     /// Master to worker at rendezvous: refused; payload = reason.
     Reject = 8,
+    /// First frame on a liveness (watch) link: as [`Kind::Hello`].
+    Watch = 9,
 }
 
 impl Kind {
@@ -52,6 +54,7 @@ impl Kind {
             6 => Kind::Register,
             7 => Kind::Table,
             8 => Kind::Reject,
+            9 => Kind::Watch,
             _ => return None,
         })
     }
@@ -225,6 +228,8 @@ pub(crate) enum FailKind {
     Lost = 2,
     Mismatch = 3,
     Transport = 4,
+    TooLarge = 5,
+    Silent = 6,
 }
 
 /// A failure as it travels between ranks: who saw it first, which rank is to blame, what
@@ -240,6 +245,8 @@ pub(crate) struct Failure {
     /// The rank that detected it.
     pub origin: usize,
     pub detail: String,
+    /// For messages refused as too large: the size announced and the limit.
+    pub sizes: Option<(u64, u64)>,
 }
 
 impl Failure {
@@ -255,6 +262,31 @@ impl Failure {
             after,
             origin,
             detail,
+            sizes: None,
+        }
+    }
+
+    /// `peer` sent no heartbeat for `after`.
+    pub(crate) fn silent(origin: usize, peer: usize, after: Duration, detail: String) -> Failure {
+        Failure {
+            kind: FailKind::Silent,
+            culprit: Some(peer),
+            after,
+            origin,
+            detail,
+            sizes: None,
+        }
+    }
+
+    /// `peer` announced `declared` bytes where at most `limit` are accepted.
+    pub(crate) fn too_large(origin: usize, peer: usize, declared: u64, limit: u64) -> Failure {
+        Failure {
+            kind: FailKind::TooLarge,
+            culprit: Some(peer),
+            after: Duration::ZERO,
+            origin,
+            detail: format!("rank {peer} announced {declared} bytes, above the limit of {limit}"),
+            sizes: Some((declared, limit)),
         }
     }
 
@@ -265,6 +297,7 @@ impl Failure {
             after: Duration::ZERO,
             origin,
             detail: detail.into(),
+            sizes: None,
         }
     }
 
@@ -275,6 +308,7 @@ impl Failure {
             after: Duration::ZERO,
             origin,
             detail: detail.into(),
+            sizes: None,
         }
     }
 
@@ -285,6 +319,7 @@ impl Failure {
             after: Duration::ZERO,
             origin,
             detail: detail.into(),
+            sizes: None,
         }
     }
 
@@ -308,16 +343,35 @@ impl Failure {
                 peer,
                 detail,
             },
+            (FailKind::Silent, Some(peer)) => CommError::Unresponsive {
+                op,
+                rank: me,
+                peer,
+                silent_for: self.after,
+                detail,
+            },
+            (FailKind::TooLarge, Some(peer)) => {
+                let (declared, limit) = self.sizes.unwrap_or((0, 0));
+                CommError::TooLarge {
+                    op,
+                    rank: me,
+                    peer,
+                    declared,
+                    limit,
+                }
+            }
             (FailKind::Mismatch, _) => CommError::Mismatch {
                 op,
                 rank: me,
                 detail,
             },
-            (FailKind::Lost | FailKind::Transport, _) => CommError::Transport {
-                op,
-                rank: me,
-                detail,
-            },
+            (FailKind::Lost | FailKind::Transport | FailKind::TooLarge | FailKind::Silent, _) => {
+                CommError::Transport {
+                    op,
+                    rank: me,
+                    detail,
+                }
+            }
         }
     }
 
@@ -334,6 +388,10 @@ impl Failure {
             cut -= 1;
         }
         put_blob(&mut out, &self.detail.as_bytes()[..cut]);
+        if let Some((declared, limit)) = self.sizes {
+            out.extend_from_slice(&declared.to_le_bytes());
+            out.extend_from_slice(&limit.to_le_bytes());
+        }
         out
     }
 
@@ -345,12 +403,18 @@ impl Failure {
                 1 => FailKind::Timeout,
                 2 => FailKind::Lost,
                 3 => FailKind::Mismatch,
+                5 => FailKind::TooLarge,
+                6 => FailKind::Silent,
                 _ => FailKind::Transport,
             };
             let culprit = c.u64()?;
             let after = Duration::from_millis(c.u64()?);
             let origin = usize::try_from(c.u64()?).ok()?;
             let detail = String::from_utf8_lossy(c.blob()?).into_owned();
+            let sizes = match (c.u64(), c.u64()) {
+                (Some(d), Some(l)) => Some((d, l)),
+                _ => None,
+            };
             let culprit = if culprit == NO_RANK {
                 None
             } else {
@@ -362,6 +426,7 @@ impl Failure {
                 after,
                 origin,
                 detail,
+                sizes,
             })
         };
         parse().unwrap_or_else(|| {
@@ -459,6 +524,18 @@ mod tests {
             Failure::decode(&[9, 1], 6).to_error("x", 0),
             CommError::Transport { .. }
         ));
+        let big = Failure::too_large(1, 2, 1 << 40, 1 << 30);
+        let e = Failure::decode(&big.encode(), 1).to_error("all_gather", 3);
+        assert_eq!(
+            e,
+            CommError::TooLarge {
+                op: "all_gather",
+                rank: 3,
+                peer: 2,
+                declared: 1 << 40,
+                limit: 1 << 30
+            }
+        );
     }
 
     #[test]

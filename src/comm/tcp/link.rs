@@ -68,6 +68,8 @@ pub(crate) struct Link {
     /// A data frame was left half-written by a failed operation: the stream is unusable for
     /// sending.
     pub torn: bool,
+    /// The peer said goodbye (closed its communicator on purpose) before its stream ended.
+    pub said_bye: bool,
 }
 
 impl Link {
@@ -85,6 +87,7 @@ impl Link {
             closed: None,
             ctrl_out: Vec::new(),
             torn: false,
+            said_bye: false,
         })
     }
 
@@ -172,6 +175,7 @@ impl Link {
             Kind::Abort => Event::Abort(Failure::decode(payload, self.peer)),
             Kind::Bye => {
                 self.rstart += total;
+                self.said_bye = true;
                 return Ok(self.close_with("it closed its communicator".to_owned()));
             }
             other => {
@@ -314,6 +318,11 @@ impl Link {
             self.queue_control(h, payload);
             let _ = self.send(&mut VecDeque::new());
         }
+        let _ = self.stream.shutdown(Shutdown::Write);
+    }
+
+    /// Closes the sending side without a word.
+    pub(crate) fn shut_write(&mut self) {
         let _ = self.stream.shutdown(Shutdown::Write);
     }
 
