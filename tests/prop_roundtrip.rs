@@ -102,8 +102,26 @@ fn round_trip(grid: impl Strategy<Value = GridOptions>) -> impl Strategy<Value =
         })
 }
 
-/// Saves with every rank of the save case.
-fn save_all(rt: &RoundTrip, fulls: &[Vec<u8>], dir: &Path) -> Result<(), TestCaseError> {
+/// The flat span of a non-empty box: from its first to just past its last element in the
+/// tensor's C-order flattening (the box itself when it is contiguous).
+fn flat_span(shape: &[u64], b: &zarrckpt::Region) -> Option<std::ops::Range<u64>> {
+    if b.is_empty() {
+        return None;
+    }
+    let lin = |ix: &mut dyn Iterator<Item = u64>| ix.zip(shape).fold(0u64, |a, (i, s)| a * s + i);
+    let start = lin(&mut b.offset.iter().copied());
+    let last = lin(&mut (0..b.ndim()).map(|d| b.end(d) - 1));
+    Some(start..last + 1)
+}
+
+/// Saves with every rank of the save case; with `flat`, every piece that is contiguous in the
+/// flattening is declared as a flat piece.
+fn save_all(
+    rt: &RoundTrip,
+    fulls: &[Vec<u8>],
+    dir: &Path,
+    flat: bool,
+) -> Result<(), TestCaseError> {
     let case = &rt.save;
     let opts = SaveOptions {
         compression: rt.knobs.compression,
@@ -128,6 +146,18 @@ fn save_all(rt: &RoundTrip, fulls: &[Vec<u8>], dir: &Path) -> Result<(), TestCas
             .map(|(h, data)| {
                 let t = &case.tensors[h.tensor];
                 let key = TensorKey::new(t.key.as_str()).unwrap();
+                let range = zarrckpt::model::flat::box_flat_range(&t.shape, &h.region);
+                if let (true, Some(range)) = (flat, range) {
+                    return ShardedTensor::from_flat(
+                        key,
+                        t.dtype,
+                        t.shape.clone(),
+                        range,
+                        h.replica,
+                        data,
+                    )
+                    .unwrap();
+                }
                 ShardedTensor::new(
                     key,
                     t.dtype,
@@ -149,8 +179,9 @@ fn save_all(rt: &RoundTrip, fulls: &[Vec<u8>], dir: &Path) -> Result<(), TestCas
     Ok(())
 }
 
-/// Loads with every rank of the load case; returns each rank's filled buffers.
-fn load_all(rt: &RoundTrip, dir: &Path) -> Result<Vec<Vec<Vec<u8>>>, TestCaseError> {
+/// Loads with every rank of the load case; returns each rank's filled buffers. With `flat`,
+/// every non-empty request asks for its flat span instead of its box.
+fn load_all(rt: &RoundTrip, dir: &Path, flat: bool) -> Result<Vec<Vec<Vec<u8>>>, TestCaseError> {
     let tensors = &rt.save.tensors;
     let opts = LoadOptions {
         io_threads: rt.knobs.io_threads,
@@ -160,15 +191,25 @@ fn load_all(rt: &RoundTrip, dir: &Path) -> Result<Vec<Vec<Vec<u8>>>, TestCaseErr
     let results = run_local(rt.load.world as usize, TIMEOUT, |comm| {
         let requests = &rt.load.requests[comm.rank()];
         // Garbage first, so bytes a load forgets to write show up.
+        let span =
+            |ti: usize, b: &zarrckpt::Region| flat_span(&tensors[ti].shape, b).filter(|_| flat);
         let mut bufs: Vec<Vec<u8>> = requests
             .iter()
-            .map(|(ti, b)| vec![0xA5; numel(&b.shape) as usize * tensors[*ti].dtype.size()])
+            .map(|(ti, b)| {
+                let n = span(*ti, b).map_or(numel(&b.shape), |r| r.end - r.start);
+                vec![0xA5; n as usize * tensors[*ti].dtype.size()]
+            })
             .collect();
         let mut targets: Vec<LoadTarget> = requests
             .iter()
             .zip(bufs.iter_mut())
             .map(|((ti, b), buf)| {
                 let t = &tensors[*ti];
+                if let Some(range) = span(*ti, b) {
+                    let key = TensorKey::new(t.key.as_str()).unwrap();
+                    return LoadTarget::from_flat(key, t.dtype, t.shape.clone(), range, buf)
+                        .unwrap();
+                }
                 LoadTarget::new(
                     TensorKey::new(t.key.as_str()).unwrap(),
                     t.dtype,
@@ -192,8 +233,9 @@ fn load_all(rt: &RoundTrip, dir: &Path) -> Result<Vec<Vec<Vec<u8>>>, TestCaseErr
         .collect()
 }
 
-/// Saves, loads, and compares every loaded buffer with the original bytes.
-fn check_round_trip(rt: &RoundTrip) -> Result<(), TestCaseError> {
+/// Saves, loads, and compares every loaded buffer with the original bytes; with `flat`,
+/// contiguous pieces are saved as flat pieces and requests ask for flat spans.
+fn check_round_trip(rt: &RoundTrip, flat: bool) -> Result<(), TestCaseError> {
     let tmp = tempfile::tempdir().map_err(|e| TestCaseError::fail(e.to_string()))?;
     let dir = tmp.path().join("ckpt");
     let tensors = &rt.save.tensors;
@@ -202,13 +244,16 @@ fn check_round_trip(rt: &RoundTrip) -> Result<(), TestCaseError> {
         .enumerate()
         .map(|(i, t)| tensor_bytes(i as u64 + 1, &t.shape, t.dtype))
         .collect();
-    save_all(rt, &fulls, &dir)?;
-    let loaded = load_all(rt, &dir)?;
+    save_all(rt, &fulls, &dir, flat)?;
+    let loaded = load_all(rt, &dir, flat)?;
     for (r, bufs) in loaded.iter().enumerate() {
         for ((ti, b), got) in rt.load.requests[r].iter().zip(bufs) {
             let t = &tensors[*ti];
             let elem = t.dtype.size();
-            let want = cut(&fulls[*ti], &t.shape, b, elem);
+            let want = match flat_span(&t.shape, b).filter(|_| flat) {
+                Some(r) => fulls[*ti][r.start as usize * elem..r.end as usize * elem].to_vec(),
+                None => cut(&fulls[*ti], &t.shape, b, elem),
+            };
             if let Some(i) = want.iter().zip(got).position(|(w, g)| w != g) {
                 let e = i / elem;
                 return Err(TestCaseError::fail(format!(
@@ -238,7 +283,14 @@ proptest! {
     /// Any save topology, any load topology, random grid options and compression.
     #[test]
     fn save_and_load_in_any_topology(rt in round_trip(grid_options())) {
-        check_round_trip(&rt)?;
+        check_round_trip(&rt, false)?;
+    }
+
+    /// The same with flat declarations: pieces contiguous in the flattening saved as flat
+    /// pieces (mixed with box pieces), every request asking for the flat span of its box.
+    #[test]
+    fn flat_pieces_and_requests_round_trip(rt in round_trip(grid_options())) {
+        check_round_trip(&rt, true)?;
     }
 
     /// The tiny-chunk fallback for every unevenly split tensor: unaligned chunks assembled
@@ -250,6 +302,6 @@ proptest! {
                 .prop_map(|s| GridOptions { min_chunk_bytes: u64::MAX, subchunk_target_bytes: s }),
         ),
     ) {
-        check_round_trip(&rt)?;
+        check_round_trip(&rt, false)?;
     }
 }
