@@ -326,26 +326,19 @@ impl<'a> StateDict<'a> {
 }
 
 impl<'a> ShardedTensor<'a> {
-    /// A piece of another tensor laid out like `like`: the same global shape, region and
-    /// replica id, with its own key, data type and data. Optimizer state (Adam moments, fp32
-    /// master weights) declared this way reshards with its parameter.
+    /// A piece of another tensor laid out like `like`: the same global shape, box or flat
+    /// range, and replica (id or automatic), with its own key, data type and data. Optimizer
+    /// state (Adam moments, fp32 master weights) declared this way reshards with its parameter.
     ///
     /// # Errors
-    /// [`TensorError`] for an invalid key or when `data` is not the region's size in `dtype`.
+    /// [`TensorError`] for an invalid key or when `data` is not the piece's size in `dtype`.
     pub fn like(
         like: &ShardedTensor<'_>,
         key: &str,
         dtype: DType,
         data: &'a [u8],
     ) -> Result<Self, TensorError> {
-        ShardedTensor::new(
-            TensorKey::new(key)?,
-            dtype,
-            like.global_shape().to_vec(),
-            like.region().clone(),
-            like.replica_id(),
-            data,
-        )
+        like.laid_out_for(TensorKey::new(key)?, dtype, data)
     }
 
     /// The same piece under another key (a state dict's flattened path).
@@ -353,49 +346,73 @@ impl<'a> ShardedTensor<'a> {
     /// # Errors
     /// [`TensorError`] only if the piece was invalid to begin with.
     pub fn rekeyed(&self, key: TensorKey) -> Result<Self, TensorError> {
-        ShardedTensor::new(
-            key,
-            self.dtype(),
-            self.global_shape().to_vec(),
-            self.region().clone(),
-            self.replica_id(),
-            self.data(),
-        )
+        self.laid_out_for(key, self.dtype(), self.data())
+    }
+
+    /// A piece with this one's layout (global shape, box or flat range, replica) for `key`.
+    fn laid_out_for<'d>(
+        &self,
+        key: TensorKey,
+        dtype: DType,
+        data: &'d [u8],
+    ) -> Result<ShardedTensor<'d>, TensorError> {
+        let shape = self.global_shape().to_vec();
+        let piece = match self.flat_range() {
+            Some(range) => ShardedTensor::from_flat(key, dtype, shape, range, 0, data)?,
+            None => ShardedTensor::new(key, dtype, shape, self.region().clone(), 0, data)?,
+        };
+        Ok(piece.with_replica(self.replica()))
     }
 }
 
 impl<'a> LoadTarget<'a> {
-    /// A request laid out like `like` (same global shape and region) for another tensor with
-    /// its own key, data type and buffer: how optimizer state is loaded with its parameter.
+    /// A request laid out like `like` (same global shape, box or flat range) for another
+    /// tensor with its own key, data type and buffer: how optimizer state is loaded with its
+    /// parameter. The conversion setting is not copied: set it with [`LoadTarget::with_cast`].
     ///
     /// # Errors
-    /// [`TensorError`] for an invalid key or when `buf` is not the region's size in `dtype`.
+    /// [`TensorError`] for an invalid key or when `buf` is not the request's size in `dtype`.
     pub fn like(
         like: &LoadTarget<'_>,
         key: &str,
         dtype: DType,
         buf: &'a mut [u8],
     ) -> Result<Self, TensorError> {
-        LoadTarget::new(
-            TensorKey::new(key)?,
-            dtype,
-            like.global_shape().to_vec(),
-            like.region().clone(),
-            buf,
-        )
+        laid_out(like, TensorKey::new(key)?, dtype, buf)
     }
 
-    /// The same request under another key, borrowing this target's buffer.
+    /// The same request under another key, borrowing this target's buffer (conversion
+    /// setting included).
     ///
     /// # Errors
     /// [`TensorError`] only if the target was invalid to begin with.
     pub fn rekeyed(&mut self, key: TensorKey) -> Result<LoadTarget<'_>, TensorError> {
-        let (dtype, shape, region) = (
-            self.dtype(),
+        let (dtype, cast) = (self.dtype(), self.cast());
+        let (shape, region, flat) = (
             self.global_shape().to_vec(),
             self.region().clone(),
+            self.flat_range(),
         );
-        LoadTarget::new(key, dtype, shape, region, self.buf_mut())
+        let buf = self.buf_mut();
+        let t = match flat {
+            Some(range) => LoadTarget::from_flat(key, dtype, shape, range, buf)?,
+            None => LoadTarget::new(key, dtype, shape, region, buf)?,
+        };
+        Ok(t.with_cast(cast))
+    }
+}
+
+/// A request with `like`'s layout (global shape, box or flat range) for `key`.
+fn laid_out<'b>(
+    like: &LoadTarget<'_>,
+    key: TensorKey,
+    dtype: DType,
+    buf: &'b mut [u8],
+) -> Result<LoadTarget<'b>, TensorError> {
+    let shape = like.global_shape().to_vec();
+    match like.flat_range() {
+        Some(range) => LoadTarget::from_flat(key, dtype, shape, range, buf),
+        None => LoadTarget::new(key, dtype, shape, like.region().clone(), buf),
     }
 }
 
@@ -454,6 +471,41 @@ mod tests {
         assert!(matches!(sd.flatten(), Err(StateError::Key { .. })));
         let sd = StateDict::new().with("a", StateDict::new().with("zarr.json", json!(1)));
         assert!(matches!(sd.flatten(), Err(StateError::Key { .. })));
+    }
+
+    #[test]
+    fn like_keeps_flat_ranges_replicas_and_casts() {
+        use crate::model::{Cast, Replica};
+        let w = [1u16, 2, 3];
+        let m = [0f32; 3];
+        let p = ShardedTensor::from_flat_slice("w", &[2, 4], 2..5, &w, 0)
+            .unwrap()
+            .with_replica(Replica::Auto);
+        let like = ShardedTensor::like(&p, "m", DType::Float32, crate::model::dtype::as_bytes(&m))
+            .unwrap();
+        assert_eq!(like.flat_range(), Some(2..5));
+        assert_eq!(like.replica(), Replica::Auto);
+        assert_eq!(
+            like.rekeyed(TensorKey::new("n").unwrap())
+                .unwrap()
+                .flat_range(),
+            Some(2..5)
+        );
+        let mut wb = [0u16; 3];
+        let mut mb = [0f32; 3];
+        let mut t = LoadTarget::from_flat_slice("w", &[2, 4], 2..5, &mut wb)
+            .unwrap()
+            .with_cast(Cast::FloatConvert);
+        let lt = LoadTarget::like(
+            &t,
+            "m",
+            DType::Float32,
+            crate::model::dtype::as_bytes_mut(&mut mb),
+        )
+        .unwrap();
+        assert_eq!(lt.flat_range(), Some(2..5));
+        let r = t.rekeyed(TensorKey::new("x").unwrap()).unwrap();
+        assert_eq!((r.flat_range(), r.cast()), (Some(2..5), Cast::FloatConvert));
     }
 
     #[test]
