@@ -571,6 +571,8 @@ fn every_example_is_tagged_parses_and_is_counted() {
         ("grid", 1),
         ("shard", 5),
         ("crc32c", 1),
+        ("compressed_shard", 2),
+        ("safetensors", 1),
     ];
     for (kind, n) in want {
         assert!(
@@ -2079,4 +2081,282 @@ fn array_documents_name_their_key_and_groups_are_optional() {
         std::fs::remove_file(dir.join(g)).unwrap();
     }
     assert_eq!(read().unwrap(), want);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compressed payloads (section 7.2) and the worked examples of section 7.3
+// ---------------------------------------------------------------------------------------------
+
+/// The rules of section 7.2 for a payload, written from the spec (the frame structure is read
+/// by hand; only the zstd frame walk and decompression use libzstd).
+fn spec_check_payload(compression: &str, p: &[u8], d: u64, elem: u8) -> Result<Vec<u8>, String> {
+    match compression {
+        "zstd" => {
+            if p.get(..4) != Some(&[0x28, 0xB5, 0x2F, 0xFD][..]) {
+                return Err("magic".into());
+            }
+            let fhd = p[4];
+            if fhd & 0x0B != 0 {
+                return Err("dictionary or reserved bit".into());
+            }
+            // Frame_Content_Size: flag in bits 6-7; with flag 0 only single-segment frames
+            // (bit 5) carry a 1-byte size.
+            let single = fhd & 0x20 != 0;
+            let fcs_len = match fhd >> 6 {
+                0 if single => 1,
+                0 => return Err("no content size".into()),
+                1 => 2,
+                2 => 4,
+                _ => 8,
+            };
+            let at = 5 + usize::from(!single);
+            let mut fcs = [0u8; 8];
+            fcs[..fcs_len].copy_from_slice(&p[at..at + fcs_len]);
+            let fcs = u64::from_le_bytes(fcs) + if fcs_len == 2 { 256 } else { 0 };
+            if fcs != d {
+                return Err(format!("content size {fcs}"));
+            }
+            if zstd::zstd_safe::find_frame_compressed_size(p) != Ok(p.len()) {
+                return Err("not exactly one frame".into());
+            }
+            let out = zstd::bulk::decompress(p, d as usize).map_err(|e| e.to_string())?;
+            if out.len() as u64 != d {
+                return Err("decompressed length".into());
+            }
+            Ok(out)
+        }
+        "blosc" => {
+            let w = |i: usize| u64::from(u32::from_le_bytes(p[i..i + 4].try_into().unwrap()));
+            let ok = p.len() >= 16
+                && p[0] == 2
+                && p[2] & 0x0C == 0
+                && p[2] >> 5 == 1
+                && p[3] == elem
+                && w(4) == d
+                && (1..=w(4)).contains(&w(8))
+                && w(12) == p.len() as u64
+                && (p[2] & 0x02 == 0 || w(12) == w(4) + 16);
+            if ok {
+                Ok(Vec::new())
+            } else {
+                Err("blosc header".into())
+            }
+        }
+        other => Err(format!("compression {other}")),
+    }
+}
+
+fn iota_data(ex: &Example) -> (DType, Vec<u64>, Vec<u8>) {
+    let t = &ex.tag;
+    let d = dtype(t["dtype"].as_str().unwrap());
+    assert_eq!(d, DType::Int32);
+    let shape = u64s(&t["shape"]);
+    let iota = t["iota"].as_u64().unwrap();
+    let data: Vec<u8> = (0..shape.iter().product::<u64>())
+        .flat_map(|i| {
+            i32::try_from(if i < iota { i } else { 0 })
+                .unwrap()
+                .to_le_bytes()
+        })
+        .collect();
+    (d, shape, data)
+}
+
+/// Section 7.3: the example shards satisfy the rules of sections 7 and 7.2 as an independent
+/// reading of them checks, and the crate's reader reads them back in place of what its
+/// writer wrote.
+#[test]
+fn compressed_shard_examples_read_back() {
+    for ex in of_kind("compressed_shard") {
+        let t = &ex.tag;
+        let comp = t["compression"].as_str().unwrap();
+        let (d, shape, data) = iota_data(&ex);
+        let sub_shape = u64s(&t["subchunk_shape"]);
+        let sub_bytes = sub_shape.iter().product::<u64>() * d.size() as u64;
+        let hex = ex.hex();
+        // By the rules: the index, each entry, each payload.
+        let n = (u64s(&t["chunk_shape"])[0] / sub_shape[0]) as usize;
+        let index_len = 16 * n + 4;
+        let (body, index) = hex.split_at(hex.len() - index_len);
+        assert_eq!(
+            crc32c::crc32c(&index[..16 * n]).to_le_bytes(),
+            index[16 * n..],
+            "line {}",
+            ex.line
+        );
+        let mut raw = vec![0u8; data.len()];
+        for i in 0..n {
+            let off = u64::from_le_bytes(index[16 * i..16 * i + 8].try_into().unwrap());
+            let nb = u64::from_le_bytes(index[16 * i + 8..16 * i + 16].try_into().unwrap());
+            if (off, nb) == (u64::MAX, u64::MAX) {
+                continue;
+            }
+            let stored = &body[off as usize..(off + nb) as usize];
+            let (payload, crc) = stored.split_at(stored.len() - 4);
+            assert_eq!(
+                crc32c::crc32c(payload).to_le_bytes(),
+                crc,
+                "line {}",
+                ex.line
+            );
+            let out = spec_check_payload(comp, payload, sub_bytes, d.size() as u8)
+                .unwrap_or_else(|e| panic!("line {}: {e}", ex.line));
+            if comp == "zstd" {
+                let at = i * sub_bytes as usize;
+                raw[at..at + out.len()].copy_from_slice(&out);
+            }
+        }
+        if comp == "zstd" {
+            assert_eq!(raw, data, "line {}", ex.line);
+        }
+        // By the crate: save the same tensor, then put the example in place of the shard.
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ckpt");
+        let key = TensorKey::new("t").unwrap();
+        let piece = [ShardedTensor::new(
+            key.clone(),
+            d,
+            shape.clone(),
+            Region::full(&shape),
+            0,
+            &data,
+        )
+        .unwrap()];
+        let compression = match comp {
+            "zstd" => Compression::Zstd,
+            _ => Compression::Blosc,
+        };
+        let opts = SaveOptions {
+            compression,
+            grid: GridOptions {
+                subchunk_target_bytes: sub_bytes,
+                ..GridOptions::default()
+            },
+            ..SaveOptions::default()
+        };
+        save(&piece, &dir, &LocalComm::single(), &opts).unwrap();
+        let info = Checkpoint::open(&dir).unwrap().tensor(&key).unwrap();
+        assert_eq!(
+            (&info.chunk_shape, &info.subchunk_shape),
+            (&u64s(&t["chunk_shape"]), &sub_shape),
+            "line {}",
+            ex.line
+        );
+        let file = dir.join("tensors/t").join(t["file"].as_str().unwrap());
+        std::fs::write(&file, &hex).unwrap();
+        assert_eq!(
+            Checkpoint::open(&dir).unwrap().read_tensor(&key).unwrap(),
+            data,
+            "line {}",
+            ex.line
+        );
+
+        // The same payload made invalid in ways a CRC-32C does not catch (the CRC-32C and the
+        // index are recomputed): every one is refused as a corrupt shard.
+        let off0 = u64::from_le_bytes(index[..8].try_into().unwrap()) as usize;
+        let nb0 = u64::from_le_bytes(index[8..16].try_into().unwrap()) as usize;
+        let payload = body[off0..off0 + nb0 - 4].to_vec();
+        let mut bad: Vec<(&str, Vec<u8>)> = Vec::new();
+        if comp == "zstd" {
+            let mut trailing = payload.clone();
+            trailing.push(0);
+            bad.push(("a byte after the frame", trailing));
+            let mut skip = vec![0x50, 0x2A, 0x4D, 0x18, 0, 0, 0, 0];
+            skip.extend_from_slice(&payload);
+            bad.push(("a skippable frame first", skip));
+            let mut twice = payload.clone();
+            twice.extend_from_slice(&payload);
+            bad.push(("two frames", twice));
+        } else {
+            let mut v3 = payload.clone();
+            v3[0] = 3;
+            bad.push(("a Blosc2 version", v3));
+            let mut bit = payload.clone();
+            bit[2] |= 0x04;
+            bad.push(("bit shuffle", bit));
+            let mut ts = payload.clone();
+            ts[3] = 2;
+            bad.push(("another typesize", ts));
+            let mut bs = payload.clone();
+            bs[8..12].copy_from_slice(&4096u32.to_le_bytes());
+            bad.push(("a block larger than the buffer", bs));
+        }
+        for (what, p) in bad {
+            assert!(
+                spec_check_payload(comp, &p, sub_bytes, d.size() as u8).is_err(),
+                "{what}"
+            );
+            let stored = stored(&p);
+            let mut entries = vec![None; n];
+            entries[0] = Some((0, stored.len() as u64));
+            std::fs::write(&file, shard_bytes(&stored, &entries)).unwrap();
+            let e = Checkpoint::open(&dir)
+                .unwrap()
+                .read_tensor(&key)
+                .expect_err(what);
+            assert!(corrupt_shard(&e), "{comp} {what}: {e}");
+        }
+    }
+}
+
+/// Section 13: the safetensors data type names the command line maps to and from, checked by
+/// importing a file with one tensor of each and exporting it back.
+#[test]
+fn safetensors_dtype_names_are_as_specified() {
+    let ex = of_kind("safetensors").pop().unwrap();
+    let table = ex.json();
+    let table = table.as_object().unwrap();
+    assert_eq!(table.len(), 15, "every data type of section 6.1 once");
+    let ours: BTreeSet<&str> = table.values().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(ours.len(), 15);
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("in.safetensors");
+    let datas: Vec<(String, safetensors::Dtype, Vec<u8>)> = table
+        .keys()
+        .map(|st| {
+            let d: safetensors::Dtype = serde_json::from_value(json!(st)).unwrap();
+            let size = dtype(table[st].as_str().unwrap()).size();
+            let bytes = (0..3 * size)
+                .map(|i| u8::try_from(i % 2).unwrap())
+                .collect();
+            (format!("t_{st}"), d, bytes)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = datas
+        .iter()
+        .map(|(n, d, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, vec![3], b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &src).unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let bin = env!("CARGO_BIN_EXE_zarrckpt");
+    let o = std::process::Command::new(bin)
+        .arg("import")
+        .arg(&src)
+        .arg("--out")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let opened = Checkpoint::open(&ckpt).unwrap();
+    for (st, ours) in table {
+        let info = opened
+            .tensor(&TensorKey::new(format!("t_{st}")).unwrap())
+            .unwrap();
+        assert_eq!(info.dtype.name(), ours.as_str().unwrap(), "{st}");
+    }
+    let out = tmp.path().join("out.safetensors");
+    let o = std::process::Command::new(bin)
+        .arg("export")
+        .arg(&ckpt)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&out).unwrap());
 }

@@ -573,6 +573,13 @@ unsafe fn read_shard_compressed(
                 check_declared_size(arr.entry().compression, payload, sub_bytes).map_err(|d| {
                     corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear))
                 })?;
+                super::frame::check(
+                    arr.entry().compression,
+                    payload,
+                    geom.subchunk_bytes(),
+                    geom.elem,
+                )
+                .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
                 let decoded = arr.decode_subchunk(&shard.chunk, s.linear, scratch)?;
                 // SAFETY: disjoint destination ranges (caller's contract).
                 unsafe { scatter(std::iter::once((s, 0)), &decoded, dest) };
