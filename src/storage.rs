@@ -6,6 +6,7 @@ pub mod commit;
 pub mod dtype;
 pub mod error;
 pub mod foreign;
+pub mod frame;
 pub mod fsio;
 pub mod meta;
 pub mod object;

@@ -25,7 +25,7 @@ fn formula_bytes(seed: u64, nbytes: u64, dtype: DType) -> Vec<u8> {
     (0..nbytes)
         .map(|j| {
             if dtype == DType::Bool {
-                u8::from((7 * j + seed) % 3 == 0)
+                u8::from((7 * j + seed).is_multiple_of(3))
             } else if (j / 16) % 4 == 3 {
                 0
             } else {

@@ -580,6 +580,8 @@ fn every_example_is_tagged_parses_and_is_counted() {
         ("crc32c", 1),
         ("object_array", 2),
         ("object_chunk", 1),
+        ("compressed_shard", 2),
+        ("safetensors", 1),
     ];
     for (kind, n) in want {
         assert!(
@@ -1443,25 +1445,73 @@ fn invalid_documents_are_rejected() {
         );
     }
 
-    // Writers must write every field; this reader defaults the optional ones (section 4).
-    let mut doc = base.clone();
-    doc["attributes"]["zarrckpt"]["tensors"][key]
-        .as_object_mut()
-        .unwrap()
-        .remove("compression");
-    doc["attributes"]["zarrckpt"]
-        .as_object_mut()
-        .unwrap()
-        .remove("user");
-    assert!(
-        !root_v.is_valid(&doc),
-        "schema accepts a document without compression and user"
-    );
-    let meta = parse_root(&doc).unwrap();
-    assert_eq!(
-        meta.tensors[&TensorKey::new(key).unwrap()].compression,
-        Compression::None
-    );
+    // Every member is required, for readers too (section 4.1): missing, null or mistyped
+    // members are refused by both.
+    fn entry_of<'a>(d: &'a mut Value, key: &str) -> &'a mut serde_json::Map<String, Value> {
+        d["attributes"]["zarrckpt"]["tensors"][key]
+            .as_object_mut()
+            .unwrap()
+    }
+    let required: Vec<Mutation> = vec![
+        (
+            "no compression",
+            Box::new(move |d| {
+                entry_of(d, key).remove("compression");
+            }),
+        ),
+        (
+            "compression null",
+            Box::new(move |d| {
+                entry_of(d, key).insert("compression".into(), Value::Null);
+            }),
+        ),
+        (
+            "no path",
+            Box::new(move |d| {
+                entry_of(d, key).remove("path");
+            }),
+        ),
+        (
+            "no user",
+            Box::new(|d| {
+                d["attributes"]["zarrckpt"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("user");
+            }),
+        ),
+        (
+            "no writer",
+            Box::new(|d| {
+                d["attributes"]["zarrckpt"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("writer");
+            }),
+        ),
+        (
+            "writer is a number",
+            Box::new(|d| d["attributes"]["zarrckpt"]["writer"] = json!(1)),
+        ),
+        (
+            "world_size null",
+            Box::new(|d| d["attributes"]["zarrckpt"]["world_size"] = Value::Null),
+        ),
+        (
+            "tensors is an array",
+            Box::new(|d| d["attributes"]["zarrckpt"]["tensors"] = json!([])),
+        ),
+    ];
+    for (what, m) in &required {
+        let mut doc = base.clone();
+        m(&mut doc);
+        assert!(
+            !root_v.is_valid(&doc),
+            "schema accepts a document with {what}"
+        );
+        let e = parse_root(&doc).expect_err(what);
+        assert!(matches!(e, StorageError::Malformed { .. }), "{what}: {e}");
+    }
 
     // A later minor version with fields this reader does not know is accepted by both.
     let mut doc = base.clone();
@@ -1807,4 +1857,668 @@ fn array_documents_compare_numbers_as_section_6_3_says() {
         std::fs::write(path(k), doc).unwrap();
     }
     assert_eq!(read(&key).unwrap(), data);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader rules (sections 4.1, 6.1, 6.3 and 7.2), on crafted documents and bytes
+// ---------------------------------------------------------------------------------------------
+
+/// The main example of section 4 as compact JSON text, for byte-level edits.
+fn root_text() -> String {
+    serde_json::to_string(&root_by_id("main")).unwrap()
+}
+
+fn parse_text(text: &[u8]) -> Result<CheckpointMeta, StorageError> {
+    CheckpointMeta::from_root_json(text, Path::new("spec/zarr.json"))
+}
+
+/// Section 4.1, step 1: RFC 8259 JSON in UTF-8 without a byte-order mark, no duplicate
+/// member names at any depth.
+#[test]
+fn root_documents_are_parsed_strictly() {
+    let text = root_text();
+    parse_text(text.as_bytes()).unwrap();
+    let fmt = r#""format":"zarrckpt","#;
+    let user = r#""user":{"iteration":1000,"consumed_samples":2048000}"#;
+    let step = r#""optimizer/step":{"#;
+    assert!(
+        text.contains(fmt) && text.contains(user) && text.contains(step),
+        "{text}"
+    );
+    let edits: Vec<(&str, Vec<u8>)> = vec![
+        ("a duplicate index member", text.replacen(fmt, &format!("{fmt}{fmt}"), 1).into_bytes()),
+        (
+            "a duplicate tensor key",
+            text.replacen(
+                step,
+                r#""optimizer/step":{"path":"tensors/optimizer/step","dtype":"int64","shape":[],"chunk_shape":[],"subchunk_shape":[],"compression":"none","writer":"x"},"optimizer/step":{"#,
+                1,
+            )
+            .into_bytes(),
+        ),
+        (
+            "a duplicate member inside user",
+            text.replacen(user, r#""user":{"a":1,"a":2}"#, 1).into_bytes(),
+        ),
+        (
+            "a duplicate member spelled with an escape",
+            text.replacen(user, r#""user":{"a":1,"\u0061":1}"#, 1).into_bytes(),
+        ),
+        (
+            "a duplicate top-level member",
+            text.replacen(r#""node_type":"group","#, r#""node_type":"group","node_type":"group","#, 1)
+                .into_bytes(),
+        ),
+        ("NaN", text.replacen(user, r#""user":{"x":NaN}"#, 1).into_bytes()),
+        ("Infinity", text.replacen(user, r#""user":{"x":Infinity}"#, 1).into_bytes()),
+        ("a comment", text.replacen(user, r#""user":{/* c */}"#, 1).into_bytes()),
+        ("a trailing comma", text.replacen(user, r#""user":{"x":1,}"#, 1).into_bytes()),
+        ("a lone surrogate", text.replacen(user, r#""user":{"x":"\uD800"}"#, 1).into_bytes()),
+        ("trailing bytes", format!("{text} x").into_bytes()),
+        ("a byte-order mark", [&b"\xEF\xBB\xBF"[..], text.as_bytes()].concat()),
+        ("UTF-16", text.encode_utf16().flat_map(u16::to_le_bytes).collect()),
+        (
+            "invalid UTF-8 in a string",
+            text.replacen(user, "\"user\":{\"x\":\"\u{1}\"}", 1)
+                .into_bytes()
+                .into_iter()
+                .map(|b| if b == 1 { 0xFF } else { b })
+                .collect(),
+        ),
+    ];
+    for (what, bytes) in &edits {
+        let e = parse_text(bytes).expect_err(what);
+        assert!(matches!(e, StorageError::Malformed { .. }), "{what}: {e}");
+    }
+    // Whitespace around the value is fine; a non-ASCII key in UTF-8 is fine.
+    parse_text(format!(" \n{text}\n ").as_bytes()).unwrap();
+    parse_text(
+        text.replacen(user, r#""user":{"é":"\u00e9"}"#, 1)
+            .as_bytes(),
+    )
+    .unwrap();
+}
+
+/// Section 4.1, steps 2 and 3: extra top-level members are ignored; format and version are
+/// checked before the rest of the index, so another major version is reported as such
+/// however broken the rest is.
+#[test]
+fn root_checks_run_in_the_specified_order() {
+    let base = root_by_id("main");
+    let mut doc = base.clone();
+    doc["consolidated_metadata"] = Value::Null;
+    doc["some_extension"] = json!({"must_understand": false});
+    parse_root(&doc).unwrap();
+
+    let mut doc = base.clone();
+    let z = doc["attributes"]["zarrckpt"].as_object_mut().unwrap();
+    z.insert("version".into(), json!("2.0"));
+    z.remove("tensors");
+    z.insert("writer".into(), json!(5));
+    z.insert("world_size".into(), json!(-1));
+    let e = parse_root(&doc).unwrap_err();
+    assert!(matches!(e, StorageError::UnsupportedVersion { .. }), "{e}");
+    // The format name comes first of all.
+    doc["attributes"]["zarrckpt"]["format"] = json!("other");
+    let e = parse_root(&doc).unwrap_err();
+    assert!(matches!(e, StorageError::Malformed { .. }), "{e}");
+    // Not a group: not a checkpoint, whatever the attribute holds.
+    let mut doc = base.clone();
+    doc["node_type"] = json!("array");
+    doc["attributes"]["zarrckpt"]["version"] = json!("2.0");
+    let e = parse_root(&doc).unwrap_err();
+    assert!(matches!(e, StorageError::NotACheckpoint { .. }), "{e}");
+}
+
+/// A saved checkpoint with a bool tensor, a nested key and an int32 tensor of two subchunks
+/// with equal bytes; returns its directory.
+fn small_checkpoint(tmp: &Path) -> PathBuf {
+    let dir = tmp.join("ckpt");
+    let ints: Vec<u8> = [1i32, 2, 1, 2]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let bools = [1u8, 0, 1, 1];
+    let pieces = [
+        ShardedTensor::new(
+            TensorKey::new("g/h/ints").unwrap(),
+            DType::Int32,
+            vec![4],
+            Region::full(&[4]),
+            0,
+            &ints,
+        )
+        .unwrap(),
+        ShardedTensor::new(
+            TensorKey::new("flags").unwrap(),
+            DType::Bool,
+            vec![4],
+            Region::full(&[4]),
+            0,
+            &bools,
+        )
+        .unwrap(),
+    ];
+    let opts = SaveOptions {
+        grid: GridOptions {
+            subchunk_target_bytes: 8,
+            ..GridOptions::default()
+        },
+        ..SaveOptions::default()
+    };
+    save(&pieces, &dir, &LocalComm::single(), &opts).unwrap();
+    let meta = Checkpoint::open(&dir).unwrap();
+    let e = meta.tensor(&TensorKey::new("g/h/ints").unwrap()).unwrap();
+    assert_eq!(e.subchunk_shape, vec![2]);
+    dir
+}
+
+/// A shard file: `data` then the index of `entries` (`None` absent) and its CRC-32C.
+fn shard_bytes(data: &[u8], entries: &[Option<(u64, u64)>]) -> Vec<u8> {
+    let mut out = data.to_vec();
+    let mut index = Vec::new();
+    for e in entries {
+        let (o, n) = e.unwrap_or((u64::MAX, u64::MAX));
+        index.extend_from_slice(&o.to_le_bytes());
+        index.extend_from_slice(&n.to_le_bytes());
+    }
+    out.extend_from_slice(&index);
+    out.extend_from_slice(&crc32c::crc32c(&index).to_le_bytes());
+    out
+}
+
+/// A stored subchunk: the bytes and their CRC-32C.
+fn stored(bytes: &[u8]) -> Vec<u8> {
+    [bytes, &crc32c::crc32c(bytes).to_le_bytes()[..]].concat()
+}
+
+fn read_with(
+    dir: &Path,
+    key: &str,
+    region: &Region,
+    method: zarrckpt::ReadMethod,
+) -> Result<Vec<u8>, Error> {
+    let key = TensorKey::new(key).unwrap();
+    let ckpt = Checkpoint::open(dir)?;
+    let info = ckpt.tensor(&key).unwrap();
+    let mut buf = vec![0u8; region.shape.iter().product::<u64>() as usize * info.dtype.size()];
+    let mut t = [zarrckpt::LoadTarget::new(
+        key,
+        info.dtype,
+        info.shape,
+        region.clone(),
+        &mut buf,
+    )?];
+    let opts = zarrckpt::LoadOptions {
+        read_method: method,
+        ..zarrckpt::LoadOptions::default()
+    };
+    zarrckpt::load(&mut t, dir, &LocalComm::single(), &opts)?;
+    Ok(buf)
+}
+
+const METHODS: [zarrckpt::ReadMethod; 2] =
+    [zarrckpt::ReadMethod::Mmap, zarrckpt::ReadMethod::Pread];
+
+fn corrupt_shard(e: &Error) -> bool {
+    matches!(e, Error::Storage(StorageError::CorruptChunk { .. }))
+}
+
+/// Section 7.2: overlapping entries and entries past the data are refused, for every entry of
+/// the index, used or not; unreferenced bytes are not an error.
+#[test]
+fn shard_entries_must_not_overlap_and_may_leave_gaps() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = small_checkpoint(tmp.path());
+    let file = dir.join("tensors/g/h/ints/c.0");
+    let (a, b) = (
+        stored(&[1, 0, 0, 0, 2, 0, 0, 0]),
+        stored(&[1, 0, 0, 0, 2, 0, 0, 0]),
+    );
+    let want: Vec<u8> = [1i32, 2, 1, 2]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let written = std::fs::read(&file).unwrap();
+    assert_eq!(
+        written,
+        shard_bytes(
+            &[a.clone(), b.clone()].concat(),
+            &[Some((0, 12)), Some((12, 12))]
+        )
+    );
+    let all = Region::full(&[4]);
+    let first = Region::new(vec![0], vec![2]).unwrap();
+    // Accepted: a gap before, between and after the subchunks; entries out of file order.
+    let junk = [0xEEu8; 5];
+    let accepted = [
+        shard_bytes(
+            &[&junk[..], &a, &b].concat(),
+            &[Some((5, 12)), Some((17, 12))],
+        ),
+        shard_bytes(
+            &[&a[..], &junk, &b].concat(),
+            &[Some((0, 12)), Some((17, 12))],
+        ),
+        shard_bytes(
+            &[&a[..], &b, &junk].concat(),
+            &[Some((0, 12)), Some((12, 12))],
+        ),
+        shard_bytes(&[&b[..], &a].concat(), &[Some((12, 12)), Some((0, 12))]),
+    ];
+    for (i, bytes) in accepted.iter().enumerate() {
+        std::fs::write(&file, bytes).unwrap();
+        for m in METHODS {
+            assert_eq!(
+                read_with(&dir, "g/h/ints", &all, m).unwrap(),
+                want,
+                "accepted {i} {m:?}"
+            );
+        }
+    }
+    // Refused: both entries on the same bytes (each checksum is right); overlapping by one
+    // byte; an entry past the data, or with one value 2^64 - 1, even when only the other
+    // subchunk is read; an entry shorter than its checksum.
+    let refused = [
+        (
+            "same bytes",
+            shard_bytes(&a, &[Some((0, 12)), Some((0, 12))]),
+        ),
+        (
+            "one byte of overlap",
+            shard_bytes(&[&a[..], &b].concat(), &[Some((0, 12)), Some((11, 12))]),
+        ),
+        (
+            "past the data",
+            shard_bytes(&a, &[Some((0, 12)), Some((12, 12))]),
+        ),
+        (
+            "half absent",
+            shard_bytes(&a, &[Some((0, 12)), Some((u64::MAX, 12))]),
+        ),
+        (
+            "overflowing",
+            shard_bytes(&a, &[Some((0, 12)), Some((u64::MAX - 3, 12))]),
+        ),
+        (
+            "too short",
+            shard_bytes(&[&a[..], &b].concat(), &[Some((0, 12)), Some((12, 3))]),
+        ),
+    ];
+    for (what, bytes) in &refused {
+        std::fs::write(&file, bytes).unwrap();
+        for m in METHODS {
+            let e = read_with(&dir, "g/h/ints", &first, m).expect_err(what);
+            assert!(corrupt_shard(&e), "{what} {m:?}: {e}");
+        }
+    }
+    std::fs::write(&file, &written).unwrap();
+}
+
+/// Section 6.1: a bool byte other than 0 and 1 is corruption, on every read path.
+#[test]
+fn bool_bytes_other_than_0_and_1_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = small_checkpoint(tmp.path());
+    let file = dir.join("tensors/flags/c.0");
+    let written = std::fs::read(&file).unwrap();
+    assert_eq!(
+        written,
+        shard_bytes(&stored(&[1, 0, 1, 1]), &[Some((0, 8))])
+    );
+    let all = Region::full(&[4]);
+    for m in METHODS {
+        assert_eq!(read_with(&dir, "flags", &all, m).unwrap(), vec![1, 0, 1, 1]);
+    }
+    std::fs::write(&file, shard_bytes(&stored(&[1, 0, 2, 1]), &[Some((0, 8))])).unwrap();
+    for m in METHODS {
+        let e = read_with(&dir, "flags", &all, m).unwrap_err();
+        assert!(corrupt_shard(&e), "{m:?}: {e}");
+        // Parts that do not hold the bad byte still read.
+        let part = Region::new(vec![0], vec![2]).unwrap();
+        assert_eq!(
+            read_with(&dir, "flags", &part, m).unwrap(),
+            vec![1, 0],
+            "{m:?}"
+        );
+    }
+    let report = Checkpoint::open(&dir).unwrap().verify(1, None).unwrap();
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+}
+
+/// Sections 4.1 and 6.3: the array's `attributes.zarrckpt.key` must be the key; array
+/// documents are parsed strictly; group documents are not needed.
+#[test]
+fn array_documents_name_their_key_and_groups_are_optional() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = small_checkpoint(tmp.path());
+    let key = TensorKey::new("g/h/ints").unwrap();
+    let want: Vec<u8> = [1i32, 2, 1, 2]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let read = || Checkpoint::open(&dir).unwrap().read_tensor(&key);
+    let path = dir.join("tensors/g/h/ints/zarr.json");
+    let text = serde_json::to_string(
+        &serde_json::from_slice::<Value>(&std::fs::read(&path).unwrap()).unwrap(),
+    )
+    .unwrap();
+    let attr = r#""attributes":{"zarrckpt":{"key":"g/h/ints"}}"#;
+    assert!(text.contains(attr), "{text}");
+    let refused = [
+        ("no key", r#""attributes":{"zarrckpt":{}}"#.to_owned()),
+        ("no zarrckpt attribute", r#""attributes":{}"#.to_owned()),
+        (
+            "another key",
+            r#""attributes":{"zarrckpt":{"key":"flags"}}"#.to_owned(),
+        ),
+        (
+            "a key that is not a string",
+            r#""attributes":{"zarrckpt":{"key":["g/h/ints"]}}"#.to_owned(),
+        ),
+        (
+            "a duplicate member",
+            format!(r#"{attr},"attributes":{{"zarrckpt":{{"key":"g/h/ints"}}}}"#),
+        ),
+        ("NaN", format!(r#"{attr},"x":NaN"#)),
+    ];
+    for (what, new) in &refused {
+        std::fs::write(&path, text.replacen(attr, new, 1)).unwrap();
+        let e = read().expect_err(what);
+        assert!(
+            matches!(e, Error::Storage(StorageError::Malformed { .. })),
+            "{what}: {e}"
+        );
+    }
+    // Other members and attributes are ignored.
+    let extra = r#""attributes":{"zarrckpt":{"key":"g/h/ints","note":1},"other":2},"dimension_names":["x"]"#;
+    std::fs::write(&path, text.replacen(attr, extra, 1)).unwrap();
+    assert_eq!(read().unwrap(), want);
+    // No group document is needed to read.
+    for g in [
+        "tensors/zarr.json",
+        "tensors/g/zarr.json",
+        "tensors/g/h/zarr.json",
+    ] {
+        std::fs::remove_file(dir.join(g)).unwrap();
+    }
+    assert_eq!(read().unwrap(), want);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Compressed payloads (section 7.2) and the worked examples of section 7.3
+// ---------------------------------------------------------------------------------------------
+
+/// The rules of section 7.2 for a payload, written from the spec (the frame structure is read
+/// by hand; only the zstd frame walk and decompression use libzstd).
+fn spec_check_payload(compression: &str, p: &[u8], d: u64, elem: u8) -> Result<Vec<u8>, String> {
+    match compression {
+        "zstd" => {
+            if p.get(..4) != Some(&[0x28, 0xB5, 0x2F, 0xFD][..]) {
+                return Err("magic".into());
+            }
+            let fhd = p[4];
+            if fhd & 0x0B != 0 {
+                return Err("dictionary or reserved bit".into());
+            }
+            // Frame_Content_Size: flag in bits 6-7; with flag 0 only single-segment frames
+            // (bit 5) carry a 1-byte size.
+            let single = fhd & 0x20 != 0;
+            let fcs_len = match fhd >> 6 {
+                0 if single => 1,
+                0 => return Err("no content size".into()),
+                1 => 2,
+                2 => 4,
+                _ => 8,
+            };
+            let at = 5 + usize::from(!single);
+            let mut fcs = [0u8; 8];
+            fcs[..fcs_len].copy_from_slice(&p[at..at + fcs_len]);
+            let fcs = u64::from_le_bytes(fcs) + if fcs_len == 2 { 256 } else { 0 };
+            if fcs != d {
+                return Err(format!("content size {fcs}"));
+            }
+            if zstd::zstd_safe::find_frame_compressed_size(p) != Ok(p.len()) {
+                return Err("not exactly one frame".into());
+            }
+            let out = zstd::bulk::decompress(p, d as usize).map_err(|e| e.to_string())?;
+            if out.len() as u64 != d {
+                return Err("decompressed length".into());
+            }
+            Ok(out)
+        }
+        "blosc" => {
+            let w = |i: usize| u64::from(u32::from_le_bytes(p[i..i + 4].try_into().unwrap()));
+            let ok = p.len() >= 16
+                && p[0] == 2
+                && p[2] & 0x0C == 0
+                && p[2] >> 5 == 1
+                && p[3] == elem
+                && w(4) == d
+                && (1..=w(4)).contains(&w(8))
+                && w(12) == p.len() as u64
+                && (p[2] & 0x02 == 0 || w(12) == w(4) + 16);
+            if ok {
+                Ok(Vec::new())
+            } else {
+                Err("blosc header".into())
+            }
+        }
+        other => Err(format!("compression {other}")),
+    }
+}
+
+fn iota_data(ex: &Example) -> (DType, Vec<u64>, Vec<u8>) {
+    let t = &ex.tag;
+    let d = dtype(t["dtype"].as_str().unwrap());
+    assert_eq!(d, DType::Int32);
+    let shape = u64s(&t["shape"]);
+    let iota = t["iota"].as_u64().unwrap();
+    let data: Vec<u8> = (0..shape.iter().product::<u64>())
+        .flat_map(|i| {
+            i32::try_from(if i < iota { i } else { 0 })
+                .unwrap()
+                .to_le_bytes()
+        })
+        .collect();
+    (d, shape, data)
+}
+
+/// Section 7.3: the example shards satisfy the rules of sections 7 and 7.2 as an independent
+/// reading of them checks, and the crate's reader reads them back in place of what its
+/// writer wrote.
+#[test]
+fn compressed_shard_examples_read_back() {
+    for ex in of_kind("compressed_shard") {
+        let t = &ex.tag;
+        let comp = t["compression"].as_str().unwrap();
+        let (d, shape, data) = iota_data(&ex);
+        let sub_shape = u64s(&t["subchunk_shape"]);
+        let sub_bytes = sub_shape.iter().product::<u64>() * d.size() as u64;
+        let hex = ex.hex();
+        // By the rules: the index, each entry, each payload.
+        let n = (u64s(&t["chunk_shape"])[0] / sub_shape[0]) as usize;
+        let index_len = 16 * n + 4;
+        let (body, index) = hex.split_at(hex.len() - index_len);
+        assert_eq!(
+            crc32c::crc32c(&index[..16 * n]).to_le_bytes(),
+            index[16 * n..],
+            "line {}",
+            ex.line
+        );
+        let mut raw = vec![0u8; data.len()];
+        for i in 0..n {
+            let off = u64::from_le_bytes(index[16 * i..16 * i + 8].try_into().unwrap());
+            let nb = u64::from_le_bytes(index[16 * i + 8..16 * i + 16].try_into().unwrap());
+            if (off, nb) == (u64::MAX, u64::MAX) {
+                continue;
+            }
+            let stored = &body[off as usize..(off + nb) as usize];
+            let (payload, crc) = stored.split_at(stored.len() - 4);
+            assert_eq!(
+                crc32c::crc32c(payload).to_le_bytes(),
+                crc,
+                "line {}",
+                ex.line
+            );
+            let out = spec_check_payload(comp, payload, sub_bytes, d.size() as u8)
+                .unwrap_or_else(|e| panic!("line {}: {e}", ex.line));
+            if comp == "zstd" {
+                let at = i * sub_bytes as usize;
+                raw[at..at + out.len()].copy_from_slice(&out);
+            }
+        }
+        if comp == "zstd" {
+            assert_eq!(raw, data, "line {}", ex.line);
+        }
+        // By the crate: save the same tensor, then put the example in place of the shard.
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ckpt");
+        let key = TensorKey::new("t").unwrap();
+        let piece = [ShardedTensor::new(
+            key.clone(),
+            d,
+            shape.clone(),
+            Region::full(&shape),
+            0,
+            &data,
+        )
+        .unwrap()];
+        let compression = match comp {
+            "zstd" => Compression::Zstd,
+            _ => Compression::Blosc,
+        };
+        let opts = SaveOptions {
+            compression,
+            grid: GridOptions {
+                subchunk_target_bytes: sub_bytes,
+                ..GridOptions::default()
+            },
+            ..SaveOptions::default()
+        };
+        save(&piece, &dir, &LocalComm::single(), &opts).unwrap();
+        let info = Checkpoint::open(&dir).unwrap().tensor(&key).unwrap();
+        assert_eq!(
+            (&info.chunk_shape, &info.subchunk_shape),
+            (&u64s(&t["chunk_shape"]), &sub_shape),
+            "line {}",
+            ex.line
+        );
+        let file = dir.join("tensors/t").join(t["file"].as_str().unwrap());
+        std::fs::write(&file, &hex).unwrap();
+        assert_eq!(
+            Checkpoint::open(&dir).unwrap().read_tensor(&key).unwrap(),
+            data,
+            "line {}",
+            ex.line
+        );
+
+        // The same payload made invalid in ways a CRC-32C does not catch (the CRC-32C and the
+        // index are recomputed): every one is refused as a corrupt shard.
+        let off0 = u64::from_le_bytes(index[..8].try_into().unwrap()) as usize;
+        let nb0 = u64::from_le_bytes(index[8..16].try_into().unwrap()) as usize;
+        let payload = body[off0..off0 + nb0 - 4].to_vec();
+        let mut bad: Vec<(&str, Vec<u8>)> = Vec::new();
+        if comp == "zstd" {
+            let mut trailing = payload.clone();
+            trailing.push(0);
+            bad.push(("a byte after the frame", trailing));
+            let mut skip = vec![0x50, 0x2A, 0x4D, 0x18, 0, 0, 0, 0];
+            skip.extend_from_slice(&payload);
+            bad.push(("a skippable frame first", skip));
+            let mut twice = payload.clone();
+            twice.extend_from_slice(&payload);
+            bad.push(("two frames", twice));
+        } else {
+            let mut v3 = payload.clone();
+            v3[0] = 3;
+            bad.push(("a Blosc2 version", v3));
+            let mut bit = payload.clone();
+            bit[2] |= 0x04;
+            bad.push(("bit shuffle", bit));
+            let mut ts = payload.clone();
+            ts[3] = 2;
+            bad.push(("another typesize", ts));
+            let mut bs = payload.clone();
+            bs[8..12].copy_from_slice(&4096u32.to_le_bytes());
+            bad.push(("a block larger than the buffer", bs));
+        }
+        for (what, p) in bad {
+            assert!(
+                spec_check_payload(comp, &p, sub_bytes, d.size() as u8).is_err(),
+                "{what}"
+            );
+            let stored = stored(&p);
+            let mut entries = vec![None; n];
+            entries[0] = Some((0, stored.len() as u64));
+            std::fs::write(&file, shard_bytes(&stored, &entries)).unwrap();
+            let e = Checkpoint::open(&dir)
+                .unwrap()
+                .read_tensor(&key)
+                .expect_err(what);
+            assert!(corrupt_shard(&e), "{comp} {what}: {e}");
+        }
+    }
+}
+
+/// Section 13: the safetensors data type names the command line maps to and from, checked by
+/// importing a file with one tensor of each and exporting it back.
+#[test]
+fn safetensors_dtype_names_are_as_specified() {
+    let ex = of_kind("safetensors").pop().unwrap();
+    let table = ex.json();
+    let table = table.as_object().unwrap();
+    assert_eq!(table.len(), 15, "every data type of section 6.1 once");
+    let ours: BTreeSet<&str> = table.values().map(|v| v.as_str().unwrap()).collect();
+    assert_eq!(ours.len(), 15);
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("in.safetensors");
+    let datas: Vec<(String, safetensors::Dtype, Vec<u8>)> = table
+        .keys()
+        .map(|st| {
+            let d: safetensors::Dtype = serde_json::from_value(json!(st)).unwrap();
+            let size = dtype(table[st].as_str().unwrap()).size();
+            let bytes = (0..3 * size)
+                .map(|i| u8::try_from(i % 2).unwrap())
+                .collect();
+            (format!("t_{st}"), d, bytes)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = datas
+        .iter()
+        .map(|(n, d, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, vec![3], b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &src).unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let bin = env!("CARGO_BIN_EXE_zarrckpt");
+    let o = std::process::Command::new(bin)
+        .arg("import")
+        .arg(&src)
+        .arg("--out")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let opened = Checkpoint::open(&ckpt).unwrap();
+    for (st, ours) in table {
+        let info = opened
+            .tensor(&TensorKey::new(format!("t_{st}")).unwrap())
+            .unwrap();
+        assert_eq!(info.dtype.name(), ours.as_str().unwrap(), "{st}");
+    }
+    let out = tmp.path().join("out.safetensors");
+    let o = std::process::Command::new(bin)
+        .arg("export")
+        .arg(&ckpt)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&out).unwrap());
 }

@@ -247,7 +247,7 @@ impl TensorArray {
     pub fn open(root: &Path, key: &TensorKey, entry: &TensorEntry) -> Result<Self, StorageError> {
         let path = root.join(&entry.path).join("zarr.json");
         let bytes = std::fs::read(&path).map_err(StorageError::io("read", &path))?;
-        let meta: Value = serde_json::from_slice(&bytes).map_err(|e| StorageError::Malformed {
+        let meta: Value = super::meta::parse_json(&bytes).map_err(|e| StorageError::Malformed {
             path: path.clone(),
             reason: format!("not JSON: {e}"),
         })?;
@@ -273,6 +273,20 @@ impl TensorArray {
                     ),
                 });
             }
+        }
+        let stored_key = meta
+            .get("attributes")
+            .and_then(|a| a.get(ATTRIBUTE))
+            .and_then(|z| z.get("key"));
+        if stored_key.and_then(Value::as_str) != Some(key.as_str()) {
+            return Err(StorageError::Malformed {
+                path,
+                reason: format!(
+                    "`attributes.{ATTRIBUTE}.key` is {} but the index has this array under the key {:?}",
+                    stored_key.map_or_else(|| "absent".to_owned(), ToString::to_string),
+                    key.as_str()
+                ),
+            });
         }
         if meta
             .get("storage_transformers")

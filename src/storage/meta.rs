@@ -53,7 +53,6 @@ pub struct TensorEntry {
     /// Inner subchunk shape.
     pub subchunk_shape: Vec<u64>,
     /// Compression of inner chunks.
-    #[serde(default)]
     pub compression: Compression,
 }
 
@@ -75,18 +74,94 @@ pub struct CheckpointMeta {
     /// `"MAJOR.MINOR"`.
     pub version: String,
     /// Software that wrote the checkpoint.
-    #[serde(default)]
     pub writer: String,
     /// Number of ranks that saved it.
     pub world_size: u64,
     /// Every tensor, by key.
     pub tensors: BTreeMap<TensorKey, TensorEntry>,
     /// Caller metadata (training step and the like), free-form JSON.
-    #[serde(default)]
     pub user: serde_json::Map<String, serde_json::Value>,
     /// Every object (non-tensor state), by key (format 1.1; absent means none).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub objects: BTreeMap<TensorKey, super::object::ObjectEntry>,
+}
+
+/// Parses a metadata document (a root or array `zarr.json`) as spec section 4.1 requires:
+/// RFC 8259 JSON text (so no `NaN`, `Infinity`, comments or trailing commas) encoded as UTF-8
+/// without a byte-order mark, in which no object has two members of the same name (names
+/// compared after unescaping).
+///
+/// # Errors
+/// A description of the first violation.
+pub fn parse_json(bytes: &[u8]) -> Result<serde_json::Value, String> {
+    use serde::de::{self, MapAccess, SeqAccess, Visitor};
+    use serde_json::Value;
+
+    struct Strict;
+    impl<'de> de::DeserializeSeed<'de> for Strict {
+        type Value = Value;
+        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Strict {
+        type Value = Value;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+            Ok(Value::Bool(v))
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+            Ok(Value::from(v))
+        }
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+            serde_json::Number::from_f64(v)
+                .map(Value::Number)
+                .ok_or_else(|| E::custom("a number that is not finite"))
+        }
+        fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+            Ok(Value::String(v.to_owned()))
+        }
+        fn visit_string<E>(self, v: String) -> Result<Value, E> {
+            Ok(Value::String(v))
+        }
+        fn visit_unit<E>(self) -> Result<Value, E> {
+            Ok(Value::Null)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(v) = seq.next_element_seed(Strict)? {
+                out.push(v);
+            }
+            Ok(Value::Array(out))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+            let mut out = serde_json::Map::new();
+            while let Some(k) = map.next_key::<String>()? {
+                let v = map.next_value_seed(Strict)?;
+                if out.contains_key(&k) {
+                    return Err(de::Error::custom(format!("duplicate member {k:?}")));
+                }
+                out.insert(k, v);
+            }
+            Ok(Value::Object(out))
+        }
+    }
+
+    if bytes.starts_with(b"\xEF\xBB\xBF") {
+        return Err("starts with a byte-order mark (U+FEFF)".into());
+    }
+    if let Err(e) = std::str::from_utf8(bytes) {
+        return Err(format!("not UTF-8: {e}"));
+    }
+    let mut d = serde_json::Deserializer::from_slice(bytes);
+    let v = de::DeserializeSeed::deserialize(Strict, &mut d).map_err(|e| e.to_string())?;
+    d.end().map_err(|e| e.to_string())?;
+    Ok(v)
 }
 
 /// The path of a tensor's array: `tensors/` followed by the key's node path.
@@ -120,8 +195,7 @@ impl CheckpointMeta {
             path: path.to_owned(),
             reason,
         };
-        let root: serde_json::Value =
-            serde_json::from_slice(bytes).map_err(|e| malformed(format!("not JSON: {e}")))?;
+        let root = parse_json(bytes).map_err(|e| malformed(format!("not JSON: {e}")))?;
         if root.get("zarr_format") != Some(&serde_json::Value::from(3))
             || root.get("node_type") != Some(&"group".into())
         {

@@ -104,6 +104,12 @@ fn open_shard(
     counters.add(idx);
     let index = arr.decode_index(&shard.chunk, &encoded)?;
     let data_end = len - idx;
+    check_index_entries(
+        &index,
+        data_end,
+        arr.uncompressed().then(|| geom.subchunk_bytes() + 4),
+    )
+    .map_err(|d| corrupt(arr, &shard.chunk, d))?;
     let expected = geom.subchunk_bytes() + 4;
     for s in &shard.subchunks {
         let entry = usize::try_from(s.linear).ok().and_then(|i| index.get(i));
@@ -135,6 +141,71 @@ fn open_shard(
         }
     }
     Ok((file, index))
+}
+
+/// Checks every present entry of a shard index (spec section 7.2, "Reading a shard"), used
+/// or not: at least the 4 checksum bytes, inside the data part of the file (`data_end` bytes
+/// before the index), of the `exact` length for uncompressed arrays, and no two overlapping.
+/// Bytes that no entry references are allowed.
+fn check_index_entries(
+    index: &[Option<(u64, u64)>],
+    data_end: u64,
+    exact: Option<u64>,
+) -> Result<(), String> {
+    let mut spans: Vec<(u64, u64, usize)> = Vec::with_capacity(index.len());
+    for (i, e) in index.iter().enumerate() {
+        let Some((off, n)) = *e else { continue };
+        let Some(end) = off.checked_add(n).filter(|&end| end <= data_end) else {
+            return Err(format!(
+                "subchunk {i} at {off}+{n} extends past the data ({data_end} bytes)"
+            ));
+        };
+        if n < 4 || exact.is_some_and(|x| n != x) {
+            return Err(format!(
+                "subchunk {i} is {n} bytes, expected {}",
+                exact.map_or_else(|| "at least 4".to_owned(), |x| x.to_string())
+            ));
+        }
+        spans.push((off, end, i));
+    }
+    if !spans.is_sorted() {
+        spans.sort_unstable();
+    }
+    match spans.windows(2).find(|w| w[0].1 > w[1].0) {
+        Some(w) => Err(format!(
+            "subchunks {} ({}..{}) and {} ({}..{}) overlap in the file",
+            w[0].2, w[0].0, w[0].1, w[1].2, w[1].0, w[1].1
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Checks that the `bool` elements a shard read put into `dest` are 0 or 1 (spec section 6.1).
+///
+/// # Safety
+/// As [`read_shard`]; `dest`'s parts in `shard` have just been filled by this thread.
+unsafe fn check_bools(
+    arr: &TensorArray,
+    shard: &ShardRead,
+    dest: Dest<'_>,
+) -> Result<(), StorageError> {
+    for s in &shard.subchunks {
+        for (_, d, len) in runs_of(s, 0, dest) {
+            // SAFETY: this thread owns these bytes (caller's contract).
+            let bytes = unsafe { dest.slice(d, len) };
+            if let Some(b) = bytes.iter().find(|&&b| b > 1) {
+                return Err(corrupt(
+                    arr,
+                    &shard.chunk,
+                    format!(
+                        "subchunk {}: bool byte {b:#04x} is neither 0 nor 1",
+                        s.linear
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_crc(
@@ -502,6 +573,13 @@ unsafe fn read_shard_compressed(
                 check_declared_size(arr.entry().compression, payload, sub_bytes).map_err(|d| {
                     corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear))
                 })?;
+                super::frame::check(
+                    arr.entry().compression,
+                    payload,
+                    geom.subchunk_bytes(),
+                    geom.elem,
+                )
+                .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
                 let decoded = arr.decode_subchunk(&shard.chunk, s.linear, scratch)?;
                 // SAFETY: disjoint destination ranges (caller's contract).
                 unsafe { scatter(std::iter::once((s, 0)), &decoded, dest) };
@@ -533,8 +611,12 @@ pub unsafe fn read_shard(
             read_shard_mapped(arr, geom, shard, dest, scratch, counters)
         } else {
             read_shard_direct(arr, geom, shard, dest, scratch, counters)
+        }?;
+        if arr.entry().dtype == crate::model::DType::Bool {
+            check_bools(arr, shard, dest)?;
         }
     }
+    Ok(())
 }
 
 /// Most bytes of a shard file mapped at once by one reading thread.
