@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use crate::comm::Communicator;
-use crate::coord::{agree, io_pool};
+use crate::coord::agree;
 use crate::error::{Error, Result};
 use crate::model::ShardedTensor;
 use crate::model::copy::{byte_offset, is_contiguous};
@@ -63,6 +63,11 @@ pub struct SaverOptions {
     pub copy_threads: usize,
     /// What a save does while the previous one is still in flight.
     pub if_busy: IfBusy,
+    /// Run the background writer's threads at a lower CPU priority (nice +10 on Linux), so
+    /// that they yield to the training job (and to other ranks still staging) when cores
+    /// are scarce. Off by default: on a machine shared with other jobs it also yields to
+    /// them, and the write takes longer.
+    pub lower_priority: bool,
 }
 
 impl Default for SaverOptions {
@@ -71,6 +76,7 @@ impl Default for SaverOptions {
             staging_bytes: stage::DEFAULT_STAGING_BYTES,
             copy_threads: 0,
             if_busy: IfBusy::Wait,
+            lower_priority: false,
         }
     }
 }
@@ -339,6 +345,7 @@ impl Saver {
             tasks: tasks.clone(),
             opts: opts.clone(),
             report: ReportParts::of(&agreed),
+            lower_priority: self.opts.lower_priority,
         };
         let finisher = Finisher {
             job: Arc::clone(&job),
@@ -498,10 +505,53 @@ struct Background {
     tasks: RankTasks,
     opts: SaveOptions,
     report: ReportParts,
+    lower_priority: bool,
+}
+
+/// The nice value of background writer threads with [`SaverOptions::lower_priority`].
+const BACKGROUND_NICE: libc::c_int = 10;
+
+/// Lowers the calling thread's CPU priority (Linux: the nice value is per thread).
+fn lower_thread_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: gettid has no preconditions; setpriority with PRIO_PROCESS and a thread id
+    // changes only that thread's nice value, and a failure (e.g. forbidden) changes nothing.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(
+            libc::PRIO_PROCESS,
+            libc::id_t::try_from(tid).unwrap_or_default(),
+            BACKGROUND_NICE,
+        );
+    }
+}
+
+/// The background writer's I/O threads.
+fn writer_pool(threads: usize, lower_priority: bool) -> Result<rayon::ThreadPool> {
+    let n = if threads == 0 {
+        std::thread::available_parallelism()
+            .map_or(2, std::num::NonZero::get)
+            .min(8)
+    } else {
+        threads
+    };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("zarrckpt-bg-io-{i}"))
+        .start_handler(move |_| {
+            if lower_priority {
+                lower_thread_priority();
+            }
+        })
+        .build()
+        .map_err(|e| Error::ThreadPool(e.to_string()))
 }
 
 impl Background {
     fn run(self, rx: Receiver<StagedRound>) -> Result<SaveReport> {
+        if self.lower_priority {
+            lower_thread_priority();
+        }
         let comm = &*self.comm;
         let prepared = steps::prepare_directory(&self.dir, comm, &self.plan, &self.opts);
         if let Err(e) = prepared {
@@ -529,7 +579,7 @@ impl Background {
     fn write_rounds(&self, rx: Receiver<StagedRound>) -> Result<(u64, u64)> {
         let (plan, tasks, opts) = (&*self.plan, &self.tasks, &self.opts);
         let arrays = steps::open_arrays(&self.dir, plan, tasks, opts)?;
-        let pool = io_pool(opts.io_threads)?;
+        let pool = writer_pool(opts.io_threads, self.lower_priority)?;
         let dirs = pool.install(|| steps::write_array_documents(tasks, &arrays))?;
         let (mut data, mut files, mut done) = (0u64, 0u64, 0usize);
         for round in rx {

@@ -64,6 +64,10 @@ pub struct Args {
     /// Skip the asynchronous save rounds.
     #[arg(long)]
     no_async: bool,
+    /// Asynchronous save: run the background writer threads at a lower CPU priority (they
+    /// then yield to ranks still staging, and to any other job on the machine).
+    #[arg(long)]
+    async_low_priority: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -277,6 +281,9 @@ fn worker_args(w: &worker::Args) -> Vec<OsString> {
     if w.full_state {
         v.push("--full-state".into());
     }
+    if w.low_priority {
+        v.push("--low-priority".into());
+    }
     if w.read_method == ReadArg::Pread {
         v.push("--read-method=pread".into());
     }
@@ -470,6 +477,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         die_rank: 0,
         read_method: a.read_method,
         full_state: a.full_state,
+        low_priority: a.async_low_priority,
     };
     let model = base.model();
     let bytes = model.nbytes();
