@@ -199,8 +199,33 @@ struct StagedRound {
 /// Saves repeatedly on one communicator: synchronously ([`Saver::save`]) or in the
 /// background ([`Saver::save_async`]), reusing the agreed plan while the structure is
 /// unchanged and the staging memory from save to save. Every rank creates its own `Saver`
-/// on its own communicator and calls the same methods in the same order. See the module
-/// docs for who may use the communicator while a save is in flight.
+/// on its own communicator and calls the same methods in the same order.
+///
+/// While an asynchronous save is in flight its background thread owns the communicator: the
+/// caller must not start collectives on it until [`SaveHandle::is_done`] (or
+/// [`Saver::is_busy`] is false, or [`SaveHandle::wait`] returned); use another communicator
+/// for training. Dropping the handle or the saver does not stop a save in flight.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use zarrckpt::{Communicator, SaveOptions, Saver, ShardedTensor, run_local};
+///
+/// run_local(2, Duration::from_secs(60), |comm| {
+///     let comm: Arc<dyn Communicator> = Arc::new(comm);
+///     let r = comm.rank() as u64;
+///     let mut saver = Saver::new(Arc::clone(&comm));
+///     let mut weights = vec![r as f32; 6];
+///     for step in 0..3 {
+///         let piece = ShardedTensor::from_slice("w", &[4, 3], &[2 * r, 0], &weights, &[2, 3], 0)?;
+///         let dir = format!("ckpt/step-{step}");
+///         let handle = saver.save_async(&[piece], dir.as_ref(), &SaveOptions::default())?;
+///         weights.iter_mut().for_each(|w| *w += 1.0); // training goes on at once
+///         handle.wait()?; // or poll `handle.is_done()` and wait later
+///     }
+///     Ok::<(), zarrckpt::Error>(())
+/// });
+/// ```
 pub struct Saver {
     comm: Arc<dyn Communicator>,
     opts: SaverOptions,
