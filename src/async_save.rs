@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use crate::comm::Communicator;
-use crate::coord::{agree, io_pool};
+use crate::coord::agree;
 use crate::error::{Error, Result};
 use crate::model::ShardedTensor;
 use crate::model::copy::{byte_offset, is_contiguous};
@@ -63,6 +63,11 @@ pub struct SaverOptions {
     pub copy_threads: usize,
     /// What a save does while the previous one is still in flight.
     pub if_busy: IfBusy,
+    /// Run the background writer's threads at a lower CPU priority (nice +10 on Linux), so
+    /// that they yield to the training job (and to other ranks still staging) when cores
+    /// are scarce. Off by default: on a machine shared with other jobs it also yields to
+    /// them, and the write takes longer.
+    pub lower_priority: bool,
 }
 
 impl Default for SaverOptions {
@@ -71,6 +76,7 @@ impl Default for SaverOptions {
             staging_bytes: stage::DEFAULT_STAGING_BYTES,
             copy_threads: 0,
             if_busy: IfBusy::Wait,
+            lower_priority: false,
         }
     }
 }
@@ -193,8 +199,33 @@ struct StagedRound {
 /// Saves repeatedly on one communicator: synchronously ([`Saver::save`]) or in the
 /// background ([`Saver::save_async`]), reusing the agreed plan while the structure is
 /// unchanged and the staging memory from save to save. Every rank creates its own `Saver`
-/// on its own communicator and calls the same methods in the same order. See the module
-/// docs for who may use the communicator while a save is in flight.
+/// on its own communicator and calls the same methods in the same order.
+///
+/// While an asynchronous save is in flight its background thread owns the communicator: the
+/// caller must not start collectives on it until [`SaveHandle::is_done`] (or
+/// [`Saver::is_busy`] is false, or [`SaveHandle::wait`] returned); use another communicator
+/// for training. Dropping the handle or the saver does not stop a save in flight.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use zarrckpt::{Communicator, SaveOptions, Saver, ShardedTensor, run_local};
+///
+/// run_local(2, Duration::from_secs(60), |comm| {
+///     let comm: Arc<dyn Communicator> = Arc::new(comm);
+///     let r = comm.rank() as u64;
+///     let mut saver = Saver::new(Arc::clone(&comm));
+///     let mut weights = vec![r as f32; 6];
+///     for step in 0..3 {
+///         let piece = ShardedTensor::from_slice("w", &[4, 3], &[2 * r, 0], &weights, &[2, 3], 0)?;
+///         let dir = format!("ckpt/step-{step}");
+///         let handle = saver.save_async(&[piece], dir.as_ref(), &SaveOptions::default())?;
+///         weights.iter_mut().for_each(|w| *w += 1.0); // training goes on at once
+///         handle.wait()?; // or poll `handle.is_done()` and wait later
+///     }
+///     Ok::<(), zarrckpt::Error>(())
+/// });
+/// ```
 pub struct Saver {
     comm: Arc<dyn Communicator>,
     opts: SaverOptions,
@@ -339,6 +370,7 @@ impl Saver {
             tasks: tasks.clone(),
             opts: opts.clone(),
             report: ReportParts::of(&agreed),
+            lower_priority: self.opts.lower_priority,
         };
         let finisher = Finisher {
             job: Arc::clone(&job),
@@ -498,10 +530,53 @@ struct Background {
     tasks: RankTasks,
     opts: SaveOptions,
     report: ReportParts,
+    lower_priority: bool,
+}
+
+/// The nice value of background writer threads with [`SaverOptions::lower_priority`].
+const BACKGROUND_NICE: libc::c_int = 10;
+
+/// Lowers the calling thread's CPU priority (Linux: the nice value is per thread).
+fn lower_thread_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: gettid has no preconditions; setpriority with PRIO_PROCESS and a thread id
+    // changes only that thread's nice value, and a failure (e.g. forbidden) changes nothing.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(
+            libc::PRIO_PROCESS,
+            libc::id_t::try_from(tid).unwrap_or_default(),
+            BACKGROUND_NICE,
+        );
+    }
+}
+
+/// The background writer's I/O threads.
+fn writer_pool(threads: usize, lower_priority: bool) -> Result<rayon::ThreadPool> {
+    let n = if threads == 0 {
+        std::thread::available_parallelism()
+            .map_or(2, std::num::NonZero::get)
+            .min(8)
+    } else {
+        threads
+    };
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("zarrckpt-bg-io-{i}"))
+        .start_handler(move |_| {
+            if lower_priority {
+                lower_thread_priority();
+            }
+        })
+        .build()
+        .map_err(|e| Error::ThreadPool(e.to_string()))
 }
 
 impl Background {
     fn run(self, rx: Receiver<StagedRound>) -> Result<SaveReport> {
+        if self.lower_priority {
+            lower_thread_priority();
+        }
         let comm = &*self.comm;
         let prepared = steps::prepare_directory(&self.dir, comm, &self.plan, None, &self.opts);
         if let Err(e) = prepared {
@@ -529,7 +604,7 @@ impl Background {
     fn write_rounds(&self, rx: Receiver<StagedRound>) -> Result<(u64, u64)> {
         let (plan, tasks, opts) = (&*self.plan, &self.tasks, &self.opts);
         let arrays = steps::open_arrays(&self.dir, plan, tasks, opts)?;
-        let pool = io_pool(opts.io_threads)?;
+        let pool = writer_pool(opts.io_threads, self.lower_priority)?;
         let dirs = pool.install(|| steps::write_array_documents(tasks, &arrays))?;
         let (mut data, mut files, mut done) = (0u64, 0u64, 0usize);
         for round in rx {

@@ -64,6 +64,13 @@ pub struct Args {
     /// Skip the asynchronous save rounds.
     #[arg(long)]
     no_async: bool,
+    /// Only the asynchronous save rounds (no synchronous save, no load).
+    #[arg(long, conflicts_with = "no_async")]
+    async_only: bool,
+    /// Asynchronous save: run the background writer threads at a lower CPU priority (they
+    /// then yield to ranks still staging, and to any other job on the machine).
+    #[arg(long)]
+    async_low_priority: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -277,6 +284,9 @@ fn worker_args(w: &worker::Args) -> Vec<OsString> {
     if w.full_state {
         v.push("--full-state".into());
     }
+    if w.low_priority {
+        v.push("--low-priority".into());
+    }
     if w.read_method == ReadArg::Pread {
         v.push("--read-method=pread".into());
     }
@@ -433,6 +443,41 @@ fn async_save_rounds(
     Ok(rounds)
 }
 
+/// The asynchronous rounds' medians (empty without rounds).
+fn async_summary(rounds: &[AsyncRound]) -> Value {
+    let Some(last) = rounds.last() else {
+        return json!({});
+    };
+    let med = |f: &dyn Fn(&AsyncRound) -> f64| median(rounds.iter().map(f).collect());
+    json!({
+        "async_blocked_s": med(&|r| r.blocked),
+        "memcpy_s": med(&|r| r.memcpy),
+        "async_block_ratio": med(&|r| r.blocked / r.memcpy),
+        "async_staged_bytes": last.staged,
+        "async_write_gbps": med(&|r| r.file_bytes as f64 / r.write / 1e9),
+        "async_raw_write_gbps": med(&|r| r.file_bytes as f64 / r.raw / 1e9),
+        "async_write_ratio": med(&|r| r.raw / r.write),
+        "async_plan_reused": rounds.iter().all(|r| r.plan_reused),
+        "async_rounds": rounds
+            .iter()
+            .map(|r| json!({"blocked_s": r.blocked, "memcpy_s": r.memcpy, "write_s": r.write, "raw_s": r.raw}))
+            .collect::<Vec<_>>(),
+    })
+}
+
+fn print_async_summary(doc: &Value) {
+    let f = |k: &str| doc[k].as_f64().unwrap_or(0.0);
+    println!(
+        "         async save: caller blocked {:.3} s vs memcpy of the same bytes {:.3} s -> {:.2}x (target <= 1.2x); background write {:.2} GB/s vs raw write+fsync {:.2} GB/s -> {:.0}% (target 85%)",
+        f("async_blocked_s"),
+        f("memcpy_s"),
+        f("async_block_ratio"),
+        f("async_write_gbps"),
+        f("async_raw_write_gbps"),
+        f("async_write_ratio") * 100.0
+    );
+}
+
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if a.save_ranks == 0 || a.load_ranks == 0 || a.rounds == 0 || a.dp == 0 {
         bail!("ranks, dp and rounds must be at least 1");
@@ -473,6 +518,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         read_method: a.read_method,
         full_state: a.full_state,
         objects: false,
+        low_priority: a.async_low_priority,
     };
     let model = base.model();
     let bytes = model.nbytes();
@@ -493,7 +539,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let mut save_rounds = Vec::new();
     let mut file_bytes = 0;
     let mut balance = 1.0;
-    for round in 0..a.rounds {
+    for round in 0..if a.async_only { 0 } else { a.rounds } {
         // A checkpoint goes to a new directory, as training jobs write one per step: remove
         // the previous round's (untimed) and let the kernel finish its writeback first.
         if ckpt.exists() {
@@ -530,6 +576,18 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     } else {
         async_save_rounds(a, &base, &ckpt, &rawdir, save_world, &say)?
     };
+    if a.async_only {
+        if !a.keep {
+            fs::remove_dir_all(&a.dir).with_context(|| format!("remove {}", a.dir.display()))?;
+        }
+        let doc = async_summary(&async_rounds);
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&doc)?);
+        } else {
+            print_async_summary(&doc);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
 
     // ---- load: (raw, zarrckpt[, zarrckpt without exchange]) ----
     let mut files = Vec::new();
@@ -647,37 +705,8 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         "save_rounds": save_rounds.iter().map(|p| json!({"zarrckpt_s": p.0, "raw_s": p.1})).collect::<Vec<_>>(),
         "load_rounds": load_rounds.iter().map(|p| json!({"zarrckpt_s": p.0, "raw_s": p.1})).collect::<Vec<_>>(),
     });
-    if let Some(last) = async_rounds.last() {
-        let blocked = median(async_rounds.iter().map(|r| r.blocked).collect());
-        let memcpy = median(async_rounds.iter().map(|r| r.memcpy).collect());
-        doc["async_blocked_s"] = json!(blocked);
-        doc["memcpy_s"] = json!(memcpy);
-        doc["async_block_ratio"] = json!(median(
-            async_rounds.iter().map(|r| r.blocked / r.memcpy).collect()
-        ));
-        doc["async_staged_bytes"] = json!(last.staged);
-        doc["async_write_gbps"] = json!(median(
-            async_rounds
-                .iter()
-                .map(|r| r.file_bytes as f64 / r.write / 1e9)
-                .collect()
-        ));
-        doc["async_write_ratio"] = json!(median(
-            async_rounds.iter().map(|r| r.raw / r.write).collect()
-        ));
-        doc["async_raw_write_gbps"] = json!(median(
-            async_rounds
-                .iter()
-                .map(|r| r.file_bytes as f64 / r.raw / 1e9)
-                .collect()
-        ));
-        doc["async_plan_reused"] = json!(async_rounds.iter().all(|r| r.plan_reused));
-        doc["async_rounds"] = json!(
-            async_rounds
-                .iter()
-                .map(|r| json!({"blocked_s": r.blocked, "memcpy_s": r.memcpy, "write_s": r.write, "raw_s": r.raw}))
-                .collect::<Vec<_>>()
-        );
+    if let (Value::Object(d), Value::Object(x)) = (&mut doc, async_summary(&async_rounds)) {
+        d.extend(x);
     }
     if dp > 1 {
         let plain_gbps = median(
@@ -705,15 +734,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             "         bytes read from storage / bytes needed {amplification:.4} (target <= 1.05)"
         );
         if !async_rounds.is_empty() {
-            println!(
-                "         async save: caller blocked {:.3} s vs memcpy of the same bytes {:.3} s -> {:.2}x (target <= 1.2x); background write {:.2} GB/s vs raw write+fsync {:.2} GB/s -> {:.0}% (target 85%)",
-                doc["async_blocked_s"].as_f64().unwrap_or(0.0),
-                doc["memcpy_s"].as_f64().unwrap_or(0.0),
-                doc["async_block_ratio"].as_f64().unwrap_or(0.0),
-                doc["async_write_gbps"].as_f64().unwrap_or(0.0),
-                doc["async_raw_write_gbps"].as_f64().unwrap_or(0.0),
-                doc["async_write_ratio"].as_f64().unwrap_or(0.0) * 100.0
-            );
+            print_async_summary(&doc);
         }
         if dp > 1 {
             println!(
