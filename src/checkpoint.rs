@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use crate::comm::LocalComm;
 use crate::coord::io_pool;
 use crate::error::{Error, Result};
-use crate::load::{LoadOptions, LoadReport, load};
+use crate::load::{LoadOptions, LoadReport};
 use crate::model::copy::DisjointBuf as Dest;
 use crate::model::{
     DType, Encoding, LoadTarget, ObjectRequest, ObjectSlot, ObjectValue, Region, TensorKey,
@@ -155,10 +155,11 @@ impl Checkpoint {
             })
     }
 
-    /// Reads a box of one tensor into `buf` (single process; see [`load`] for ranks).
+    /// Reads a box of one tensor into `buf` (single process, against the index read by
+    /// [`Checkpoint::open`]; see [`load`](crate::load()) for ranks).
     ///
     /// # Errors
-    /// As [`load`].
+    /// As [`load`](crate::load()).
     pub fn read_region(
         &self,
         key: &TensorKey,
@@ -173,9 +174,12 @@ impl Checkpoint {
             region.clone(),
             buf,
         )?];
-        load(
+        // Against the index read by `open` (not read again for every box).
+        crate::load::load_from_index(
             &mut t,
+            None,
             &self.dir,
+            &self.meta,
             &LocalComm::single(),
             &LoadOptions::default(),
         )
@@ -184,7 +188,7 @@ impl Checkpoint {
     /// Reads a whole tensor.
     ///
     /// # Errors
-    /// As [`load`].
+    /// As [`load`](crate::load()).
     pub fn read_tensor(&self, key: &TensorKey) -> Result<Vec<u8>> {
         let e = self.entry(key)?;
         let mut buf =
@@ -204,7 +208,7 @@ impl Checkpoint {
     /// Reads a whole tensor as an `ndarray` of `T`, whose data type must be the stored one.
     ///
     /// # Errors
-    /// [`Error::DtypeMismatch`] when `T` is not the stored data type; otherwise as [`load`].
+    /// [`Error::DtypeMismatch`] when `T` is not the stored data type; otherwise as [`load`](crate::load()).
     pub fn read_ndarray<T: crate::model::Element + Default>(
         &self,
         key: &TensorKey,

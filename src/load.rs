@@ -285,6 +285,19 @@ fn load_impl(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
+    let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
+    load_from_index(targets, objects, dir, &meta, comm, opts)
+}
+
+/// [`load_impl`] against an index already read and agreed on (a [`crate::Checkpoint`]'s).
+pub(crate) fn load_from_index(
+    targets: &mut [LoadTarget<'_>],
+    objects: Option<&[ObjectRequest]>,
+    dir: &Path,
+    meta: &CheckpointMeta,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<LoadReport> {
     // Flat requests are loaded as the boxes of their decomposition, over disjoint parts of
     // their buffers.
     if targets.iter().any(|t| t.flat_range().is_some()) {
@@ -292,28 +305,28 @@ fn load_impl(
             .iter_mut()
             .flat_map(LoadTarget::box_targets)
             .collect();
-        return load_boxes(&mut boxed, objects, dir, comm, opts);
+        return load_boxes(&mut boxed, objects, dir, meta, comm, opts);
     }
-    load_boxes(targets, objects, dir, comm, opts)
+    load_boxes(targets, objects, dir, meta, comm, opts)
 }
 
-/// [`load_impl`] once every target is a box.
+/// [`load_from_index`] once every target is a box.
 fn load_boxes(
     targets: &mut [LoadTarget<'_>],
     objects: Option<&[ObjectRequest]>,
     dir: &Path,
+    meta: &CheckpointMeta,
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
     let me = comm.rank();
     let me32 = u32::try_from(me).unwrap_or(u32::MAX);
-    let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
-    let layout = agree(comm, request_layout(targets, &meta))?;
+    let layout = agree(comm, request_layout(targets, meta))?;
     let (gathered, _) = gather_layouts(comm, &layout)?;
-    let (mut unexpected, mut missing) = check_requests(dir, &meta, &gathered, me, opts.strict)?;
+    let (mut unexpected, mut missing) = check_requests(dir, meta, &gathered, me, opts.strict)?;
     let object_values = match objects {
         Some(requests) => {
-            let o = crate::objects::load_objects(dir, &meta, requests, comm, opts.strict)?;
+            let o = crate::objects::load_objects(dir, meta, requests, comm, opts.strict)?;
             unexpected.extend(o.unexpected);
             missing.extend(o.missing);
             o.values
@@ -321,7 +334,7 @@ fn load_boxes(
         None => Vec::new(),
     };
     let plan = if opts.exchange && comm.world_size() > 1 {
-        ExchangePlan::build(&gathered, |key| stored_geometry(&meta, key))
+        ExchangePlan::build(&gathered, |key| stored_geometry(meta, key))
     } else {
         ExchangePlan::default()
     };
@@ -337,7 +350,7 @@ fn load_boxes(
     // (stored, target) data types of the requests that convert.
     let casts: Vec<Option<(crate::model::DType, crate::model::DType)>> = targets
         .iter()
-        .map(|t| cast::converts_from(t, &meta).map(|from| (from, t.dtype())))
+        .map(|t| cast::converts_from(t, meta).map(|from| (from, t.dtype())))
         .collect();
     let dests: Vec<DisjointBuf> = targets
         .iter_mut()
@@ -350,7 +363,7 @@ fn load_boxes(
 
     let counters = ReadCounters::default();
     let mut first_target = HashMap::new();
-    let local = open_arrays(dir, &meta, &requests, me, opts.strict).and_then(|arrays| {
+    let local = open_arrays(dir, meta, &requests, me, opts.strict).and_then(|arrays| {
         let items = shard_reads(&arrays, &requests, &casts, &plan, me32, &mut first_target);
         read_shards(&arrays, &requests, &items, &dests, &casts, &counters, opts)
     });
