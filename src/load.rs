@@ -316,7 +316,7 @@ pub fn load(
         let mut arrays: BTreeMap<&TensorKey, (TensorArray, StoredGeometry)> = BTreeMap::new();
         for key in &keys {
             if let (Some(entry), false) = (meta.tensors.get(key), arrays.contains_key(key)) {
-                let arr = TensorArray::open(dir, key, entry)?;
+                let arr = TensorArray::open_for(dir, key, entry, meta.save_id)?;
                 arrays.insert(
                     key,
                     (

@@ -15,6 +15,8 @@ use crate::model::{Region, ShardedTensor, TensorKey};
 use crate::plan::GridOptions;
 use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
 use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan};
+use crate::storage::commit::{SaveLock, Target};
+use crate::storage::footer::SaveId;
 use crate::storage::meta::tensor_path;
 use crate::storage::{CheckpointMeta, Compression, TensorArray, TensorEntry, commit, fsio, write};
 
@@ -337,6 +339,7 @@ fn write_files(
     local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
     received: &[Vec<Vec<u8>>],
     opts: &SaveOptions,
+    id: SaveId,
 ) -> Result<(u64, u64)> {
     let mut arrays: HashMap<usize, TensorArray> = HashMap::new();
     for &ti in tasks
@@ -346,10 +349,11 @@ fn write_files(
     {
         if let std::collections::hash_map::Entry::Vacant(v) = arrays.entry(ti) {
             let tp = &plan.tensors[ti];
-            v.insert(TensorArray::create(
+            v.insert(TensorArray::create_for(
                 dir,
                 &tp.key,
                 &entry_of(tp, opts.compression),
+                id,
             )?);
         }
     }
@@ -403,6 +407,13 @@ fn write_files(
 /// bytes), and rank 0 commits the checkpoint once every rank's files are durable. If any rank
 /// fails, every rank returns an error and the checkpoint stays incomplete.
 ///
+/// Rank 0 holds the checkpoint's lock file for the whole save (a second save to the same
+/// path fails on every rank of its job). A save over an existing checkpoint (`overwrite`)
+/// writes into a staging sibling and swaps it in atomically at commit, so a crash at any
+/// moment leaves the previous checkpoint or the new one, never neither and never a mix
+/// (spec § "Commit protocol"). Before any data is written every rank checks that it sees a
+/// file rank 0 wrote into the target directory.
+///
 /// # Errors
 /// [`Error::Plan`] for an invalid global layout (naming the key and ranks),
 /// [`Error::Storage`] for I/O failures (naming the path), [`Error::Comm`] when a rank dies
@@ -427,37 +438,12 @@ pub fn save(
     let plan_time = t0.elapsed();
     let tasks = plan.tasks_for(u32::try_from(rank).unwrap_or(u32::MAX));
 
-    let prepared = if rank == 0 {
-        commit::prepare(dir, opts.overwrite)
-            .and_then(|()| commit::write_groups(dir, plan.tensors.iter().map(|t| &t.key)))
-            .map_err(Error::from)
-    } else {
-        Ok(())
-    };
-    agree(comm, prepared)?;
-
-    let received = if plan.tensors.iter().any(|t| !t.aligned) {
-        // Agreed on, so that a rank whose exchange failed cannot fall out of step with the
-        // others' next collective.
-        agree(comm, exchange_parts(comm, &plan, &tasks, &local))?
-    } else {
-        vec![Vec::new(); tasks.writes.len()]
-    };
-    let written = write_files(dir, &plan, &tasks, &local, &received, opts);
-    let (data_bytes, file_bytes) = agree(comm, written)?;
-
-    let committed = if rank == 0 {
-        let mut meta = CheckpointMeta::new(comm.world_size() as u64);
-        meta.user = opts.user_metadata.clone();
-        for tp in &plan.tensors {
-            meta.tensors
-                .insert(tp.key.clone(), entry_of(tp, opts.compression));
-        }
-        commit::commit(dir, &meta).map_err(Error::from)
-    } else {
-        Ok(())
-    };
-    agree(comm, committed)?;
+    let prepared = prepare_target(comm, dir, opts.overwrite)?;
+    let outcome = save_into(comm, &prepared, &plan, &tasks, &local, opts);
+    if outcome.is_err() {
+        commit::abandon(&prepared.target, prepared.lock.as_ref());
+    }
+    let (data_bytes, file_bytes) = outcome?;
     Ok(SaveReport {
         tensors: plan.tensors.len(),
         chunks_written: tasks.writes.len(),
@@ -468,4 +454,108 @@ pub fn save(
         plan_time,
         gathered_bytes,
     })
+}
+
+/// Where a save writes, as every rank learned it from rank 0.
+struct Prepared {
+    id: SaveId,
+    target: Target,
+    /// Rank 0's save lock, held until the save ends.
+    lock: Option<SaveLock>,
+}
+
+/// Rank 0 takes the save lock, draws the save id, prepares the target directory (spec §
+/// "Commit protocol") and writes the nonce file there; every rank learns the id and target
+/// and checks it sees the nonce file (same storage), before any data is written.
+fn prepare_target(comm: &dyn Communicator, dir: &Path, overwrite: bool) -> Result<Prepared> {
+    let id = SaveId::random();
+    let local = if comm.rank() == 0 {
+        commit::try_lock(dir)
+            .and_then(|lock| {
+                let t = commit::prepare_target(dir, overwrite, id, &lock)?;
+                commit::write_nonce(&t, id)?;
+                Ok((Some(lock), Some(t)))
+            })
+            .map_err(Error::from)
+    } else {
+        Ok((None, None))
+    };
+    let (lock, target) = agree(comm, local)?;
+    let mut msg = id.0.to_vec();
+    msg.push(u8::from(matches!(target, Some(Target::Staging { .. }))));
+    let got = comm.broadcast(0, &msg)?;
+    let (id, staged) = match got.as_slice() {
+        [b @ .., s] if b.len() == 16 => {
+            let mut a = [0u8; 16];
+            a.copy_from_slice(b);
+            (SaveId(a), *s == 1)
+        }
+        _ => {
+            return Err(Error::RemoteFailure {
+                rank: 0,
+                message: "malformed save id broadcast".into(),
+            });
+        }
+    };
+    let target = target.unwrap_or_else(|| Target::new(dir, id, staged));
+    let seen = comm.all_gather(&[u8::from(commit::sees_nonce(&target, id))])?;
+    let ranks: Vec<usize> = (0..seen.len()).filter(|&r| seen[r] != [1]).collect();
+    let prepared = Prepared { id, target, lock };
+    if !ranks.is_empty() {
+        commit::abandon(&prepared.target, prepared.lock.as_ref());
+        return Err(Error::StorageNotShared {
+            path: prepared.target.write_dir().to_owned(),
+            ranks,
+        });
+    }
+    Ok(prepared)
+}
+
+/// Writes this rank's files into the prepared target and commits (rank 0).
+fn save_into(
+    comm: &dyn Communicator,
+    prepared: &Prepared,
+    plan: &SavePlan,
+    tasks: &RankTasks,
+    local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
+    opts: &SaveOptions,
+) -> Result<(u64, u64)> {
+    let dir = prepared.target.write_dir();
+    let rank = comm.rank();
+
+    let received = if plan.tensors.iter().any(|t| !t.aligned) {
+        // Agreed on, so that a rank whose exchange failed cannot fall out of step with the
+        // others' next collective.
+        agree(comm, exchange_parts(comm, plan, tasks, local))?
+    } else {
+        vec![Vec::new(); tasks.writes.len()]
+    };
+    let groups = if rank == 0 {
+        commit::write_groups(dir, plan.tensors.iter().map(|t| &t.key)).map_err(Error::from)
+    } else {
+        Ok(())
+    };
+    let written =
+        groups.and_then(|()| write_files(dir, plan, tasks, local, &received, opts, prepared.id));
+    let (data_bytes, file_bytes) = agree(comm, written)?;
+
+    let committed = if rank == 0 {
+        let mut meta = CheckpointMeta::new(comm.world_size() as u64);
+        meta.user = opts.user_metadata.clone();
+        for tp in &plan.tensors {
+            meta.tensors
+                .insert(tp.key.clone(), entry_of(tp, opts.compression));
+        }
+        match &prepared.lock {
+            Some(lock) => {
+                commit::commit_target(&prepared.target, &meta.with_save_id(prepared.id), lock)
+                    .map_err(Error::from)
+            }
+            None => Ok(()),
+        }
+    } else {
+        Ok(())
+    };
+    agree(comm, committed)?;
+    Ok((data_bytes, file_bytes))
 }

@@ -582,17 +582,29 @@ fn shard_extended_with_garbage_is_a_corrupt_chunk() {
             corrupt_detail(&e, "w", &[1, 0], &path);
             assert_one_problem(&dir, "w", &[1, 0], &path);
         }
-        // Garbage in the middle with a valid index re-appended at the end is a valid file.
+        // Garbage in the middle (before the footer) with a valid footer and index re-appended
+        // at the end is a valid file; garbage between the footer and the index is not (the
+        // footer is not where the geometry puts it).
         let (_t, dir) = fixture(c);
         let path = w_shard(&dir);
         let sh = shard(&dir, "w", &path);
-        let mut b = std::fs::read(&path).unwrap();
+        let foot = zarrckpt::storage::footer::footer_len(2, sh.n_sub as u64).unwrap() as usize;
+        let original = std::fs::read(&path).unwrap();
+        let mut b = original.clone();
+        let tail = b.split_off(sh.len - sh.index_len - foot);
+        b.extend_from_slice(&[0xEE; 33]);
+        b.extend_from_slice(&tail);
+        std::fs::write(&path, b).unwrap();
+        assert_eq!(load_whole(&dir, "w").unwrap(), full(&SPECS[0]));
+        assert!(verify_problems(&dir).is_empty());
+        let mut b = original;
         let index = b.split_off(sh.len - sh.index_len);
         b.extend_from_slice(&[0xEE; 33]);
         b.extend_from_slice(&index);
         std::fs::write(&path, b).unwrap();
-        assert_eq!(load_whole(&dir, "w").unwrap(), full(&SPECS[0]));
-        assert!(verify_problems(&dir).is_empty());
+        let e = load_whole(&dir, "w").unwrap_err();
+        corrupt_detail(&e, "w", &[1, 0], &path);
+        assert_one_problem(&dir, "w", &[1, 0], &path);
     }
 }
 
