@@ -43,7 +43,7 @@ fn looks_like_checkpoint(dir: &Path) -> bool {
     let shaped = if root.exists() {
         has_checkpoint_root(dir)
     } else {
-        dir.join(TENSORS_GROUP).is_dir()
+        dir.join(TENSORS_GROUP).is_dir() || dir.join(NONCE_FILE).is_file()
     };
     if !shaped {
         return false;
