@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_plan;
+mod corrupt;
 mod crash;
 mod demo;
 mod export;
@@ -51,6 +52,9 @@ enum Command {
     /// Crash-consistency harness: kill saving processes (SIGKILL) at random moments and check
     /// that the previous checkpoint or the new one is there, never neither, never a mix.
     CrashTrials(crash::Args),
+    /// Corruption harness: damage a checkpoint at random (flips, truncations, deletions,
+    /// swaps of equal-sized subchunks and shards, metadata) and check load and verify catch it.
+    CorruptionTrials(corrupt::Args),
     /// One save of `crash-trials` (the process that gets killed).
     #[command(hide = true)]
     CrashChild(crash::ChildArgs),
@@ -84,6 +88,7 @@ fn main() -> std::process::ExitCode {
         Command::Launch(a) => launch::run(&a),
         Command::Worker(a) => worker::run(&a),
         Command::CrashTrials(a) => crash::run(&a),
+        Command::CorruptionTrials(a) => corrupt::run(&a),
         Command::CrashChild(a) => crash::run_child(&a),
     };
     match result {
