@@ -1029,6 +1029,37 @@ fn write_fuzz_seeds() {
     for (name, seed) in names.iter().zip(fuzz_checks::shard_seeds()) {
         write("shard_read", &format!("pristine_{name}"), &seed);
     }
+    for (name, seed) in footer_seeds() {
+        write("shard_footer", name, &seed);
+    }
+}
+
+/// Valid footers (1 and 2 dimensions, with and without the harness's fix-ups).
+fn footer_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use zarrckpt::storage::footer::{SaveId, encode};
+    let key = TensorKey::new("k").unwrap();
+    let id = SaveId(fuzz_checks::PLACEHOLDER_ID);
+    let mut one = vec![1u8];
+    one.extend(encode(id, &key, &[1], &[7, 0, 9]));
+    let mut two = vec![0xC2u8];
+    two.extend(encode(id, &key, &[1, 2], &[0xdead_beef]));
+    vec![("one_dim", one), ("two_dims_fixed", two)]
+}
+
+#[test]
+fn fuzz_shard_footer_inputs() {
+    assert!(replay("shard_footer") > 0, "seeds exist");
+    for (_, seed) in footer_seeds() {
+        fuzz_checks::check_shard_footer(&seed);
+        for cut in 0..seed.len() {
+            fuzz_checks::check_shard_footer(&seed[..cut]);
+        }
+        for i in 1..seed.len() {
+            let mut s = seed.clone();
+            s[i] ^= 0x20;
+            fuzz_checks::check_shard_footer(&s);
+        }
+    }
 }
 
 /// A zstd frame whose header declares `content_size` bytes but holds one empty raw block.
