@@ -578,14 +578,23 @@ impl Background {
             lower_thread_priority();
         }
         let comm = &*self.comm;
-        let prepared = steps::prepare_directory(&self.dir, comm, &self.plan, None, &self.opts);
-        if let Err(e) = prepared {
-            drop(rx);
-            return Err(e);
+        let prepared = match steps::prepare_directory(&self.dir, comm, &self.plan, None, &self.opts)
+        {
+            Ok(p) => p,
+            Err(e) => {
+                drop(rx);
+                return Err(e);
+            }
+        };
+        let written = self.write_rounds(rx, &prepared);
+        let outcome = agree(comm, written).and_then(|totals| {
+            steps::commit_index(comm, &prepared, &self.plan, None, &self.opts)?;
+            Ok(totals)
+        });
+        if outcome.is_err() {
+            prepared.abandon();
         }
-        let written = self.write_rounds(rx);
-        let (data_bytes, file_bytes) = agree(comm, written)?;
-        steps::commit_index(&self.dir, comm, &self.plan, None, &self.opts)?;
+        let (data_bytes, file_bytes) = outcome?;
         Ok(SaveReport {
             tensors: self.plan.tensors.len(),
             chunks_written: self.tasks.writes.len(),
@@ -601,9 +610,13 @@ impl Background {
 
     /// Writes the staged rounds as they come; the receiver is dropped on return, so a caller
     /// waiting for staging memory is released even when writing failed.
-    fn write_rounds(&self, rx: Receiver<StagedRound>) -> Result<(u64, u64)> {
+    fn write_rounds(
+        &self,
+        rx: Receiver<StagedRound>,
+        prepared: &steps::Prepared,
+    ) -> Result<(u64, u64)> {
         let (plan, tasks, opts) = (&*self.plan, &self.tasks, &self.opts);
-        let arrays = steps::open_arrays(&self.dir, plan, tasks, opts)?;
+        let arrays = steps::open_arrays(prepared.dir(), plan, tasks, opts, prepared.id)?;
         let pool = writer_pool(opts.io_threads, self.lower_priority)?;
         let dirs = pool.install(|| steps::write_array_documents(tasks, &arrays))?;
         let (mut data, mut files, mut done) = (0u64, 0u64, 0usize);

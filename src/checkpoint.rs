@@ -262,7 +262,7 @@ impl Checkpoint {
         let mut chunks_total = 0u64;
         let mut work: Vec<(std::sync::Arc<TensorArray>, StoredGeometry, Vec<u64>)> = Vec::new();
         for (key, e) in &self.meta.tensors {
-            match TensorArray::open(&self.dir, key, e) {
+            match TensorArray::open_for(&self.dir, key, e, self.meta.save_id) {
                 Ok(arr) => {
                     let arr = std::sync::Arc::new(arr);
                     let geom = StoredGeometry {

@@ -51,6 +51,15 @@ pub enum Error {
         /// What is inconsistent.
         detail: String,
     },
+    /// Some ranks do not see the files rank 0 writes in the checkpoint directory (several
+    /// hosts without a shared file system): the save stopped before writing any data.
+    #[error("{}: ranks {ranks:?} cannot see the file rank 0 wrote there, so the ranks do not share this storage (a multi-host save needs a shared file system mounted at the same path on every host); nothing was saved", path.display())]
+    StorageNotShared {
+        /// The directory the save writes into.
+        path: std::path::PathBuf,
+        /// The ranks that could not see rank 0's file.
+        ranks: Vec<usize>,
+    },
     /// Another rank failed; this rank stopped too so that no rank waits forever.
     #[error("rank {rank} failed: {message}")]
     RemoteFailure {

@@ -63,6 +63,7 @@ mod coord;
 pub mod error;
 pub mod launch;
 pub mod load;
+pub mod manager;
 pub mod model;
 mod objects;
 pub mod save;
@@ -83,6 +84,7 @@ pub use checkpoint::{Checkpoint, ObjectInfo, Problem, TensorInfo};
 pub use comm::{CommError, Communicator, LocalComm, TcpComm, TcpConfig, run_local};
 pub use error::{Error, Result};
 pub use load::{LoadOptions, LoadReport, StrictMode, load, load_with_objects};
+pub use manager::{CheckpointManager, ManagerOptions, StepInfo};
 pub use model::{
     Cast, DType, Element, Encoding, KeyError, LoadTarget, ObjectError, ObjectRequest, ObjectScope,
     ObjectSlot, ObjectValue, Region, RegionError, Replica, ShardedTensor, StateDict, StateError,

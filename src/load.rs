@@ -438,7 +438,10 @@ fn open_arrays<'k>(
             stored_geometry(meta, key),
             arrays.contains_key(key),
         ) {
-            arrays.insert(key, (TensorArray::open(dir, key, entry)?, geom));
+            arrays.insert(
+                key,
+                (TensorArray::open_for(dir, key, entry, meta.save_id)?, geom),
+            );
         }
     }
     Ok(arrays)

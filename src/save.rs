@@ -18,6 +18,8 @@ use crate::plan::GridOptions;
 use crate::plan::cache::{self, CachedPlan, CheckOutcome};
 use crate::plan::layout::{GatheredLayouts, RankLayout};
 use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan};
+use crate::storage::commit::{SaveLock, Target};
+use crate::storage::footer::SaveId;
 use crate::storage::meta::tensor_path;
 use crate::storage::{CheckpointMeta, Compression, TensorArray, TensorEntry, commit, fsio, write};
 
@@ -250,6 +252,7 @@ pub(crate) fn open_arrays(
     plan: &SavePlan,
     tasks: &RankTasks,
     opts: &SaveOptions,
+    id: SaveId,
 ) -> Result<HashMap<usize, TensorArray>> {
     let mut arrays: HashMap<usize, TensorArray> = HashMap::new();
     for &ti in tasks
@@ -259,10 +262,11 @@ pub(crate) fn open_arrays(
     {
         if let std::collections::hash_map::Entry::Vacant(v) = arrays.entry(ti) {
             let tp = &plan.tensors[ti];
-            v.insert(TensorArray::create(
+            v.insert(TensorArray::create_for(
                 dir,
                 &tp.key,
                 &entry_of(tp, opts.compression),
+                id,
             )?);
         }
     }
@@ -296,8 +300,9 @@ fn write_files(
     local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
     received: &[Vec<Vec<u8>>],
     opts: &SaveOptions,
+    id: SaveId,
 ) -> Result<(u64, u64)> {
-    let arrays = open_arrays(dir, plan, tasks, opts)?;
+    let arrays = open_arrays(dir, plan, tasks, opts, id)?;
     let pool = io_pool(opts.io_threads)?;
     let (data, files) = pool.install(|| -> Result<(u64, u64)> {
         let dirs = write_array_documents(tasks, &arrays)?;
@@ -340,6 +345,13 @@ fn write_files(
 /// only the shard files assigned to it (replicated pieces once, spread over their holders by
 /// bytes), and rank 0 commits the checkpoint once every rank's files are durable. If any rank
 /// fails, every rank returns an error and the checkpoint stays incomplete.
+///
+/// Rank 0 holds the checkpoint's lock file for the whole save (a second save to the same
+/// path fails on every rank of its job). A save over an existing checkpoint (`overwrite`)
+/// writes into a staging sibling and swaps it in atomically at commit, so a crash at any
+/// moment leaves the previous checkpoint or the new one, never neither and never a mix
+/// (spec § "Commit protocol"). Before any data is written every rank checks that it sees a
+/// file rank 0 wrote into the target directory.
 ///
 /// # Errors
 /// [`Error::Plan`] for an invalid global layout (naming the key and ranks),
@@ -408,17 +420,43 @@ pub(crate) fn save_agreed(
 ) -> Result<SaveReport> {
     let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
     let tasks = agreed.plan.tasks_for(rank);
-    prepare_directory(dir, comm, &agreed.plan, objects, opts)?;
-    let received = exchange_unaligned(comm, agreed, &tasks)?;
-    let written = write_files(dir, &agreed.plan, &tasks, &agreed.local, &received, opts).and_then(
-        |(data, files)| match objects {
-            Some(o) => Ok((data, files + crate::objects::write_values(dir, rank, o)?)),
-            None => Ok((data, files)),
-        },
-    );
-    let (data_bytes, file_bytes) = agree(comm, written)?;
-    commit_index(dir, comm, &agreed.plan, objects, opts)?;
+    let prepared = prepare_directory(dir, comm, &agreed.plan, objects, opts)?;
+    let outcome = write_and_commit(comm, &prepared, agreed, &tasks, objects, opts);
+    if outcome.is_err() {
+        prepared.abandon();
+    }
+    let (data_bytes, file_bytes) = outcome?;
     Ok(agreed.report(&tasks, data_bytes, file_bytes))
+}
+
+/// Steps 3 to 5 into a prepared target. Returns (tensor bytes, file bytes) this rank wrote.
+fn write_and_commit(
+    comm: &dyn Communicator,
+    prepared: &Prepared,
+    agreed: &AgreedLayout<'_, '_>,
+    tasks: &RankTasks,
+    objects: Option<&AgreedObjects<'_>>,
+    opts: &SaveOptions,
+) -> Result<(u64, u64)> {
+    let dir = prepared.dir();
+    let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
+    let received = exchange_unaligned(comm, agreed, tasks)?;
+    let written = write_files(
+        dir,
+        &agreed.plan,
+        tasks,
+        &agreed.local,
+        &received,
+        opts,
+        prepared.id,
+    )
+    .and_then(|(data, files)| match objects {
+        Some(o) => Ok((data, files + crate::objects::write_values(dir, rank, o)?)),
+        None => Ok((data, files)),
+    });
+    let (data_bytes, file_bytes) = agree(comm, written)?;
+    commit_index(comm, prepared, &agreed.plan, objects, opts)?;
+    Ok((data_bytes, file_bytes))
 }
 
 /// The global save plan every rank computed from the gathered layouts, and this rank's pieces.
@@ -540,24 +578,31 @@ pub(crate) fn agree_on_layout_cached<'p, 'a>(
     })
 }
 
-/// Step 2: rank 0 prepares the directory (refusing to overwrite what it must not) and writes
-/// the group documents; every rank waits for the outcome.
+/// Step 2: the target directory is prepared ([`prepare_target`]: lock, save id, staging
+/// sibling or in place, same-storage check) and rank 0 writes the group documents; every
+/// rank waits for the outcome. On error nothing is left to clean up.
 pub(crate) fn prepare_directory(
     dir: &Path,
     comm: &dyn Communicator,
     plan: &SavePlan,
     objects: Option<&AgreedObjects<'_>>,
     opts: &SaveOptions,
-) -> Result<()> {
-    let prepared = if comm.rank() == 0 {
-        commit::prepare(dir, opts.overwrite)
-            .and_then(|()| commit::write_groups(dir, plan.tensors.iter().map(|t| &t.key)))
+) -> Result<Prepared> {
+    let prepared = prepare_target(comm, dir, opts.overwrite)?;
+    let groups = if comm.rank() == 0 {
+        commit::write_groups(prepared.dir(), plan.tensors.iter().map(|t| &t.key))
             .map_err(Error::from)
-            .and_then(|()| objects.map_or(Ok(()), |o| crate::objects::write_groups(dir, o)))
+            .and_then(|()| {
+                objects.map_or(Ok(()), |o| crate::objects::write_groups(prepared.dir(), o))
+            })
     } else {
         Ok(())
     };
-    agree(comm, prepared)
+    if let Err(e) = agree(comm, groups) {
+        prepared.abandon();
+        return Err(e);
+    }
+    Ok(prepared)
 }
 
 /// Step 3: the parts of chunks that are not aligned with pieces travel to their chunk's
@@ -578,27 +623,97 @@ pub(crate) fn exchange_unaligned(
     )
 }
 
-/// Step 5: once every rank's files are durable, rank 0 writes the index: the commit.
+/// Step 5: once every rank's files are durable, rank 0 writes the index (with the save id)
+/// and, for a save over an existing checkpoint, swaps the staging directory in: the commit.
 pub(crate) fn commit_index(
-    dir: &Path,
     comm: &dyn Communicator,
+    prepared: &Prepared,
     plan: &SavePlan,
     objects: Option<&AgreedObjects<'_>>,
     opts: &SaveOptions,
 ) -> Result<()> {
-    let committed = if comm.rank() == 0 {
-        let mut meta = CheckpointMeta::new(comm.world_size() as u64);
-        meta.user = opts.user_metadata.clone();
-        if let Some(o) = objects {
-            meta.objects = crate::objects::index_entries(o);
+    let committed = match &prepared.lock {
+        Some(lock) => {
+            let mut meta = CheckpointMeta::new(comm.world_size() as u64);
+            meta.user = opts.user_metadata.clone();
+            if let Some(o) = objects {
+                meta.objects = crate::objects::index_entries(o);
+            }
+            for tp in &plan.tensors {
+                meta.tensors
+                    .insert(tp.key.clone(), entry_of(tp, opts.compression));
+            }
+            commit::commit_target(&prepared.target, &meta.with_save_id(prepared.id), lock)
+                .map_err(Error::from)
         }
-        for tp in &plan.tensors {
-            meta.tensors
-                .insert(tp.key.clone(), entry_of(tp, opts.compression));
-        }
-        commit::commit(dir, &meta).map_err(Error::from)
-    } else {
-        Ok(())
+        None => Ok(()),
     };
     agree(comm, committed)
+}
+
+/// Where a save writes, as every rank learned it from rank 0.
+pub(crate) struct Prepared {
+    pub(crate) id: SaveId,
+    target: Target,
+    /// Rank 0's save lock, held until the save ends.
+    lock: Option<SaveLock>,
+}
+
+impl Prepared {
+    /// The directory this save writes into (the checkpoint's, or its staging sibling).
+    pub(crate) fn dir(&self) -> &Path {
+        self.target.write_dir()
+    }
+
+    /// Removes what a failed save wrote into a staging sibling (rank 0; a no-op elsewhere).
+    pub(crate) fn abandon(&self) {
+        commit::abandon(&self.target, self.lock.as_ref());
+    }
+}
+
+/// Rank 0 takes the save lock, draws the save id, prepares the target directory (spec §
+/// "Commit protocol") and writes the nonce file there; every rank learns the id and target
+/// and checks it sees the nonce file (same storage), before any data is written.
+fn prepare_target(comm: &dyn Communicator, dir: &Path, overwrite: bool) -> Result<Prepared> {
+    let id = SaveId::random();
+    let local = if comm.rank() == 0 {
+        commit::try_lock(dir)
+            .and_then(|lock| {
+                let t = commit::prepare_target(dir, overwrite, id, &lock)?;
+                commit::write_nonce(&t, id)?;
+                Ok((Some(lock), Some(t)))
+            })
+            .map_err(Error::from)
+    } else {
+        Ok((None, None))
+    };
+    let (lock, target) = agree(comm, local)?;
+    let mut msg = id.0.to_vec();
+    msg.push(u8::from(matches!(target, Some(Target::Staging { .. }))));
+    let got = comm.broadcast(0, &msg)?;
+    let (id, staged) = match got.as_slice() {
+        [b @ .., s] if b.len() == 16 => {
+            let mut a = [0u8; 16];
+            a.copy_from_slice(b);
+            (SaveId(a), *s == 1)
+        }
+        _ => {
+            return Err(Error::RemoteFailure {
+                rank: 0,
+                message: "malformed save id broadcast".into(),
+            });
+        }
+    };
+    let target = target.unwrap_or_else(|| Target::new(dir, id, staged));
+    let seen = comm.all_gather(&[u8::from(commit::sees_nonce(&target, id))])?;
+    let ranks: Vec<usize> = (0..seen.len()).filter(|&r| seen[r] != [1]).collect();
+    let prepared = Prepared { id, target, lock };
+    if !ranks.is_empty() {
+        commit::abandon(&prepared.target, prepared.lock.as_ref());
+        return Err(Error::StorageNotShared {
+            path: prepared.target.write_dir().to_owned(),
+            ranks,
+        });
+    }
+    Ok(prepared)
 }

@@ -5,6 +5,7 @@ pub mod array;
 pub mod commit;
 pub mod dtype;
 pub mod error;
+pub mod footer;
 pub mod foreign;
 pub mod frame;
 pub mod fsio;

@@ -582,17 +582,29 @@ fn shard_extended_with_garbage_is_a_corrupt_chunk() {
             corrupt_detail(&e, "w", &[1, 0], &path);
             assert_one_problem(&dir, "w", &[1, 0], &path);
         }
-        // Garbage in the middle with a valid index re-appended at the end is a valid file.
+        // Garbage in the middle (before the footer) with a valid footer and index re-appended
+        // at the end is a valid file; garbage between the footer and the index is not (the
+        // footer is not where the geometry puts it).
         let (_t, dir) = fixture(c);
         let path = w_shard(&dir);
         let sh = shard(&dir, "w", &path);
-        let mut b = std::fs::read(&path).unwrap();
+        let foot = zarrckpt::storage::footer::footer_len(2, sh.n_sub as u64).unwrap() as usize;
+        let original = std::fs::read(&path).unwrap();
+        let mut b = original.clone();
+        let tail = b.split_off(sh.len - sh.index_len - foot);
+        b.extend_from_slice(&[0xEE; 33]);
+        b.extend_from_slice(&tail);
+        std::fs::write(&path, b).unwrap();
+        assert_eq!(load_whole(&dir, "w").unwrap(), full(&SPECS[0]));
+        assert!(verify_problems(&dir).is_empty());
+        let mut b = original;
         let index = b.split_off(sh.len - sh.index_len);
         b.extend_from_slice(&[0xEE; 33]);
         b.extend_from_slice(&index);
         std::fs::write(&path, b).unwrap();
-        assert_eq!(load_whole(&dir, "w").unwrap(), full(&SPECS[0]));
-        assert!(verify_problems(&dir).is_empty());
+        let e = load_whole(&dir, "w").unwrap_err();
+        corrupt_detail(&e, "w", &[1, 0], &path);
+        assert_one_problem(&dir, "w", &[1, 0], &path);
     }
 }
 
@@ -1017,6 +1029,37 @@ fn write_fuzz_seeds() {
     let names = ["none", "zstd", "none_fixcrc", "zstd_fixcrc"];
     for (name, seed) in names.iter().zip(fuzz_checks::shard_seeds()) {
         write("shard_read", &format!("pristine_{name}"), &seed);
+    }
+    for (name, seed) in footer_seeds() {
+        write("shard_footer", name, &seed);
+    }
+}
+
+/// Valid footers (1 and 2 dimensions, with and without the harness's fix-ups).
+fn footer_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use zarrckpt::storage::footer::{SaveId, encode};
+    let key = TensorKey::new("k").unwrap();
+    let id = SaveId(fuzz_checks::PLACEHOLDER_ID);
+    let mut one = vec![1u8];
+    one.extend(encode(id, &key, &[1], &[7, 0, 9]));
+    let mut two = vec![0xC2u8];
+    two.extend(encode(id, &key, &[1, 2], &[0xdead_beef]));
+    vec![("one_dim", one), ("two_dims_fixed", two)]
+}
+
+#[test]
+fn fuzz_shard_footer_inputs() {
+    assert!(replay("shard_footer") > 0, "seeds exist");
+    for (_, seed) in footer_seeds() {
+        fuzz_checks::check_shard_footer(&seed);
+        for cut in 0..seed.len() {
+            fuzz_checks::check_shard_footer(&seed[..cut]);
+        }
+        for i in 1..seed.len() {
+            let mut s = seed.clone();
+            s[i] ^= 0x20;
+            fuzz_checks::check_shard_footer(&s);
+        }
     }
 }
 

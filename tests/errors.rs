@@ -1820,14 +1820,18 @@ fn failed_overwrite_before_prepare_keeps_the_old_checkpoint() {
     });
     assert!(res.iter().all(Result::is_err));
     assert_loads(&dir, "w", DType::Float32, &[8, 6]);
-    // A failure after prepare leaves the directory incomplete, never a mix of old and new.
+    // A failure after prepare (the new save writes into a staging directory) leaves the
+    // previous checkpoint loadable and removes the staging directory.
     let res = save_faulty(&dir, 2, 1, 3, Fault::Report, &opts, T);
     assert!(res.iter().all(Result::is_err));
-    let e = open_err(&dir);
-    assert!(
-        matches!(storage(&e), StorageError::Incomplete { .. }),
-        "{e:?}"
-    );
+    assert_loads(&dir, "w", DType::Float32, &[8, 6]);
+    let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("staging"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
 #[test]

@@ -16,7 +16,7 @@ use zarrckpt::comm::run_local;
 use zarrckpt::model::key::check_collisions;
 use zarrckpt::plan::GridOptions;
 use zarrckpt::plan::grid;
-use zarrckpt::storage::array::array_metadata;
+use zarrckpt::storage::array::{array_metadata, array_metadata_for};
 use zarrckpt::storage::meta::tensor_path;
 use zarrckpt::storage::{CheckpointMeta, Compression, StorageError};
 use zarrckpt::{
@@ -357,12 +357,17 @@ fn spec_read_tensor(dir: &Path, key: &str) -> Result<Option<Vec<u8>>, String> {
         &std::fs::read(array_dir.join("zarr.json")).map_err(|e| e.to_string())?,
     )
     .map_err(|e| e.to_string())?;
-    if arr
-        != array_metadata(
-            &TensorKey::new(key).unwrap(),
-            &serde_json::from_value(e.clone()).unwrap(),
-        )
-    {
+    // Format 1.1: the index names the save; the array's attributes and every shard's footer
+    // must name the same one.
+    let save_id = idx["save_id"].as_str().map(str::to_owned);
+    let mut expected_arr = array_metadata(
+        &TensorKey::new(key).unwrap(),
+        &serde_json::from_value(e.clone()).unwrap(),
+    );
+    if let Some(id) = &save_id {
+        expected_arr["attributes"]["zarrckpt"]["save_id"] = json!(id);
+    }
+    if arr != expected_arr {
         return Err("array zarr.json disagrees with the index".into());
     }
     let tensor_box = Region::full(&shape);
@@ -375,15 +380,33 @@ fn spec_read_tensor(dir: &Path, key: &str) -> Result<Option<Vec<u8>>, String> {
     let n_sub: u64 = per.iter().product();
     let sub_bytes = sub_shape.iter().product::<u64>() * elem as u64;
     let index_len = 16 * n_sub + 4;
+    let footer_len = if save_id.is_some() {
+        spec_footer_len(shape.len(), n_sub)
+    } else {
+        0
+    };
     for chunk in indices(&grid::grid_shape(&shape, &chunk_shape)) {
         let file = array_dir.join(chunk_key(&chunk));
         let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
         let len = bytes.len() as u64;
-        if len < index_len {
+        if len < index_len + footer_len {
             return Err(format!("{}: shorter than the index", file.display()));
         }
-        let data_end = len - index_len;
-        let index = &bytes[data_end as usize..(len - 4) as usize];
+        let data_end = len - index_len - footer_len;
+        let index = &bytes[(len - index_len) as usize..(len - 4) as usize];
+        let footer_crcs = match &save_id {
+            Some(id) => Some(
+                spec_check_footer(
+                    &bytes[data_end as usize..(len - index_len) as usize],
+                    id,
+                    key,
+                    &chunk,
+                    n_sub,
+                )
+                .map_err(|e| format!("{}: {e}", file.display()))?,
+            ),
+            None => None,
+        };
         let stored = u32::from_le_bytes(bytes[(len - 4) as usize..].try_into().unwrap());
         if crc32c::crc32c(index) != stored {
             return Err(format!("{}: index crc32c mismatch", file.display()));
@@ -410,9 +433,16 @@ fn spec_read_tensor(dir: &Path, key: &str) -> Result<Option<Vec<u8>>, String> {
             }
             let raw = &bytes[off as usize..(off + nbytes) as usize];
             let (payload, crc) = raw.split_at(raw.len() - 4);
-            if crc32c::crc32c(payload) != u32::from_le_bytes(crc.try_into().unwrap()) {
+            let crc = u32::from_le_bytes(crc.try_into().unwrap());
+            if crc32c::crc32c(payload) != crc {
                 return Err(format!(
                     "{}: subchunk {linear} crc32c mismatch",
+                    file.display()
+                ));
+            }
+            if footer_crcs.as_ref().is_some_and(|f| f[linear] != crc) {
+                return Err(format!(
+                    "{}: subchunk {linear} is not the one the footer names",
                     file.display()
                 ));
             }
@@ -434,6 +464,56 @@ fn spec_read_tensor(dir: &Path, key: &str) -> Result<Option<Vec<u8>>, String> {
         }
     }
     Ok(if compressed { None } else { Some(out) })
+}
+
+/// The footer's length by section 7.2: 52 bytes, 8 per dimension, 4 per subchunk, 4.
+fn spec_footer_len(ndim: usize, n_sub: u64) -> u64 {
+    52 + 8 * ndim as u64 + 4 * n_sub
+}
+
+/// Checks a footer by section 7.2, independently of the crate; returns the subchunk crcs.
+fn spec_check_footer(
+    f: &[u8],
+    save_id: &str,
+    key: &str,
+    chunk: &[u64],
+    n_sub: u64,
+) -> Result<Vec<u32>, String> {
+    let u32_at = |at: usize| u32::from_le_bytes(f[at..at + 4].try_into().unwrap());
+    let u64_at = |at: usize| u64::from_le_bytes(f[at..at + 8].try_into().unwrap());
+    let body = &f[..f.len() - 4];
+    if crc32c::crc32c(body) != u32_at(f.len() - 4) {
+        return Err("footer crc32c mismatch".into());
+    }
+    if &f[..8] != b"ZCKPFOOT" || u32_at(8) != 1 || u32_at(12) as usize != chunk.len() {
+        return Err("bad footer magic, version or dimensions".into());
+    }
+    let id: String = f[16..32].iter().map(|b| format!("{b:02x}")).collect();
+    if id != save_id {
+        return Err(format!("footer names save {id}, the index {save_id}"));
+    }
+    if u64_at(32) != xxhash_rust::xxh3::xxh3_64(key.as_bytes()) || u64_at(40) != n_sub {
+        return Err("footer names another tensor or geometry".into());
+    }
+    for (d, c) in chunk.iter().enumerate() {
+        if u64_at(48 + 8 * d) != *c {
+            return Err("footer names another chunk".into());
+        }
+    }
+    let start = 48 + 8 * chunk.len();
+    Ok((0..n_sub as usize).map(|i| u32_at(start + 4 * i)).collect())
+}
+
+/// A 1.1 shard file without its footer: the bytes a 1.0 writer wrote.
+fn strip_footer(bytes: &[u8], ndim: usize, n_sub: u64) -> Vec<u8> {
+    let (index_len, foot) = (
+        (16 * n_sub + 4) as usize,
+        spec_footer_len(ndim, n_sub) as usize,
+    );
+    let data_end = bytes.len() - index_len - foot;
+    let mut out = bytes[..data_end].to_vec();
+    out.extend_from_slice(&bytes[bytes.len() - index_len..]);
+    out
 }
 
 /// Every file under `dir`, relative, with `/` separators.
@@ -499,6 +579,7 @@ fn check_checkpoint(dir: &Path, expect: &BTreeMap<String, Vec<u8>>) -> Checkpoin
             zarrckpt::storage::meta::FORMAT_MINOR
         )
     );
+    assert!(meta.save_id.is_some());
     assert_eq!(meta.format, "zarrckpt");
     let files = list_files(dir);
     assert_eq!(
@@ -516,7 +597,7 @@ fn check_checkpoint(dir: &Path, expect: &BTreeMap<String, Vec<u8>>) -> Checkpoin
         let node = f.trim_end_matches("/zarr.json");
         match meta.tensors.iter().find(|(_, e)| e.path == node) {
             Some((key, e)) => {
-                assert_eq!(doc, array_metadata(key, e), "{f}");
+                assert_eq!(doc, array_metadata_for(key, e, meta.save_id), "{f}");
                 assert_valid(&arrays, &doc, f);
             }
             None => assert_valid(&groups, &doc, f),
@@ -989,7 +1070,16 @@ fn shard_examples_are_byte_exact() {
             ex.line
         );
         let file = t["file"].as_str().unwrap();
-        let written = std::fs::read(dir.join("tensors/t").join(file)).unwrap();
+        let n_sub: u64 = chunk_shape
+            .iter()
+            .zip(&sub_shape)
+            .map(|(c, s)| c / s)
+            .product();
+        let written = strip_footer(
+            &std::fs::read(dir.join("tensors/t").join(file)).unwrap(),
+            shape.len(),
+            n_sub,
+        );
         let hex = ex.hex();
         assert_eq!(
             written, hex,
@@ -1124,8 +1214,12 @@ fn saved_checkpoints_conform_every_dtype_and_edge_case() {
         let odd = &meta.tensors[&TensorKey::new("odd keys/__reserved/a b~c").unwrap()];
         assert_eq!(odd.path, "tensors/odd~20keys/~5F_reserved/a~20b~7Ec");
         // An all-zero chunk is still a file: just the index, every entry absent.
-        let zeros = std::fs::read(dir.join("tensors/zeros/c.0")).unwrap();
         let n_sub = 128 / 16; // 64-byte subchunks of float32
+        let zeros = strip_footer(
+            &std::fs::read(dir.join("tensors/zeros/c.0")).unwrap(),
+            1,
+            n_sub as u64,
+        );
         assert_eq!(zeros.len(), 16 * n_sub + 4);
         assert!(zeros[..16 * n_sub].iter().all(|&b| b == 0xff));
         // The crate's own reader agrees with the spec's.
@@ -1138,13 +1232,36 @@ fn saved_checkpoints_conform_every_dtype_and_edge_case() {
                 "{key}"
             );
         }
-        // Saving the same state again gives the same bytes.
+        // Saving the same state again gives the same bytes, but for the save id (in the
+        // metadata and the shard footers).
         let dir2 = tmp.path().join("again");
         save(&pieces, &dir2, &LocalComm::single(), &opts).unwrap();
+        let meta2 = Checkpoint::open(&dir2).unwrap().meta().clone();
+        assert_ne!(meta.save_id, meta2.save_id);
+        let (id1, id2) = (meta.save_id.unwrap().hex(), meta2.save_id.unwrap().hex());
         for f in list_files(&dir) {
-            assert_eq!(
+            let (a, b) = (
                 std::fs::read(dir.join(&f)).unwrap(),
                 std::fs::read(dir2.join(&f)).unwrap(),
+            );
+            if f.ends_with("zarr.json") {
+                let b = String::from_utf8(b).unwrap().replace(&id2, &id1);
+                assert_eq!(String::from_utf8(a).unwrap(), b, "{f}");
+                continue;
+            }
+            let parent = Path::new(&f).parent().unwrap().to_str().unwrap().to_owned();
+            let e = meta.tensors.values().find(|e| e.path == parent);
+            let e = e.unwrap();
+            let n_sub: u64 = e
+                .chunk_shape
+                .iter()
+                .zip(&e.subchunk_shape)
+                .map(|(c, s)| c / s)
+                .product();
+            let n = e.shape.len();
+            assert_eq!(
+                strip_footer(&a, n, n_sub),
+                strip_footer(&b, n, n_sub),
                 "{f}"
             );
         }
@@ -1516,6 +1633,7 @@ fn invalid_documents_are_rejected() {
     // A later minor version with fields this reader does not know is accepted by both.
     let mut doc = base.clone();
     doc["attributes"]["zarrckpt"]["version"] = json!("1.7");
+    doc["attributes"]["zarrckpt"]["save_id"] = json!("00112233445566778899aabbccddeeff");
     doc["attributes"]["zarrckpt"]["added_in_1_7"] = json!({"x": 1});
     doc["attributes"]["zarrckpt"]["tensors"][key]["also_new"] = json!(true);
     assert_valid(&root_v, &doc, "a 1.7 document with new fields");

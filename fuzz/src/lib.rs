@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock};
 use zarrckpt::model::copy::copy_region;
 use zarrckpt::plan::RankLayout;
 use zarrckpt::storage::StorageError;
+use zarrckpt::storage::footer::SaveId;
 use zarrckpt::storage::meta::{CheckpointMeta, tensor_path};
 use zarrckpt::{
     Compression, DType, Error, LoadOptions, LoadTarget, LocalComm, Region, SaveOptions,
@@ -21,7 +22,13 @@ use zarrckpt::{
 
 /// The names of the fuzz targets, which are also the folder names under `fuzz/seeds/` and
 /// `fuzz/regressions/`.
-pub const TARGETS: [&str; 4] = ["layout_decode", "root_metadata", "tensor_key", "shard_read"];
+pub const TARGETS: [&str; 5] = [
+    "layout_decode",
+    "root_metadata",
+    "tensor_key",
+    "shard_read",
+    "shard_footer",
+];
 
 /// Runs the check of target `name` on `data`.
 pub fn check(name: &str, data: &[u8]) {
@@ -30,6 +37,7 @@ pub fn check(name: &str, data: &[u8]) {
         "root_metadata" => check_root_metadata(data),
         "tensor_key" => check_tensor_key(data),
         "shard_read" => check_shard_read(data),
+        "shard_footer" => check_shard_footer(data),
         other => panic!("unknown fuzz target {other}"),
     }
 }
@@ -326,18 +334,77 @@ fn fixtures() -> &'static [Fixture; 2] {
 }
 
 /// The seed inputs of `shard_read`: each fixture's pristine shard behind its selector byte,
-/// with and without the checksum fix-up.
+/// with and without the checksum fix-up; the footer carries [`PLACEHOLDER_ID`] in place of
+/// the fixture's random save id (see [`check_shard_read`]).
 #[must_use]
 pub fn shard_seeds() -> Vec<Vec<u8>> {
     let mut out = Vec::new();
     for fix in [0u8, 2] {
         for (i, f) in fixtures().iter().enumerate() {
             let mut v = vec![u8::try_from(i).unwrap() | fix];
-            v.extend_from_slice(&f.pristine);
+            let mut shard = f.pristine.clone();
+            swap_save_id(&mut shard, save_id_of(f), SaveId(PLACEHOLDER_ID));
+            v.extend_from_slice(&shard);
             out.push(v);
         }
     }
     out
+}
+
+/// The save id stored seeds carry in their footers, replaced by the fixture's own (random)
+/// save id before a shard is written, so that seeds stay valid across runs.
+pub const PLACEHOLDER_ID: [u8; 16] = [0xAB; 16];
+
+/// Length of the fixture shard's footer (2 dimensions, [`SUBCHUNKS`] subchunks).
+pub const FOOTER: usize = 52 + 8 * 2 + 4 * SUBCHUNKS;
+
+fn save_id_of(f: &Fixture) -> SaveId {
+    zarrckpt::Checkpoint::open(&f.dir)
+        .expect("fixture opens")
+        .meta()
+        .save_id
+        .expect("fixture has a save id")
+}
+
+/// If the footer of `shard` carries `from` and its own crc32c is valid, puts `to` there and
+/// recomputes the crc32c (anything else is left as it is).
+pub fn swap_save_id(shard: &mut [u8], from: SaveId, to: SaveId) {
+    let idx_len = SUBCHUNKS * 16 + 4;
+    let Some(start) = shard.len().checked_sub(idx_len + FOOTER) else {
+        return;
+    };
+    let foot = &mut shard[start..start + FOOTER];
+    let (body, crc) = foot.split_at_mut(FOOTER - 4);
+    if body[16..32] != from.0 || crc32c::crc32c(body).to_le_bytes() != *crc {
+        return;
+    }
+    body[16..32].copy_from_slice(&to.0);
+    crc.copy_from_slice(&crc32c::crc32c(body).to_le_bytes());
+}
+
+/// Rewrites the footer's subchunk crcs from the subchunks' stored crcs (0 for absent ones)
+/// and its own crc32c; other footer fields keep the fuzzed bytes.
+fn fix_footer(shard: &mut [u8]) {
+    let idx_len = SUBCHUNKS * 16 + 4;
+    let Some(start) = shard.len().checked_sub(idx_len + FOOTER) else {
+        return;
+    };
+    let index_at = shard.len() - idx_len;
+    for i in 0..SUBCHUNKS {
+        let at = index_at + 16 * i;
+        let off = u64::from_le_bytes(shard[at..at + 8].try_into().unwrap());
+        let n = u64::from_le_bytes(shard[at + 8..at + 16].try_into().unwrap());
+        let crc = match (usize::try_from(off), usize::try_from(n)) {
+            (Ok(off), Ok(n)) if n >= 4 && off.checked_add(n).is_some_and(|e| e <= start) => {
+                shard[off + n - 4..off + n].to_vec()
+            }
+            _ => vec![0; 4],
+        };
+        let c = start + 48 + 16 + 4 * i;
+        shard[c..c + 4].copy_from_slice(&crc);
+    }
+    let crc = crc32c::crc32c(&shard[start..start + FOOTER - 4]);
+    shard[start + FOOTER - 4..start + FOOTER].copy_from_slice(&crc.to_le_bytes());
 }
 
 /// What zarrs itself reads for the whole tensor (the oracle for accepted shards).
@@ -396,10 +463,16 @@ pub fn assert_names_file(e: &Error, file: &Path) {
 /// Subchunks per shard of the fixture.
 pub const SUBCHUNKS: usize = 2;
 
-/// Recomputes, in place, the crc32c of the index at the end of `shard` and of every subchunk
-/// its entries point at (inside the data), so that fuzzed bytes get past the checksums and
-/// reach the index geometry checks and the decompressors behind them.
+/// Recomputes, in place, the crc32c of the index at the end of `shard`, of every subchunk its
+/// entries point at (inside the data), and the footer's subchunk crcs and own crc32c, so that
+/// fuzzed bytes get past the checksums and reach the footer's field checks, the index
+/// geometry checks and the decompressors behind them.
 pub fn fix_checksums(shard: &mut [u8]) {
+    fix_index_and_subchunks(shard);
+    fix_footer(shard);
+}
+
+fn fix_index_and_subchunks(shard: &mut [u8]) {
     let idx_len = SUBCHUNKS * 16 + 4;
     let Some(data_end) = shard.len().checked_sub(idx_len) else {
         return;
@@ -433,14 +506,12 @@ pub fn check_shard_read(data: &[u8]) {
         return;
     };
     let f = &fixtures()[usize::from(sel & 1)];
-    let mut fixed;
-    let bytes = if sel & 2 != 0 {
-        fixed = bytes.to_vec();
+    let mut fixed = bytes.to_vec();
+    swap_save_id(&mut fixed, SaveId(PLACEHOLDER_ID), save_id_of(f));
+    if sel & 2 != 0 {
         fix_checksums(&mut fixed);
-        fixed.as_slice()
-    } else {
-        bytes
-    };
+    }
+    let bytes = fixed.as_slice();
     std::fs::write(&f.shard, bytes).unwrap();
     let result = load_a(&f.dir);
     match result {
@@ -492,4 +563,46 @@ pub fn cut(full: &[u8], shape: &[u64], region: &Region, elem: usize) -> Vec<u8> 
     let mut out = vec![0u8; usize::try_from(n).unwrap() * elem];
     copy_region(full, &Region::full(shape), &mut out, region, region, elem);
     out
+}
+
+// ---------------------------------------------------------------------------------------------
+// shard_footer
+// ---------------------------------------------------------------------------------------------
+
+/// `zarrckpt::storage::footer::check` on arbitrary bytes. `data[0]`: bits 0-1 the number of
+/// dimensions of the expected chunk `[1, 2, 3][..n]`; bit 7 has the harness recompute the
+/// footer's own crc32c (so mutations reach the field checks); bit 6 writes the expected key
+/// hash. Expected: save id [`PLACEHOLDER_ID`], key `k`, subchunk count from the length. Never
+/// panics; an accepted footer is exactly the encoding of what it was checked against.
+pub fn check_shard_footer(data: &[u8]) {
+    use zarrckpt::storage::footer;
+    let Some((&sel, rest)) = data.split_first() else {
+        return;
+    };
+    let ndim = usize::from(sel & 3);
+    let chunk = &[1u64, 2, 3][..ndim];
+    let key = TensorKey::new("k").unwrap();
+    let mut bytes = rest.to_vec();
+    if sel & 0x40 != 0 && bytes.len() >= 40 {
+        bytes[32..40].copy_from_slice(&footer::key_hash(&key).to_le_bytes());
+    }
+    if sel & 0x80 != 0 && bytes.len() >= 4 {
+        let n = bytes.len() - 4;
+        let crc = crc32c::crc32c(&bytes[..n]);
+        bytes[n..].copy_from_slice(&crc.to_le_bytes());
+    }
+    let fixed = 52 + 8 * ndim;
+    let n_sub = bytes.len().saturating_sub(fixed) as u64 / 4;
+    if let Ok(crcs) = footer::check(&bytes, SaveId(PLACEHOLDER_ID), &key, chunk, n_sub) {
+        assert_eq!(crcs.len() as u64, n_sub);
+        assert_eq!(
+            footer::encode(SaveId(PLACEHOLDER_ID), &key, chunk, &crcs),
+            bytes,
+            "an accepted footer is not the encoding of what it was checked against"
+        );
+    }
+    // Any other expectation is refused.
+    let _ = footer::check(&bytes, SaveId([0; 16]), &key, chunk, n_sub).map(|_| {
+        panic!("a footer was accepted for another save id");
+    });
 }

@@ -17,6 +17,7 @@ use zarrs::metadata::v3::MetadataV3;
 
 use super::dtype::{to_zarrs, zero_fill};
 use super::error::StorageError;
+use super::footer::{SaveId, footer_len};
 use super::meta::{ATTRIBUTE, Compression, TensorEntry};
 use crate::model::{DType, TensorKey};
 
@@ -54,9 +55,20 @@ fn fill_value(dtype: DType) -> Value {
     }
 }
 
-/// The `zarr.json` document of a tensor's array, exactly as zarrckpt writes it.
+/// The `zarr.json` document of a tensor's array, as a 1.0 writer wrote it (no save id).
 #[must_use]
 pub fn array_metadata(key: &TensorKey, e: &TensorEntry) -> Value {
+    array_metadata_for(key, e, None)
+}
+
+/// The `zarr.json` document of a tensor's array, exactly as zarrckpt writes it; the save id
+/// (format 1.1) goes into the `zarrckpt` attribute.
+#[must_use]
+pub fn array_metadata_for(key: &TensorKey, e: &TensorEntry, save_id: Option<SaveId>) -> Value {
+    let mut attr = json!({"key": key.as_str()});
+    if let Some(id) = save_id {
+        attr["save_id"] = json!(id.hex());
+    }
     json!({
         "zarr_format": 3,
         "node_type": "array",
@@ -74,7 +86,7 @@ pub fn array_metadata(key: &TensorKey, e: &TensorEntry) -> Value {
                 "index_location": "end",
             }
         }],
-        "attributes": {ATTRIBUTE: {"key": key.as_str()}},
+        "attributes": {ATTRIBUTE: attr},
     })
 }
 
@@ -118,6 +130,8 @@ pub struct TensorArray {
     index_shape: Vec<NonZeroU64>,
     index_bytes: u64,
     inner_chain: Arc<CodecChain>,
+    /// The save id of the index this array belongs to (format 1.1: shards have footers).
+    save_id: Option<SaveId>,
 }
 
 impl std::fmt::Debug for TensorArray {
@@ -228,6 +242,7 @@ impl TensorArray {
             index_shape,
             index_bytes,
             inner_chain,
+            save_id: None,
         })
     }
 
@@ -237,6 +252,92 @@ impl TensorArray {
     /// As [`TensorArray::from_metadata`].
     pub fn create(root: &Path, key: &TensorKey, entry: &TensorEntry) -> Result<Self, StorageError> {
         Self::from_metadata(root, key, entry, array_metadata(key, entry))
+    }
+
+    /// The array a save with id `save_id` writes for `entry` (shards with footers).
+    ///
+    /// # Errors
+    /// As [`TensorArray::from_metadata`].
+    pub fn create_for(
+        root: &Path,
+        key: &TensorKey,
+        entry: &TensorEntry,
+        save_id: SaveId,
+    ) -> Result<Self, StorageError> {
+        let mut a = Self::from_metadata(
+            root,
+            key,
+            entry,
+            array_metadata_for(key, entry, Some(save_id)),
+        )?;
+        a.save_id = Some(save_id);
+        Ok(a)
+    }
+
+    /// [`TensorArray::open`] for an index committed by save `save_id` (`None` for a 1.0
+    /// index): the array's `zarr.json` must carry the same save id, and its shards are read
+    /// with their footers checked.
+    ///
+    /// # Errors
+    /// As [`TensorArray::open`], and [`StorageError::Malformed`] when the save id differs.
+    pub fn open_for(
+        root: &Path,
+        key: &TensorKey,
+        entry: &TensorEntry,
+        save_id: Option<SaveId>,
+    ) -> Result<Self, StorageError> {
+        let mut a = Self::open(root, key, entry)?;
+        if let Some(id) = save_id {
+            let path = a.dir.join("zarr.json");
+            let bytes = std::fs::read(&path).map_err(StorageError::io("read", &path))?;
+            let meta: Value =
+                serde_json::from_slice(&bytes).map_err(|e| StorageError::Malformed {
+                    path: path.clone(),
+                    reason: format!("not JSON: {e}"),
+                })?;
+            let found = meta
+                .get("attributes")
+                .and_then(|a| a.get(ATTRIBUTE))
+                .and_then(|a| a.get("save_id"))
+                .and_then(Value::as_str);
+            if found != Some(id.hex().as_str()) {
+                return Err(StorageError::Malformed {
+                    path,
+                    reason: format!(
+                        "tensor `{key}`: the array was written by save {}, but the index was committed by save {id} (a mix of two saves, or a save replaced the checkpoint while it was being read)",
+                        found.unwrap_or("(none)")
+                    ),
+                });
+            }
+            a.save_id = Some(id);
+        }
+        Ok(a)
+    }
+
+    /// The save id its shards' footers must carry (`None`: a 1.0 array, no footers).
+    #[must_use]
+    pub fn save_id(&self) -> Option<SaveId> {
+        self.save_id
+    }
+
+    /// Subchunks per shard.
+    #[must_use]
+    pub fn subchunks_per_shard(&self) -> u64 {
+        self.index_shape
+            .iter()
+            .take(self.index_shape.len().saturating_sub(1))
+            .map(|d| d.get())
+            .product()
+    }
+
+    /// Size of each shard's footer: 0 for a 1.0 array.
+    #[must_use]
+    pub fn footer_bytes(&self) -> u64 {
+        match self.save_id {
+            Some(_) => footer_len(self.entry.chunk_shape.len(), self.subchunks_per_shard())
+                .unwrap_or(u64::MAX),
+            None => 0,
+        }
     }
 
     /// Opens the array of `entry` from its `zarr.json` and checks it agrees with the index.

@@ -99,6 +99,14 @@ pub enum StorageError {
         /// The expected file.
         path: PathBuf,
     },
+    /// Another save to the same checkpoint holds its lock.
+    #[error("another save to {} is in progress (its lock {} is held); this save was not started", path.display(), lock.display())]
+    Locked {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// The lock file.
+        lock: PathBuf,
+    },
     /// The target directory already holds data and overwriting was not asked for.
     #[error("{} already exists and is not empty (pass overwrite to replace it)", path.display())]
     AlreadyExists {

@@ -7,6 +7,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::error::StorageError;
+use super::footer::SaveId;
 use crate::model::region::{MAX_DIMS, num_elements};
 use crate::model::{DType, TensorKey};
 
@@ -16,6 +17,8 @@ pub const FORMAT_NAME: &str = "zarrckpt";
 pub const FORMAT_MAJOR: u32 = 1;
 /// The minor version this crate writes.
 pub const FORMAT_MINOR: u32 = 1;
+/// The first minor version whose checkpoints carry a save id and shard footers.
+pub const SAVE_ID_MINOR: u32 = 1;
 /// The attribute holding the checkpoint's metadata in the root group.
 pub const ATTRIBUTE: &str = "zarrckpt";
 /// Most subchunks one shard may have (its index is 16 bytes per subchunk).
@@ -77,6 +80,11 @@ pub struct CheckpointMeta {
     pub writer: String,
     /// Number of ranks that saved it.
     pub world_size: u64,
+    /// The random id of the save that committed this index (format 1.1): every shard file
+    /// carries it in its footer and every array's `zarr.json` in its attributes. Absent in
+    /// 1.0 checkpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub save_id: Option<SaveId>,
     /// Every tensor, by key.
     pub tensors: BTreeMap<TensorKey, TensorEntry>,
     /// Caller metadata (training step and the like), free-form JSON.
@@ -220,7 +228,7 @@ impl CheckpointMeta {
             .cloned()
             .unwrap_or(serde_json::Value::Null);
         let version = version_value.as_str().unwrap_or("");
-        let Some((major, _minor)) = parse_version(version) else {
+        let Some((major, minor)) = parse_version(version) else {
             return Err(malformed(format!(
                 "`{ATTRIBUTE}.version` {version_value} is not a \"MAJOR.MINOR\" string"
             )));
@@ -263,6 +271,11 @@ impl CheckpointMeta {
                 _ => malformed(format!("field `{ATTRIBUTE}.{}`: {}", e.path(), e.inner())),
             }
         })?;
+        if minor >= SAVE_ID_MINOR && meta.save_id.is_none() {
+            return Err(malformed(format!(
+                "`{ATTRIBUTE}.save_id` is required from version {FORMAT_MAJOR}.{SAVE_ID_MINOR} on"
+            )));
+        }
         for (key, t) in &meta.tensors {
             t.validate(key)
                 .map_err(|r| malformed(format!("tensor `{key}`: {r}")))?;
@@ -289,18 +302,31 @@ impl CheckpointMeta {
         serde_json::to_vec_pretty(&doc).unwrap_or_default()
     }
 
-    /// A fresh index for this crate's version.
+    /// A fresh index without a save id: version 1.0, whose shards have no footer. Saves
+    /// call [`CheckpointMeta::with_save_id`], which makes it a version 1.1 index.
     #[must_use]
     pub fn new(world_size: u64) -> Self {
         CheckpointMeta {
             format: FORMAT_NAME.into(),
-            version: format!("{FORMAT_MAJOR}.{FORMAT_MINOR}"),
+            version: format!("{FORMAT_MAJOR}.0"),
             writer: format!("zarrckpt {}", env!("CARGO_PKG_VERSION")),
             world_size,
+            save_id: None,
             tensors: BTreeMap::new(),
             user: serde_json::Map::new(),
             objects: BTreeMap::new(),
         }
+    }
+}
+
+impl CheckpointMeta {
+    /// Records the save that commits this index (its shards carry footers with this id): the
+    /// index becomes version `1.1` ([`FORMAT_MINOR`]).
+    #[must_use]
+    pub fn with_save_id(mut self, id: SaveId) -> Self {
+        self.save_id = Some(id);
+        self.version = format!("{FORMAT_MAJOR}.{FORMAT_MINOR}");
+        self
     }
 }
 
@@ -361,7 +387,7 @@ mod tests {
     use super::*;
 
     fn sample() -> CheckpointMeta {
-        let mut m = CheckpointMeta::new(4);
+        let mut m = CheckpointMeta::new(4).with_save_id(crate::storage::footer::SaveId([3; 16]));
         let key = TensorKey::new("decoder.weight").unwrap();
         m.tensors.insert(
             key.clone(),
@@ -401,6 +427,20 @@ mod tests {
                 CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
             assert!(matches!(e, StorageError::Malformed { .. }), "{bad}: {e}");
         }
+        // 1.1 and later need a save id; 1.0 does not.
+        let id = v["attributes"]["zarrckpt"]["save_id"].take();
+        v["attributes"]["zarrckpt"]
+            .as_object_mut()
+            .unwrap()
+            .remove("save_id");
+        v["attributes"]["zarrckpt"]["version"] = "1.1".into();
+        let e = CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
+        assert!(e.to_string().contains("save_id"), "{e}");
+        v["attributes"]["zarrckpt"]["version"] = "1.0".into();
+        CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap();
+        v["attributes"]["zarrckpt"]["save_id"] = "not hex".into();
+        CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
+        v["attributes"]["zarrckpt"]["save_id"] = id;
         v["attributes"]["zarrckpt"]["version"] = "1.7".into();
         v["attributes"]["zarrckpt"]["future_field"] = 1.into();
         CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap();

@@ -67,13 +67,34 @@ fn corrupt(arr: &TensorArray, chunk: &[u64], detail: String) -> StorageError {
 /// `(offset, nbytes)` of every subchunk of a shard; `None` for absent (all-zero) ones.
 type ShardIndex = Vec<Option<(u64, u64)>>;
 
-/// Opens a shard, reads and decodes its index, and checks every needed entry fits the file.
+/// The crc32c of every subchunk in index order given by the shard's footer (format 1.1);
+/// `None` for a 1.0 shard, which has no footer.
+type FooterCrcs = Option<Vec<u32>>;
+
+/// Checks the footer of a 1.1 shard (`bytes`, read together with the index in one tail
+/// read) against the index that committed it: magic, its own crc32c, save id, key hash, chunk
+/// coordinates, subchunk count. Returns the subchunk crcs it gives.
+fn check_shard_footer(
+    arr: &TensorArray,
+    chunk: &[u64],
+    bytes: &[u8],
+) -> Result<FooterCrcs, StorageError> {
+    let Some(id) = arr.save_id() else {
+        return Ok(None);
+    };
+    super::footer::check(bytes, id, arr.key(), chunk, arr.subchunks_per_shard())
+        .map(Some)
+        .map_err(|d| corrupt(arr, chunk, d))
+}
+
+/// Opens a shard, reads and decodes its index (and checks its footer), and checks every
+/// needed entry fits the file.
 fn open_shard(
     arr: &TensorArray,
     geom: &StoredGeometry,
     shard: &ShardRead,
     counters: &ReadCounters,
-) -> Result<(File, ShardIndex), StorageError> {
+) -> Result<(File, ShardIndex, FooterCrcs), StorageError> {
     let path = arr.chunk_path(&shard.chunk);
     let file = match File::open(&path) {
         Ok(f) => f,
@@ -91,19 +112,25 @@ fn open_shard(
         .map_err(StorageError::io("stat", &path))?
         .len();
     let idx = arr.index_bytes();
-    if len < idx {
+    let foot = arr.footer_bytes();
+    let tail = idx.saturating_add(foot);
+    if len < tail {
         return Err(corrupt(
             arr,
             &shard.chunk,
-            format!("file is {len} bytes, shorter than its {idx}-byte index"),
+            format!(
+                "file is {len} bytes, shorter than its {idx}-byte index and {foot}-byte footer"
+            ),
         ));
     }
-    let mut encoded = vec![0u8; usize::try_from(idx).unwrap_or(usize::MAX)];
-    file.read_exact_at(&mut encoded, len - idx)
+    let mut encoded = vec![0u8; usize::try_from(tail).unwrap_or(usize::MAX)];
+    file.read_exact_at(&mut encoded, len - tail)
         .map_err(StorageError::io("read", &path))?;
-    counters.add(idx);
-    let index = arr.decode_index(&shard.chunk, &encoded)?;
-    let data_end = len - idx;
+    counters.add(tail);
+    let (footer, encoded) = encoded.split_at(usize::try_from(foot).unwrap_or(usize::MAX));
+    let index = arr.decode_index(&shard.chunk, encoded)?;
+    let crcs = check_shard_footer(arr, &shard.chunk, footer)?;
+    let data_end = len - tail;
     check_index_entries(
         &index,
         data_end,
@@ -140,7 +167,7 @@ fn open_shard(
             }
         }
     }
-    Ok((file, index))
+    Ok((file, index, crcs))
 }
 
 /// Checks every present entry of a shard index (spec section 7.2, "Reading a shard"), used
@@ -214,31 +241,54 @@ fn check_crc(
     linear: u64,
     data: &[u8],
     stored: [u8; 4],
+    footer: Option<&[u32]>,
 ) -> Result<(), StorageError> {
-    check_crc_value(arr, shard, linear, super::shard::crc32c(data), stored)
+    check_crc_value(
+        arr,
+        shard,
+        linear,
+        super::shard::crc32c(data),
+        stored,
+        footer,
+    )
 }
 
-/// [`check_crc`] for a crc computed by the caller.
+/// [`check_crc`] for a crc computed by the caller. With a footer, the stored crc must also be
+/// the one the footer gives for this position (a subchunk moved within or between shards
+/// carries a valid crc of its own, but not the one of the place it was moved to).
 fn check_crc_value(
     arr: &TensorArray,
     shard: &ShardRead,
     linear: u64,
     computed: u32,
     stored: [u8; 4],
+    footer: Option<&[u32]>,
 ) -> Result<(), StorageError> {
     let stored = u32::from_le_bytes(stored);
-    if computed == stored {
-        Ok(())
-    } else {
-        Err(StorageError::Checksum {
+    if computed != stored {
+        return Err(StorageError::Checksum {
             key: arr.key().to_string(),
             chunk: shard.chunk.clone(),
             subchunk: linear,
             path: arr.chunk_path(&shard.chunk),
             stored,
             computed,
-        })
+        });
     }
+    if let Some(crcs) = footer {
+        let expected = usize::try_from(linear).ok().and_then(|i| crcs.get(i));
+        if expected != Some(&stored) {
+            return Err(corrupt(
+                arr,
+                &shard.chunk,
+                format!(
+                    "subchunk {linear} carries crc32c {stored:#010x}, but the shard footer gives {} for this position: subchunks were moved or mixed",
+                    expected.map_or("nothing".into(), |e| format!("{e:#010x}"))
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `preadv` until every iovec is full.
@@ -294,9 +344,21 @@ unsafe fn read_shard_direct(
     scratch: &mut Vec<u8>,
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
-    let (file, index) = open_shard(arr, geom, shard, counters)?;
+    let (file, index, footer) = open_shard(arr, geom, shard, counters)?;
     // SAFETY: forwarded.
-    unsafe { pread_subchunks(arr, geom, shard, &file, &index, dest, scratch, counters) }
+    unsafe {
+        pread_subchunks(
+            arr,
+            geom,
+            shard,
+            &file,
+            &index,
+            footer.as_deref(),
+            dest,
+            scratch,
+            counters,
+        )
+    }
 }
 
 /// The reading half of [`read_shard_direct`], on a shard file already opened (and its index
@@ -311,6 +373,7 @@ unsafe fn pread_subchunks(
     shard: &ShardRead,
     file: &File,
     index: &ShardIndex,
+    footer: Option<&[u32]>,
     dest: Dest<'_>,
     scratch: &mut Vec<u8>,
     counters: &ReadCounters,
@@ -345,7 +408,7 @@ unsafe fn pread_subchunks(
         for ((linear, d), crc) in batch.iter().zip(&crcs) {
             // SAFETY: as above; the reads have completed.
             let data = unsafe { dest.slice(*d, sub_bytes) };
-            check_crc(arr, shard, *linear, data, *crc)?;
+            check_crc(arr, shard, *linear, data, *crc, footer)?;
         }
         batch.clear();
         Ok(())
@@ -388,7 +451,14 @@ unsafe fn pread_subchunks(
                 .map_err(StorageError::io("read", &path))?;
             counters.add(sub_bytes as u64 + 4);
             let (data, crc) = slot.split_at(sub_bytes);
-            check_crc(arr, shard, s.linear, data, [crc[0], crc[1], crc[2], crc[3]])?;
+            check_crc(
+                arr,
+                shard,
+                s.linear,
+                data,
+                [crc[0], crc[1], crc[2], crc[3]],
+                footer,
+            )?;
         }
         // SAFETY: disjoint destination ranges (caller's contract).
         unsafe {
@@ -541,7 +611,7 @@ unsafe fn read_shard_compressed(
     scratch: &mut Vec<u8>,
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
-    let (file, index) = open_shard(arr, geom, shard, counters)?;
+    let (file, index, footer) = open_shard(arr, geom, shard, counters)?;
     let path = arr.chunk_path(&shard.chunk);
     let sub_bytes = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX);
     for s in &shard.subchunks {
@@ -569,6 +639,7 @@ unsafe fn read_shard_compressed(
                     s.linear,
                     payload,
                     [crc[0], crc[1], crc[2], crc[3]],
+                    footer.as_deref(),
                 )?;
                 check_declared_size(arr.entry().compression, payload, sub_bytes).map_err(|d| {
                     corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear))
@@ -684,7 +755,8 @@ unsafe fn read_shard_mapped(
     scratch: &mut Vec<u8>,
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
-    let (file, index) = open_shard(arr, geom, shard, counters)?;
+    let (file, index, footer) = open_shard(arr, geom, shard, counters)?;
+    let footer = footer.as_deref();
     let slot = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX) + 4;
     let page = page_size();
     // Present subchunks with their file offsets, in plan order (file order for zarrckpt's
@@ -719,7 +791,11 @@ unsafe fn read_shard_mapped(
                 subchunks: window.iter().map(|(s, _)| (*s).clone()).collect(),
             };
             // SAFETY: forwarded.
-            unsafe { pread_subchunks(arr, geom, &part, &file, &index, dest, scratch, counters)? };
+            unsafe {
+                pread_subchunks(
+                    arr, geom, &part, &file, &index, footer, dest, scratch, counters,
+                )?;
+            };
             continue;
         };
         let bytes = map.bytes();
@@ -738,18 +814,18 @@ unsafe fn read_shard_mapped(
                     digest.update(o);
                 }
                 let computed = u32::try_from(digest.finalize()).unwrap_or(0);
-                check_crc_value(arr, shard, s.linear, computed, crc)?;
+                check_crc_value(arr, shard, s.linear, computed, crc, footer)?;
             } else if s.needed == s.stored {
                 whole.push((s, at(off), crc));
             } else {
-                check_crc(arr, shard, s.linear, data, crc)?;
+                check_crc(arr, shard, s.linear, data, crc, footer)?;
                 partial.push((s, at(off)));
             }
             counters.add(slot as u64);
         }
         // SAFETY: disjoint destination ranges (caller's contract).
         unsafe {
-            scatter_checked(arr, shard, &whole, bytes, dest)?;
+            scatter_checked(arr, shard, &whole, bytes, dest, footer)?;
             scatter(partial.into_iter(), bytes, dest);
         }
     }
@@ -773,6 +849,7 @@ unsafe fn scatter_checked(
     subs: &[(&SubchunkRead, usize, [u8; 4])],
     src: &[u8],
     dest: Dest<'_>,
+    footer: Option<&[u32]>,
 ) -> Result<(), StorageError> {
     let lists: Vec<Vec<Run>> = subs
         .iter()
@@ -802,7 +879,7 @@ unsafe fn scatter_checked(
     }
     for (&(s, _, stored), digest) in subs.iter().zip(&digests) {
         let computed = u32::try_from(digest.finalize()).unwrap_or(0);
-        check_crc_value(arr, shard, s.linear, computed, stored)?;
+        check_crc_value(arr, shard, s.linear, computed, stored, footer)?;
     }
     Ok(())
 }

@@ -63,8 +63,9 @@ fn write_all_vectored(
 
 /// Writes the shard holding `chunk_box` (the full, unclipped chunk) of an uncompressed array
 /// to `path`, taking the data from `src`, a C-order buffer holding `src_box` (which contains
-/// `chunk_box`). Starts writeback of the file; the caller fsyncs it before committing.
-/// Returns the bytes written.
+/// `chunk_box`). Starts writeback of the file; the caller fsyncs it before committing. With
+/// `footer` (save id, tensor key, chunk grid index) the shard footer of format 1.1 goes
+/// between the last subchunk and the index. Returns the bytes written.
 ///
 /// # Errors
 /// I/O errors naming the path.
@@ -78,6 +79,7 @@ pub fn write_uncompressed(
     chunk_box: &Region,
     subchunk_shape: &[u64],
     elem: usize,
+    footer: Option<FooterFor<'_>>,
 ) -> Result<u64, StorageError> {
     let per_shard: Vec<u64> = chunk_box
         .shape
@@ -104,6 +106,7 @@ pub fn write_uncompressed(
     let mut offset: u64 = 0;
     let mut staging: Vec<u8> = Vec::with_capacity(STAGING_BYTES.min(n_sub * sub_bytes));
     let mut segs: Vec<(Seg, [u8; 4])> = Vec::new();
+    let mut crcs: Vec<u32> = Vec::with_capacity(if footer.is_some() { n_sub } else { 0 });
 
     let flush = |file: &mut File,
                  segs: &mut Vec<(Seg, [u8; 4])>,
@@ -167,11 +170,17 @@ pub fn write_uncompressed(
             }
             index.extend_from_slice(&u64::MAX.to_le_bytes());
             index.extend_from_slice(&u64::MAX.to_le_bytes());
+            if footer.is_some() {
+                crcs.push(0);
+            }
             continue;
         }
         index.extend_from_slice(&offset.to_le_bytes());
         index.extend_from_slice(&(sub_bytes as u64 + 4).to_le_bytes());
         offset += sub_bytes as u64 + 4;
+        if footer.is_some() {
+            crcs.push(crc);
+        }
         segs.push((seg, crc.to_le_bytes()));
         if segs.len() * 2 >= MAX_IOV * 8 {
             flush(&mut file, &mut segs, &mut staging)?;
@@ -180,11 +189,20 @@ pub fn write_uncompressed(
     flush(&mut file, &mut segs, &mut staging)?;
     let crc = crc32c(&index);
     index.extend_from_slice(&crc.to_le_bytes());
-    file.write_all(&index)
-        .map_err(StorageError::io("write", path))?;
+    let foot = footer.map_or_else(Vec::new, |f| super::footer::encode(f.0, f.1, f.2, &crcs));
+    let mut tail = [IoSlice::new(&foot), IoSlice::new(&index)];
+    write_all_vectored(&mut file, &mut tail, path)?;
     start_writeback(&file);
-    Ok(offset + index.len() as u64)
+    Ok(offset + foot.len() as u64 + index.len() as u64)
 }
+
+/// What a shard footer binds the shard to: the save id, the tensor key and the chunk's grid
+/// index.
+pub type FooterFor<'a> = (
+    super::footer::SaveId,
+    &'a crate::model::TensorKey,
+    &'a [u64],
+);
 
 /// Asks the kernel to start writing the file's dirty pages now (without waiting), so the
 /// disk works while later files are produced; the fsync before commit then waits less.
@@ -249,7 +267,8 @@ mod tests {
                 };
                 let path = tmp.path().join(format!("shard{ci}{all_zero}"));
                 let written =
-                    write_uncompressed(&path, &data, &chunk_box, &chunk_box, sub, elem).unwrap();
+                    write_uncompressed(&path, &data, &chunk_box, &chunk_box, sub, elem, None)
+                        .unwrap();
                 let ours = std::fs::read(&path).unwrap();
                 assert_eq!(written as usize, ours.len());
                 let theirs = arr.encode_chunk(&vec![0; chunk.len()], &data).unwrap();
@@ -275,8 +294,8 @@ mod tests {
         crate::model::copy::copy_region(&src, &piece, &mut expect, &chunk_box, &chunk_box, 1);
         let a = tmp.path().join("a");
         let b = tmp.path().join("b");
-        write_uncompressed(&a, &src, &piece, &chunk_box, &[2, 3], 1).unwrap();
-        write_uncompressed(&b, &expect, &chunk_box, &chunk_box, &[2, 3], 1).unwrap();
+        write_uncompressed(&a, &src, &piece, &chunk_box, &[2, 3], 1, None).unwrap();
+        write_uncompressed(&b, &expect, &chunk_box, &chunk_box, &[2, 3], 1, None).unwrap();
         assert_eq!(std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
     }
 }

@@ -18,7 +18,7 @@ use crate::model::copy::copy_region;
 /// I/O errors naming the path.
 pub fn write_array_metadata(arr: &TensorArray) -> Result<(), StorageError> {
     create_dir_durable(arr.dir())?;
-    let doc = super::array::array_metadata(arr.key(), arr.entry());
+    let doc = super::array::array_metadata_for(arr.key(), arr.entry(), arr.save_id());
     let bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
     write_durable(&arr.dir().join("zarr.json"), &[&bytes]).map(|_| ())
 }
@@ -26,6 +26,8 @@ pub fn write_array_metadata(arr: &TensorArray) -> Result<(), StorageError> {
 /// Writes the shard of the chunk at grid index `chunk`, whose full (unclipped) box is
 /// `chunk_box`, from `src`, a C-order buffer holding `src_box` (which contains `chunk_box`).
 /// Uncompressed arrays are written straight from `src`; compressed ones are encoded by zarrs.
+/// An array created for a save id ([`TensorArray::create_for`]) gets the shard footer of
+/// format 1.1 between the last subchunk and the index.
 /// The file is not yet durable: call [`sync_file`] on it before committing. Returns the bytes
 /// written.
 ///
@@ -48,6 +50,7 @@ pub fn write_shard(
             chunk_box,
             &arr.entry().subchunk_shape,
             elem,
+            arr.save_id().map(|id| (id, arr.key(), chunk)),
         );
     }
     let owned;
@@ -60,16 +63,51 @@ pub fn write_shard(
         &owned
     };
     let encoded = arr.encode_chunk(chunk, bytes)?;
+    let (data, index) = encoded.split_at(
+        encoded
+            .len()
+            .saturating_sub(usize::try_from(arr.index_bytes()).unwrap_or(usize::MAX)),
+    );
+    let foot = match arr.save_id() {
+        Some(id) => compressed_footer(arr, chunk, id, data, index)?,
+        None => Vec::new(),
+    };
     let mut f = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .open(&path)
         .map_err(StorageError::io("create", &path))?;
-    f.write_all(&encoded)
-        .map_err(StorageError::io("write", &path))?;
+    for part in [data, &foot, index] {
+        f.write_all(part)
+            .map_err(StorageError::io("write", &path))?;
+    }
     start_writeback(&f);
-    Ok(encoded.len() as u64)
+    Ok((data.len() + foot.len() + index.len()) as u64)
+}
+
+/// The footer of a shard encoded by zarrs: the crc32c each subchunk's inner `crc32c` codec
+/// stored (its last 4 bytes), in index order.
+fn compressed_footer(
+    arr: &TensorArray,
+    chunk: &[u64],
+    id: super::footer::SaveId,
+    data: &[u8],
+    index: &[u8],
+) -> Result<Vec<u8>, StorageError> {
+    let entries = arr.decode_index(chunk, index)?;
+    let mut crcs = Vec::with_capacity(entries.len());
+    for e in entries {
+        let crc = e
+            .and_then(|(off, n)| {
+                let end = usize::try_from(off.checked_add(n)?).ok()?;
+                let c = data.get(end.checked_sub(4)?..end)?;
+                Some(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            })
+            .unwrap_or(0);
+        crcs.push(crc);
+    }
+    Ok(super::footer::encode(id, arr.key(), chunk, &crcs))
 }
 
 /// Makes a written file durable (fsync).

@@ -2,12 +2,15 @@
 
 mod bench;
 mod bench_plan;
+mod corrupt;
+mod crash;
 mod demo;
 mod diff;
 mod export;
 mod import;
 mod inspect;
 mod launch;
+mod ls;
 mod progress;
 mod rss;
 mod verify;
@@ -35,6 +38,9 @@ enum Command {
     Export(export::Args),
     /// List a checkpoint's tensors: data types, shapes, chunking, sizes.
     Inspect(inspect::Args),
+    /// List the step checkpoints under a checkpoint manager's root (complete or not, size,
+    /// latest).
+    Ls(ls::Args),
     /// Read every chunk, check every checksum and that every chunk exists.
     Verify(verify::Args),
     /// Compare two checkpoints tensor by tensor, whatever their layouts, in bounded memory:
@@ -48,6 +54,15 @@ enum Command {
     /// Run N local processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
     /// set (as torchrun does), output prefixed by rank; fail fast when one fails.
     Launch(launch::Args),
+    /// Crash-consistency harness: kill saving processes (SIGKILL) at random moments and check
+    /// that the previous checkpoint or the new one is there, never neither, never a mix.
+    CrashTrials(crash::Args),
+    /// Corruption harness: damage a checkpoint at random (flips, truncations, deletions,
+    /// swaps of equal-sized subchunks and shards, metadata) and check load and verify catch it.
+    CorruptionTrials(corrupt::Args),
+    /// One save of `crash-trials` (the process that gets killed).
+    #[command(hide = true)]
+    CrashChild(crash::ChildArgs),
     /// One rank of a synthetic save or load (used by `bench --processes` and tests).
     #[command(hide = true)]
     Worker(worker::Args),
@@ -81,12 +96,16 @@ fn main() -> std::process::ExitCode {
         Command::Import(a) => import::run(&a),
         Command::Export(a) => export::run(&a),
         Command::Inspect(a) => inspect::run(&a),
+        Command::Ls(a) => ls::run(&a),
         Command::Verify(a) => verify::run(&a),
         Command::Diff(a) => diff::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::BenchPlan(a) => bench_plan::run(&a),
         Command::Launch(a) => launch::run(&a),
         Command::Worker(a) => worker::run(&a),
+        Command::CrashTrials(a) => crash::run(&a),
+        Command::CorruptionTrials(a) => corrupt::run(&a),
+        Command::CrashChild(a) => crash::run_child(&a),
     };
     match result {
         Ok(code) => code,
