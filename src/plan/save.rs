@@ -360,229 +360,18 @@ impl SavePlan {
     /// [`PlanError`] when keys collide, ranks disagree on a tensor's data type or shape, or
     /// the main replicas of a tensor do not cover every element exactly once.
     pub fn build(g: &GatheredLayouts, opts: &SavePlanOptions) -> Result<SavePlan, PlanError> {
-        // 1. Merge the distinct layouts per tensor.
-        let mut ids: HashMap<TensorKey, usize> = HashMap::new();
-        let mut accs: Vec<TensorAcc> = Vec::new();
-        for (u, layout) in g.unique.iter().enumerate() {
-            let u32_ = u32::try_from(u).unwrap_or(u32::MAX);
-            let ranks = &g.ranks[u];
-            let local_ids: Vec<usize> = layout
-                .tensors
-                .iter()
-                .map(|t| {
-                    let id = *ids.entry(t.key.clone()).or_insert_with(|| {
-                        accs.push(TensorAcc {
-                            key: t.key.clone(),
-                            dtype: t.dtype,
-                            shape: t.global_shape.clone(),
-                            variants_dtype: Vec::new(),
-                            variants_shape: Vec::new(),
-                            boxes: HashMap::new(),
-                        });
-                        accs.len() - 1
-                    });
-                    let acc = &mut accs[id];
-                    note_variant(&mut acc.variants_dtype, &t.dtype, ranks);
-                    note_variant(&mut acc.variants_shape, &t.global_shape, ranks);
-                    id
-                })
-                .collect();
-            for p in &layout.pieces {
-                let acc = &mut accs[local_ids[p.tensor as usize]];
-                let b = acc.boxes.entry(p.region.clone()).or_default();
-                if p.main {
-                    b.main_layouts.push(u32_);
-                } else if p.auto {
-                    b.auto_layouts.push(u32_);
-                }
-                if b.holder_layouts.last() != Some(&u32_) {
-                    b.holder_layouts.push(u32_);
-                }
-            }
-        }
-        check_collisions(accs.iter().map(|a| &a.key))?;
-
-        // 2. Validate agreement and coverage; collect main pieces.
-        struct Pending {
-            tensor: usize,
-            region: Region,
-            holders: Vec<u32>,
-            /// Only the lowest holder rank may write (no balancing, no main holder).
-            lowest_only: bool,
-            n_holders: usize,
-            bytes: u64,
-        }
-        let mut pending: Vec<Pending> = Vec::new();
-        // Per tensor: the least bytes one rank holds as main (the tiny-chunk rule's `P`).
-        let mut smallest_holding: Vec<u64> = Vec::with_capacity(accs.len());
-        accs.sort_by(|a, b| a.key.cmp(&b.key));
-        for (ti, acc) in accs.iter().enumerate() {
-            if acc.variants_dtype.len() > 1 {
-                return Err(PlanError::Disagreement {
-                    key: acc.key.clone(),
-                    what: "data type",
-                    variants: acc
-                        .variants_dtype
-                        .iter()
-                        .map(|(d, r)| (d.to_string(), r.clone()))
-                        .collect(),
-                });
-            }
-            if acc.variants_shape.len() > 1 {
-                return Err(PlanError::Disagreement {
-                    key: acc.key.clone(),
-                    what: "global shape",
-                    variants: acc
-                        .variants_shape
-                        .iter()
-                        .map(|(s, r)| (format!("{s:?}"), r.clone()))
-                        .collect(),
-                });
-            }
-            let mut mains: Vec<(&Region, &[u32])> = Vec::new();
-            for (region, b) in &acc.boxes {
-                // A box is stored when some rank holds it as main or declares it replicated
-                // without an id; the latter form one replica group with any id-0 holder.
-                let declared: &[u32] = if b.main_layouts.is_empty() {
-                    &b.auto_layouts
-                } else {
-                    &b.main_layouts
-                };
-                if declared.is_empty() {
-                    continue;
-                }
-                let n_main: usize = b
-                    .main_layouts
-                    .iter()
-                    .map(|&u| g.ranks[u as usize].len())
-                    .sum();
-                if n_main > 1 && !region.is_empty() {
-                    let ranks = ranks_of(g, &b.main_layouts);
-                    return Err(PlanError::Overlap {
-                        key: acc.key.clone(),
-                        first: region.clone(),
-                        first_ranks: ranks.clone(),
-                        second: region.clone(),
-                        second_ranks: ranks,
-                    });
-                }
-                mains.push((region, declared));
-            }
-            check_coverage(&acc.key, &acc.shape, &mains, g)?;
-            smallest_holding.push(smallest_holding_bytes(&mains, acc.dtype.size()));
-            for (region, b) in &acc.boxes {
-                if b.main_layouts.is_empty() && b.auto_layouts.is_empty() {
-                    continue;
-                }
-                let n_holders = b
-                    .holder_layouts
-                    .iter()
-                    .map(|&u| g.ranks[u as usize].len())
-                    .sum();
-                let bytes = region
-                    .num_elements()
-                    .unwrap_or(0)
-                    .saturating_mul(acc.dtype.size() as u64);
-                pending.push(Pending {
-                    tensor: ti,
-                    region: region.clone(),
-                    holders: if opts.balance_replicas {
-                        b.holder_layouts.clone()
-                    } else if b.main_layouts.is_empty() {
-                        b.auto_layouts.clone()
-                    } else {
-                        b.main_layouts.clone()
-                    },
-                    lowest_only: !opts.balance_replicas && b.main_layouts.is_empty(),
-                    n_holders,
-                    bytes,
-                });
-            }
-        }
-
-        // 3. Assign writers: fewest holders first, then largest, to the least-loaded holder.
-        pending.sort_by(|a, b| {
-            (a.n_holders, std::cmp::Reverse(a.bytes), a.tensor, &a.region).cmp(&(
-                b.n_holders,
-                std::cmp::Reverse(b.bytes),
-                b.tensor,
-                &b.region,
-            ))
-        });
-        let mut load = vec![0u64; g.world_size()];
-        let mut pieces: Vec<Vec<PiecePlan>> = vec![Vec::new(); accs.len()];
-        for p in pending {
-            let mut best: Option<(u64, u32)> = None;
-            for &u in &p.holders {
-                for &r in &g.ranks[u as usize] {
-                    let cand = if p.lowest_only {
-                        (0, r)
-                    } else {
-                        (load[r as usize], r)
-                    };
-                    if best.is_none_or(|b| cand < b) {
-                        best = Some(cand);
-                    }
-                }
-            }
-            let writer = best.map_or(0, |b| b.1);
-            load[writer as usize] += p.bytes;
-            pieces[p.tensor].push(PiecePlan {
-                region: p.region,
-                writer,
-            });
-        }
-
-        // 4. Grids.
+        let accs = merge_layouts(g)?;
+        let (pending, smallest_holding) = validate(&accs, g, opts)?;
+        let (pieces, bytes_per_rank) = assign_writers(pending, g, accs.len());
         let tensors = accs
             .into_iter()
             .zip(pieces)
             .zip(smallest_holding)
-            .map(|((acc, mut pieces), smallest)| {
-                pieces.sort_by(|a, b| a.region.cmp(&b.region));
-                // Empty pieces hold nothing: their boundaries do not constrain the grid.
-                let refs: Vec<&Region> = pieces
-                    .iter()
-                    .map(|p| &p.region)
-                    .filter(|r| !r.is_empty())
-                    .collect();
-                let elem = acc.dtype.size();
-                let (mut chunk_shape, aligned) =
-                    grid::choose_chunk_shape_with(&acc.shape, &refs, elem, smallest, &opts.grid);
-                if !aligned {
-                    let parts: Vec<(&Region, u32)> =
-                        pieces.iter().map(|p| (&p.region, p.writer)).collect();
-                    chunk_shape = grid::refine_unaligned(
-                        &acc.shape,
-                        &chunk_shape,
-                        &parts,
-                        elem,
-                        opts.grid.min_chunk_bytes.min(smallest),
-                        opts.grid.min_chunk_bytes / 4,
-                    );
-                }
-                let subchunk_shape = grid::subchunk_shape(
-                    &chunk_shape,
-                    &acc.shape,
-                    elem,
-                    opts.grid.subchunk_target_bytes,
-                );
-                let metadata_writer = pieces.first().map_or(0, |p| p.writer);
-                TensorPlan {
-                    key: acc.key,
-                    dtype: acc.dtype,
-                    global_shape: acc.shape,
-                    chunk_shape,
-                    subchunk_shape,
-                    aligned,
-                    pieces,
-                    metadata_writer,
-                }
-            })
+            .map(|((acc, pieces), smallest)| tensor_grid(acc, pieces, smallest, opts))
             .collect();
         Ok(SavePlan {
             tensors,
-            bytes_per_rank: load,
+            bytes_per_rank,
         })
     }
 
@@ -661,6 +450,251 @@ impl SavePlan {
         } else {
             max as f64 / (total as f64 / n)
         }
+    }
+}
+
+/// A main piece waiting for its writer.
+struct Pending {
+    tensor: usize,
+    region: Region,
+    holders: Vec<u32>,
+    /// Only the lowest holder rank may write (no balancing, no main holder).
+    lowest_only: bool,
+    n_holders: usize,
+    bytes: u64,
+}
+
+/// Step 1 of planning: merges the distinct layouts per tensor (sorted by key), noting every
+/// data type and shape declared and who holds each box.
+fn merge_layouts(g: &GatheredLayouts) -> Result<Vec<TensorAcc>, PlanError> {
+    let mut ids: HashMap<TensorKey, usize> = HashMap::new();
+    let mut accs: Vec<TensorAcc> = Vec::new();
+    for (u, layout) in g.unique.iter().enumerate() {
+        let u32_ = u32::try_from(u).unwrap_or(u32::MAX);
+        let ranks = &g.ranks[u];
+        let local_ids: Vec<usize> = layout
+            .tensors
+            .iter()
+            .map(|t| {
+                let id = *ids.entry(t.key.clone()).or_insert_with(|| {
+                    accs.push(TensorAcc {
+                        key: t.key.clone(),
+                        dtype: t.dtype,
+                        shape: t.global_shape.clone(),
+                        variants_dtype: Vec::new(),
+                        variants_shape: Vec::new(),
+                        boxes: HashMap::new(),
+                    });
+                    accs.len() - 1
+                });
+                let acc = &mut accs[id];
+                note_variant(&mut acc.variants_dtype, &t.dtype, ranks);
+                note_variant(&mut acc.variants_shape, &t.global_shape, ranks);
+                id
+            })
+            .collect();
+        for p in &layout.pieces {
+            let acc = &mut accs[local_ids[p.tensor as usize]];
+            let b = acc.boxes.entry(p.region.clone()).or_default();
+            if p.main {
+                b.main_layouts.push(u32_);
+            } else if p.auto {
+                b.auto_layouts.push(u32_);
+            }
+            if b.holder_layouts.last() != Some(&u32_) {
+                b.holder_layouts.push(u32_);
+            }
+        }
+    }
+    check_collisions(accs.iter().map(|a| &a.key))?;
+    accs.sort_by(|a, b| a.key.cmp(&b.key));
+    Ok(accs)
+}
+
+/// Step 2: validates agreement on data type and shape and that the main replicas cover every
+/// element exactly once; returns the main pieces to assign and, per tensor, the least bytes
+/// one rank holds as main (the tiny-chunk rule's `P`).
+fn validate(
+    accs: &[TensorAcc],
+    g: &GatheredLayouts,
+    opts: &SavePlanOptions,
+) -> Result<(Vec<Pending>, Vec<u64>), PlanError> {
+    let mut pending: Vec<Pending> = Vec::new();
+    // Per tensor: the least bytes one rank holds as main (the tiny-chunk rule's `P`).
+    let mut smallest_holding: Vec<u64> = Vec::with_capacity(accs.len());
+    for (ti, acc) in accs.iter().enumerate() {
+        if acc.variants_dtype.len() > 1 {
+            return Err(PlanError::Disagreement {
+                key: acc.key.clone(),
+                what: "data type",
+                variants: acc
+                    .variants_dtype
+                    .iter()
+                    .map(|(d, r)| (d.to_string(), r.clone()))
+                    .collect(),
+            });
+        }
+        if acc.variants_shape.len() > 1 {
+            return Err(PlanError::Disagreement {
+                key: acc.key.clone(),
+                what: "global shape",
+                variants: acc
+                    .variants_shape
+                    .iter()
+                    .map(|(s, r)| (format!("{s:?}"), r.clone()))
+                    .collect(),
+            });
+        }
+        let mut mains: Vec<(&Region, &[u32])> = Vec::new();
+        for (region, b) in &acc.boxes {
+            // A box is stored when some rank holds it as main or declares it replicated
+            // without an id; the latter form one replica group with any id-0 holder.
+            let declared: &[u32] = if b.main_layouts.is_empty() {
+                &b.auto_layouts
+            } else {
+                &b.main_layouts
+            };
+            if declared.is_empty() {
+                continue;
+            }
+            let n_main: usize = b
+                .main_layouts
+                .iter()
+                .map(|&u| g.ranks[u as usize].len())
+                .sum();
+            if n_main > 1 && !region.is_empty() {
+                let ranks = ranks_of(g, &b.main_layouts);
+                return Err(PlanError::Overlap {
+                    key: acc.key.clone(),
+                    first: region.clone(),
+                    first_ranks: ranks.clone(),
+                    second: region.clone(),
+                    second_ranks: ranks,
+                });
+            }
+            mains.push((region, declared));
+        }
+        check_coverage(&acc.key, &acc.shape, &mains, g)?;
+        smallest_holding.push(smallest_holding_bytes(&mains, acc.dtype.size()));
+        for (region, b) in &acc.boxes {
+            if b.main_layouts.is_empty() && b.auto_layouts.is_empty() {
+                continue;
+            }
+            let n_holders = b
+                .holder_layouts
+                .iter()
+                .map(|&u| g.ranks[u as usize].len())
+                .sum();
+            let bytes = region
+                .num_elements()
+                .unwrap_or(0)
+                .saturating_mul(acc.dtype.size() as u64);
+            pending.push(Pending {
+                tensor: ti,
+                region: region.clone(),
+                holders: if opts.balance_replicas {
+                    b.holder_layouts.clone()
+                } else if b.main_layouts.is_empty() {
+                    b.auto_layouts.clone()
+                } else {
+                    b.main_layouts.clone()
+                },
+                lowest_only: !opts.balance_replicas && b.main_layouts.is_empty(),
+                n_holders,
+                bytes,
+            });
+        }
+    }
+
+    Ok((pending, smallest_holding))
+}
+
+/// Step 3: assigns writers, fewest holders first, then largest, to the least-loaded holder.
+/// Returns the pieces per tensor and the bytes each rank writes.
+fn assign_writers(
+    mut pending: Vec<Pending>,
+    g: &GatheredLayouts,
+    n_tensors: usize,
+) -> (Vec<Vec<PiecePlan>>, Vec<u64>) {
+    pending.sort_by(|a, b| {
+        (a.n_holders, std::cmp::Reverse(a.bytes), a.tensor, &a.region).cmp(&(
+            b.n_holders,
+            std::cmp::Reverse(b.bytes),
+            b.tensor,
+            &b.region,
+        ))
+    });
+    let mut load = vec![0u64; g.world_size()];
+    let mut pieces: Vec<Vec<PiecePlan>> = vec![Vec::new(); n_tensors];
+    for p in pending {
+        let mut best: Option<(u64, u32)> = None;
+        for &u in &p.holders {
+            for &r in &g.ranks[u as usize] {
+                let cand = if p.lowest_only {
+                    (0, r)
+                } else {
+                    (load[r as usize], r)
+                };
+                if best.is_none_or(|b| cand < b) {
+                    best = Some(cand);
+                }
+            }
+        }
+        let writer = best.map_or(0, |b| b.1);
+        load[writer as usize] += p.bytes;
+        pieces[p.tensor].push(PiecePlan {
+            region: p.region,
+            writer,
+        });
+    }
+
+    (pieces, load)
+}
+
+/// Step 4: the chunk grid of one tensor from its main pieces.
+fn tensor_grid(
+    acc: TensorAcc,
+    mut pieces: Vec<PiecePlan>,
+    smallest: u64,
+    opts: &SavePlanOptions,
+) -> TensorPlan {
+    pieces.sort_by(|a, b| a.region.cmp(&b.region));
+    // Empty pieces hold nothing: their boundaries do not constrain the grid.
+    let refs: Vec<&Region> = pieces
+        .iter()
+        .map(|p| &p.region)
+        .filter(|r| !r.is_empty())
+        .collect();
+    let elem = acc.dtype.size();
+    let (mut chunk_shape, aligned) =
+        grid::choose_chunk_shape_with(&acc.shape, &refs, elem, smallest, &opts.grid);
+    if !aligned {
+        let parts: Vec<(&Region, u32)> = pieces.iter().map(|p| (&p.region, p.writer)).collect();
+        chunk_shape = grid::refine_unaligned(
+            &acc.shape,
+            &chunk_shape,
+            &parts,
+            elem,
+            opts.grid.min_chunk_bytes.min(smallest),
+            opts.grid.min_chunk_bytes / 4,
+        );
+    }
+    let subchunk_shape = grid::subchunk_shape(
+        &chunk_shape,
+        &acc.shape,
+        elem,
+        opts.grid.subchunk_target_bytes,
+    );
+    let metadata_writer = pieces.first().map_or(0, |p| p.writer);
+    TensorPlan {
+        key: acc.key,
+        dtype: acc.dtype,
+        global_shape: acc.shape,
+        chunk_shape,
+        subchunk_shape,
+        aligned,
+        pieces,
+        metadata_writer,
     }
 }
 
