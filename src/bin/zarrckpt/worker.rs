@@ -78,9 +78,9 @@ pub struct Args {
     /// The full training state: fp32 master weights besides bf16 weights and Adam moments.
     #[arg(long)]
     pub full_state: bool,
-    /// Asynchronous save: background writer threads at a lower CPU priority.
+    /// Asynchronous save: background writer threads at the normal CPU priority (not lowered).
     #[arg(long)]
-    pub low_priority: bool,
+    pub normal_priority: bool,
 }
 
 impl Args {
@@ -213,7 +213,7 @@ fn save_async(
     };
     let saver_opts = SaverOptions {
         copy_threads: a.io_threads,
-        lower_priority: a.low_priority,
+        lower_priority: !a.normal_priority,
         ..SaverOptions::default()
     };
     let mut saver = Saver::with_options(Arc::clone(&shared), saver_opts);
