@@ -65,8 +65,8 @@ pub struct SaverOptions {
     pub if_busy: IfBusy,
     /// Run the background writer's threads at a lower CPU priority (nice +10 on Linux), so
     /// that they yield to the training job (and to other ranks still staging) when cores
-    /// are scarce. Off by default: on a machine shared with other jobs it also yields to
-    /// them, and the write takes longer.
+    /// are scarce (on by default). On a machine shared with other jobs it also yields to
+    /// them, and the write may take longer.
     pub lower_priority: bool,
 }
 
@@ -76,7 +76,7 @@ impl Default for SaverOptions {
             staging_bytes: stage::DEFAULT_STAGING_BYTES,
             copy_threads: 0,
             if_busy: IfBusy::Wait,
-            lower_priority: false,
+            lower_priority: true,
         }
     }
 }

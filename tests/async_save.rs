@@ -58,7 +58,7 @@ fn state_larger_than_the_cap_is_staged_in_rounds() {
         let opts = SaverOptions {
             staging_bytes: cap,
             copy_threads: 2,
-            lower_priority: true,
+            lower_priority: false,
             ..SaverOptions::default()
         };
         let mut saver = Saver::with_options(Arc::clone(&comm), opts);

@@ -67,10 +67,10 @@ pub struct Args {
     /// Only the asynchronous save rounds (no synchronous save, no load).
     #[arg(long, conflicts_with = "no_async")]
     async_only: bool,
-    /// Asynchronous save: run the background writer threads at a lower CPU priority (they
-    /// then yield to ranks still staging, and to any other job on the machine).
+    /// Asynchronous save: run the background writer threads at the normal CPU priority
+    /// (by default they run at a lower one, yielding to ranks still staging).
     #[arg(long)]
-    async_low_priority: bool,
+    async_normal_priority: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -284,8 +284,8 @@ fn worker_args(w: &worker::Args) -> Vec<OsString> {
     if w.full_state {
         v.push("--full-state".into());
     }
-    if w.low_priority {
-        v.push("--low-priority".into());
+    if w.normal_priority {
+        v.push("--normal-priority".into());
     }
     if w.read_method == ReadArg::Pread {
         v.push("--read-method=pread".into());
@@ -518,7 +518,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         read_method: a.read_method,
         full_state: a.full_state,
         objects: false,
-        low_priority: a.async_low_priority,
+        normal_priority: a.async_normal_priority,
     };
     let model = base.model();
     let bytes = model.nbytes();

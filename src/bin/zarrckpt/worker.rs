@@ -88,9 +88,9 @@ pub struct Args {
     /// Save and load objects too (see `objects::declared`).
     #[arg(long)]
     pub objects: bool,
-    /// Asynchronous save: background writer threads at a lower CPU priority.
+    /// Asynchronous save: background writer threads at the normal CPU priority (not lowered).
     #[arg(long)]
-    pub low_priority: bool,
+    pub normal_priority: bool,
 }
 
 impl Args {
@@ -251,7 +251,7 @@ fn save_async(
     };
     let saver_opts = SaverOptions {
         copy_threads: a.io_threads,
-        lower_priority: a.low_priority,
+        lower_priority: !a.normal_priority,
         ..SaverOptions::default()
     };
     let mut saver = Saver::with_options(Arc::clone(&shared), saver_opts);
