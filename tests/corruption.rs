@@ -1194,3 +1194,116 @@ fn flipped_byte_in_a_column_strip_is_a_checksum_error() {
         }
     }
 }
+
+/// Runs test `name` again in a child process with `child_env` set and returns how it ended,
+/// so that a signal (SIGBUS, an abort) fails the parent visibly instead of killing the
+/// harness.
+fn in_child(name: &str, child_env: &str) -> std::process::Output {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env(child_env, "1")
+        .output()
+        .unwrap()
+}
+
+/// A shard file truncated (and rewritten) by another program while loads run with the
+/// default read method: every load returns the exact data or a typed error naming the file,
+/// never a signal (the mapped read path died of SIGBUS here). Runs in a child process.
+#[test]
+fn shard_truncated_during_default_loads_is_an_error_not_a_signal() {
+    const CHILD: &str = "ZARRCKPT_TEST_TRUNCATE_CHILD";
+    let name = "shard_truncated_during_default_loads_is_an_error_not_a_signal";
+    if std::env::var_os(CHILD).is_none() {
+        let out = in_child(name, CHILD);
+        assert!(
+            out.status.success(),
+            "the loading process died: {:?}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("truncation trials:"), "{stdout}");
+        return;
+    }
+    // One f32 tensor of 16 MiB in one shard of 64 subchunks (of 256 KiB).
+    let shape: &[u64] = &[1024, 4096];
+    let key = TensorKey::new("big").unwrap();
+    let data: Vec<u8> = (0..shape.iter().product::<u64>() * 4)
+        .map(|i| (i.wrapping_mul(0x9E37_79B9) >> 13) as u8)
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let piece = ShardedTensor::new(
+        key.clone(),
+        DType::Float32,
+        shape.to_vec(),
+        Region::full(shape),
+        0,
+        &data,
+    )
+    .unwrap();
+    let mut save_opts = SaveOptions::default();
+    save_opts.grid.subchunk_target_bytes = 256 << 10;
+    save(&[piece], &dir, &LocalComm::single(), &save_opts).unwrap();
+    let path = dir.join("tensors/big/c.0.0");
+    let pristine = std::fs::read(&path).unwrap();
+    let load_once = || -> Result<Vec<u8>, Error> {
+        let mut buf = vec![0u8; data.len()];
+        let mut t = [LoadTarget::new(
+            key.clone(),
+            DType::Float32,
+            shape.to_vec(),
+            Region::full(shape),
+            &mut buf,
+        )
+        .unwrap()];
+        load(&mut t, &dir, &LocalComm::single(), &LoadOptions::default())?;
+        drop(t);
+        Ok(buf)
+    };
+    assert_eq!(load_once().unwrap(), data);
+    // Truncated just before a load: a typed error.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(pristine.len() as u64 / 2)
+        .unwrap();
+    assert_names_file(&load_once().unwrap_err(), &path);
+    std::fs::write(&path, &pristine).unwrap();
+    // Truncated (to a random length) and restored in place while loads run.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (mut ok, mut errors) = (0usize, 0usize);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut x = 0x2545_F491_4F6C_DD1Du64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                f.set_len(x % pristine.len() as u64).unwrap();
+                std::thread::sleep(std::time::Duration::from_micros(x % 3000));
+                use std::os::unix::fs::FileExt;
+                f.write_all_at(&pristine, 0).unwrap();
+                std::thread::sleep(std::time::Duration::from_micros((x >> 20) % 3000));
+            }
+        });
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < std::time::Duration::from_secs(3) || errors == 0 {
+            match load_once() {
+                Ok(buf) => {
+                    assert!(buf == data, "a load returned wrong data");
+                    ok += 1;
+                }
+                Err(e) => {
+                    assert_names_file(&e, &path);
+                    errors += 1;
+                }
+            }
+            assert!(t0.elapsed() < std::time::Duration::from_secs(60), "no error in 60 s");
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    println!("truncation trials: {ok} exact loads, {errors} typed errors");
+}

@@ -2,13 +2,14 @@
 //!
 //! zarrs decodes each shard's index (and every subchunk of compressed arrays). Uncompressed
 //! subchunks (`bytes` + `crc32c`) are read one of two ways ([`ReadMethod`]):
-//! - mapped (the default): the part of the shard file holding the needed subchunks is mapped
-//!   a window at a time and each subchunk is copied from the page cache straight to where it
-//!   belongs in the caller's buffer (contiguous ones with one copy, others run by run), its
-//!   crc32c checked on the way: one copy per byte, whatever the layout;
-//! - `pread`: whole subchunks landing contiguously are read in place with one `preadv` per
-//!   run of adjacent subchunks, the others into a reused scratch buffer and copied out from
-//!   there (two copies).
+//! - `pread` (the default): whole subchunks landing contiguously are read in place with one
+//!   `preadv` per run of adjacent subchunks and checksummed there, the others into a reused
+//!   scratch buffer, checksummed there and copied out (two copies); an I/O error or a
+//!   truncated file is a typed error;
+//! - mapped (opt-in): the part of the shard file holding the needed subchunks is mapped a
+//!   window at a time and each subchunk is copied from the page cache straight to where it
+//!   belongs in the caller's buffer, its crc32c computed over the copied bytes: one copy per
+//!   byte for whole subchunks, but a truncated file or an I/O error raises `SIGBUS`.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -40,19 +41,25 @@ impl ReadCounters {
 }
 
 /// How the subchunks of uncompressed arrays are read.
+///
+/// Whatever the method, the bytes that land in the caller's buffer are the bytes whose
+/// crc32c was checked: they are checksummed where they land (or in a private scratch
+/// buffer they are then copied out of), never fetched a second time from the file or a
+/// mapping that another process could change between the check and the copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReadMethod {
-    /// Map the shard files (a bounded window at a time) and copy from the mapping: one copy
-    /// per byte for every layout. A file truncated by another program while it is mapped
-    /// raises `SIGBUS`; checkpoint files are never truncated once written (saves write new
-    /// files and overwrites remove whole directories), so this only matters when something
-    /// else rewrites a checkpoint in place while it is being loaded. Falls back to
-    /// [`ReadMethod::Pread`] for a shard that cannot be mapped.
+    /// `pread`/`preadv` only (the default): whole subchunks landing contiguously are read
+    /// straight into place, the others through a reused scratch buffer (two copies). An I/O
+    /// error or a file truncated while it is read is an ordinary error
+    /// ([`StorageError::Io`] or [`StorageError::CorruptChunk`]), never a signal.
     #[default]
-    Mmap,
-    /// `pread`/`preadv` only: no mappings; subchunks not contiguous in the destination are
-    /// copied twice (into a scratch buffer, then out of it).
     Pread,
+    /// Map the shard files (a bounded window at a time) and copy from the mapping: one copy
+    /// per byte for every layout. **Not safe against truncation or I/O errors:** a shard file
+    /// truncated by another program while it is mapped, or a disk error under the mapping,
+    /// raises `SIGBUS` and kills the process. Use it only on files nothing else modifies, on
+    /// local disks. Falls back to [`ReadMethod::Pread`] for a shard that cannot be mapped.
+    Mmap,
 }
 
 fn corrupt(arr: &TensorArray, chunk: &[u64], detail: String) -> StorageError {
@@ -568,8 +575,8 @@ impl Mapping {
     }
 
     fn bytes(&self) -> &[u8] {
-        // SAFETY: `len` readable bytes at `ptr` while the mapping lives (the file is not
-        // truncated meanwhile: see `ReadMethod::Mmap`).
+        // SAFETY: `len` readable bytes at `ptr` while the mapping lives; a file truncated
+        // meanwhile raises SIGBUS on access (documented on `ReadMethod::Mmap`, opt-in).
         unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
     }
 }
@@ -660,15 +667,21 @@ unsafe fn read_shard_mapped(
             } else if s.needed == s.stored {
                 whole.push((s, at(off), crc));
             } else {
-                check_crc(arr, shard, s.linear, data, crc)?;
                 partial.push((s, at(off)));
             }
             counters.add(slot as u64);
         }
         // SAFETY: disjoint destination ranges (caller's contract).
-        unsafe {
-            scatter_checked(arr, shard, &whole, bytes, dest)?;
-            scatter(partial.into_iter(), bytes, dest);
+        unsafe { scatter_checked(arr, shard, &whole, bytes, dest)? };
+        // Partly needed subchunks: copied whole into private scratch, checked there and
+        // copied out from there, so the bytes used are the bytes checked.
+        for (s, start) in partial {
+            scratch.clear();
+            scratch.extend_from_slice(&bytes[start..start + slot]);
+            let (data, crc) = scratch.split_at(slot - 4);
+            check_crc(arr, shard, s.linear, data, [crc[0], crc[1], crc[2], crc[3]])?;
+            // SAFETY: disjoint destination ranges (caller's contract).
+            unsafe { scatter(std::iter::once((s, 0)), scratch, dest) };
         }
     }
     Ok(())
@@ -680,8 +693,9 @@ const CRC_BAND: usize = 16 << 10;
 
 /// Copies whole subchunks held in `src` (each with the offset of its bytes there and its
 /// stored crc32c) into `dest`, where they are not contiguous, checking each crc on the way:
-/// the subchunks advance together a band of runs at a time, each band checksummed just
-/// before its runs are copied, so every source byte is fetched from memory once.
+/// the subchunks advance together a band of runs at a time, each run checksummed right
+/// after it is copied (from the destination, still in cache), so every source byte is
+/// fetched once and the crc covers exactly the bytes delivered.
 ///
 /// # Safety
 /// No other thread may touch the subchunks' parts of `dest` meanwhile.
@@ -707,13 +721,14 @@ unsafe fn scatter_checked(
     while i < most {
         for (list, digest) in lists.iter().zip(digests.iter_mut()) {
             let part = &list[i.min(list.len())..(i + band).min(list.len())];
-            if let (Some(first), Some(last)) = (part.first(), part.last()) {
-                // The runs of a whole subchunk follow each other in its stored bytes.
-                digest.update(&src[first.0..last.0 + last.2]);
-                for &(so, d, len) in part {
-                    // SAFETY: forwarded to the caller.
-                    copy_run(unsafe { dest.slice(d, len) }, &src[so..so + len]);
-                }
+            // The runs of a whole subchunk follow each other in its stored bytes, so the
+            // crc of the copied runs, in order, is the crc of the stored bytes; computing it
+            // over the copies checks the bytes actually delivered.
+            for &(so, d, len) in part {
+                // SAFETY: forwarded to the caller.
+                let out = unsafe { dest.slice(d, len) };
+                copy_run(out, &src[so..so + len]);
+                digest.update(out);
             }
         }
         i += band;

@@ -69,16 +69,17 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub die_rank: usize,
     /// Load: how shard files are read.
-    #[arg(long, value_enum, default_value_t = ReadArg::Mmap)]
+    #[arg(long, value_enum, default_value_t = ReadArg::Pread)]
     pub read_method: ReadArg,
 }
 
 /// `--read-method`: see [`ReadMethod`].
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReadArg {
-    /// Map shard files and copy from the mapping (one copy per byte).
+    /// Map shard files and copy from the mapping (one copy per byte; a truncated file or an
+    /// I/O error kills the process with SIGBUS).
     Mmap,
-    /// pread/preadv only.
+    /// pread/preadv only (the default; I/O problems are errors).
     Pread,
 }
 
