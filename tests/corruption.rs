@@ -1073,6 +1073,44 @@ fn zstd_frame_declaring_a_huge_size_is_an_error_not_an_abort() {
     assert_names_file(&e, &path);
 }
 
+/// A zstd subchunk made of its own valid frame (declaring exactly the subchunk's size)
+/// followed by a second frame declaring 1 TiB, with a valid crc32c: zarrs sizes its output
+/// by the sum of every frame's declared size, so the reader must refuse anything but one
+/// frame. In a child process, as the allocation failure would abort.
+#[test]
+fn zstd_second_frame_declaring_a_huge_size_is_an_error_not_an_abort() {
+    const CHILD: &str = "ZARRCKPT_TEST_ZSTD_TWO_FRAMES_CHILD";
+    let name = "zstd_second_frame_declaring_a_huge_size_is_an_error_not_an_abort";
+    if std::env::var_os(CHILD).is_none() {
+        let out = in_child(name, CHILD);
+        assert!(
+            out.status.success(),
+            "the load died: {:?}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    let (_t, dir) = fixture(Compression::Zstd);
+    let path = w_shard(&dir);
+    let sh = shard(&dir, "w", &path);
+    let bytes = std::fs::read(&path).unwrap();
+    let (o1, n1) = sh.entries[1];
+    let mut sub = bytes[o1 as usize..(o1 + n1 - 4) as usize].to_vec();
+    sub.extend_from_slice(&zstd_bomb(1 << 40));
+    sub.extend_from_slice(&crc32c::crc32c(&sub).to_le_bytes());
+    let mut file = bytes[..o1 as usize].to_vec();
+    let entries = [sh.entries[0], (o1, sub.len() as u64)];
+    file.extend_from_slice(&sub);
+    file.extend_from_slice(&craft_index(&entries));
+    std::fs::write(&path, file).unwrap();
+    let e = load_whole(&dir, "w").unwrap_err();
+    assert_names_file(&e, &path);
+    assert!(e.to_string().contains("not one frame"), "{e}");
+    let e = assert_one_problem(&dir, "w", &[1, 0], &path);
+    assert_names_file(&e, &path);
+}
+
 /// Fuzz crashes whose library bug is not fixed yet are saved as
 /// `fuzz/regressions/<target>/bug-<name>`; each replays in a child process, since some abort.
 /// Once the bug is fixed, drop the `bug-` prefix so `fuzz_*_inputs` replays it by default.

@@ -81,13 +81,25 @@ fn open_shard(
     shard: &ShardRead,
     counters: &ReadCounters,
 ) -> Result<(File, ShardIndex), StorageError> {
-    let path = arr.chunk_path(&shard.chunk);
+    let (file, index, data_end) = open_shard_index(arr, &shard.chunk, counters)?;
+    check_entries(arr, geom, shard, &index, data_end)?;
+    Ok((file, index))
+}
+
+/// Opens the shard at `chunk` and reads and decodes its index; also returns where the data
+/// ends (the index's offset).
+fn open_shard_index(
+    arr: &TensorArray,
+    chunk: &[u64],
+    counters: &ReadCounters,
+) -> Result<(File, ShardIndex, u64), StorageError> {
+    let path = arr.chunk_path(chunk);
     let file = match File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(StorageError::MissingChunk {
                 key: arr.key().to_string(),
-                chunk: shard.chunk.clone(),
+                chunk: chunk.to_vec(),
                 path,
             });
         }
@@ -101,7 +113,7 @@ fn open_shard(
     if len < idx {
         return Err(corrupt(
             arr,
-            &shard.chunk,
+            chunk,
             format!("file is {len} bytes, shorter than its {idx}-byte index"),
         ));
     }
@@ -109,8 +121,19 @@ fn open_shard(
     file.read_exact_at(&mut encoded, len - idx)
         .map_err(StorageError::io("read", &path))?;
     counters.add(idx);
-    let index = arr.decode_index(&shard.chunk, &encoded)?;
-    let data_end = len - idx;
+    let index = arr.decode_index(chunk, &encoded)?;
+    Ok((file, index, len - idx))
+}
+
+/// Checks that the index has an entry for every subchunk `shard` needs and that each lies
+/// inside the data (`data_end` bytes) with the size the geometry requires.
+fn check_entries(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    index: &ShardIndex,
+    data_end: u64,
+) -> Result<(), StorageError> {
     let expected = geom.subchunk_bytes() + 4;
     for s in &shard.subchunks {
         let entry = usize::try_from(s.linear).ok().and_then(|i| index.get(i));
@@ -141,7 +164,7 @@ fn open_shard(
             }
         }
     }
-    Ok((file, index))
+    Ok(())
 }
 
 fn check_crc(
@@ -430,11 +453,25 @@ fn check_declared_size(
     expected: usize,
 ) -> Result<(), String> {
     let declared = match compression {
-        Compression::Zstd => match zstd::zstd_safe::get_frame_content_size(payload) {
-            Ok(Some(n)) => n,
-            Ok(None) => return Err("zstd frame does not declare its size".into()),
-            Err(_) => return Err("not a zstd frame".into()),
-        },
+        Compression::Zstd => {
+            // One frame, exactly: zarrs sizes its output by the sum of every frame's
+            // declared size, so a second frame declaring a huge size must be refused too.
+            match zstd::zstd_safe::find_frame_compressed_size(payload) {
+                Ok(n) if n == payload.len() => {}
+                Ok(n) => {
+                    return Err(format!(
+                        "the zstd stream is not one frame ({n} of its {} bytes are the first)",
+                        payload.len()
+                    ));
+                }
+                Err(_) => return Err("not a zstd frame".into()),
+            }
+            match zstd::zstd_safe::get_frame_content_size(payload) {
+                Ok(Some(n)) => n,
+                Ok(None) => return Err("zstd frame does not declare its size".into()),
+                Err(_) => return Err("not a zstd frame".into()),
+            }
+        }
         Compression::Blosc => {
             // blosc header: version, versionlz, flags, typesize, nbytes (u32 LE), blocksize, cbytes
             let field = |at: usize| {
@@ -478,6 +515,26 @@ unsafe fn read_shard_compressed(
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
     let (file, index) = open_shard(arr, geom, shard, counters)?;
+    // SAFETY: forwarded.
+    unsafe { compressed_subchunks(arr, geom, shard, &file, &index, dest, scratch, counters) }
+}
+
+/// The reading half of [`read_shard_compressed`], on a shard file already opened (and its
+/// index checked).
+///
+/// # Safety
+/// As [`read_shard_direct`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn compressed_subchunks(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    file: &File,
+    index: &ShardIndex,
+    dest: Dest<'_>,
+    scratch: &mut Vec<u8>,
+    counters: &ReadCounters,
+) -> Result<(), StorageError> {
     let path = arr.chunk_path(&shard.chunk);
     let sub_bytes = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX);
     for s in &shard.subchunks {
@@ -738,4 +795,156 @@ unsafe fn scatter_checked(
         check_crc_value(arr, shard, s.linear, computed, stored)?;
     }
     Ok(())
+}
+
+/// Most bytes of one box [`verify_shard`] reads at a time (besides one subchunk, which may
+/// be larger, up to [`super::meta::MAX_SUBCHUNK_BYTES`]).
+const VERIFY_BOX_BYTES: u64 = 16 << 20;
+/// Most subchunks of one box [`verify_shard`] plans and reads at a time (bounds the plan).
+const VERIFY_BOX_SUBCHUNKS: u64 = 1 << 14;
+
+/// Reads every subchunk of the shard at `chunk` that holds part of `region` (the chunk's
+/// box clipped to the tensor) and checks it: crc32c, index geometry, decoded size. The shard
+/// and its index are read once; the data is read a box of whole subchunks at a time into
+/// `buf`, so memory stays bounded by [`VERIFY_BOX_BYTES`] (or one subchunk) and planning by
+/// [`VERIFY_BOX_SUBCHUNKS`], whatever the chunk's declared size. Calls `progress` with the
+/// bytes of each box checked.
+///
+/// # Errors
+/// The first problem found, as [`read_shard`].
+pub fn verify_shard(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    chunk: &[u64],
+    region: &crate::model::Region,
+    scratch: &mut Vec<u8>,
+    buf: &mut Vec<u8>,
+    counters: &ReadCounters,
+    progress: &dyn Fn(u64),
+) -> Result<(), StorageError> {
+    let (file, index, data_end) = open_shard_index(arr, chunk, counters)?;
+    let nd = geom.chunk_shape.len();
+    let per_shard: Vec<u64> = geom
+        .chunk_shape
+        .iter()
+        .zip(&geom.subchunk_shape)
+        .map(|(c, s)| c / s.max(&1))
+        .collect();
+    // Box shape in subchunks: whole trailing dimensions while they fit, then part of one.
+    let sub_bytes = geom.subchunk_bytes().max(1);
+    let most = (VERIFY_BOX_BYTES / sub_bytes).clamp(1, VERIFY_BOX_SUBCHUNKS);
+    let mut tile = vec![1u64; nd];
+    let mut inner = 1u64;
+    for d in (0..nd).rev() {
+        if inner.saturating_mul(per_shard[d]) <= most {
+            tile[d] = per_shard[d];
+            inner = inner.saturating_mul(per_shard[d]);
+        } else {
+            tile[d] = (most / inner).max(1);
+            break;
+        }
+    }
+    let boxes: Vec<u64> = per_shard
+        .iter()
+        .zip(&tile)
+        .map(|(n, t)| n.div_ceil(*t))
+        .collect();
+    let origin: Vec<u64> = chunk
+        .iter()
+        .zip(&geom.chunk_shape)
+        .map(|(i, c)| i * c)
+        .collect();
+    let mut result = Ok(());
+    crate::plan::grid::for_each_index(&vec![0; nd], &boxes, |b| {
+        if result.is_err() {
+            return;
+        }
+        let offset: Vec<u64> = (0..nd)
+            .map(|d| origin[d] + b[d] * tile[d] * geom.subchunk_shape[d])
+            .collect();
+        let shape: Vec<u64> = (0..nd)
+            .map(|d| {
+                (tile[d] * geom.subchunk_shape[d])
+                    .min(geom.chunk_shape[d] - b[d] * tile[d] * geom.subchunk_shape[d])
+            })
+            .collect();
+        let Some(part) = (crate::model::Region { offset, shape }).intersect(region) else {
+            return;
+        };
+        result = (|| {
+            let n = usize::try_from(part.num_elements().unwrap_or(u64::MAX))
+                .ok()
+                .and_then(|n| n.checked_mul(geom.elem))
+                .ok_or_else(|| corrupt(arr, chunk, "box size overflows".into()))?;
+            buf.clear();
+            buf.resize(n, 0);
+            for shard in geom.reads_for(&part) {
+                check_entries(arr, geom, &shard, &index, data_end)?;
+                let dest = Dest::new(&mut buf[..], &part, geom.elem);
+                // SAFETY: this thread owns `buf`, and only this read writes it.
+                unsafe {
+                    if arr.uncompressed() {
+                        pread_subchunks(
+                            arr, geom, &shard, &file, &index, dest, scratch, counters,
+                        )?;
+                    } else {
+                        compressed_subchunks(
+                            arr, geom, &shard, &file, &index, dest, scratch, counters,
+                        )?;
+                    }
+                }
+            }
+            progress(n as u64);
+            Ok(())
+        })();
+    });
+    result
+}
+
+/// This machine's physical memory in bytes (`u64::MAX` when unknown).
+fn physical_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    u64::try_from(pages).map_or(u64::MAX, |p| p.saturating_mul(page_size()))
+}
+
+/// A zeroed buffer of `n` elements for reading a whole tensor or array whose size comes from
+/// metadata: refused with [`StorageError::TooLarge`] when it exceeds the machine's physical
+/// memory or cannot be allocated (never an abort). The pages are allocated zeroed by the
+/// system and only touched as data is read into them.
+///
+/// # Errors
+/// [`StorageError::TooLarge`], naming `key` and `path`.
+pub fn zeroed_buffer<T: crate::model::Element>(
+    n: u64,
+    key: &str,
+    path: &std::path::Path,
+) -> Result<Vec<T>, StorageError> {
+    let bytes = n.saturating_mul(std::mem::size_of::<T>() as u64);
+    let too_large = |reason: String| StorageError::TooLarge {
+        key: key.to_owned(),
+        path: path.to_owned(),
+        bytes,
+        reason,
+    };
+    let mem = physical_memory();
+    if bytes > mem {
+        return Err(too_large(format!(
+            "more than this machine's {mem} bytes of memory"
+        )));
+    }
+    let n = usize::try_from(n).map_err(|_| too_large("too many elements".into()))?;
+    let layout = std::alloc::Layout::array::<T>(n)
+        .map_err(|_| too_large("too large for one allocation".into()))?;
+    if layout.size() == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: a non-zero-sized layout.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+    if ptr.is_null() {
+        return Err(too_large("the allocation failed".into()));
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `n` `T`s, all
+    // zero bytes, which is a valid `T` (`Element` types are plain numeric data).
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
