@@ -171,8 +171,7 @@ impl Checkpoint {
                 source,
             })
         })?;
-        let mut buf: Vec<u8> =
-            zeroed_buffer(n as u64, key.as_str(), &self.dir.join(&e.path))?;
+        let mut buf: Vec<u8> = zeroed_buffer(n as u64, key.as_str(), &self.dir.join(&e.path))?;
         self.read_region(key, &Region::full(&e.shape), &mut buf)?;
         Ok(buf)
     }

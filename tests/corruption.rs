@@ -1238,7 +1238,13 @@ fn flipped_byte_in_a_column_strip_is_a_checksum_error() {
 /// harness.
 fn in_child(name: &str, child_env: &str) -> std::process::Output {
     std::process::Command::new(std::env::current_exe().unwrap())
-        .args([name, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            name,
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(child_env, "1")
         .output()
         .unwrap()
@@ -1339,9 +1345,162 @@ fn shard_truncated_during_default_loads_is_an_error_not_a_signal() {
                     errors += 1;
                 }
             }
-            assert!(t0.elapsed() < std::time::Duration::from_secs(60), "no error in 60 s");
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(60),
+                "no error in 60 s"
+            );
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
     });
     println!("truncation trials: {ok} exact loads, {errors} typed errors");
+}
+
+/// Applies 1 to 8 random mutations to `data` (bit flips, interesting bytes and little-endian
+/// words, insertions, deletions, duplicated ranges, splices from `other`).
+fn mutate(data: &mut Vec<u8>, other: &[u8], rng: &mut u64) {
+    let mut next = || {
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        *rng
+    };
+    const WORDS: [u64; 10] = [
+        0,
+        1,
+        0x7f,
+        0xff,
+        0xffff,
+        1 << 31,
+        1 << 32,
+        1 << 40,
+        u64::MAX,
+        u64::MAX - 1,
+    ];
+    for _ in 0..1 + next() % 8 {
+        let len = data.len().max(1);
+        let at = (next() as usize) % len;
+        match next() % 9 {
+            0 if !data.is_empty() => data[at] ^= 1 << (next() % 8),
+            1 if !data.is_empty() => {
+                data[at] = [0, 1, 0x7f, 0x80, 0xff, b'"', b'{', b'.'][(next() % 8) as usize]
+            }
+            2 if data.len() >= 8 => {
+                let at = at.min(data.len() - 8);
+                let w = WORDS[(next() % WORDS.len() as u64) as usize];
+                data[at..at + 8].copy_from_slice(&w.to_le_bytes());
+            }
+            3 if data.len() >= 4 => {
+                let at = at.min(data.len() - 4);
+                let w = WORDS[(next() % WORDS.len() as u64) as usize] as u32;
+                data[at..at + 4].copy_from_slice(&w.to_le_bytes());
+            }
+            4 => {
+                let n = 1 + (next() % 16) as usize;
+                let bytes: Vec<u8> = (0..n).map(|_| next() as u8).collect();
+                let at = at.min(data.len());
+                data.splice(at..at, bytes);
+            }
+            5 if !data.is_empty() => {
+                let n = 1 + (next() as usize) % (data.len() - at).min(64);
+                data.drain(at..at + n);
+            }
+            6 if !data.is_empty() => {
+                let n = 1 + (next() as usize) % (data.len() - at).min(64);
+                let copy = data[at..at + n].to_vec();
+                let to = (next() as usize) % data.len();
+                data.splice(to..to, copy);
+            }
+            7 if !other.is_empty() => {
+                let from = (next() as usize) % other.len();
+                let n = 1 + (next() as usize) % (other.len() - from).min(256);
+                let at = at.min(data.len());
+                let end = (at + n).min(data.len());
+                data.splice(at..end, other[from..from + n].iter().copied());
+            }
+            _ => data.truncate(at),
+        }
+    }
+}
+
+/// Mutation fuzzing on stable Rust, without coverage guidance: drives the same checks as the
+/// cargo-fuzz targets (`fuzz/src/lib.rs`) with random mutations of the seeds and regressions,
+/// each target in its own child process (so an abort is reported, with the target and seed).
+/// A failing input is saved under `fuzz/artifacts/stable/<target>/`. Budget per target:
+/// `ZARRCKPT_FUZZ_SECS` (default 60), `ZARRCKPT_FUZZ_SEED` picks the random stream. Run:
+/// `cargo test --release --test corruption -- --ignored fuzz_mutate_stable --nocapture`.
+#[test]
+#[ignore = "tool: long mutation-fuzzing run, by hand"]
+fn fuzz_mutate_stable() {
+    const CHILD: &str = "ZARRCKPT_FUZZ_TARGET";
+    let secs: u64 = std::env::var("ZARRCKPT_FUZZ_SECS").map_or(60, |s| s.parse().unwrap());
+    let seed: u64 = std::env::var("ZARRCKPT_FUZZ_SEED").map_or(0x5EED, |s| s.parse().unwrap());
+    if let Ok(target) = std::env::var(CHILD) {
+        let corpus: Vec<Vec<u8>> = fuzz_inputs(&target).into_iter().map(|(_, b)| b).collect();
+        assert!(!corpus.is_empty());
+        let mut rng = seed | 1;
+        let t0 = std::time::Instant::now();
+        let mut execs = 0u64;
+        while t0.elapsed().as_secs() < secs {
+            for _ in 0..64 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let mut data = corpus[(rng % corpus.len() as u64) as usize].clone();
+                let other = &corpus[((rng >> 32) % corpus.len() as u64) as usize];
+                mutate(&mut data, other, &mut rng);
+                let r = std::panic::catch_unwind(|| fuzz_checks::check(&target, &data));
+                execs += 1;
+                if r.is_err() {
+                    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+                        .join("fuzz/artifacts/stable")
+                        .join(&target);
+                    std::fs::create_dir_all(&dir).unwrap();
+                    let file = dir.join(format!("crash-{:016x}", crc32c::crc32c(&data)));
+                    std::fs::write(&file, &data).unwrap();
+                    panic!("{target}: failing input saved to {}", file.display());
+                }
+            }
+        }
+        println!(
+            "FUZZ {target} {execs} executions in {:.1} s, 0 failures",
+            t0.elapsed().as_secs_f64()
+        );
+        return;
+    }
+    let mut total = 0u64;
+    let mut failures = Vec::new();
+    for target in fuzz_checks::TARGETS {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "fuzz_mutate_stable",
+                "--exact",
+                "--include-ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, target)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .find_map(|l| l.find("FUZZ ").map(|i| &l[i..]))
+            .unwrap_or("");
+        println!("{line}");
+        if !out.status.success() {
+            failures.push(format!(
+                "{target} (seed {seed}): {:?}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        } else {
+            total += line
+                .split_whitespace()
+                .nth(2)
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("{target}: no count in {stdout}"));
+        }
+    }
+    println!("FUZZ total {total} executions");
+    assert!(failures.is_empty(), "{failures:#?}");
 }

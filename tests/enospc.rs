@@ -147,11 +147,11 @@ fn assert_all_failed(results: &[zarrckpt::Result<()>], os_error: i32, under: &Pa
         let Err(e) = r else {
             panic!("rank {rank} succeeded while the save failed elsewhere");
         };
-        if let Error::Storage(StorageError::Io { source, path, .. }) = e {
-            if source.raw_os_error() == Some(os_error) {
-                assert!(path.starts_with(under), "rank {rank}: {e}");
-                direct += 1;
-            }
+        if let Error::Storage(StorageError::Io { source, path, .. }) = e
+            && source.raw_os_error() == Some(os_error)
+        {
+            assert!(path.starts_with(under), "rank {rank}: {e}");
+            direct += 1;
         }
     }
     assert!(
@@ -195,7 +195,7 @@ fn disk_full_during_a_save_is_a_clean_error_on_every_rank() {
     let filler = fs.path.join("filler");
     let (mut ok, mut failed) = (0, 0);
     for step in 0..24u64 {
-        std::fs::write(&filler, vec![0u8; (step * 64 << 10) as usize]).unwrap_or_else(|e| {
+        std::fs::write(&filler, vec![0u8; ((step * 64) << 10) as usize]).unwrap_or_else(|e| {
             panic!("filler of {step} x 64 KiB: {e}");
         });
         let dir = fs.path.join(format!("trial{step}"));

@@ -2178,7 +2178,10 @@ const HOSTILE_AS_LIMIT: u64 = 2 << 30;
 
 /// Writes a checkpoint with the given tensors (root index and each array's `zarr.json`,
 /// no shard files) under `dir`.
-fn craft(dir: &Path, tensors: &[(&str, DType, &[u64], &[u64], &[u64])]) {
+/// A crafted tensor: key, data type, shape, chunk shape, subchunk shape.
+type Crafted<'a> = (&'a str, DType, &'a [u64], &'a [u64], &'a [u64]);
+
+fn craft(dir: &Path, tensors: &[Crafted<'_>]) {
     use zarrckpt::storage::meta::{CheckpointMeta, TensorEntry, tensor_path};
     let mut meta = CheckpointMeta::new(1);
     for &(key, dtype, shape, chunk, sub) in tensors {
@@ -2296,7 +2299,10 @@ fn hostile_terabyte_tensor_is_refused_by_every_command() {
     let e = ck
         .read_ndarray::<f32>(&TensorKey::new("w").unwrap())
         .unwrap_err();
-    assert!(matches!(storage(&e), StorageError::TooLarge { .. }), "{e:?}");
+    assert!(
+        matches!(storage(&e), StorageError::TooLarge { .. }),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -2315,12 +2321,7 @@ fn hostile_gigabyte_tensor_fails_export_without_allocating_it() {
             &[1, 1 << 18],
         )],
     );
-    hostile_cli(
-        &dir,
-        true,
-        &["tensor `w`", "missing"],
-        &["tensor `w`"],
-    );
+    hostile_cli(&dir, true, &["tensor `w`", "missing"], &["tensor `w`"]);
 }
 
 #[test]
@@ -2359,13 +2360,27 @@ fn hostile_sixteen_million_missing_chunks_verify_quickly() {
 #[test]
 fn hostile_geometry_is_refused_when_the_index_is_read() {
     let tmp = tempfile::tempdir().unwrap();
-    let cases: [(&str, &[u64], &[u64], &[u64], &str); 5] = [
+    // (name, shape, chunk shape, subchunk shape, part of the reason)
+    type Case<'a> = (&'a str, &'a [u64], &'a [u64], &'a [u64], &'a str);
+    let cases: [Case<'_>; 5] = [
         // A subchunk of 1 GiB: more than a reader decodes at once.
-        ("sub", &[1 << 15, 1 << 15], &[1 << 15, 1 << 15], &[1 << 15, 1 << 15], "subchunk"),
+        (
+            "sub",
+            &[1 << 15, 1 << 15],
+            &[1 << 15, 1 << 15],
+            &[1 << 15, 1 << 15],
+            "subchunk",
+        ),
         // 2^26 subchunks in one shard.
         ("many", &[1 << 26], &[1 << 26], &[1], "subchunks per shard"),
         // 2^26 shard files.
-        ("files", &[1 << 26, 1024], &[1, 1024], &[1, 1024], "shard files"),
+        (
+            "files",
+            &[1 << 26, 1024],
+            &[1, 1024],
+            &[1, 1024],
+            "shard files",
+        ),
         // 2^24 one-byte subchunks: planning a whole read would take gigabytes.
         ("tiny", &[1 << 24], &[1], &[1], "planning"),
         // Dimensions whose product overflows.

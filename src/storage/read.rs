@@ -806,12 +806,13 @@ const VERIFY_BOX_SUBCHUNKS: u64 = 1 << 14;
 /// Reads every subchunk of the shard at `chunk` that holds part of `region` (the chunk's
 /// box clipped to the tensor) and checks it: crc32c, index geometry, decoded size. The shard
 /// and its index are read once; the data is read a box of whole subchunks at a time into
-/// `buf`, so memory stays bounded by [`VERIFY_BOX_BYTES`] (or one subchunk) and planning by
-/// [`VERIFY_BOX_SUBCHUNKS`], whatever the chunk's declared size. Calls `progress` with the
+/// `buf`, so memory stays bounded by 16 MiB (or one subchunk) and planning by 16,384
+/// subchunks at a time, whatever the chunk's declared size. Calls `progress` with the
 /// bytes of each box checked.
 ///
 /// # Errors
 /// The first problem found, as [`read_shard`].
+#[allow(clippy::too_many_arguments)]
 pub fn verify_shard(
     arr: &TensorArray,
     geom: &StoredGeometry,
@@ -884,9 +885,7 @@ pub fn verify_shard(
                 // SAFETY: this thread owns `buf`, and only this read writes it.
                 unsafe {
                     if arr.uncompressed() {
-                        pread_subchunks(
-                            arr, geom, &shard, &file, &index, dest, scratch, counters,
-                        )?;
+                        pread_subchunks(arr, geom, &shard, &file, &index, dest, scratch, counters)?;
                     } else {
                         compressed_subchunks(
                             arr, geom, &shard, &file, &index, dest, scratch, counters,
