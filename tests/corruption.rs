@@ -1426,7 +1426,8 @@ fn mutate(data: &mut Vec<u8>, other: &[u8], rng: &mut u64) {
 /// cargo-fuzz targets (`fuzz/src/lib.rs`) with random mutations of the seeds and regressions,
 /// each target in its own child process (so an abort is reported, with the target and seed).
 /// A failing input is saved under `fuzz/artifacts/stable/<target>/`. Budget per target:
-/// `ZARRCKPT_FUZZ_SECS` (default 60), `ZARRCKPT_FUZZ_SEED` picks the random stream. Run:
+/// `ZARRCKPT_FUZZ_SECS` (default 60), `ZARRCKPT_FUZZ_SEED` picks the random stream,
+/// `ZARRCKPT_FUZZ_TARGETS` (comma-separated) restricts the targets. Run:
 /// `cargo test --release --test corruption -- --ignored fuzz_mutate_stable --nocapture`.
 #[test]
 #[ignore = "tool: long mutation-fuzzing run, by hand"]
@@ -1469,7 +1470,11 @@ fn fuzz_mutate_stable() {
     }
     let mut total = 0u64;
     let mut failures = Vec::new();
+    let only = std::env::var("ZARRCKPT_FUZZ_TARGETS").unwrap_or_default();
     for target in fuzz_checks::TARGETS {
+        if !only.is_empty() && !only.split(',').any(|t| t == target) {
+            continue;
+        }
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
                 "fuzz_mutate_stable",
