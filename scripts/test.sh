@@ -12,3 +12,5 @@ cargo test --release --locked "$@"
 cargo fmt --check
 cargo clippy --release --locked --all-targets -- -D warnings
 RUSTDOCFLAGS="-D warnings" cargo doc --release --locked --no-deps
+# A fast subset again in a debug build: overflow checks and debug assertions.
+scripts/test-debug.sh

@@ -10,14 +10,13 @@ use crate::comm::LocalComm;
 use crate::coord::io_pool;
 use crate::error::{Error, Result};
 use crate::load::{LoadOptions, LoadReport};
-use crate::model::copy::DisjointBuf as Dest;
 use crate::model::{
     DType, Encoding, LoadTarget, ObjectRequest, ObjectSlot, ObjectValue, Region, TensorKey,
 };
 use crate::plan::grid;
 use crate::plan::load::StoredGeometry;
 use crate::storage::object::StoredScope;
-use crate::storage::read::{ReadCounters, ReadMethod, read_shard};
+use crate::storage::read::{ReadCounters, verify_shard, zeroed_buffer};
 use crate::storage::{CheckpointMeta, Compression, TensorArray, commit};
 
 /// A committed checkpoint, opened for reading.
@@ -68,9 +67,12 @@ pub struct VerifyReport {
     pub chunks: u64,
     /// Bytes read.
     pub bytes_read: u64,
-    /// Everything found wrong (empty when the checkpoint is sound). Problems of objects
-    /// have no chunk; their error names the object and the file.
+    /// Everything found wrong (empty when the checkpoint is sound), at most
+    /// [`MAX_PROBLEMS_PER_TENSOR`] per tensor.
     pub problems: Vec<Problem>,
+    /// Chunks not checked because their tensor already had [`MAX_PROBLEMS_PER_TENSOR`]
+    /// problems (0 when every chunk was checked).
+    pub skipped_chunks: u64,
     /// Object values checked.
     pub object_values: u64,
 }
@@ -191,16 +193,13 @@ impl Checkpoint {
     /// As [`load`](crate::load()).
     pub fn read_tensor(&self, key: &TensorKey) -> Result<Vec<u8>> {
         let e = self.entry(key)?;
-        let mut buf =
-            vec![
-                0u8;
-                crate::model::region::num_bytes(&e.shape, e.dtype.size()).map_err(|source| {
-                    Error::Tensor(crate::model::TensorError::Region {
-                        key: key.to_string(),
-                        source,
-                    })
-                })?
-            ];
+        let n = crate::model::region::num_bytes(&e.shape, e.dtype.size()).map_err(|source| {
+            Error::Tensor(crate::model::TensorError::Region {
+                key: key.to_string(),
+                source,
+            })
+        })?;
+        let mut buf: Vec<u8> = zeroed_buffer(n as u64, key.as_str(), &self.dir.join(&e.path))?;
         self.read_region(key, &Region::full(&e.shape), &mut buf)?;
         Ok(buf)
     }
@@ -228,8 +227,13 @@ impl Checkpoint {
             .iter()
             .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
             .collect();
-        let n = shape.iter().product::<usize>();
-        let mut data = vec![T::default(); n];
+        let n = crate::model::region::num_elements(&e.shape).map_err(|source| {
+            Error::Tensor(crate::model::TensorError::Region {
+                key: key.to_string(),
+                source,
+            })
+        })?;
+        let mut data: Vec<T> = zeroed_buffer(n, key.as_str(), &self.dir.join(&e.path))?;
         self.read_region(
             key,
             &Region::full(&e.shape),
@@ -247,8 +251,12 @@ impl Checkpoint {
     }
 
     /// Reads every chunk of every tensor and checks every checksum, that every chunk file
-    /// exists and that every array's `zarr.json` agrees with the index. Collects all problems
-    /// rather than stopping at the first.
+    /// exists and that every array's `zarr.json` agrees with the index. Collects problems
+    /// rather than stopping at the first, up to [`MAX_PROBLEMS_PER_TENSOR`] per tensor (the
+    /// chunks of a tensor left after that are counted in [`VerifyReport::skipped_chunks`]).
+    ///
+    /// Memory stays bounded whatever the metadata declares: chunks are enumerated lazily and
+    /// each is read a bounded box of subchunks at a time.
     ///
     /// # Errors
     /// Only when the I/O thread pool cannot start; problems go into the report.
@@ -257,14 +265,23 @@ impl Checkpoint {
         threads: usize,
         progress: Option<&(dyn Fn(u64) + Sync)>,
     ) -> Result<VerifyReport> {
+        use std::sync::atomic::{AtomicU64, Ordering};
         let problems = Mutex::new(Vec::new());
+        let push = |p: Problem| {
+            problems
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(p);
+        };
         let counters = ReadCounters::default();
         let mut chunks_total = 0u64;
-        let mut work: Vec<(std::sync::Arc<TensorArray>, StoredGeometry, Vec<u64>)> = Vec::new();
+        // Each opened tensor: its array, geometry, chunk grid, problems found and chunks
+        // checked.
+        type Opened = (TensorArray, StoredGeometry, Vec<u64>, AtomicU64, AtomicU64);
+        let mut tensors: Vec<Opened> = Vec::new();
         for (key, e) in &self.meta.tensors {
             match TensorArray::open_for(&self.dir, key, e, self.meta.save_id) {
                 Ok(arr) => {
-                    let arr = std::sync::Arc::new(arr);
                     let geom = StoredGeometry {
                         global_shape: e.shape.clone(),
                         chunk_shape: e.chunk_shape.clone(),
@@ -272,59 +289,46 @@ impl Checkpoint {
                         elem: e.dtype.size(),
                     };
                     let gs = grid::grid_shape(&e.shape, &e.chunk_shape);
-                    let mut chunks = Vec::new();
-                    grid::for_each_index(&vec![0; gs.len()], &gs, |c| chunks.push(c.to_vec()));
-                    chunks_total += chunks.len() as u64;
-                    for c in chunks {
-                        work.push((arr.clone(), geom.clone(), c));
-                    }
+                    chunks_total += e.num_chunks().unwrap_or(0);
+                    tensors.push((arr, geom, gs, AtomicU64::new(0), AtomicU64::new(0)));
                 }
-                Err(err) => problems
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .push(Problem {
-                        key: key.clone(),
-                        chunk: None,
-                        error: err.into(),
-                    }),
+                Err(err) => push(Problem {
+                    key: key.clone(),
+                    chunk: None,
+                    error: err.into(),
+                }),
             }
         }
+        // Chunks are generated lazily; a tensor's stop once it has too many problems.
+        let work = tensors.iter().flat_map(|t| {
+            grid_indices(t.2.clone())
+                .take_while(|_| t.3.load(Ordering::Relaxed) < MAX_PROBLEMS_PER_TENSOR)
+                .map(move |c| (t, c))
+        });
         let pool = io_pool(threads)?;
         pool.install(|| {
-            work.par_iter()
-                .for_each_init(Vec::new, |scratch, (arr, geom, chunk)| {
-                    let region = grid::chunk_region(&geom.global_shape, &geom.chunk_shape, chunk);
-                    let mut buf =
-                        vec![0u8; region.num_elements().unwrap_or(0) as usize * geom.elem];
-                    let reads = geom.reads_for(&region);
-                    for shard in &reads {
-                        let dest = Dest::new(&mut buf, &region, geom.elem);
-                        // SAFETY: this thread owns `buf`.
-                        if let Err(err) = unsafe {
-                            read_shard(
-                                arr,
-                                geom,
-                                shard,
-                                dest,
-                                scratch,
-                                &counters,
-                                ReadMethod::default(),
-                            )
-                        } {
-                            problems
-                                .lock()
-                                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                                .push(Problem {
-                                    key: arr.key().clone(),
-                                    chunk: Some(chunk.clone()),
-                                    error: err.into(),
-                                });
+            work.par_bridge().for_each_init(
+                || (Vec::new(), Vec::new()),
+                |(scratch, buf), ((arr, geom, _, found, checked), chunk)| {
+                    checked.fetch_add(1, Ordering::Relaxed);
+                    let region = grid::chunk_region(&geom.global_shape, &geom.chunk_shape, &chunk);
+                    let inc = |n: u64| {
+                        if let Some(p) = progress {
+                            p(n);
                         }
+                    };
+                    if let Err(err) =
+                        verify_shard(arr, geom, &chunk, &region, scratch, buf, &counters, &inc)
+                    {
+                        found.fetch_add(1, Ordering::Relaxed);
+                        push(Problem {
+                            key: arr.key().clone(),
+                            chunk: Some(chunk.clone()),
+                            error: err.into(),
+                        });
                     }
-                    if let Some(p) = progress {
-                        p(buf.len() as u64);
-                    }
-                });
+                },
+            );
         });
         let mut problems = problems
             .into_inner()
@@ -334,9 +338,16 @@ impl Checkpoint {
         Ok(VerifyReport {
             tensors: self.meta.tensors.len(),
             chunks: chunks_total,
-            bytes_read: counters.bytes.load(std::sync::atomic::Ordering::Relaxed) + object_bytes,
+            bytes_read: counters.bytes.load(Ordering::Relaxed) + object_bytes,
             problems,
             object_values,
+            skipped_chunks: tensors
+                .iter()
+                .map(|t| {
+                    let declared = grid_indices_count(&t.2);
+                    declared.saturating_sub(t.4.load(Ordering::Relaxed))
+                })
+                .sum(),
         })
     }
 
@@ -407,4 +418,31 @@ impl Checkpoint {
         }
         (n, bytes)
     }
+}
+
+/// Most problems [`Checkpoint::verify`] records per tensor before it stops checking that
+/// tensor's remaining chunks (a crafted index can declare millions of missing chunks).
+pub const MAX_PROBLEMS_PER_TENSOR: u64 = 100;
+
+/// Number of indices of a grid of shape `shape` (saturating).
+fn grid_indices_count(shape: &[u64]) -> u64 {
+    shape.iter().fold(1u64, |acc, &n| acc.saturating_mul(n))
+}
+
+/// Every index of a grid of shape `shape`, in C order, generated lazily.
+fn grid_indices(shape: Vec<u64>) -> impl Iterator<Item = Vec<u64>> + Send {
+    let mut next = (!shape.contains(&0)).then(|| vec![0u64; shape.len()]);
+    std::iter::from_fn(move || {
+        let cur = next.take()?;
+        let mut n = cur.clone();
+        for d in (0..n.len()).rev() {
+            n[d] += 1;
+            if n[d] < shape[d] {
+                next = Some(n);
+                break;
+            }
+            n[d] = 0;
+        }
+        Some(cur)
+    })
 }

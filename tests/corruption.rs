@@ -1117,6 +1117,44 @@ fn zstd_frame_declaring_a_huge_size_is_an_error_not_an_abort() {
     assert_names_file(&e, &path);
 }
 
+/// A zstd subchunk made of its own valid frame (declaring exactly the subchunk's size)
+/// followed by a second frame declaring 1 TiB, with a valid crc32c: zarrs sizes its output
+/// by the sum of every frame's declared size, so the reader must refuse anything but one
+/// frame. In a child process, as the allocation failure would abort.
+#[test]
+fn zstd_second_frame_declaring_a_huge_size_is_an_error_not_an_abort() {
+    const CHILD: &str = "ZARRCKPT_TEST_ZSTD_TWO_FRAMES_CHILD";
+    let name = "zstd_second_frame_declaring_a_huge_size_is_an_error_not_an_abort";
+    if std::env::var_os(CHILD).is_none() {
+        let out = in_child(name, CHILD);
+        assert!(
+            out.status.success(),
+            "the load died: {:?}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        return;
+    }
+    let (_t, dir) = fixture(Compression::Zstd);
+    let path = w_shard(&dir);
+    let sh = shard(&dir, "w", &path);
+    let bytes = std::fs::read(&path).unwrap();
+    let (o1, n1) = sh.entries[1];
+    let mut sub = bytes[o1 as usize..(o1 + n1 - 4) as usize].to_vec();
+    sub.extend_from_slice(&zstd_bomb(1 << 40));
+    sub.extend_from_slice(&crc32c::crc32c(&sub).to_le_bytes());
+    let mut file = bytes[..o1 as usize].to_vec();
+    let entries = [sh.entries[0], (o1, sub.len() as u64)];
+    file.extend_from_slice(&sub);
+    file.extend_from_slice(&craft_index(&entries));
+    std::fs::write(&path, file).unwrap();
+    let e = load_whole(&dir, "w").unwrap_err();
+    assert_names_file(&e, &path);
+    assert!(e.to_string().contains("not one frame"), "{e}");
+    let e = assert_one_problem(&dir, "w", &[1, 0], &path);
+    assert_names_file(&e, &path);
+}
+
 /// Fuzz crashes whose library bug is not fixed yet are saved as
 /// `fuzz/regressions/<target>/bug-<name>`; each replays in a child process, since some abort.
 /// Once the bug is fixed, drop the `bug-` prefix so `fuzz_*_inputs` replays it by default.
@@ -1237,4 +1275,281 @@ fn flipped_byte_in_a_column_strip_is_a_checksum_error() {
             assert_checksum(&load_col(&dir).unwrap_err(), "col", &[0, 1], s, &path);
         }
     }
+}
+
+/// Runs test `name` again in a child process with `child_env` set and returns how it ended,
+/// so that a signal (SIGBUS, an abort) fails the parent visibly instead of killing the
+/// harness.
+fn in_child(name: &str, child_env: &str) -> std::process::Output {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            name,
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(child_env, "1")
+        .output()
+        .unwrap()
+}
+
+/// A shard file truncated (and rewritten) by another program while loads run with the
+/// default read method: every load returns the exact data or a typed error naming the file,
+/// never a signal (the mapped read path died of SIGBUS here). Runs in a child process.
+#[test]
+fn shard_truncated_during_default_loads_is_an_error_not_a_signal() {
+    const CHILD: &str = "ZARRCKPT_TEST_TRUNCATE_CHILD";
+    let name = "shard_truncated_during_default_loads_is_an_error_not_a_signal";
+    if std::env::var_os(CHILD).is_none() {
+        let out = in_child(name, CHILD);
+        assert!(
+            out.status.success(),
+            "the loading process died: {:?}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("truncation trials:"), "{stdout}");
+        return;
+    }
+    // One f32 tensor of 16 MiB in one shard of 64 subchunks (of 256 KiB).
+    let shape: &[u64] = &[1024, 4096];
+    let key = TensorKey::new("big").unwrap();
+    let data: Vec<u8> = (0..shape.iter().product::<u64>() * 4)
+        .map(|i| (i.wrapping_mul(0x9E37_79B9) >> 13) as u8)
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let piece = ShardedTensor::new(
+        key.clone(),
+        DType::Float32,
+        shape.to_vec(),
+        Region::full(shape),
+        0,
+        &data,
+    )
+    .unwrap();
+    let mut save_opts = SaveOptions::default();
+    save_opts.grid.subchunk_target_bytes = 256 << 10;
+    save(&[piece], &dir, &LocalComm::single(), &save_opts).unwrap();
+    let path = dir.join("tensors/big/c.0.0");
+    let pristine = std::fs::read(&path).unwrap();
+    let load_once = || -> Result<Vec<u8>, Error> {
+        let mut buf = vec![0u8; data.len()];
+        let mut t = [LoadTarget::new(
+            key.clone(),
+            DType::Float32,
+            shape.to_vec(),
+            Region::full(shape),
+            &mut buf,
+        )
+        .unwrap()];
+        load(&mut t, &dir, &LocalComm::single(), &LoadOptions::default())?;
+        drop(t);
+        Ok(buf)
+    };
+    assert_eq!(load_once().unwrap(), data);
+    // Truncated just before a load: a typed error.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(pristine.len() as u64 / 2)
+        .unwrap();
+    assert_names_file(&load_once().unwrap_err(), &path);
+    std::fs::write(&path, &pristine).unwrap();
+    // Truncated (to a random length) and restored in place while loads run.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (mut ok, mut errors) = (0usize, 0usize);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut x = 0x2545_F491_4F6C_DD1Du64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+                f.set_len(x % pristine.len() as u64).unwrap();
+                std::thread::sleep(std::time::Duration::from_micros(x % 3000));
+                use std::os::unix::fs::FileExt;
+                f.write_all_at(&pristine, 0).unwrap();
+                std::thread::sleep(std::time::Duration::from_micros((x >> 20) % 3000));
+            }
+        });
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < std::time::Duration::from_secs(3) || errors == 0 {
+            match load_once() {
+                Ok(buf) => {
+                    assert!(buf == data, "a load returned wrong data");
+                    ok += 1;
+                }
+                Err(e) => {
+                    assert_names_file(&e, &path);
+                    errors += 1;
+                }
+            }
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(60),
+                "no error in 60 s"
+            );
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    println!("truncation trials: {ok} exact loads, {errors} typed errors");
+}
+
+/// Applies 1 to 8 random mutations to `data` (bit flips, interesting bytes and little-endian
+/// words, insertions, deletions, duplicated ranges, splices from `other`).
+fn mutate(data: &mut Vec<u8>, other: &[u8], rng: &mut u64) {
+    let mut next = || {
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        *rng
+    };
+    const WORDS: [u64; 10] = [
+        0,
+        1,
+        0x7f,
+        0xff,
+        0xffff,
+        1 << 31,
+        1 << 32,
+        1 << 40,
+        u64::MAX,
+        u64::MAX - 1,
+    ];
+    for _ in 0..1 + next() % 8 {
+        let len = data.len().max(1);
+        let at = (next() as usize) % len;
+        match next() % 9 {
+            0 if !data.is_empty() => data[at] ^= 1 << (next() % 8),
+            1 if !data.is_empty() => {
+                data[at] = [0, 1, 0x7f, 0x80, 0xff, b'"', b'{', b'.'][(next() % 8) as usize]
+            }
+            2 if data.len() >= 8 => {
+                let at = at.min(data.len() - 8);
+                let w = WORDS[(next() % WORDS.len() as u64) as usize];
+                data[at..at + 8].copy_from_slice(&w.to_le_bytes());
+            }
+            3 if data.len() >= 4 => {
+                let at = at.min(data.len() - 4);
+                let w = WORDS[(next() % WORDS.len() as u64) as usize] as u32;
+                data[at..at + 4].copy_from_slice(&w.to_le_bytes());
+            }
+            4 => {
+                let n = 1 + (next() % 16) as usize;
+                let bytes: Vec<u8> = (0..n).map(|_| next() as u8).collect();
+                let at = at.min(data.len());
+                data.splice(at..at, bytes);
+            }
+            5 if !data.is_empty() => {
+                let n = 1 + (next() as usize) % (data.len() - at).min(64);
+                data.drain(at..at + n);
+            }
+            6 if !data.is_empty() => {
+                let n = 1 + (next() as usize) % (data.len() - at).min(64);
+                let copy = data[at..at + n].to_vec();
+                let to = (next() as usize) % data.len();
+                data.splice(to..to, copy);
+            }
+            7 if !other.is_empty() => {
+                let from = (next() as usize) % other.len();
+                let n = 1 + (next() as usize) % (other.len() - from).min(256);
+                let at = at.min(data.len());
+                let end = (at + n).min(data.len());
+                data.splice(at..end, other[from..from + n].iter().copied());
+            }
+            _ => data.truncate(at),
+        }
+    }
+}
+
+/// Mutation fuzzing on stable Rust, without coverage guidance: drives the same checks as the
+/// cargo-fuzz targets (`fuzz/src/lib.rs`) with random mutations of the seeds and regressions,
+/// each target in its own child process (so an abort is reported, with the target and seed).
+/// A failing input is saved under `fuzz/artifacts/stable/<target>/`. Budget per target:
+/// `ZARRCKPT_FUZZ_SECS` (default 60), `ZARRCKPT_FUZZ_SEED` picks the random stream,
+/// `ZARRCKPT_FUZZ_TARGETS` (comma-separated) restricts the targets. Run:
+/// `cargo test --release --test corruption -- --ignored fuzz_mutate_stable --nocapture`.
+#[test]
+#[ignore = "tool: long mutation-fuzzing run, by hand"]
+fn fuzz_mutate_stable() {
+    const CHILD: &str = "ZARRCKPT_FUZZ_TARGET";
+    let secs: u64 = std::env::var("ZARRCKPT_FUZZ_SECS").map_or(60, |s| s.parse().unwrap());
+    let seed: u64 = std::env::var("ZARRCKPT_FUZZ_SEED").map_or(0x5EED, |s| s.parse().unwrap());
+    if let Ok(target) = std::env::var(CHILD) {
+        let corpus: Vec<Vec<u8>> = fuzz_inputs(&target).into_iter().map(|(_, b)| b).collect();
+        assert!(!corpus.is_empty());
+        let mut rng = seed | 1;
+        let t0 = std::time::Instant::now();
+        let mut execs = 0u64;
+        while t0.elapsed().as_secs() < secs {
+            for _ in 0..64 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let mut data = corpus[(rng % corpus.len() as u64) as usize].clone();
+                let other = &corpus[((rng >> 32) % corpus.len() as u64) as usize];
+                mutate(&mut data, other, &mut rng);
+                let r = std::panic::catch_unwind(|| fuzz_checks::check(&target, &data));
+                execs += 1;
+                if r.is_err() {
+                    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+                        .join("fuzz/artifacts/stable")
+                        .join(&target);
+                    std::fs::create_dir_all(&dir).unwrap();
+                    let file = dir.join(format!("crash-{:016x}", crc32c::crc32c(&data)));
+                    std::fs::write(&file, &data).unwrap();
+                    panic!("{target}: failing input saved to {}", file.display());
+                }
+            }
+        }
+        println!(
+            "FUZZ {target} {execs} executions in {:.1} s, 0 failures",
+            t0.elapsed().as_secs_f64()
+        );
+        return;
+    }
+    let mut total = 0u64;
+    let mut failures = Vec::new();
+    let only = std::env::var("ZARRCKPT_FUZZ_TARGETS").unwrap_or_default();
+    for target in fuzz_checks::TARGETS {
+        if !only.is_empty() && !only.split(',').any(|t| t == target) {
+            continue;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "fuzz_mutate_stable",
+                "--exact",
+                "--include-ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, target)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout
+            .lines()
+            .find_map(|l| l.find("FUZZ ").map(|i| &l[i..]))
+            .unwrap_or("");
+        println!("{line}");
+        if !out.status.success() {
+            failures.push(format!(
+                "{target} (seed {seed}): {:?}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        } else {
+            total += line
+                .split_whitespace()
+                .nth(2)
+                .and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("{target}: no count in {stdout}"));
+        }
+    }
+    println!("FUZZ total {total} executions");
+    assert!(failures.is_empty(), "{failures:#?}");
 }

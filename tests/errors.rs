@@ -2223,3 +2223,344 @@ fn assume_ok_unexpected_fails_when_the_key_is_read() {
         assert!(report.unexpected.is_empty() && report.missing.is_empty());
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Hostile metadata: a crafted checkpoint of a few KB declaring absurd sizes and counts. Every
+// command (inspect, verify, export, and loads through the library) must end with a typed
+// error or a correct answer, quickly, in bounded memory: the CLI runs as a child process
+// under an address-space limit, so an attempt to allocate gigabytes fails visibly.
+// ---------------------------------------------------------------------------------------------
+
+/// Address space the crafted-checkpoint children may use.
+const HOSTILE_AS_LIMIT: u64 = 2 << 30;
+
+/// Writes a checkpoint with the given tensors (root index and each array's `zarr.json`,
+/// no shard files) under `dir`.
+/// A crafted tensor: key, data type, shape, chunk shape, subchunk shape.
+type Crafted<'a> = (&'a str, DType, &'a [u64], &'a [u64], &'a [u64]);
+
+fn craft(dir: &Path, tensors: &[Crafted<'_>]) {
+    use zarrckpt::storage::meta::{CheckpointMeta, TensorEntry, tensor_path};
+    let mut meta = CheckpointMeta::new(1);
+    for &(key, dtype, shape, chunk, sub) in tensors {
+        let key = TensorKey::new(key).unwrap();
+        let entry = TensorEntry {
+            path: tensor_path(&key),
+            dtype,
+            shape: shape.to_vec(),
+            chunk_shape: chunk.to_vec(),
+            subchunk_shape: sub.to_vec(),
+            compression: zarrckpt::Compression::None,
+        };
+        let array = dir.join(&entry.path);
+        std::fs::create_dir_all(&array).unwrap();
+        let doc = zarrckpt::storage::array::array_metadata(&key, &entry);
+        std::fs::write(array.join("zarr.json"), serde_json::to_vec(&doc).unwrap()).unwrap();
+        meta.tensors.insert(key, entry);
+    }
+    std::fs::write(dir.join("zarr.json"), meta.to_root_json()).unwrap();
+}
+
+/// Runs the CLI under [`HOSTILE_AS_LIMIT`] and a 60 s deadline; returns (exit code,
+/// stdout + stderr). A signal or the deadline fails the test.
+fn cli_bounded(args: &[&str]) -> (i32, String) {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_zarrckpt"));
+    cmd.args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: HOSTILE_AS_LIMIT,
+                rlim_max: HOSTILE_AS_LIMIT,
+            };
+            if libc::setrlimit(libc::RLIMIT_AS, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("zarrckpt {args:?} still running after 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let Some(code) = status.code() else {
+        panic!("zarrckpt {args:?} was killed by a signal: {status:?}\n{text}");
+    };
+    (code, text)
+}
+
+/// Runs `verify`, `export` and `inspect` on a crafted checkpoint; each must end (no signal,
+/// no hang) with exit code `expect_ok` for inspect, and 1 with a message containing every
+/// part of `verify_has` / `export_has` for the others.
+fn hostile_cli(dir: &Path, inspect_ok: bool, verify_has: &[&str], export_has: &[&str]) {
+    let d = dir.to_str().unwrap();
+    let (code, text) = cli_bounded(&["inspect", d]);
+    assert_eq!(code == 0, inspect_ok, "inspect: {text}");
+    let (code, text) = cli_bounded(&["verify", d]);
+    assert_eq!(code, 1, "verify: {text}");
+    has(&text, verify_has);
+    let out = dir.with_extension("safetensors");
+    let (code, text) = cli_bounded(&["export", d, "--out", out.to_str().unwrap()]);
+    assert_eq!(code, 1, "export: {text}");
+    has(&text, export_has);
+    assert!(!out.exists(), "export left {}", out.display());
+    assert!(
+        !out.with_extension("safetensors.partial").exists(),
+        "export left its partial file"
+    );
+}
+
+#[test]
+fn hostile_terabyte_tensor_is_refused_by_every_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    // 1 TiB declared, one shard of 2^20 subchunks of 1 MiB; no file at all.
+    craft(
+        &dir,
+        &[(
+            "w",
+            DType::Float32,
+            &[1 << 20, 1 << 18],
+            &[1 << 20, 1 << 18],
+            &[1, 1 << 18],
+        )],
+    );
+    hostile_cli(
+        &dir,
+        true,
+        &["tensor `w`", "c.0.0", "missing"],
+        &["tensor `w`", "cannot be read into memory"],
+    );
+    let ck = Checkpoint::open(&dir).unwrap();
+    let e = ck.read_tensor(&TensorKey::new("w").unwrap()).unwrap_err();
+    assert!(
+        matches!(storage(&e), StorageError::TooLarge { key, bytes, .. } if key == "w" && *bytes == 1 << 40),
+        "{e:?}"
+    );
+    let e = ck
+        .read_ndarray::<f32>(&TensorKey::new("w").unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(storage(&e), StorageError::TooLarge { .. }),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn hostile_gigabyte_tensor_fails_export_without_allocating_it() {
+    // 4 GiB declared (less than the machine's memory, more than the child's address
+    // space): the export's buffer cannot be allocated, and that is an error, not an abort.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    craft(
+        &dir,
+        &[(
+            "w",
+            DType::Float32,
+            &[1 << 12, 1 << 18],
+            &[1 << 12, 1 << 18],
+            &[1, 1 << 18],
+        )],
+    );
+    hostile_cli(&dir, true, &["tensor `w`", "missing"], &["tensor `w`"]);
+}
+
+#[test]
+fn hostile_sixteen_million_missing_chunks_verify_quickly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    // 16 GiB in 2^24 shard files of 1 KiB, none present.
+    craft(
+        &dir,
+        &[("w", DType::UInt8, &[1 << 24, 1024], &[1, 1024], &[1, 1024])],
+    );
+    let t0 = Instant::now();
+    let ck = Checkpoint::open(&dir).unwrap();
+    let report = ck.verify(2, None).unwrap();
+    assert_eq!(report.chunks, 1 << 24);
+    assert!(
+        report.problems.len() as u64 >= zarrckpt::checkpoint::MAX_PROBLEMS_PER_TENSOR
+            && report.problems.len() < 200,
+        "{} problems",
+        report.problems.len()
+    );
+    assert!(
+        report.skipped_chunks > (1 << 24) - 1000,
+        "{} skipped",
+        report.skipped_chunks
+    );
+    assert!(
+        matches!(&report.problems[0].error, Error::Storage(StorageError::MissingChunk { key, .. }) if key == "w"),
+        "{:?}",
+        report.problems[0].error
+    );
+    println!("verify of 2^24 declared chunks: {:?}", t0.elapsed());
+    hostile_cli(&dir, true, &["missing", "not checked"], &["tensor `w`"]);
+}
+
+#[test]
+fn hostile_geometry_is_refused_when_the_index_is_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    // (name, shape, chunk shape, subchunk shape, part of the reason)
+    type Case<'a> = (&'a str, &'a [u64], &'a [u64], &'a [u64], &'a str);
+    let cases: [Case<'_>; 5] = [
+        // A subchunk of 1 GiB: more than a reader decodes at once.
+        (
+            "sub",
+            &[1 << 15, 1 << 15],
+            &[1 << 15, 1 << 15],
+            &[1 << 15, 1 << 15],
+            "subchunk",
+        ),
+        // 2^26 subchunks in one shard.
+        ("many", &[1 << 26], &[1 << 26], &[1], "subchunks per shard"),
+        // 2^26 shard files.
+        (
+            "files",
+            &[1 << 26, 1024],
+            &[1, 1024],
+            &[1, 1024],
+            "shard files",
+        ),
+        // 2^24 one-byte subchunks: planning a whole read would take gigabytes.
+        ("tiny", &[1 << 24], &[1], &[1], "planning"),
+        // Dimensions whose product overflows.
+        ("overflow", &[u64::MAX, 2], &[1, 1], &[1, 1], "overflow"),
+    ];
+    for (name, shape, chunk, sub, reason) in cases {
+        let dir = tmp.path().join(name);
+        craft(&dir, &[("w", DType::UInt8, shape, chunk, sub)]);
+        let e = Checkpoint::open(&dir).unwrap_err();
+        assert!(
+            matches!(storage(&e), StorageError::Malformed { reason: r, .. } if r.contains(reason)),
+            "{name}: {e:?}"
+        );
+        hostile_cli(&dir, false, &["zarr.json", reason], &["zarr.json", reason]);
+    }
+    // Many tensors each within the limits, too many shard files together.
+    let dir = tmp.path().join("together");
+    craft(
+        &dir,
+        &[
+            ("a", DType::UInt8, &[1 << 23, 1024], &[1, 1024], &[1, 1024]),
+            ("b", DType::UInt8, &[1 << 23, 1024], &[1, 1024], &[1, 1024]),
+            ("c", DType::UInt8, &[1 << 23, 1024], &[1, 1024], &[1, 1024]),
+        ],
+    );
+    let e = Checkpoint::open(&dir).unwrap_err();
+    assert!(
+        matches!(storage(&e), StorageError::Malformed { reason, .. } if reason.contains("shard files in all")),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn hostile_huge_array_metadata_file_is_refused_unread() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    save_standard(&dir, 1);
+    // The array's zarr.json made a sparse 64 GiB file: reading it whole would abort.
+    let path = dir.join("tensors/w/zarr.json");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(64 << 30)
+        .unwrap();
+    let e = Checkpoint::open(&dir)
+        .unwrap()
+        .read_tensor(&TensorKey::new("w").unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(storage(&e), StorageError::Malformed { path: p, reason } if p == &path && reason.contains("larger than")),
+        "{e:?}"
+    );
+    hostile_cli(
+        &dir,
+        true,
+        &["tensors/w/zarr.json", "larger than"],
+        &["tensors/w/zarr.json", "larger than"],
+    );
+}
+
+#[test]
+fn hostile_huge_root_metadata_file_is_refused_unread() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    save_standard(&dir, 1);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(root_json(&dir))
+        .unwrap()
+        .set_len(64 << 30)
+        .unwrap();
+    let (code, text) = cli_bounded(&["inspect", dir.to_str().unwrap()]);
+    assert_eq!(code, 1, "{text}");
+    has(&text, &["zarr.json", "larger than"]);
+}
+
+#[test]
+fn hostile_foreign_array_sizes_are_refused() {
+    use zarrckpt::storage::foreign::read_array;
+    let tmp = tempfile::tempdir().unwrap();
+    let doc = |shape: &[u64], chunk: &[u64]| {
+        serde_json::json!({
+            "zarr_format": 3, "node_type": "array", "shape": shape, "data_type": "uint8",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+            "chunk_key_encoding": {"name": "default"}, "fill_value": 0,
+            "codecs": [{"name": "bytes"}],
+        })
+    };
+    // 1 TiB declared.
+    let a = tmp.path().join("a");
+    std::fs::create_dir(&a).unwrap();
+    write_json(&a.join("zarr.json"), &doc(&[1 << 40], &[1 << 20]));
+    let e = read_array(&a).unwrap_err();
+    assert!(matches!(e, StorageError::TooLarge { .. }), "{e:?}");
+    // A 1 TiB chunk for a 10-byte array.
+    let b = tmp.path().join("b");
+    std::fs::create_dir(&b).unwrap();
+    write_json(&b.join("zarr.json"), &doc(&[10], &[1 << 40]));
+    let e = read_array(&b).unwrap_err();
+    assert!(
+        matches!(&e, StorageError::Malformed { reason, .. } if reason.contains("chunk")),
+        "{e:?}"
+    );
+    // A sparse 64 GiB zarr.json.
+    let c = tmp.path().join("c");
+    std::fs::create_dir(&c).unwrap();
+    write_json(&c.join("zarr.json"), &doc(&[10], &[10]));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(c.join("zarr.json"))
+        .unwrap()
+        .set_len(64 << 30)
+        .unwrap();
+    let e = read_array(&c).unwrap_err();
+    assert!(
+        matches!(&e, StorageError::Malformed { reason, .. } if reason.contains("larger than")),
+        "{e:?}"
+    );
+    // A sound one still reads.
+    let d = tmp.path().join("d");
+    std::fs::create_dir(&d).unwrap();
+    write_json(&d.join("zarr.json"), &doc(&[10], &[4]));
+    assert_eq!(read_array(&d).unwrap().data, vec![0u8; 10]);
+}

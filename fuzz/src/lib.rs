@@ -500,7 +500,8 @@ fn fix_index_and_subchunks(shard: &mut [u8]) {
 /// tensor. `data[0]`: bit 0 picks the uncompressed or zstd checkpoint; bit 1 has the harness
 /// fix up every checksum first ([`fix_checksums`]). The load must not panic or abort; an
 /// error must be a storage error naming the shard file; success must give the first shard's
-/// rows intact and the rows zarrs itself decodes from the replaced shard.
+/// rows intact and the rows zarrs itself decodes from the replaced shard. `verify` must report
+/// a problem naming the shard file exactly when the load fails.
 pub fn check_shard_read(data: &[u8]) {
     let Some((&sel, bytes)) = data.split_first() else {
         return;
@@ -514,6 +515,21 @@ pub fn check_shard_read(data: &[u8]) {
     let bytes = fixed.as_slice();
     std::fs::write(&f.shard, bytes).unwrap();
     let result = load_a(&f.dir);
+    // `verify` reads the same subchunks by its own bounded path: it must find a problem
+    // exactly when the load fails, and name the shard file.
+    let report = zarrckpt::Checkpoint::open(&f.dir)
+        .expect("the index is untouched")
+        .verify(1, None)
+        .expect("verify runs");
+    assert_eq!(
+        report.problems.is_empty(),
+        result.is_ok(),
+        "verify and load disagree: load {result:?}, verify {:?}",
+        report.problems
+    );
+    for p in &report.problems {
+        assert_names_file(&p.error, &f.shard);
+    }
     match result {
         Ok(got) => {
             let half = got.len() / 2;

@@ -240,11 +240,17 @@ fn largest_divisor_at_most(n: u64, limit: u64) -> u64 {
     best
 }
 
+/// Most bytes of one subchunk: readers refuse larger ones (a reader decodes a whole
+/// subchunk at a time), so the target below never exceeds it.
+pub const MAX_SUBCHUNK_BYTES: u64 = 64 << 20;
+
 /// The subchunk size target for an outer chunk of `chunk_bytes`: a sixteenth of the chunk,
-/// clamped to `[min(64 KiB, max_target), max_target]`. Small enough that a load splitting a
+/// clamped to `[min(64 KiB, max_target), max_target]` (`max_target` itself at most
+/// [`MAX_SUBCHUNK_BYTES`]). Small enough that a load splitting a
 /// chunk reads little it does not need, large enough to keep the index and syscalls few.
 #[must_use]
 pub fn subchunk_target(chunk_bytes: u64, max_target: u64) -> u64 {
+    let max_target = max_target.min(MAX_SUBCHUNK_BYTES);
     let lo = (64u64 << 10).min(max_target);
     (chunk_bytes / 16).clamp(lo, max_target.max(1))
 }

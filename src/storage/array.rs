@@ -347,7 +347,7 @@ impl TensorArray {
     /// does not parse or disagrees with the checkpoint index on data type, shape or grid.
     pub fn open(root: &Path, key: &TensorKey, entry: &TensorEntry) -> Result<Self, StorageError> {
         let path = root.join(&entry.path).join("zarr.json");
-        let bytes = std::fs::read(&path).map_err(StorageError::io("read", &path))?;
+        let bytes = super::meta::read_metadata_file(&path, super::meta::MAX_ARRAY_JSON_BYTES)?;
         let meta: Value = super::meta::parse_json(&bytes).map_err(|e| StorageError::Malformed {
             path: path.clone(),
             reason: format!("not JSON: {e}"),

@@ -445,8 +445,11 @@ pub fn commit(dir: &Path, meta: &CheckpointMeta) -> Result<(), StorageError> {
 /// [`CheckpointMeta::from_root_json`].
 pub fn read_index(dir: &Path) -> Result<CheckpointMeta, StorageError> {
     let path = dir.join(ROOT_JSON);
-    match fs::read(&path) {
-        Ok(bytes) => CheckpointMeta::from_root_json(&bytes, &path),
+    // Opened first so that a missing file keeps its own branch; read with a size cap.
+    let opened = fs::File::open(&path).map(drop);
+    match opened.map(|()| super::meta::read_metadata_file(&path, super::meta::MAX_ROOT_JSON_BYTES))
+    {
+        Ok(bytes) => CheckpointMeta::from_root_json(&bytes?, &path),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if !dir.exists() && !siblings_with(dir, OLD).is_empty() {
                 // A save died between the two renames of the fallback swap: restore the

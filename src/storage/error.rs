@@ -107,6 +107,19 @@ pub enum StorageError {
         /// The lock file.
         lock: PathBuf,
     },
+    /// Reading what was asked for needs a buffer larger than this machine's memory, or one
+    /// that cannot be allocated: the size comes from the metadata, which may be damaged.
+    #[error("tensor `{key}` ({}): {bytes} bytes cannot be read into memory: {reason}", path.display())]
+    TooLarge {
+        /// The tensor (or array) key.
+        key: String,
+        /// The array or metadata file.
+        path: PathBuf,
+        /// The bytes the metadata declares.
+        bytes: u64,
+        /// Why (the limit it exceeds, or the allocation that failed).
+        reason: String,
+    },
     /// The target directory already holds data and overwriting was not asked for.
     #[error("{} already exists and is not empty (pass overwrite to replace it)", path.display())]
     AlreadyExists {

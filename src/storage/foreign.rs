@@ -12,6 +12,9 @@ use super::error::StorageError;
 use crate::model::DType;
 use crate::model::region::num_bytes;
 
+/// Most bytes of one chunk of a foreign array larger than the array itself.
+pub const MAX_FOREIGN_CHUNK_BYTES: u64 = 1 << 30;
+
 /// A whole array read from a Zarr v3 array directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ForeignArray {
@@ -38,7 +41,7 @@ pub fn read_array(dir: &Path) -> Result<ForeignArray, StorageError> {
         path: json_path.clone(),
         reason,
     };
-    let bytes = std::fs::read(&json_path).map_err(StorageError::io("read", &json_path))?;
+    let bytes = super::meta::read_metadata_file(&json_path, super::meta::MAX_ARRAY_JSON_BYTES)?;
     let mut meta: Value =
         serde_json::from_slice(&bytes).map_err(|e| malformed(format!("not JSON: {e}")))?;
     float8_fill_as_hex(&mut meta);
@@ -60,6 +63,21 @@ pub fn read_array(dir: &Path) -> Result<ForeignArray, StorageError> {
         path: dir.join("zarr.json"),
         reason: e.to_string(),
     })?;
+    // zarrs decodes a whole chunk at a time: a chunk far larger than the array (a crafted
+    // chunk grid) is refused rather than allocated.
+    if let Ok(chunk) = array.chunk_shape(&vec![0; shape.len()]) {
+        let chunk_bytes = chunk
+            .iter()
+            .try_fold(dtype.size() as u64, |acc, c| acc.checked_mul(c.get()));
+        if chunk_bytes.is_none_or(|b| b > MAX_FOREIGN_CHUNK_BYTES.max(len as u64)) {
+            return Err(StorageError::Malformed {
+                path: dir.join("zarr.json"),
+                reason: format!(
+                    "a chunk of {chunk:?} elements is larger than both the array and {MAX_FOREIGN_CHUNK_BYTES} bytes"
+                ),
+            });
+        }
+    }
     if len == 0 {
         // zarrs rejects a subset of an array with a zero-size dimension; there is nothing to read.
         return Ok(ForeignArray {
@@ -68,7 +86,7 @@ pub fn read_array(dir: &Path) -> Result<ForeignArray, StorageError> {
             data: Vec::new(),
         });
     }
-    let mut data = vec![0u8; len];
+    let mut data: Vec<u8> = super::read::zeroed_buffer(len as u64, &key, &json_path)?;
     let subset = ArraySubset::new_with_shape(shape.clone());
     {
         let cells = unsafe_cell_slice::UnsafeCellSlice::new(&mut data);

@@ -25,6 +25,46 @@ pub const ATTRIBUTE: &str = "zarrckpt";
 pub const MAX_SUBCHUNKS_PER_SHARD: u64 = 1 << 24;
 /// Most shard files one tensor may have.
 pub const MAX_CHUNKS_PER_TENSOR: u64 = 1 << 24;
+/// A tensor may have more than [`MAX_SMALL_SUBCHUNKS`] subchunks (all shards together) only
+/// when they average at least this many bytes: reading a box plans one entry (a few hundred
+/// bytes) per subchunk it touches, so this keeps a whole-tensor read's plan well below the
+/// tensor's own size.
+pub const MIN_BYTES_PER_SUBCHUNK: u64 = 1024;
+/// Subchunks a tensor may have (all shards together) whatever their size.
+pub const MAX_SMALL_SUBCHUNKS: u64 = 1 << 16;
+/// Most shard files one checkpoint may have, all tensors together.
+pub const MAX_CHUNKS_PER_CHECKPOINT: u64 = 1 << 24;
+/// Most bytes one subchunk may hold decoded (writers never exceed it: see
+/// [`crate::plan::grid::MAX_SUBCHUNK_BYTES`]); a reader decodes a whole subchunk at a time,
+/// so this bounds what one damaged or crafted subchunk can make it allocate.
+pub const MAX_SUBCHUNK_BYTES: u64 = crate::plan::grid::MAX_SUBCHUNK_BYTES;
+/// Most bytes of a checkpoint's root `zarr.json` a reader accepts (about 200 bytes per
+/// tensor: room for over 100,000 tensors).
+pub const MAX_ROOT_JSON_BYTES: u64 = 32 << 20;
+/// Most bytes of an array's `zarr.json` a reader accepts (zarrckpt's own or a foreign one).
+pub const MAX_ARRAY_JSON_BYTES: u64 = 16 << 20;
+
+/// Reads a metadata file of at most `max` bytes, without allocating more than that whatever
+/// the file's size (a huge or sparse file is refused after reading `max + 1` bytes).
+///
+/// # Errors
+/// [`StorageError::Io`] when it cannot be read (the I/O error's kind is kept, so a caller can
+/// tell a missing file), [`StorageError::Malformed`] when it is larger than `max`.
+pub fn read_metadata_file(path: &Path, max: u64) -> Result<Vec<u8>, StorageError> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(StorageError::io("read", path))?;
+    let mut bytes = Vec::new();
+    file.take(max.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(StorageError::io("read", path))?;
+    if bytes.len() as u64 > max {
+        return Err(StorageError::Malformed {
+            path: path.to_owned(),
+            reason: format!("the file is larger than the {max} bytes a reader accepts"),
+        });
+    }
+    Ok(bytes)
+}
 
 /// The group holding tensors.
 pub const TENSORS_GROUP: &str = "tensors";
@@ -60,6 +100,20 @@ pub struct TensorEntry {
 }
 
 impl TensorEntry {
+    /// Number of shard files (`None` on overflow or a zero chunk extent).
+    #[must_use]
+    pub fn num_chunks(&self) -> Option<u64> {
+        self.shape
+            .iter()
+            .zip(&self.chunk_shape)
+            .try_fold(1u64, |acc, (&d, &c)| {
+                if c == 0 {
+                    return None;
+                }
+                acc.checked_mul(d.div_ceil(c))
+            })
+    }
+
     /// Logical size in bytes (elements times element size), saturating.
     #[must_use]
     pub fn nbytes(&self) -> u64 {
@@ -288,6 +342,15 @@ impl CheckpointMeta {
         }
         crate::model::key::check_collisions(meta.objects.keys())
             .map_err(|e| malformed(format!("objects: {e}")))?;
+        let chunks = meta
+            .tensors
+            .values()
+            .try_fold(0u64, |acc, t| acc.checked_add(t.num_chunks()?));
+        if chunks.is_none_or(|n| n > MAX_CHUNKS_PER_CHECKPOINT) {
+            return Err(malformed(format!(
+                "more than {MAX_CHUNKS_PER_CHECKPOINT} shard files in all"
+            )));
+        }
         Ok(meta)
     }
 
@@ -370,12 +433,26 @@ impl TensorEntry {
                 "more than {MAX_SUBCHUNKS_PER_SHARD} subchunks per shard"
             ));
         }
-        let chunks = self
-            .shape
-            .iter()
-            .zip(&self.chunk_shape)
-            .try_fold(1u64, |acc, (d, c)| acc.checked_mul(d.div_ceil(*c)));
-        if chunks.is_none_or(|n| n > MAX_CHUNKS_PER_TENSOR) {
+        let sub_bytes = num_elements(&self.subchunk_shape)
+            .ok()
+            .and_then(|n| n.checked_mul(self.dtype.size() as u64));
+        if sub_bytes.is_none_or(|n| n > MAX_SUBCHUNK_BYTES) {
+            return Err(format!(
+                "subchunk_shape {:?} holds more than {MAX_SUBCHUNK_BYTES} bytes",
+                self.subchunk_shape
+            ));
+        }
+        let subchunks = self
+            .num_chunks()
+            .zip(per_shard)
+            .and_then(|(c, p)| c.checked_mul(p));
+        let allowed = (self.nbytes() / MIN_BYTES_PER_SUBCHUNK).max(MAX_SMALL_SUBCHUNKS);
+        if subchunks.is_none_or(|n| n > allowed) {
+            return Err(format!(
+                "more subchunks than planning reads of it can afford: more than {MAX_SMALL_SUBCHUNKS}, and fewer than {MIN_BYTES_PER_SUBCHUNK} bytes each"
+            ));
+        }
+        if self.num_chunks().is_none_or(|n| n > MAX_CHUNKS_PER_TENSOR) {
             return Err(format!("more than {MAX_CHUNKS_PER_TENSOR} shard files"));
         }
         Ok(())

@@ -2,13 +2,14 @@
 //!
 //! zarrs decodes each shard's index (and every subchunk of compressed arrays). Uncompressed
 //! subchunks (`bytes` + `crc32c`) are read one of two ways ([`ReadMethod`]):
-//! - mapped (the default): the part of the shard file holding the needed subchunks is mapped
-//!   a window at a time and each subchunk is copied from the page cache straight to where it
-//!   belongs in the caller's buffer (contiguous ones with one copy, others run by run), its
-//!   crc32c checked on the way: one copy per byte, whatever the layout;
-//! - `pread`: whole subchunks landing contiguously are read in place with one `preadv` per
-//!   run of adjacent subchunks, the others into a reused scratch buffer and copied out from
-//!   there (two copies).
+//! - `pread` (the default): whole subchunks landing contiguously are read in place with one
+//!   `preadv` per run of adjacent subchunks and checksummed there, the others into a reused
+//!   scratch buffer, checksummed there and copied out (two copies); an I/O error or a
+//!   truncated file is a typed error;
+//! - mapped (opt-in): the part of the shard file holding the needed subchunks is mapped a
+//!   window at a time and each subchunk is copied from the page cache straight to where it
+//!   belongs in the caller's buffer, its crc32c computed over the copied bytes: one copy per
+//!   byte for whole subchunks, but a truncated file or an I/O error raises `SIGBUS`.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -40,19 +41,25 @@ impl ReadCounters {
 }
 
 /// How the subchunks of uncompressed arrays are read.
+///
+/// Whatever the method, the bytes that land in the caller's buffer are the bytes whose
+/// crc32c was checked: they are checksummed where they land (or in a private scratch
+/// buffer they are then copied out of), never fetched a second time from the file or a
+/// mapping that another process could change between the check and the copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ReadMethod {
-    /// Map the shard files (a bounded window at a time) and copy from the mapping: one copy
-    /// per byte for every layout. A file truncated by another program while it is mapped
-    /// raises `SIGBUS`; checkpoint files are never truncated once written (saves write new
-    /// files and overwrites remove whole directories), so this only matters when something
-    /// else rewrites a checkpoint in place while it is being loaded. Falls back to
-    /// [`ReadMethod::Pread`] for a shard that cannot be mapped.
+    /// `pread`/`preadv` only (the default): whole subchunks landing contiguously are read
+    /// straight into place, the others through a reused scratch buffer (two copies). An I/O
+    /// error or a file truncated while it is read is an ordinary error
+    /// ([`StorageError::Io`] or [`StorageError::CorruptChunk`]), never a signal.
     #[default]
-    Mmap,
-    /// `pread`/`preadv` only: no mappings; subchunks not contiguous in the destination are
-    /// copied twice (into a scratch buffer, then out of it).
     Pread,
+    /// Map the shard files (a bounded window at a time) and copy from the mapping: one copy
+    /// per byte for every layout. **Not safe against truncation or I/O errors:** a shard file
+    /// truncated by another program while it is mapped, or a disk error under the mapping,
+    /// raises `SIGBUS` and kills the process. Use it only on files nothing else modifies, on
+    /// local disks. Falls back to [`ReadMethod::Pread`] for a shard that cannot be mapped.
+    Mmap,
 }
 
 fn corrupt(arr: &TensorArray, chunk: &[u64], detail: String) -> StorageError {
@@ -95,13 +102,27 @@ fn open_shard(
     shard: &ShardRead,
     counters: &ReadCounters,
 ) -> Result<(File, ShardIndex, FooterCrcs), StorageError> {
-    let path = arr.chunk_path(&shard.chunk);
+    let (file, index, data_end, crcs) = open_shard_index(arr, geom, &shard.chunk, counters)?;
+    check_entries(arr, geom, shard, &index, data_end)?;
+    Ok((file, index, crcs))
+}
+
+/// Opens the shard at `chunk`, reads and decodes its index, checks its footer (format 1.1)
+/// and every entry of the index (spec section 7.2); also returns where the data ends (the
+/// footer's or the index's offset) and the footer's subchunk checksums.
+fn open_shard_index(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    chunk: &[u64],
+    counters: &ReadCounters,
+) -> Result<(File, ShardIndex, u64, FooterCrcs), StorageError> {
+    let path = arr.chunk_path(chunk);
     let file = match File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return Err(StorageError::MissingChunk {
                 key: arr.key().to_string(),
-                chunk: shard.chunk.clone(),
+                chunk: chunk.to_vec(),
                 path,
             });
         }
@@ -117,7 +138,7 @@ fn open_shard(
     if len < tail {
         return Err(corrupt(
             arr,
-            &shard.chunk,
+            chunk,
             format!(
                 "file is {len} bytes, shorter than its {idx}-byte index and {foot}-byte footer"
             ),
@@ -128,15 +149,27 @@ fn open_shard(
         .map_err(StorageError::io("read", &path))?;
     counters.add(tail);
     let (footer, encoded) = encoded.split_at(usize::try_from(foot).unwrap_or(usize::MAX));
-    let index = arr.decode_index(&shard.chunk, encoded)?;
-    let crcs = check_shard_footer(arr, &shard.chunk, footer)?;
+    let index = arr.decode_index(chunk, encoded)?;
+    let crcs = check_shard_footer(arr, chunk, footer)?;
     let data_end = len - tail;
     check_index_entries(
         &index,
         data_end,
         arr.uncompressed().then(|| geom.subchunk_bytes() + 4),
     )
-    .map_err(|d| corrupt(arr, &shard.chunk, d))?;
+    .map_err(|d| corrupt(arr, chunk, d))?;
+    Ok((file, index, data_end, crcs))
+}
+
+/// Checks that the index has an entry for every subchunk `shard` needs and that each lies
+/// inside the data (`data_end` bytes) with the size the geometry requires.
+fn check_entries(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    index: &ShardIndex,
+    data_end: u64,
+) -> Result<(), StorageError> {
     let expected = geom.subchunk_bytes() + 4;
     for s in &shard.subchunks {
         let entry = usize::try_from(s.linear).ok().and_then(|i| index.get(i));
@@ -167,7 +200,7 @@ fn open_shard(
             }
         }
     }
-    Ok((file, index, crcs))
+    Ok(())
 }
 
 /// Checks every present entry of a shard index (spec section 7.2, "Reading a shard"), used
@@ -564,11 +597,25 @@ fn check_declared_size(
     expected: usize,
 ) -> Result<(), String> {
     let declared = match compression {
-        Compression::Zstd => match zstd::zstd_safe::get_frame_content_size(payload) {
-            Ok(Some(n)) => n,
-            Ok(None) => return Err("zstd frame does not declare its size".into()),
-            Err(_) => return Err("not a zstd frame".into()),
-        },
+        Compression::Zstd => {
+            // One frame, exactly: zarrs sizes its output by the sum of every frame's
+            // declared size, so a second frame declaring a huge size must be refused too.
+            match zstd::zstd_safe::find_frame_compressed_size(payload) {
+                Ok(n) if n == payload.len() => {}
+                Ok(n) => {
+                    return Err(format!(
+                        "the zstd stream is not one frame ({n} of its {} bytes are the first)",
+                        payload.len()
+                    ));
+                }
+                Err(_) => return Err("not a zstd frame".into()),
+            }
+            match zstd::zstd_safe::get_frame_content_size(payload) {
+                Ok(Some(n)) => n,
+                Ok(None) => return Err("zstd frame does not declare its size".into()),
+                Err(_) => return Err("not a zstd frame".into()),
+            }
+        }
         Compression::Blosc => {
             // blosc header: version, versionlz, flags, typesize, nbytes (u32 LE), blocksize, cbytes
             let field = |at: usize| {
@@ -612,6 +659,39 @@ unsafe fn read_shard_compressed(
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
     let (file, index, footer) = open_shard(arr, geom, shard, counters)?;
+    // SAFETY: forwarded.
+    unsafe {
+        compressed_subchunks(
+            arr,
+            geom,
+            shard,
+            &file,
+            &index,
+            footer.as_deref(),
+            dest,
+            scratch,
+            counters,
+        )
+    }
+}
+
+/// The reading half of [`read_shard_compressed`], on a shard file already opened (and its
+/// index and footer checked).
+///
+/// # Safety
+/// As [`read_shard_direct`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn compressed_subchunks(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    file: &File,
+    index: &ShardIndex,
+    footer: Option<&[u32]>,
+    dest: Dest<'_>,
+    scratch: &mut Vec<u8>,
+    counters: &ReadCounters,
+) -> Result<(), StorageError> {
     let path = arr.chunk_path(&shard.chunk);
     let sub_bytes = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX);
     for s in &shard.subchunks {
@@ -639,7 +719,7 @@ unsafe fn read_shard_compressed(
                     s.linear,
                     payload,
                     [crc[0], crc[1], crc[2], crc[3]],
-                    footer.as_deref(),
+                    footer,
                 )?;
                 check_declared_size(arr.entry().compression, payload, sub_bytes).map_err(|d| {
                     corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear))
@@ -721,8 +801,8 @@ impl Mapping {
     }
 
     fn bytes(&self) -> &[u8] {
-        // SAFETY: `len` readable bytes at `ptr` while the mapping lives (the file is not
-        // truncated meanwhile: see `ReadMethod::Mmap`).
+        // SAFETY: `len` readable bytes at `ptr` while the mapping lives; a file truncated
+        // meanwhile raises SIGBUS on access (documented on `ReadMethod::Mmap`, opt-in).
         unsafe { std::slice::from_raw_parts(self.ptr.cast::<u8>(), self.len) }
     }
 }
@@ -818,15 +898,28 @@ unsafe fn read_shard_mapped(
             } else if s.needed == s.stored {
                 whole.push((s, at(off), crc));
             } else {
-                check_crc(arr, shard, s.linear, data, crc, footer)?;
                 partial.push((s, at(off)));
             }
             counters.add(slot as u64);
         }
         // SAFETY: disjoint destination ranges (caller's contract).
-        unsafe {
-            scatter_checked(arr, shard, &whole, bytes, dest, footer)?;
-            scatter(partial.into_iter(), bytes, dest);
+        unsafe { scatter_checked(arr, shard, &whole, bytes, dest, footer)? };
+        // Partly needed subchunks: copied whole into private scratch, checked there and
+        // copied out from there, so the bytes used are the bytes checked.
+        for (s, start) in partial {
+            scratch.clear();
+            scratch.extend_from_slice(&bytes[start..start + slot]);
+            let (data, crc) = scratch.split_at(slot - 4);
+            check_crc(
+                arr,
+                shard,
+                s.linear,
+                data,
+                [crc[0], crc[1], crc[2], crc[3]],
+                footer,
+            )?;
+            // SAFETY: disjoint destination ranges (caller's contract).
+            unsafe { scatter(std::iter::once((s, 0)), scratch, dest) };
         }
     }
     Ok(())
@@ -838,8 +931,9 @@ const CRC_BAND: usize = 16 << 10;
 
 /// Copies whole subchunks held in `src` (each with the offset of its bytes there and its
 /// stored crc32c) into `dest`, where they are not contiguous, checking each crc on the way:
-/// the subchunks advance together a band of runs at a time, each band checksummed just
-/// before its runs are copied, so every source byte is fetched from memory once.
+/// the subchunks advance together a band of runs at a time, each run checksummed right
+/// after it is copied (from the destination, still in cache), so every source byte is
+/// fetched once and the crc covers exactly the bytes delivered.
 ///
 /// # Safety
 /// No other thread may touch the subchunks' parts of `dest` meanwhile.
@@ -866,13 +960,14 @@ unsafe fn scatter_checked(
     while i < most {
         for (list, digest) in lists.iter().zip(digests.iter_mut()) {
             let part = &list[i.min(list.len())..(i + band).min(list.len())];
-            if let (Some(first), Some(last)) = (part.first(), part.last()) {
-                // The runs of a whole subchunk follow each other in its stored bytes.
-                digest.update(&src[first.0..last.0 + last.2]);
-                for &(so, d, len) in part {
-                    // SAFETY: forwarded to the caller.
-                    copy_run(unsafe { dest.slice(d, len) }, &src[so..so + len]);
-                }
+            // The runs of a whole subchunk follow each other in its stored bytes, so the
+            // crc of the copied runs, in order, is the crc of the stored bytes; computing it
+            // over the copies checks the bytes actually delivered.
+            for &(so, d, len) in part {
+                // SAFETY: forwarded to the caller.
+                let out = unsafe { dest.slice(d, len) };
+                copy_run(out, &src[so..so + len]);
+                digest.update(out);
             }
         }
         i += band;
@@ -882,4 +977,158 @@ unsafe fn scatter_checked(
         check_crc_value(arr, shard, s.linear, computed, stored, footer)?;
     }
     Ok(())
+}
+
+/// Most bytes of one box [`verify_shard`] reads at a time (besides one subchunk, which may
+/// be larger, up to [`super::meta::MAX_SUBCHUNK_BYTES`]).
+const VERIFY_BOX_BYTES: u64 = 16 << 20;
+/// Most subchunks of one box [`verify_shard`] plans and reads at a time (bounds the plan).
+const VERIFY_BOX_SUBCHUNKS: u64 = 1 << 14;
+
+/// Reads every subchunk of the shard at `chunk` that holds part of `region` (the chunk's
+/// box clipped to the tensor) and checks it: crc32c, index geometry, decoded size. The shard
+/// and its index are read once; the data is read a box of whole subchunks at a time into
+/// `buf`, so memory stays bounded by 16 MiB (or one subchunk) and planning by 16,384
+/// subchunks at a time, whatever the chunk's declared size. Calls `progress` with the
+/// bytes of each box checked.
+///
+/// # Errors
+/// The first problem found, as [`read_shard`].
+#[allow(clippy::too_many_arguments)]
+pub fn verify_shard(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    chunk: &[u64],
+    region: &crate::model::Region,
+    scratch: &mut Vec<u8>,
+    buf: &mut Vec<u8>,
+    counters: &ReadCounters,
+    progress: &dyn Fn(u64),
+) -> Result<(), StorageError> {
+    let (file, index, data_end, footer) = open_shard_index(arr, geom, chunk, counters)?;
+    let footer = footer.as_deref();
+    let nd = geom.chunk_shape.len();
+    let per_shard: Vec<u64> = geom
+        .chunk_shape
+        .iter()
+        .zip(&geom.subchunk_shape)
+        .map(|(c, s)| c / s.max(&1))
+        .collect();
+    // Box shape in subchunks: whole trailing dimensions while they fit, then part of one.
+    let sub_bytes = geom.subchunk_bytes().max(1);
+    let most = (VERIFY_BOX_BYTES / sub_bytes).clamp(1, VERIFY_BOX_SUBCHUNKS);
+    let mut tile = vec![1u64; nd];
+    let mut inner = 1u64;
+    for d in (0..nd).rev() {
+        if inner.saturating_mul(per_shard[d]) <= most {
+            tile[d] = per_shard[d];
+            inner = inner.saturating_mul(per_shard[d]);
+        } else {
+            tile[d] = (most / inner).max(1);
+            break;
+        }
+    }
+    let boxes: Vec<u64> = per_shard
+        .iter()
+        .zip(&tile)
+        .map(|(n, t)| n.div_ceil(*t))
+        .collect();
+    let origin: Vec<u64> = chunk
+        .iter()
+        .zip(&geom.chunk_shape)
+        .map(|(i, c)| i * c)
+        .collect();
+    let mut result = Ok(());
+    crate::plan::grid::for_each_index(&vec![0; nd], &boxes, |b| {
+        if result.is_err() {
+            return;
+        }
+        let offset: Vec<u64> = (0..nd)
+            .map(|d| origin[d] + b[d] * tile[d] * geom.subchunk_shape[d])
+            .collect();
+        let shape: Vec<u64> = (0..nd)
+            .map(|d| {
+                (tile[d] * geom.subchunk_shape[d])
+                    .min(geom.chunk_shape[d] - b[d] * tile[d] * geom.subchunk_shape[d])
+            })
+            .collect();
+        let Some(part) = (crate::model::Region { offset, shape }).intersect(region) else {
+            return;
+        };
+        result = (|| {
+            let n = usize::try_from(part.num_elements().unwrap_or(u64::MAX))
+                .ok()
+                .and_then(|n| n.checked_mul(geom.elem))
+                .ok_or_else(|| corrupt(arr, chunk, "box size overflows".into()))?;
+            buf.clear();
+            buf.resize(n, 0);
+            for shard in geom.reads_for(&part) {
+                check_entries(arr, geom, &shard, &index, data_end)?;
+                let dest = Dest::new(&mut buf[..], &part, geom.elem);
+                // SAFETY: this thread owns `buf`, and only this read writes it.
+                unsafe {
+                    if arr.uncompressed() {
+                        pread_subchunks(
+                            arr, geom, &shard, &file, &index, footer, dest, scratch, counters,
+                        )?;
+                    } else {
+                        compressed_subchunks(
+                            arr, geom, &shard, &file, &index, footer, dest, scratch, counters,
+                        )?;
+                    }
+                }
+            }
+            progress(n as u64);
+            Ok(())
+        })();
+    });
+    result
+}
+
+/// This machine's physical memory in bytes (`u64::MAX` when unknown).
+fn physical_memory() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let pages = unsafe { libc::sysconf(libc::_SC_PHYS_PAGES) };
+    u64::try_from(pages).map_or(u64::MAX, |p| p.saturating_mul(page_size()))
+}
+
+/// A zeroed buffer of `n` elements for reading a whole tensor or array whose size comes from
+/// metadata: refused with [`StorageError::TooLarge`] when it exceeds the machine's physical
+/// memory or cannot be allocated (never an abort). The pages are allocated zeroed by the
+/// system and only touched as data is read into them.
+///
+/// # Errors
+/// [`StorageError::TooLarge`], naming `key` and `path`.
+pub fn zeroed_buffer<T: crate::model::Element>(
+    n: u64,
+    key: &str,
+    path: &std::path::Path,
+) -> Result<Vec<T>, StorageError> {
+    let bytes = n.saturating_mul(std::mem::size_of::<T>() as u64);
+    let too_large = |reason: String| StorageError::TooLarge {
+        key: key.to_owned(),
+        path: path.to_owned(),
+        bytes,
+        reason,
+    };
+    let mem = physical_memory();
+    if bytes > mem {
+        return Err(too_large(format!(
+            "more than this machine's {mem} bytes of memory"
+        )));
+    }
+    let n = usize::try_from(n).map_err(|_| too_large("too many elements".into()))?;
+    let layout = std::alloc::Layout::array::<T>(n)
+        .map_err(|_| too_large("too large for one allocation".into()))?;
+    if layout.size() == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: a non-zero-sized layout.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+    if ptr.is_null() {
+        return Err(too_large("the allocation failed".into()));
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `n` `T`s, all
+    // zero bytes, which is a valid `T` (`Element` types are plain numeric data).
+    Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }

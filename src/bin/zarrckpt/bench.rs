@@ -52,7 +52,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     io_threads: usize,
     /// How the loading ranks read shard files.
-    #[arg(long, value_enum, default_value_t = ReadArg::Mmap)]
+    #[arg(long, value_enum, default_value_t = ReadArg::Pread)]
     read_method: ReadArg,
     /// Keep the checkpoint afterwards.
     #[arg(long)]
@@ -287,9 +287,13 @@ fn worker_args(w: &worker::Args) -> Vec<OsString> {
     if w.normal_priority {
         v.push("--normal-priority".into());
     }
-    if w.read_method == ReadArg::Pread {
-        v.push("--read-method=pread".into());
-    }
+    v.push(
+        match w.read_method {
+            ReadArg::Pread => "--read-method=pread",
+            ReadArg::Mmap => "--read-method=mmap",
+        }
+        .into(),
+    );
     if w.overwrite {
         v.push("--overwrite".into());
     }

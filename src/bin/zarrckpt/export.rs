@@ -44,6 +44,12 @@ impl View for Lazy<'_> {
         &self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
+        // After the first error nothing more is read, and nothing is made up in its place
+        // (the partial file is removed): a damaged index declaring huge tensors costs neither
+        // memory nor disk.
+        if self.error.borrow().is_some() {
+            return Cow::Borrowed(&[]);
+        }
         match self.ckpt.read_tensor(&self.key) {
             Ok(v) => {
                 self.pb.inc(v.len() as u64);
@@ -51,7 +57,7 @@ impl View for Lazy<'_> {
             }
             Err(e) => {
                 self.error.borrow_mut().get_or_insert(anyhow::Error::new(e));
-                Cow::Owned(vec![0; self.len])
+                Cow::Borrowed(&[])
             }
         }
     }
@@ -91,12 +97,16 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         });
     let t0 = Instant::now();
     let tmp = a.out.with_extension("safetensors.partial");
-    safetensors::serialize_to_file(views, meta, &tmp)
-        .with_context(|| format!("write {}", tmp.display()))?;
+    let written = safetensors::serialize_to_file(views, meta, &tmp)
+        .with_context(|| format!("write {}", tmp.display()));
     pb.finish_and_clear();
     if let Some(e) = error.into_inner() {
         let _ = std::fs::remove_file(&tmp);
         return Err(e.context(format!("reading {}", a.ckpt.display())));
+    }
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
     std::fs::rename(&tmp, &a.out).with_context(|| format!("rename to {}", a.out.display()))?;
     println!(

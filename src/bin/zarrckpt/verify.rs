@@ -49,6 +49,13 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             report.tensors,
             report.chunks
         );
+        if report.skipped_chunks > 0 {
+            println!(
+                "{} chunks not checked: their tensor already had {} problems",
+                report.skipped_chunks,
+                zarrckpt::checkpoint::MAX_PROBLEMS_PER_TENSOR
+            );
+        }
         Ok(ExitCode::FAILURE)
     }
 }

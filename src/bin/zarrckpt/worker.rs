@@ -80,7 +80,7 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub stall_rank: usize,
     /// Load: how shard files are read.
-    #[arg(long, value_enum, default_value_t = ReadArg::Mmap)]
+    #[arg(long, value_enum, default_value_t = ReadArg::Pread)]
     pub read_method: ReadArg,
     /// The full training state: fp32 master weights besides bf16 weights and Adam moments.
     #[arg(long)]
@@ -108,9 +108,10 @@ impl Args {
 /// `--read-method`: see [`ReadMethod`].
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReadArg {
-    /// Map shard files and copy from the mapping (one copy per byte).
+    /// Map shard files and copy from the mapping (one copy per byte; a truncated file or an
+    /// I/O error kills the process with SIGBUS).
     Mmap,
-    /// pread/preadv only.
+    /// pread/preadv only (the default; I/O problems are errors).
     Pread,
 }
 
