@@ -217,7 +217,6 @@ fn disk_full_during_a_save_is_a_clean_error_on_every_rank() {
 }
 
 #[test]
-#[ignore = "needs generation-safe overwrite (commit-protocol change): today overwrite removes the previous checkpoint first"]
 fn disk_full_during_an_overwrite_keeps_the_previous_checkpoint() {
     let Some(fs) = tmpfs_or_skip(2 << 20) else {
         return;

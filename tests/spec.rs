@@ -2090,6 +2090,43 @@ fn root_checks_run_in_the_specified_order() {
 
 /// A saved checkpoint with a bool tensor, a nested key and an int32 tensor of two subchunks
 /// with equal bytes; returns its directory.
+/// Turns a checkpoint this crate wrote (format 1.1) into the format 1.0 it extends: no save id
+/// in the index or in the arrays' attributes, no footer in the shard files. The reader rules
+/// the tests below exercise with hand-made shard bytes hold for both versions.
+fn downgrade_to_1_0(dir: &Path) {
+    let root = dir.join("zarr.json");
+    let mut v: Value = serde_json::from_slice(&std::fs::read(&root).unwrap()).unwrap();
+    let z = v["attributes"]["zarrckpt"].as_object_mut().unwrap();
+    z.insert("version".into(), "1.0".into());
+    z.remove("save_id");
+    let tensors = z["tensors"].as_object().unwrap().clone();
+    std::fs::write(&root, serde_json::to_vec(&v).unwrap()).unwrap();
+    for e in tensors.values() {
+        let array = dir.join(e["path"].as_str().unwrap());
+        let doc_path = array.join("zarr.json");
+        let mut doc: Value = serde_json::from_slice(&std::fs::read(&doc_path).unwrap()).unwrap();
+        doc["attributes"]["zarrckpt"]
+            .as_object_mut()
+            .unwrap()
+            .remove("save_id");
+        std::fs::write(&doc_path, serde_json::to_vec(&doc).unwrap()).unwrap();
+        let (chunk, sub) = (u64s(&e["chunk_shape"]), u64s(&e["subchunk_shape"]));
+        let n = chunk.len() as u64;
+        let subchunks: u64 = chunk.iter().zip(&sub).map(|(c, s)| c / s).product();
+        let (footer, index) = (52 + 8 * n + 4 * subchunks, 16 * subchunks + 4);
+        for f in std::fs::read_dir(&array).unwrap() {
+            let f = f.unwrap().path();
+            if f.file_name().unwrap().to_str().unwrap().starts_with("c.") {
+                let bytes = std::fs::read(&f).unwrap();
+                let len = bytes.len() as u64;
+                let cut = usize::try_from(len - index - footer).unwrap();
+                let keep = usize::try_from(len - index).unwrap();
+                std::fs::write(&f, [&bytes[..cut], &bytes[keep..]].concat()).unwrap();
+            }
+        }
+    }
+}
+
 fn small_checkpoint(tmp: &Path) -> PathBuf {
     let dir = tmp.join("ckpt");
     let ints: Vec<u8> = [1i32, 2, 1, 2]
@@ -2128,6 +2165,7 @@ fn small_checkpoint(tmp: &Path) -> PathBuf {
     let meta = Checkpoint::open(&dir).unwrap();
     let e = meta.tensor(&TensorKey::new("g/h/ints").unwrap()).unwrap();
     assert_eq!(e.subchunk_shape, vec![2]);
+    downgrade_to_1_0(&dir);
     dir
 }
 
@@ -2515,6 +2553,8 @@ fn compressed_shard_examples_read_back() {
             ..SaveOptions::default()
         };
         save(&piece, &dir, &LocalComm::single(), &opts).unwrap();
+        // The examples are shards without the 1.1 footer: read them as a 1.0 checkpoint.
+        downgrade_to_1_0(&dir);
         let info = Checkpoint::open(&dir).unwrap().tensor(&key).unwrap();
         assert_eq!(
             (&info.chunk_shape, &info.subchunk_shape),

@@ -1078,6 +1078,15 @@ pub fn verify_shard(
                     }
                 }
             }
+            if arr.entry().dtype == crate::model::DType::Bool
+                && let Some(b) = buf.iter().find(|&&b| b > 1)
+            {
+                return Err(corrupt(
+                    arr,
+                    chunk,
+                    format!("bool byte {b:#04x} is neither 0 nor 1"),
+                ));
+            }
             progress(n as u64);
             Ok(())
         })();
