@@ -553,16 +553,7 @@ fn lower_thread_priority() {
 
 /// The background writer's I/O threads.
 fn writer_pool(threads: usize, lower_priority: bool) -> Result<rayon::ThreadPool> {
-    let n = if threads == 0 {
-        std::thread::available_parallelism()
-            .map_or(2, std::num::NonZero::get)
-            .min(8)
-    } else {
-        threads
-    };
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .thread_name(|i| format!("zarrckpt-bg-io-{i}"))
+    crate::coord::pool_builder(threads, "bg-io")
         .start_handler(move |_| {
             if lower_priority {
                 lower_thread_priority();

@@ -14,9 +14,9 @@ use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
 /// Called with a number of bytes each time that many more bytes are done.
 pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
 
-/// The thread pool a rank does its file I/O in: `threads`, or the number of CPUs (at most 8)
-/// when 0.
-pub(crate) fn io_pool(threads: usize) -> Result<rayon::ThreadPool> {
+/// A builder of a pool of `threads` threads, or of the number of CPUs (at most 8) when 0,
+/// named `zarrckpt-<what>-<i>`.
+pub(crate) fn pool_builder(threads: usize, what: &'static str) -> rayon::ThreadPoolBuilder {
     let n = if threads == 0 {
         std::thread::available_parallelism()
             .map_or(2, std::num::NonZero::get)
@@ -26,7 +26,13 @@ pub(crate) fn io_pool(threads: usize) -> Result<rayon::ThreadPool> {
     };
     rayon::ThreadPoolBuilder::new()
         .num_threads(n)
-        .thread_name(|i| format!("zarrckpt-io-{i}"))
+        .thread_name(move |i| format!("zarrckpt-{what}-{i}"))
+}
+
+/// The thread pool a rank does its file I/O in: `threads`, or the number of CPUs (at most 8)
+/// when 0.
+pub(crate) fn io_pool(threads: usize) -> Result<rayon::ThreadPool> {
+    pool_builder(threads, "io")
         .build()
         .map_err(|e| Error::ThreadPool(e.to_string()))
 }

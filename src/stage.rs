@@ -235,17 +235,7 @@ pub fn fill(
 /// # Errors
 /// When the threads cannot be started.
 pub fn copy_pool(threads: usize) -> Result<rayon::ThreadPool, rayon::ThreadPoolBuildError> {
-    let n = if threads == 0 {
-        std::thread::available_parallelism()
-            .map_or(2, std::num::NonZero::get)
-            .min(8)
-    } else {
-        threads
-    };
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .thread_name(|i| format!("zarrckpt-stage-{i}"))
-        .build()
+    crate::coord::pool_builder(threads, "stage").build()
 }
 
 #[cfg(test)]

@@ -266,6 +266,18 @@ fn shard(dir: &Path, key: &str, path: &Path) -> Shard {
 }
 
 /// An index with a valid crc32c.
+/// The footer a shard of tensor `key` at `chunk` must carry when its subchunks are `subs`
+/// (each ending with its crc32c), for hand-made shards that should fail on something other
+/// than the footer.
+fn footer_for(dir: &Path, key: &str, chunk: &[u64], subs: &[&[u8]]) -> Vec<u8> {
+    let id = Checkpoint::open(dir).unwrap().meta().save_id.unwrap();
+    let crcs: Vec<u32> = subs
+        .iter()
+        .map(|s| u32::from_le_bytes(s[s.len() - 4..].try_into().unwrap()))
+        .collect();
+    zarrckpt::storage::footer::encode(id, &TensorKey::new(key).unwrap(), chunk, &crcs)
+}
+
 fn craft_index(entries: &[(u64, u64)]) -> Vec<u8> {
     let mut out: Vec<u8> = entries
         .iter()
@@ -1108,7 +1120,9 @@ fn zstd_frame_declaring_a_huge_size_is_an_error_not_an_abort() {
     sub.extend_from_slice(&crc32c::crc32c(&sub).to_le_bytes());
     let mut file = bytes[o0 as usize..(o0 + n0) as usize].to_vec();
     let entries = [(0, n0), (n0, sub.len() as u64)];
+    let footer = footer_for(&dir, "w", &[1, 0], &[&file, &sub]);
     file.extend_from_slice(&sub);
+    file.extend_from_slice(&footer);
     file.extend_from_slice(&craft_index(&entries));
     std::fs::write(&path, file).unwrap();
     let e = load_whole(&dir, "w").unwrap_err();
@@ -1145,7 +1159,15 @@ fn zstd_second_frame_declaring_a_huge_size_is_an_error_not_an_abort() {
     sub.extend_from_slice(&crc32c::crc32c(&sub).to_le_bytes());
     let mut file = bytes[..o1 as usize].to_vec();
     let entries = [sh.entries[0], (o1, sub.len() as u64)];
+    let (o0, n0) = sh.entries[0];
+    let footer = footer_for(
+        &dir,
+        "w",
+        &[1, 0],
+        &[&bytes[o0 as usize..(o0 + n0) as usize], &sub],
+    );
     file.extend_from_slice(&sub);
+    file.extend_from_slice(&footer);
     file.extend_from_slice(&craft_index(&entries));
     std::fs::write(&path, file).unwrap();
     let e = load_whole(&dir, "w").unwrap_err();

@@ -418,12 +418,24 @@ pub fn write_groups<'a>(
             p = g.parent();
         }
     }
-    for g in &groups {
+    write_group_documents(dir, &groups)
+}
+
+/// Writes the group document of each of `groups` (paths relative to `dir`), creating the
+/// directories, and makes them durable.
+///
+/// # Errors
+/// I/O errors naming the path.
+pub(crate) fn write_group_documents(
+    dir: &Path,
+    groups: &BTreeSet<PathBuf>,
+) -> Result<(), StorageError> {
+    for g in groups {
         let d = dir.join(g);
         create_dir_durable(&d)?;
         write_durable(&d.join("zarr.json"), &[GROUP_JSON])?;
     }
-    for g in &groups {
+    for g in groups {
         fsync_dir(&dir.join(g))?;
     }
     Ok(())

@@ -20,8 +20,6 @@ use crate::model::object::{Encoding, MAX_OBJECT_BYTES, MAX_OBJECT_SLOTS, ObjectS
 /// The group holding objects.
 pub const OBJECTS_GROUP: &str = "objects";
 
-const GROUP_JSON: &[u8] = br#"{"zarr_format":3,"node_type":"group","attributes":{}}"#;
-
 /// How an object is stored, in the index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -252,15 +250,7 @@ pub fn write_groups<'a>(
     if !any {
         return Ok(());
     }
-    for g in &groups {
-        let d = dir.join(g);
-        create_dir_durable(&d)?;
-        write_durable(&d.join("zarr.json"), &[GROUP_JSON])?;
-    }
-    for g in &groups {
-        fsync_dir(&dir.join(g))?;
-    }
-    Ok(())
+    super::commit::write_group_documents(dir, &groups)
 }
 
 /// Writes one value: its array's `zarr.json` and, unless it is empty, its one chunk file `c.0`
