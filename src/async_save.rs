@@ -30,8 +30,8 @@ use rayon::prelude::*;
 use crate::comm::Communicator;
 use crate::coord::agree;
 use crate::error::{Error, Result};
-use crate::model::ShardedTensor;
 use crate::model::copy::{byte_offset, is_contiguous};
+use crate::model::{ShardedTensor, StateObject};
 use crate::plan::cache::CachedPlan;
 use crate::plan::save::{RankTasks, SavePlan, Source};
 use crate::save::{self as steps, AgreedLayout, SaveOptions, SaveReport};
@@ -346,6 +346,34 @@ impl Saver {
         dir: &Path,
         opts: &SaveOptions,
     ) -> Result<SaveHandle> {
+        self.start(pieces, None, dir, opts)
+    }
+
+    /// [`Saver::save_async`] with objects (non-tensor state, as [`crate::save_with_objects`]):
+    /// they are copied during the call, so the caller may change them once it returns, and
+    /// agreed on and written in the background with the tensors, in the same commit. Every
+    /// rank calls it (or every rank [`Saver::save_async`]) for a given save.
+    ///
+    /// # Errors
+    /// As [`Saver::save_async`]; objects that do not agree across ranks fail the save on
+    /// every rank, from [`SaveHandle::wait`].
+    pub fn save_async_with_objects(
+        &mut self,
+        pieces: &[ShardedTensor<'_>],
+        objects: &[StateObject],
+        dir: &Path,
+        opts: &SaveOptions,
+    ) -> Result<SaveHandle> {
+        self.start(pieces, Some(objects.to_vec()), dir, opts)
+    }
+
+    fn start(
+        &mut self,
+        pieces: &[ShardedTensor<'_>],
+        objects: Option<Vec<StateObject>>,
+        dir: &Path,
+        opts: &SaveOptions,
+    ) -> Result<SaveHandle> {
         let t0 = Instant::now();
         self.settle()?;
         let threads = self.threads()?;
@@ -371,6 +399,7 @@ impl Saver {
             opts: opts.clone(),
             report: ReportParts::of(&agreed),
             lower_priority: self.opts.lower_priority,
+            objects,
         };
         let finisher = Finisher {
             job: Arc::clone(&job),
@@ -531,6 +560,8 @@ struct Background {
     opts: SaveOptions,
     report: ReportParts,
     lower_priority: bool,
+    /// The objects, copied when the save started; agreed on and written here.
+    objects: Option<Vec<StateObject>>,
 }
 
 /// The nice value of background writer threads with [`SaverOptions::lower_priority`].
@@ -569,17 +600,43 @@ impl Background {
             lower_thread_priority();
         }
         let comm = &*self.comm;
-        let prepared = match steps::prepare_directory(&self.dir, comm, &self.plan, None, &self.opts)
+        let objects = match self
+            .objects
+            .as_deref()
+            .map(|o| crate::objects::agree_on_objects(o, comm))
+            .transpose()
         {
+            Ok(o) => o,
+            Err(e) => {
+                drop(rx);
+                return Err(e);
+            }
+        };
+        let prepared = match steps::prepare_directory(
+            &self.dir,
+            comm,
+            &self.plan,
+            objects.as_ref(),
+            &self.opts,
+        ) {
             Ok(p) => p,
             Err(e) => {
                 drop(rx);
                 return Err(e);
             }
         };
-        let written = self.write_rounds(rx, &prepared);
+        let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
+        let written = self
+            .write_rounds(rx, &prepared)
+            .and_then(|(data, files)| match &objects {
+                Some(o) => Ok((
+                    data,
+                    files + crate::objects::write_values(prepared.dir(), rank, o)?,
+                )),
+                None => Ok((data, files)),
+            });
         let outcome = agree(comm, written).and_then(|totals| {
-            steps::commit_index(comm, &prepared, &self.plan, None, &self.opts)?;
+            steps::commit_index(comm, &prepared, &self.plan, objects.as_ref(), &self.opts)?;
             Ok(totals)
         });
         if outcome.is_err() {
@@ -594,7 +651,8 @@ impl Background {
             write_balance: self.plan.write_balance(),
             bytes_per_rank: self.plan.bytes_per_rank.clone(),
             plan_time: self.report.plan_time,
-            gathered_bytes: self.report.gathered_bytes,
+            gathered_bytes: self.report.gathered_bytes
+                + objects.as_ref().map_or(0, |o| o.gathered_bytes),
             plan_reused: self.report.plan_reused,
         })
     }

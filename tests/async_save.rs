@@ -390,3 +390,60 @@ fn over_tcp_the_background_owns_the_communicator_until_done() {
         check(&tmp.path().join(format!("tcp{step}")), step);
     }
 }
+
+/// Objects go with an asynchronous save: copied during the call (the caller may change them
+/// at once), agreed on and written in the background, committed with the tensors; a common
+/// value that differs between ranks fails the save on every rank and commits nothing.
+#[test]
+fn objects_are_saved_asynchronously_with_the_tensors() {
+    use zarrckpt::{ObjectSlot, ObjectValue, StateObject};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("objs");
+    run_local(3, TIMEOUT, |comm| {
+        let comm = shared(comm);
+        let rank = comm.rank() as u64;
+        let mut saver = Saver::new(Arc::clone(&comm));
+        let state = RankState::new(3, rank, 1);
+        let mut objects = vec![
+            StateObject::common("iteration", serde_json::json!(1000)).unwrap(),
+            StateObject::per_rank("rng", vec![rank as u8; 8]).unwrap(),
+        ];
+        let h = saver
+            .save_async_with_objects(&state.sharded(), &objects, &dir, &SaveOptions::default())
+            .unwrap();
+        // Training goes on: the caller's objects change at once.
+        objects[0] = StateObject::common("iteration", serde_json::json!(1001)).unwrap();
+        h.wait().unwrap();
+    });
+    check(&dir, 1);
+    let ck = Checkpoint::open(&dir).unwrap();
+    let key = |k: &str| TensorKey::new(k).unwrap();
+    assert_eq!(
+        ck.read_object(&key("iteration"), &ObjectSlot::Common)
+            .unwrap(),
+        ObjectValue::Json(serde_json::json!(1000))
+    );
+    for r in 0..3u64 {
+        assert_eq!(
+            ck.read_object(&key("rng"), &ObjectSlot::Rank(r)).unwrap(),
+            ObjectValue::Bytes(vec![r as u8; 8])
+        );
+    }
+
+    let bad = tmp.path().join("bad");
+    let results = run_local(3, TIMEOUT, |comm| {
+        let comm = shared(comm);
+        let rank = comm.rank() as u64;
+        let mut saver = Saver::new(Arc::clone(&comm));
+        let state = RankState::new(3, rank, 1);
+        let objects = [StateObject::common("iteration", serde_json::json!(rank)).unwrap()];
+        saver
+            .save_async_with_objects(&state.sharded(), &objects, &bad, &SaveOptions::default())
+            .and_then(zarrckpt::SaveHandle::wait)
+    });
+    for r in results {
+        let e = r.unwrap_err();
+        assert!(e.to_string().contains("iteration"), "{e}");
+    }
+    assert!(Checkpoint::open(&bad).is_err(), "nothing committed");
+}
