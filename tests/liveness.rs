@@ -123,6 +123,16 @@ struct Job {
     lines: mpsc::Receiver<(usize, String)>,
 }
 
+/// The tests of this file run one at a time: each starts many processes that open listeners
+/// on ephemeral ports, and a job's master port (picked free, then released) must not be taken
+/// by another test's processes in between, nor their timing disturbed by them.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -270,6 +280,7 @@ fn dead_rank_is_named(world: usize, victim: usize, sig: libc::c_int) {
 
 #[test]
 fn killed_rank_is_named_everywhere() {
+    let _serial = serial();
     dead_rank_is_named(5, 1, libc::SIGKILL);
     dead_rank_is_named(4, 0, libc::SIGKILL);
 }
@@ -277,6 +288,7 @@ fn killed_rank_is_named_everywhere() {
 /// A stopped process answers no heartbeats, like one whose host vanished or hung.
 #[test]
 fn stopped_rank_is_named_everywhere() {
+    let _serial = serial();
     dead_rank_is_named(5, 1, libc::SIGSTOP);
     dead_rank_is_named(5, 4, libc::SIGSTOP);
     dead_rank_is_named(3, 0, libc::SIGSTOP);
@@ -285,6 +297,7 @@ fn stopped_rank_is_named_everywhere() {
 /// Late by five times the timeout, in collectives: everyone succeeds.
 #[test]
 fn rank_five_timeouts_late_succeeds() {
+    let _serial = serial();
     let timeout = 1.0;
     for victim in [0, 3] {
         let job = start(
@@ -341,6 +354,7 @@ fn ok(o: &Output) -> String {
 /// timeout (a slow disk) complete, and the load checks every byte.
 #[test]
 fn save_and_load_with_a_stalled_rank_succeed() {
+    let _serial = serial();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ckpt");
     let stall = ["--stall-rank", "1", "--stall-secs", "5.5"];
@@ -412,6 +426,7 @@ fn scale(world: usize) -> (usize, Vec<String>) {
 /// 24 processes: descriptors per rank stay constant after setup, whatever the world size.
 #[test]
 fn many_processes_hold_few_descriptors() {
+    let _serial = serial();
     let (_, small) = scale(4);
     let (_, big) = scale(24);
     let max = |v: &[String], k: &str| v.iter().map(|l| figure(l, k)).max().unwrap();
