@@ -102,20 +102,20 @@ fn open_shard(
     shard: &ShardRead,
     counters: &ReadCounters,
 ) -> Result<(File, ShardIndex, FooterCrcs), StorageError> {
-    let (file, index, data_end, crcs) = open_shard_index(arr, geom, &shard.chunk, counters)?;
-    check_entries(arr, geom, shard, &index, data_end)?;
+    let (file, index, crcs) = open_shard_index(arr, geom, &shard.chunk, counters)?;
+    check_entries(arr, shard, &index)?;
     Ok((file, index, crcs))
 }
 
 /// Opens the shard at `chunk`, reads and decodes its index, checks its footer (format 1.1)
-/// and every entry of the index (spec section 7.2); also returns where the data ends (the
-/// footer's or the index's offset) and the footer's subchunk checksums.
+/// and every entry of the index (spec section 7.2); also returns the footer's subchunk
+/// checksums.
 fn open_shard_index(
     arr: &TensorArray,
     geom: &StoredGeometry,
     chunk: &[u64],
     counters: &ReadCounters,
-) -> Result<(File, ShardIndex, u64, FooterCrcs), StorageError> {
+) -> Result<(File, ShardIndex, FooterCrcs), StorageError> {
     let path = arr.chunk_path(chunk);
     let file = match File::open(&path) {
         Ok(f) => f,
@@ -158,49 +158,29 @@ fn open_shard_index(
         arr.uncompressed().then(|| geom.subchunk_bytes() + 4),
     )
     .map_err(|d| corrupt(arr, chunk, d))?;
-    Ok((file, index, data_end, crcs))
+    Ok((file, index, crcs))
 }
 
-/// Checks that the index has an entry for every subchunk `shard` needs and that each lies
-/// inside the data (`data_end` bytes) with the size the geometry requires.
+/// Checks that the index has an entry for every subchunk `shard` needs. (Bounds and sizes of
+/// every entry were checked when the index was read, by [`check_index_entries`].)
 fn check_entries(
     arr: &TensorArray,
-    geom: &StoredGeometry,
     shard: &ShardRead,
     index: &ShardIndex,
-    data_end: u64,
 ) -> Result<(), StorageError> {
-    let expected = geom.subchunk_bytes() + 4;
-    for s in &shard.subchunks {
-        let entry = usize::try_from(s.linear).ok().and_then(|i| index.get(i));
-        let Some(entry) = entry else {
-            return Err(corrupt(
-                arr,
-                &shard.chunk,
-                format!("index has no entry for subchunk {}", s.linear),
-            ));
-        };
-        if let Some((off, n)) = *entry {
-            if off.checked_add(n).is_none_or(|end| end > data_end) {
-                return Err(corrupt(
-                    arr,
-                    &shard.chunk,
-                    format!(
-                        "subchunk {} at {off}+{n} extends past the data ({data_end} bytes)",
-                        s.linear
-                    ),
-                ));
-            }
-            if arr.uncompressed() && n != expected {
-                return Err(corrupt(
-                    arr,
-                    &shard.chunk,
-                    format!("subchunk {} is {n} bytes, expected {expected}", s.linear),
-                ));
-            }
-        }
+    match shard.subchunks.iter().find(|s| {
+        usize::try_from(s.linear)
+            .ok()
+            .and_then(|i| index.get(i))
+            .is_none()
+    }) {
+        Some(s) => Err(corrupt(
+            arr,
+            &shard.chunk,
+            format!("index has no entry for subchunk {}", s.linear),
+        )),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Checks every present entry of a shard index (spec section 7.2, "Reading a shard"), used
@@ -1005,7 +985,7 @@ pub fn verify_shard(
     counters: &ReadCounters,
     progress: &dyn Fn(u64),
 ) -> Result<(), StorageError> {
-    let (file, index, data_end, footer) = open_shard_index(arr, geom, chunk, counters)?;
+    let (file, index, footer) = open_shard_index(arr, geom, chunk, counters)?;
     let footer = footer.as_deref();
     let nd = geom.chunk_shape.len();
     let per_shard: Vec<u64> = geom
@@ -1063,7 +1043,7 @@ pub fn verify_shard(
             buf.clear();
             buf.resize(n, 0);
             for shard in geom.reads_for(&part) {
-                check_entries(arr, geom, &shard, &index, data_end)?;
+                check_entries(arr, &shard, &index)?;
                 let dest = Dest::new(&mut buf[..], &part, geom.elem);
                 // SAFETY: this thread owns `buf`, and only this read writes it.
                 unsafe {
