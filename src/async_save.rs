@@ -33,6 +33,7 @@ use crate::error::{Error, Result};
 use crate::model::copy::{byte_offset, is_contiguous};
 use crate::model::{ShardedTensor, StateObject};
 use crate::plan::cache::CachedPlan;
+use crate::plan::ruled::RankPlan;
 use crate::plan::save::{RankTasks, SavePlan, Source};
 use crate::save::{self as steps, AgreedLayout, SaveOptions, SaveReport};
 use crate::stage::{self, ItemSource, Lease, StagingPool};
@@ -381,11 +382,11 @@ impl Saver {
         let rank = comm.rank();
         let agreed = steps::agree_on_layout_cached(pieces, &*comm, opts, &mut self.cache)?;
         let plan = Arc::clone(&agreed.plan);
-        let tasks = plan.tasks_for(u32::try_from(rank).unwrap_or(u32::MAX));
+        let tasks = plan.tasks.clone();
         // Unaligned parts travel now, from the caller's buffers, while the communicator is
         // still the caller's; what arrives is staged with the rest.
         let received = steps::exchange_unaligned(&*comm, &agreed, &tasks)?;
-        let items = stage_sources(&plan, &tasks, &agreed.local, &received);
+        let items = stage_sources(&plan.plan, &tasks, &agreed.local, &received);
         let sizes: Vec<usize> = items.iter().map(item_len).collect();
         let rounds = stage::pack(&sizes, self.pool.arena_cap());
 
@@ -539,6 +540,7 @@ struct ReportParts {
     plan_time: Duration,
     gathered_bytes: u64,
     plan_reused: bool,
+    balance: f64,
 }
 
 impl ReportParts {
@@ -547,6 +549,7 @@ impl ReportParts {
             plan_time: agreed.plan_time,
             gathered_bytes: agreed.gathered_bytes,
             plan_reused: agreed.reused,
+            balance: agreed.balance,
         }
     }
 }
@@ -555,7 +558,7 @@ impl ReportParts {
 struct Background {
     comm: Arc<dyn Communicator>,
     dir: PathBuf,
-    plan: Arc<SavePlan>,
+    plan: Arc<RankPlan>,
     tasks: RankTasks,
     opts: SaveOptions,
     report: ReportParts,
@@ -615,7 +618,7 @@ impl Background {
         let prepared = match steps::prepare_directory(
             &self.dir,
             comm,
-            &self.plan,
+            &self.plan.plan,
             objects.as_ref(),
             &self.opts,
         ) {
@@ -636,7 +639,13 @@ impl Background {
                 None => Ok((data, files)),
             });
         let outcome = agree(comm, written).and_then(|totals| {
-            steps::commit_index(comm, &prepared, &self.plan, objects.as_ref(), &self.opts)?;
+            steps::commit_index(
+                comm,
+                &prepared,
+                &self.plan.plan,
+                objects.as_ref(),
+                &self.opts,
+            )?;
             Ok(totals)
         });
         if outcome.is_err() {
@@ -644,12 +653,12 @@ impl Background {
         }
         let (data_bytes, file_bytes) = outcome?;
         Ok(SaveReport {
-            tensors: self.plan.tensors.len(),
+            tensors: self.plan.plan.tensors.len(),
             chunks_written: self.tasks.writes.len(),
             data_bytes,
             file_bytes,
-            write_balance: self.plan.write_balance(),
-            bytes_per_rank: self.plan.bytes_per_rank.clone(),
+            write_balance: self.report.balance,
+            assigned_bytes: self.plan.bytes,
             plan_time: self.report.plan_time,
             gathered_bytes: self.report.gathered_bytes
                 + objects.as_ref().map_or(0, |o| o.gathered_bytes),
@@ -664,7 +673,7 @@ impl Background {
         rx: Receiver<StagedRound>,
         prepared: &steps::Prepared,
     ) -> Result<(u64, u64)> {
-        let (plan, tasks, opts) = (&*self.plan, &self.tasks, &self.opts);
+        let (plan, tasks, opts) = (&self.plan.plan, &self.tasks, &self.opts);
         let arrays = steps::open_arrays(prepared.dir(), plan, tasks, opts, prepared.id)?;
         let pool = writer_pool(opts.io_threads, self.lower_priority)?;
         let dirs = pool.install(|| steps::write_array_documents(tasks, &arrays))?;

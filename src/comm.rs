@@ -106,6 +106,9 @@ pub enum CommError {
     },
 }
 
+/// How [`Communicator::all_reduce`] combines two partial results.
+pub type Merge<'a> = dyn Fn(&[u8], &[u8]) -> Result<Vec<u8>, String> + Sync + 'a;
+
 /// A buffer to send to a peer in [`Communicator::exchange`].
 #[derive(Debug, Clone, Copy)]
 pub struct SendBuf<'a> {
@@ -150,6 +153,31 @@ pub trait Communicator: Send + Sync {
     /// As [`Communicator::all_gather`].
     fn barrier(&self) -> Result<(), CommError> {
         self.all_gather(&[]).map(|_| ())
+    }
+
+    /// Every rank contributes bytes; the contributions are combined with `merge` and every
+    /// rank returns the combined value. `merge` must be associative and commutative (it is
+    /// called on partial results of disjoint sets of ranks, in an order the implementation
+    /// chooses); an error it returns fails the operation on every rank.
+    ///
+    /// The default gathers every contribution and folds them in rank order; [`TcpComm`]
+    /// combines them up its tree, so each rank receives at most a few combined values
+    /// whatever the world size.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_gather`]; a failed `merge` is a [`CommError::Mismatch`].
+    fn all_reduce(&self, data: &[u8], merge: &Merge<'_>) -> Result<Vec<u8>, CommError> {
+        let all = self.all_gather(data)?;
+        let mut it = all.into_iter().enumerate();
+        let mut acc = it.next().map(|(_, v)| v).unwrap_or_default();
+        for (r, v) in it {
+            acc = merge(&acc, &v).map_err(|e| CommError::Mismatch {
+                op: "all_reduce",
+                rank: self.rank(),
+                detail: format!("the contribution of rank {r} does not combine: {e}"),
+            })?;
+        }
+        Ok(acc)
     }
 
     /// Point-to-point transfer of large buffers. For every ordered pair of ranks, the sends of

@@ -8,8 +8,7 @@ use std::sync::Arc;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::model::{DType, Region, TensorKey};
-use crate::plan::LayoutDecodeError;
-use crate::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
+use crate::plan::layout::{PieceDecl, RankLayout, TensorDecl};
 
 /// Called with a number of bytes each time that many more bytes are done.
 pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
@@ -38,55 +37,59 @@ pub(crate) fn io_pool(threads: usize) -> Result<rayon::ThreadPool> {
 }
 
 /// Every rank reports its local outcome; everyone returns an error if anyone failed, so no
-/// rank proceeds to a step the others will not reach.
+/// rank proceeds to a step the others will not reach. One all-reduce that keeps the failure
+/// of the lowest failed rank: a few bytes per rank whatever the world size.
 pub(crate) fn agree<T>(comm: &dyn Communicator, local: Result<T>) -> Result<T> {
     let msg = match &local {
         Ok(_) => vec![0u8],
         Err(e) => {
             let mut v = vec![1u8];
+            v.extend_from_slice(&(comm.rank() as u64).to_le_bytes());
             v.extend_from_slice(e.to_string().as_bytes());
             v
         }
     };
-    let all = match comm.all_gather(&msg) {
+    let all = match comm.all_reduce(&msg, &first_failure) {
         Ok(all) => all,
         Err(e) => return Err(local.err().unwrap_or(Error::Comm(e))),
     };
     let v = local?;
-    for (rank, m) in all.iter().enumerate() {
-        if m.first() != Some(&0) {
-            let message = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
-            return Err(Error::RemoteFailure { rank, message });
-        }
+    match failure_of(&all) {
+        Some((rank, message)) => Err(Error::RemoteFailure { rank, message }),
+        None => Ok(v),
     }
-    Ok(v)
 }
 
-/// All-gathers layouts with de-duplication: a hash from every rank, then the description from
-/// the lowest rank of each distinct hash. Returns the global view and the bytes received.
-pub(crate) fn gather_layouts(
-    comm: &dyn Communicator,
-    layout: &RankLayout,
-) -> Result<(GatheredLayouts, u64)> {
-    let encoded = layout.encode();
-    let hash = RankLayout::hash_bytes(&encoded);
-    let hashes_raw = comm.all_gather(&hash)?;
-    let mut hashes = Vec::with_capacity(hashes_raw.len());
-    for (r, h) in hashes_raw.iter().enumerate() {
-        let h: [u8; 16] = h.as_slice().try_into().map_err(|_| {
-            Error::Layout(LayoutDecodeError {
-                rank: r,
-                at: 0,
-                reason: "layout hash is not 16 bytes".into(),
-            })
-        })?;
-        hashes.push(h);
+/// The failure an [`agree`] message reports: rank and message.
+fn failure_of(m: &[u8]) -> Option<(usize, String)> {
+    match m {
+        [0] => None,
+        [1, rest @ ..] if rest.len() >= 8 => {
+            let (r, msg) = rest.split_at(8);
+            let rank = u64::from_le_bytes(r.try_into().unwrap_or_default());
+            Some((
+                usize::try_from(rank).unwrap_or(usize::MAX),
+                String::from_utf8_lossy(msg).into_owned(),
+            ))
+        }
+        _ => Some((usize::MAX, "malformed outcome message".into())),
     }
-    let reps = GatheredLayouts::representatives(&hashes);
-    let mine: &[u8] = if reps[comm.rank()] { &encoded } else { &[] };
-    let blobs = comm.all_gather(mine)?;
-    let bytes = (hashes_raw.len() * 16 + blobs.iter().map(Vec::len).sum::<usize>()) as u64;
-    Ok((GatheredLayouts::from_parts(&hashes, &blobs)?, bytes))
+}
+
+/// Merge of [`agree`] messages: the failure of the lowest rank, if any.
+fn first_failure(a: &[u8], b: &[u8]) -> std::result::Result<Vec<u8>, String> {
+    let keep = match (failure_of(a), failure_of(b)) {
+        (None, None) | (Some(_), None) => a,
+        (None, Some(_)) => b,
+        (Some((ra, _)), Some((rb, _))) => {
+            if ra <= rb {
+                a
+            } else {
+                b
+            }
+        }
+    };
+    Ok(keep.to_vec())
 }
 
 /// One box a rank declares: a piece it holds (save) or a box it asks for (load).

@@ -8,13 +8,15 @@ use rayon::prelude::*;
 
 use crate::comm::Communicator;
 use crate::comm::{RecvBuf, SendBuf};
-use crate::coord::{BoxDecl, Progress, agree, gather_layouts, io_pool, rank_layout};
+use crate::coord::{BoxDecl, Progress, agree, io_pool, rank_layout};
 use crate::error::{Error, Result};
 use crate::model::copy::DisjointBuf;
 use crate::model::{LoadTarget, ObjectRequest, ObjectValue, Region, TensorKey};
 use crate::plan::exchange::{ExchangePlan, SharedRead};
-use crate::plan::layout::{GatheredLayouts, RankLayout};
+use crate::plan::layout::RankLayout;
 use crate::plan::load::{ShardRead, StoredGeometry};
+use crate::plan::rule::{Summary, Template, World};
+use crate::plan::ruled::plan_load;
 use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
 use crate::storage::{CheckpointMeta, TensorArray, commit};
 
@@ -148,19 +150,19 @@ fn request_layout(targets: &[LoadTarget<'_>], meta: &CheckpointMeta) -> Result<R
 fn check_requests(
     dir: &Path,
     meta: &CheckpointMeta,
-    g: &GatheredLayouts,
+    w: &World,
     me: usize,
     strict: StrictMode,
 ) -> Result<(Vec<TensorKey>, Vec<TensorKey>)> {
     let mut my_unexpected = Vec::new();
     let mut first_other: Option<(usize, Vec<TensorKey>)> = None;
     let mut requested: BTreeSet<&TensorKey> = BTreeSet::new();
-    for (u, layout) in g.unique.iter().enumerate() {
-        let ranks = &g.ranks[u];
-        let lowest = ranks.first().copied().unwrap_or(0) as usize;
-        let mine = g.of_rank[me] as usize == u;
+    let my_template = w.of_rank(me).map(|(t, _)| t);
+    for (u, template) in w.templates.iter().enumerate() {
+        let lowest = w.some_ranks(u).first().copied().unwrap_or(0) as usize;
+        let mine = my_template == Some(u);
         let mut unexpected = Vec::new();
-        for t in &layout.tensors {
+        for t in &template.tensors {
             requested.insert(&t.key);
             match meta.tensors.get(&t.key) {
                 None => unexpected.push(t.key.clone()),
@@ -237,6 +239,28 @@ fn check_requests(
         _ => {}
     }
     Ok((my_unexpected, missing))
+}
+
+/// The world's requests: this rank's described by rule, combined up the communicator's tree.
+fn requests_of_world(comm: &dyn Communicator, layout: &RankLayout) -> Result<World> {
+    let (template, coords) = Template::describe(layout);
+    let leaf = Summary::leaf(comm.rank() as u64, template.encode(), &coords).encode();
+    let combined = comm.all_reduce(&leaf, &Summary::merge_encoded)?;
+    let summary = Summary::decode(&combined, 0)?;
+    Ok(World::from_summary(&summary, comm.world_size())?)
+}
+
+/// The largest `v` over all ranks.
+fn max_over_ranks(comm: &dyn Communicator, v: u32) -> Result<u32> {
+    let m = comm.all_reduce(&v.to_le_bytes(), &|a, b| {
+        let get = |m: &[u8]| {
+            <[u8; 4]>::try_from(m)
+                .map(u32::from_le_bytes)
+                .map_err(|_| "malformed round count".to_owned())
+        };
+        Ok(get(a)?.max(get(b)?).to_le_bytes().to_vec())
+    })?;
+    Ok(<[u8; 4]>::try_from(m.as_slice()).map_or(0, u32::from_le_bytes))
 }
 
 /// Loads the requested boxes into the targets' buffers. Every rank of `comm` calls it with
@@ -322,8 +346,8 @@ fn load_boxes(
     let me = comm.rank();
     let me32 = u32::try_from(me).unwrap_or(u32::MAX);
     let layout = agree(comm, request_layout(targets, meta))?;
-    let (gathered, _) = gather_layouts(comm, &layout)?;
-    let (mut unexpected, mut missing) = check_requests(dir, meta, &gathered, me, opts.strict)?;
+    let world = requests_of_world(comm, &layout)?;
+    let (mut unexpected, mut missing) = check_requests(dir, meta, &world, me, opts.strict)?;
     let object_values = match objects {
         Some(requests) => {
             let o = crate::objects::load_objects(dir, meta, requests, comm, opts.strict)?;
@@ -333,10 +357,12 @@ fn load_boxes(
         }
         None => Vec::new(),
     };
-    let plan = if opts.exchange && comm.world_size() > 1 {
-        ExchangePlan::build(&gathered, |key| stored_geometry(meta, key))
+    let (plan, group_rounds) = if opts.exchange && comm.world_size() > 1 {
+        let geometry = |key: &TensorKey| stored_geometry(meta, key);
+        let (plan, mine) = plan_load(&world, me32, &geometry, ROUND_BYTES)?;
+        (plan, max_over_ranks(comm, mine)?)
     } else {
-        ExchangePlan::default()
+        (ExchangePlan::default(), 0)
     };
     let loaded: u64 = targets
         .iter()
@@ -369,10 +395,10 @@ fn load_boxes(
     });
     agree(comm, local)?;
 
-    let (sent, received) = if plan.reads.is_empty() {
+    let (sent, received) = if group_rounds == 0 && plan.general_rounds == 0 {
         (0, 0)
     } else {
-        let shared = exchange_shared(comm, &plan, me32, &first_target, &dests, opts);
+        let shared = exchange_shared(comm, &plan, group_rounds, me32, &first_target, &dests, opts);
         agree(comm, shared)?
     };
     let mut report = LoadReport {
@@ -562,14 +588,20 @@ const ROUND_BYTES: u64 = 32 << 20;
 fn exchange_shared(
     comm: &dyn Communicator,
     plan: &ExchangePlan,
+    group_rounds: u32,
     me: u32,
     first_target: &HashMap<usize, usize>,
     dests: &[DisjointBuf<'_>],
     opts: &LoadOptions,
 ) -> Result<(u64, u64)> {
     let (mut sent, mut received) = (0u64, 0u64);
-    for round in plan.rounds(ROUND_BYTES) {
-        let reads: Vec<(usize, &SharedRead)> = round.map(|u| (u, &plan.reads[u])).collect();
+    let groups = (0..group_rounds).map(|r| (0..plan.general_from, r));
+    let general = (0..plan.general_rounds).map(|r| (plan.general_from..plan.reads.len(), r));
+    for (range, round) in groups.chain(general) {
+        let reads: Vec<(usize, &SharedRead)> = range
+            .filter(|&u| plan.round[u] == round)
+            .map(|u| (u, &plan.reads[u]))
+            .collect();
         // Sends: straight from this rank's buffer when the box is contiguous there.
         let mut packed: Vec<(usize, Vec<u8>)> = Vec::new();
         for &(u, r) in &reads {

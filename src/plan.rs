@@ -7,6 +7,8 @@ pub mod grid;
 pub mod layout;
 pub mod load;
 pub mod objects;
+pub mod rule;
+pub mod ruled;
 pub mod save;
 
 pub use grid::GridOptions;

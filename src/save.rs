@@ -9,14 +9,16 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use crate::comm::{Communicator, RecvBuf, SendBuf};
-use crate::coord::{BoxDecl, agree, gather_layouts, io_pool, rank_layout};
+use crate::coord::{BoxDecl, agree, io_pool, rank_layout};
 use crate::error::{Error, Result};
 use crate::model::copy::copy_region;
 use crate::model::{Region, ShardedTensor, StateObject, TensorKey};
 use crate::objects::AgreedObjects;
 use crate::plan::GridOptions;
-use crate::plan::cache::{self, CachedPlan, CheckOutcome};
-use crate::plan::layout::{GatheredLayouts, RankLayout};
+use crate::plan::cache::{self, CachedPlan};
+use crate::plan::layout::RankLayout;
+use crate::plan::rule::{Summary, Template, World};
+use crate::plan::ruled::{RankPlan, plan_save};
 use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan};
 use crate::storage::commit::{SaveLock, Target};
 use crate::storage::footer::SaveId;
@@ -82,13 +84,14 @@ pub struct SaveReport {
     pub data_bytes: u64,
     /// Bytes this rank wrote to files (encoded shards and metadata).
     pub file_bytes: u64,
-    /// Tensor bytes each rank was assigned to write.
-    pub bytes_per_rank: Vec<u64>,
-    /// Largest assigned bytes over the mean (1.0 is perfect balance).
+    /// Tensor bytes this rank was assigned to write.
+    pub assigned_bytes: u64,
+    /// Largest assigned bytes of a rank over the mean (1.0 is perfect balance).
     pub write_balance: f64,
-    /// Time spent gathering layouts and planning.
+    /// Time spent agreeing on the layout and planning.
     pub plan_time: Duration,
-    /// Bytes this rank received in the layout all-gathers.
+    /// Size of the world's layout description this rank received (the all-reduce's result),
+    /// plus the objects' declarations.
     pub gathered_bytes: u64,
     /// True when the ranks found the structure unchanged since the last save of the same
     /// [`crate::Saver`] and reused its plan after a constant-size check.
@@ -418,15 +421,14 @@ pub(crate) fn save_agreed(
     agreed: &AgreedLayout<'_, '_>,
     objects: Option<&AgreedObjects<'_>>,
 ) -> Result<SaveReport> {
-    let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
-    let tasks = agreed.plan.tasks_for(rank);
-    let prepared = prepare_directory(dir, comm, &agreed.plan, objects, opts)?;
-    let outcome = write_and_commit(comm, &prepared, agreed, &tasks, objects, opts);
+    let tasks = &agreed.plan.tasks;
+    let prepared = prepare_directory(dir, comm, &agreed.plan.plan, objects, opts)?;
+    let outcome = write_and_commit(comm, &prepared, agreed, tasks, objects, opts);
     if outcome.is_err() {
         prepared.abandon();
     }
     let (data_bytes, file_bytes) = outcome?;
-    Ok(agreed.report(&tasks, data_bytes, file_bytes))
+    Ok(agreed.report(tasks, data_bytes, file_bytes))
 }
 
 /// Steps 3 to 5 into a prepared target. Returns (tensor bytes, file bytes) this rank wrote.
@@ -443,7 +445,7 @@ fn write_and_commit(
     let received = exchange_unaligned(comm, agreed, tasks)?;
     let written = write_files(
         dir,
-        &agreed.plan,
+        &agreed.plan.plan,
         tasks,
         &agreed.local,
         &received,
@@ -455,16 +457,18 @@ fn write_and_commit(
         None => Ok((data, files)),
     });
     let (data_bytes, file_bytes) = agree(comm, written)?;
-    commit_index(comm, prepared, &agreed.plan, objects, opts)?;
+    commit_index(comm, prepared, &agreed.plan.plan, objects, opts)?;
     Ok((data_bytes, file_bytes))
 }
 
-/// The global save plan every rank computed from the gathered layouts, and this rank's pieces.
+/// This rank's share of the plan the ranks agreed on, and this rank's pieces.
 pub(crate) struct AgreedLayout<'p, 'a> {
-    pub(crate) plan: Arc<SavePlan>,
+    pub(crate) plan: Arc<RankPlan>,
     pub(crate) local: PieceIndex<'p, 'a>,
     pub(crate) plan_time: Duration,
     pub(crate) gathered_bytes: u64,
+    /// Largest assigned bytes of a rank over the mean.
+    pub(crate) balance: f64,
     /// The plan of the previous save, found unchanged on every rank.
     pub(crate) reused: bool,
 }
@@ -473,12 +477,12 @@ impl AgreedLayout<'_, '_> {
     /// The report of a save of this plan that wrote `tasks`.
     pub(crate) fn report(&self, tasks: &RankTasks, data_bytes: u64, file_bytes: u64) -> SaveReport {
         SaveReport {
-            tensors: self.plan.tensors.len(),
+            tensors: self.plan.plan.tensors.len(),
             chunks_written: tasks.writes.len(),
             data_bytes,
             file_bytes,
-            write_balance: self.plan.write_balance(),
-            bytes_per_rank: self.plan.bytes_per_rank.clone(),
+            assigned_bytes: self.plan.bytes,
+            write_balance: self.balance,
             plan_time: self.plan_time,
             gathered_bytes: self.gathered_bytes,
             plan_reused: self.reused,
@@ -493,8 +497,61 @@ fn plan_options(opts: &SaveOptions) -> SavePlanOptions {
     }
 }
 
-/// Step 1: every rank describes its pieces, the descriptions are gathered (de-duplicated) and
-/// every rank builds and validates the same global plan.
+/// A rank's description: its template and coordinates, encoded as a one-rank summary, and
+/// the hash of that.
+fn own_description(comm: &dyn Communicator, layout: &RankLayout) -> (Vec<u8>, [u8; 16]) {
+    let (template, coords) = Template::describe(layout);
+    let leaf = Summary::leaf(comm.rank() as u64, template.encode(), &coords).encode();
+    let hash = RankLayout::hash_bytes(&leaf);
+    (leaf, hash)
+}
+
+/// The world's description, combined up the communicator's tree, and this rank's plan from
+/// it. Returns the plan, the description's digest and size, and the write balance.
+fn plan_from_world(
+    comm: &dyn Communicator,
+    leaf: &[u8],
+    plan_opts: &SavePlanOptions,
+) -> Result<(RankPlan, [u8; 16], u64, f64)> {
+    let combined = comm.all_reduce(leaf, &Summary::merge_encoded)?;
+    let summary = Summary::decode(&combined, 0)?;
+    let world = World::from_summary(&summary, comm.world_size())?;
+    let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
+    let plan = plan_save(&world, rank, plan_opts)?;
+    let digest = cache::world_digest(comm.world_size(), plan_opts, &combined);
+    let balance = write_balance(comm, plan.bytes)?;
+    Ok((plan, digest, combined.len() as u64, balance))
+}
+
+/// The largest bytes assigned to a rank over the mean, from one all-reduce of (max, sum).
+fn write_balance(comm: &dyn Communicator, bytes: u64) -> Result<f64> {
+    let mut msg = bytes.to_le_bytes().to_vec();
+    msg.extend_from_slice(&bytes.to_le_bytes());
+    let both = comm.all_reduce(&msg, &|a, b| {
+        let get = |m: &[u8], i: usize| {
+            m.get(i * 8..i * 8 + 8)
+                .and_then(|x| <[u8; 8]>::try_from(x).ok())
+                .map(u64::from_le_bytes)
+                .ok_or_else(|| "malformed balance message".to_owned())
+        };
+        let (max, sum) = (
+            get(a, 0)?.max(get(b, 0)?),
+            get(a, 1)?.saturating_add(get(b, 1)?),
+        );
+        Ok([max.to_le_bytes(), sum.to_le_bytes()].concat())
+    })?;
+    let max = u64::from_le_bytes(both[..8].try_into().unwrap_or_default());
+    let sum = u64::from_le_bytes(both[8..16].try_into().unwrap_or_default());
+    Ok(if sum == 0 {
+        1.0
+    } else {
+        max as f64 / (sum as f64 / comm.world_size().max(1) as f64)
+    })
+}
+
+/// Step 1: every rank describes its pieces by rule, the descriptions are combined up the
+/// communicator's tree (an all-reduce whose result grows with the distinct rules, not the
+/// world), and every rank validates the same world and derives its own part of the plan.
 fn agree_on_layout<'p, 'a>(
     pieces: &'p [ShardedTensor<'a>],
     comm: &dyn Communicator,
@@ -502,13 +559,14 @@ fn agree_on_layout<'p, 'a>(
 ) -> Result<AgreedLayout<'p, 'a>> {
     let t0 = Instant::now();
     let (layout, local) = agree(comm, local_layout(pieces))?;
-    let (gathered, gathered_bytes) = gather_layouts(comm, &layout)?;
-    let plan = SavePlan::build(&gathered, &plan_options(opts))?;
+    let (leaf, _) = own_description(comm, &layout);
+    let (plan, _, gathered_bytes, balance) = plan_from_world(comm, &leaf, &plan_options(opts))?;
     Ok(AgreedLayout {
         plan: Arc::new(plan),
         local,
         plan_time: t0.elapsed(),
         gathered_bytes,
+        balance,
         reused: false,
     })
 }
@@ -516,13 +574,11 @@ fn agree_on_layout<'p, 'a>(
 /// Step 1 of a [`crate::Saver`]'s saves: as [`agree_on_layout`], reusing `cached` (the plan
 /// of its previous save, if any) when no rank's structure changed.
 ///
-/// One all-gather of a fixed-size message per rank (a status byte, then
-/// [`cache::CHECK_LEN`] bytes: the digest of the plan offered for reuse and the hash of the
-/// rank's layout) carries local errors and the check. When something changed, or there is no
-/// plan to reuse, the layout hashes it delivered are the first round of the full agreement: the
-/// lowest rank of each distinct hash then sends its description, and every rank builds and
-/// validates the same global plan, which replaces `cached`. A plan that did not validate
-/// replaces nothing.
+/// After local errors are agreed on, one all-reduce of a constant-size message
+/// ([`cache::CHECK_LEN`] bytes: whether the rank's own description is the one its plan was
+/// built from, and that plan's digest) decides. When something changed, or there is no plan to
+/// reuse, the ranks agree in full and the new plan replaces `cached`. A plan that did not
+/// validate replaces nothing.
 pub(crate) fn agree_on_layout_cached<'p, 'a>(
     pieces: &'p [ShardedTensor<'a>],
     comm: &dyn Communicator,
@@ -534,39 +590,26 @@ pub(crate) fn agree_on_layout_cached<'p, 'a>(
     let offered = cached
         .as_ref()
         .filter(|c| c.fits(comm.world_size(), &plan_opts));
-    let local = local_layout(pieces).map(|(layout, index)| {
-        let encoded = layout.encode();
-        let hash = RankLayout::hash_bytes(&encoded);
-        (encoded, hash, index)
-    });
-    let msg = match &local {
-        Ok((_, hash, _)) => [&[0u8][..], &cache::check_message(offered, *hash)].concat(),
-        Err(e) => [&[1u8][..], e.to_string().as_bytes()].concat(),
-    };
-    let all = match comm.all_gather(&msg) {
-        Ok(all) => all,
-        Err(e) => return Err(local.err().unwrap_or(Error::Comm(e))),
-    };
-    let (encoded, _, local) = local?;
-    for (rank, m) in all.iter().enumerate() {
-        if m.first() != Some(&0) {
-            let message = String::from_utf8_lossy(m.get(1..).unwrap_or_default()).into_owned();
-            return Err(Error::RemoteFailure { rank, message });
-        }
-    }
-    let mut gathered_bytes = all.iter().map(|m| m.len() as u64).sum::<u64>();
-    let checks: Vec<&[u8]> = all.iter().map(|m| &m[1..]).collect();
-    let (plan, reused) = match cache::decide(offered, &checks)? {
-        CheckOutcome::Unchanged(c) => (Arc::clone(c.plan()), true),
-        CheckOutcome::Changed { hashes } => {
-            let reps = GatheredLayouts::representatives(&hashes);
-            let mine: &[u8] = if reps[comm.rank()] { &encoded } else { &[] };
-            let blobs = comm.all_gather(mine)?;
-            gathered_bytes += blobs.iter().map(|b| b.len() as u64).sum::<u64>();
-            let gathered = GatheredLayouts::from_parts(&hashes, &blobs)?;
-            let plan = Arc::new(SavePlan::build(&gathered, &plan_opts)?);
-            *cached = Some(CachedPlan::new(plan_opts, hashes, Arc::clone(&plan)));
-            (plan, false)
+    let (layout, local) = agree(comm, local_layout(pieces))?;
+    let (leaf, own) = own_description(comm, &layout);
+    let check = cache::check_message(offered, own);
+    let reduced = comm.all_reduce(&check, &cache::merge_checks)?;
+    let mut gathered_bytes = reduced.len() as u64;
+    let (plan, balance, reused) = match cache::reusable(offered, &reduced) {
+        Some(c) => (Arc::clone(c.plan()), c.balance(), true),
+        None => {
+            let (plan, digest, bytes, balance) = plan_from_world(comm, &leaf, &plan_opts)?;
+            gathered_bytes += bytes;
+            let plan = Arc::new(plan);
+            *cached = Some(CachedPlan::new(
+                comm.world_size(),
+                plan_opts,
+                own,
+                digest,
+                Arc::clone(&plan),
+                balance,
+            ));
+            (plan, balance, false)
         }
     };
     Ok(AgreedLayout {
@@ -574,6 +617,7 @@ pub(crate) fn agree_on_layout_cached<'p, 'a>(
         local,
         plan_time: t0.elapsed(),
         gathered_bytes,
+        balance,
         reused,
     })
 }
@@ -612,14 +656,14 @@ pub(crate) fn exchange_unaligned(
     agreed: &AgreedLayout<'_, '_>,
     tasks: &RankTasks,
 ) -> Result<Vec<Vec<Vec<u8>>>> {
-    if agreed.plan.tensors.iter().all(|t| t.aligned) {
+    if agreed.plan.plan.tensors.iter().all(|t| t.aligned) {
         return Ok(vec![Vec::new(); tasks.writes.len()]);
     }
     // Agreed on, so that a rank whose exchange failed cannot fall out of step with the
     // others' next collective.
     agree(
         comm,
-        exchange_parts(comm, &agreed.plan, tasks, &agreed.local),
+        exchange_parts(comm, &agreed.plan.plan, tasks, &agreed.local),
     )
 }
 

@@ -10,11 +10,12 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use zarrckpt::comm::{CommError, RecvBuf, SendBuf, run_local};
+use zarrckpt::comm::{CommError, Merge, RecvBuf, SendBuf, run_local};
 use zarrckpt::model::copy::copy_region;
 use zarrckpt::model::key::{MAX_KEY_BYTES, check_collisions};
 use zarrckpt::model::{KeyError, RegionError, TensorError};
 use zarrckpt::plan::PlanError;
+use zarrckpt::plan::rule::{Summary, Template};
 use zarrckpt::storage::StorageError;
 use zarrckpt::{
     Checkpoint, Communicator, DType, Error, LoadOptions, LoadReport, LoadTarget, LocalComm, Region,
@@ -1727,6 +1728,26 @@ impl Communicator for Faulty {
             .ok_or_else(|| self.gone("all_gather"))?
             .all_gather(&data)
     }
+    fn all_reduce(&self, data: &[u8], merge: &Merge<'_>) -> Result<Vec<u8>, CommError> {
+        let mut g = self.inner.lock().unwrap();
+        let mut data = data.to_vec();
+        // Outcome agreements send a single 0 byte when the rank is fine.
+        if data == [0] && self.seen.fetch_add(1, Ordering::SeqCst) + 1 == self.at {
+            match self.fault {
+                Fault::Report => {
+                    data = vec![1];
+                    data.extend_from_slice(&(self.rank as u64).to_le_bytes());
+                    data.extend_from_slice(b"injected failure while writing");
+                }
+                Fault::Die => {
+                    drop(g.take());
+                }
+            }
+        }
+        g.as_ref()
+            .ok_or_else(|| self.gone("all_reduce"))?
+            .all_reduce(&data, merge)
+    }
     fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
         self.inner
             .lock()
@@ -1935,8 +1956,7 @@ fn a_rank_dying_mid_load_fails_the_others() {
 /// as a rank running another version of the library, or a corrupting transport, would.
 struct Tamper {
     inner: LocalComm,
-    /// Replacement for the 16-byte hash message, and for the description itself.
-    hash: Option<Vec<u8>>,
+    /// Replacement for the rank's description of its layout (a one-rank summary).
     blob: Vec<u8>,
 }
 
@@ -1948,15 +1968,13 @@ impl Communicator for Tamper {
         self.inner.world_size()
     }
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        if data.len() == 16
-            && let Some(h) = &self.hash
-        {
-            return self.inner.all_gather(h);
-        }
-        if data.starts_with(b"ZCKL1") {
-            return self.inner.all_gather(&self.blob);
-        }
         self.inner.all_gather(data)
+    }
+    fn all_reduce(&self, data: &[u8], merge: &Merge<'_>) -> Result<Vec<u8>, CommError> {
+        if data.starts_with(b"ZCKS1") {
+            return self.inner.all_reduce(&self.blob, merge);
+        }
+        self.inner.all_reduce(data, merge)
     }
     fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
         self.inner.broadcast(root, data)
@@ -1969,18 +1987,13 @@ impl Communicator for Tamper {
     }
 }
 
-fn save_tampered(
-    dir: &Path,
-    hash: Option<Vec<u8>>,
-    blob: Vec<u8>,
-) -> Vec<zarrckpt::Result<SaveReport>> {
+fn save_tampered(dir: &Path, blob: Vec<u8>) -> Vec<zarrckpt::Result<SaveReport>> {
     let f = standard(2);
     run_local(2, T, |comm| {
         let pieces = f(comm.rank());
         if comm.rank() == 1 {
             let c = Tamper {
                 inner: comm,
-                hash: hash.clone(),
                 blob: blob.clone(),
             };
             save_with(dir, &c, &SaveOptions::default(), &pieces)
@@ -1994,20 +2007,22 @@ fn save_tampered(
 fn malformed_layout_from_a_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");
-    // Bytes that do not match the hash the rank announced.
-    let res = save_tampered(&dir, None, b"ZCKL1\x00\x00".to_vec());
+    // A template that does not match the hash it travels with.
+    let mut blob = Summary::leaf(1, b"ZCKT1\x00\x00\x00".to_vec(), &[]).encode();
+    let at = b"ZCKS1".len() + 1;
+    blob[at] ^= 0xff;
+    let res = save_tampered(&dir, blob);
     for r in &res {
         let e = r.as_ref().unwrap_err();
         assert!(
-            matches!(e, Error::Layout(l) if l.rank == 1 && l.reason.contains("hash")),
+            matches!(e, Error::Comm(CommError::Mismatch { detail, .. }) if detail.contains("hash")),
             "{e:?}"
         );
-        has(&e.to_string(), &["rank 1"]);
+        has(&e.to_string(), &["rank 1", "hash"]);
     }
-    // Consistent hash, undecodable description: names the rank and the byte.
-    let blob = b"ZCKL1\x01\x02../x\x0b\x00\x00".to_vec();
-    let hash = zarrckpt::plan::RankLayout::hash_bytes(&blob).to_vec();
-    let res = save_tampered(&dir, Some(hash), blob);
+    // A well-framed description whose template is malformed: names the rank and the byte.
+    let blob = Summary::leaf(1, b"ZCKT1\x01\x04../x\x0b\x00\x00\x00".to_vec(), &[]).encode();
+    let res = save_tampered(&dir, blob);
     for r in &res {
         let e = r.as_ref().unwrap_err();
         assert!(
@@ -2016,11 +2031,21 @@ fn malformed_layout_from_a_rank() {
         );
         has(&e.to_string(), &["rank 1", "byte"]);
     }
-    // A hash of the wrong length.
-    let res = save_tampered(&dir, Some(vec![1, 2, 3]), Vec::new());
+    // A rank claiming to be another one.
+    let (t, c) = Template::describe(&zarrckpt::plan::RankLayout::default());
+    let res = save_tampered(&dir, Summary::leaf(0, t.encode(), &c).encode());
     for r in &res {
         let e = r.as_ref().unwrap_err();
-        assert!(matches!(e, Error::Layout(l) if l.rank == 1), "{e:?}");
+        assert!(
+            matches!(e, Error::Comm(CommError::Mismatch { detail, .. }) if detail.contains("rank 0 described twice")),
+            "{e:?}"
+        );
+    }
+    // Garbage.
+    let res = save_tampered(&dir, b"ZCKS1\xff\xff\xff".to_vec());
+    for r in &res {
+        let e = r.as_ref().unwrap_err();
+        has(&e.to_string(), &["rank 1"]);
     }
     assert!(!dir.exists());
 }

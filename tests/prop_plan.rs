@@ -874,3 +874,94 @@ fn identical_empty_main_pieces_do_not_overlap() {
         2
     );
 }
+
+/// Every rank's own plan from the world's rule-based description (combined in a tree, as the
+/// communicator does), for a case.
+#[allow(clippy::result_large_err)] // PlanError is the library's type
+fn ruled_plans(
+    layouts: &[RankLayout],
+    opts: &SavePlanOptions,
+) -> Result<Vec<zarrckpt::plan::ruled::RankPlan>, PlanError> {
+    use zarrckpt::plan::rule::{Summary, Template, World};
+    let leaves: Vec<Summary> = layouts
+        .iter()
+        .enumerate()
+        .map(|(r, l)| {
+            let (t, c) = Template::describe(l);
+            prop_assert_eq!(
+                &t.instantiate(&c, r).unwrap(),
+                l,
+                "rank {} does not round-trip",
+                r
+            );
+            Ok(Summary::leaf(r as u64, t.encode(), &c))
+        })
+        .collect::<Result<_, TestCaseError>>()
+        .unwrap();
+    fn heap(leaves: &[Summary], i: usize) -> Summary {
+        let mut s = leaves[i].clone();
+        for c in [2 * i + 1, 2 * i + 2] {
+            if c < leaves.len() {
+                s = s.merge(&heap(leaves, c)).unwrap();
+            }
+        }
+        s
+    }
+    let s = Summary::decode(&heap(&leaves, 0).encode(), 0).unwrap();
+    let w = World::from_summary(&s, layouts.len()).unwrap();
+    (0..layouts.len() as u32)
+        .map(|r| zarrckpt::plan::ruled::plan_save(&w, r, opts))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(config(192))]
+
+    /// The rule-based planner (what a save runs) accepts exactly the layouts the general one
+    /// accepts, chooses the same grids, and its ranks together write every chunk exactly once,
+    /// each from a piece the writer holds, and every array document once.
+    #[test]
+    fn rule_plans_agree_with_the_general_plan(case in g::save_case(g::PLAN, 1), opts in plan_options()) {
+        let layouts = case.layouts();
+        let general = build(&layouts, &opts);
+        let ruled = ruled_plans(&layouts, &opts);
+        let (general, ruled) = match (general, ruled) {
+            (Ok(g), Ok(r)) => (g, r),
+            (Err(_), Err(_)) => return Ok(()),
+            (g, r) => {
+                return Err(TestCaseError::fail(format!(
+                    "general {:?} but rule-based {:?}",
+                    g.err(),
+                    r.err()
+                )))
+            }
+        };
+        let held = held_pieces(&layouts);
+        for (ti, tp) in general.tensors.iter().enumerate() {
+            for (r, rp) in ruled.iter().enumerate() {
+                let t = &rp.plan.tensors[ti];
+                prop_assert_eq!(&t.key, &tp.key);
+                prop_assert_eq!(&t.chunk_shape, &tp.chunk_shape, "{} on rank {}", tp.key, r);
+                prop_assert_eq!(&t.subchunk_shape, &tp.subchunk_shape, "{}", tp.key);
+                prop_assert_eq!(t.aligned, tp.aligned, "{}", tp.key);
+            }
+            let mut written: HashMap<Vec<u64>, u32> = HashMap::new();
+            let mut elements = 0u64;
+            let mut documents = 0;
+            for (r, rp) in ruled.iter().enumerate() {
+                documents += rp.tasks.metadata.iter().filter(|&&m| m == ti).count();
+                for w in rp.tasks.writes.iter().filter(|w| w.tensor == ti) {
+                    prop_assert!(written.insert(w.chunk.clone(), r as u32).is_none(), "{} chunk {:?} written twice", tp.key, w.chunk);
+                    elements += numel(&w.region.shape);
+                    for p in &w.parts {
+                        if let Source::Local(piece) = &p.source {
+                            prop_assert!(held.contains(&(r as u32, tp.key.to_string(), piece.clone())), "rank {} writes {} from {} it does not hold", r, tp.key, piece);
+                        }
+                    }
+                }
+            }
+            prop_assert_eq!(elements, numel(&tp.global_shape), "{}: elements written", tp.key);
+            prop_assert_eq!(documents, 1, "{}: array documents", tp.key);
+        }
+    }
+}

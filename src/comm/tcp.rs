@@ -86,7 +86,7 @@ use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::{CommError, Communicator, RecvBuf, SendBuf};
+use super::{CommError, Communicator, Merge, RecvBuf, SendBuf};
 pub use config::TcpConfig;
 use engine::{OpCtx, Step, Target};
 use frame::{Failure, Header, Kind, MAX_CONTROL_LEN, Op};
@@ -400,7 +400,7 @@ impl TcpComm {
             // rank 0 sends it twice rather than to every rank.
             let full = inner.table.full.take();
             let at_root = full.is_some();
-            let got = c.up_down(inner, ctx, full.unwrap_or_default(), false)?;
+            let got = c.up_down(inner, ctx, full.unwrap_or_default(), Combine::Nothing)?;
             if !at_root {
                 if got.len() as u64 > setup::table_cap(c.world) {
                     return Err(Failure::too_large(
@@ -538,14 +538,14 @@ impl TcpComm {
         )
     }
 
-    /// Sends `mine` (plus, when `concat`, the children's contributions) up the tree and returns
-    /// what comes back down from rank 0: the concatenation of everything, or rank 0's value.
+    /// Sends `mine`, combined with the children's contributions, up the tree and returns what
+    /// comes back down from rank 0: the combination of everything (or rank 0's value).
     fn up_down(
         &self,
         inner: &mut Inner,
         ctx: &mut OpCtx,
         mine: Vec<u8>,
-        concat: bool,
+        combine: Combine<'_>,
     ) -> Result<Vec<u8>, Failure> {
         let parent = self.parent();
         let children = self.children();
@@ -566,10 +566,19 @@ impl TcpComm {
                     involved: all.clone(),
                 },
             )?;
-            if concat {
-                for t in got {
-                    if let Target::Alloc { buf, .. } = t {
-                        up.extend_from_slice(&buf);
+            for (t, &child) in got.into_iter().zip(&children) {
+                if let Target::Alloc { buf, .. } = t {
+                    match combine {
+                        Combine::Nothing => {}
+                        Combine::Concat => up.extend_from_slice(&buf),
+                        Combine::Merge(merge) => {
+                            up = merge(&up, &buf).map_err(|e| {
+                                let detail = format!(
+                                    "what rank {child} sent (its subtree's contributions) does not combine: {e}"
+                                );
+                                Failure::mismatch(self.rank, detail)
+                            })?;
+                        }
                     }
                 }
             }
@@ -752,6 +761,17 @@ impl Drop for TcpComm {
     }
 }
 
+/// How [`TcpComm::up_down`] combines the contributions travelling up the tree.
+#[derive(Clone, Copy)]
+enum Combine<'a> {
+    /// Keeps this rank's own (a barrier: nothing travels).
+    Nothing,
+    /// Appends the children's contributions (an all-gather).
+    Concat,
+    /// Merges them (an all-reduce).
+    Merge(&'a Merge<'a>),
+}
+
 /// Sends `data` to every peer in `peers` (nothing to do when there is none).
 fn send_to_all(
     inner: &mut Inner,
@@ -788,7 +808,7 @@ impl Communicator for TcpComm {
         self.run(Op::AllGather, 0, |c, inner, ctx| {
             let mut mine = Vec::with_capacity(data.len() + 16);
             frame::pack_part(&mut mine, c.rank, data);
-            let all = c.up_down(inner, ctx, mine, true)?;
+            let all = c.up_down(inner, ctx, mine, Combine::Concat)?;
             frame::unpack_all(&all, c.world).map_err(|e| Failure::mismatch(c.rank, e))
         })
     }
@@ -807,7 +827,14 @@ impl Communicator for TcpComm {
 
     fn barrier(&self) -> Result<(), CommError> {
         self.run(Op::Barrier, 0, |c, inner, ctx| {
-            c.up_down(inner, ctx, Vec::new(), false).map(|_| ())
+            c.up_down(inner, ctx, Vec::new(), Combine::Nothing)
+                .map(|_| ())
+        })
+    }
+
+    fn all_reduce(&self, data: &[u8], merge: &Merge<'_>) -> Result<Vec<u8>, CommError> {
+        self.run(Op::AllReduce, 0, |c, inner, ctx| {
+            c.up_down(inner, ctx, data.to_vec(), Combine::Merge(merge))
         })
     }
 

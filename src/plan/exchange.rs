@@ -34,8 +34,15 @@ pub struct SharedRead {
 pub struct ExchangePlan {
     /// Sorted by (key, chunk, region).
     pub reads: Vec<SharedRead>,
-    /// Bytes each rank reads for the group.
+    /// Bytes each rank reads for the group (when planned for every rank).
     pub bytes_per_rank: Vec<u64>,
+    /// Per read, its exchange round: among the group reads (`reads[..general_from]`) a round
+    /// of the read group, among the others a round of the general plan.
+    pub round: Vec<u32>,
+    /// Where the reads planned by the general planner start.
+    pub general_from: usize,
+    /// Rounds of the general plan (the same on every rank).
+    pub general_rounds: u32,
 }
 
 impl ExchangePlan {
@@ -137,6 +144,7 @@ impl ExchangePlan {
         ExchangePlan {
             reads,
             bytes_per_rank: load,
+            ..ExchangePlan::default()
         }
     }
 

@@ -61,7 +61,7 @@ pub struct LayoutDecodeError {
 
 const MAGIC: &[u8; 5] = b"ZCKL1";
 
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
         v >>= 7;
@@ -75,17 +75,7 @@ impl RankLayout {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(16 + self.pieces.len() * 8);
         out.extend_from_slice(MAGIC);
-        put_varint(&mut out, self.tensors.len() as u64);
-        for t in &self.tensors {
-            let k = t.key.as_str().as_bytes();
-            put_varint(&mut out, k.len() as u64);
-            out.extend_from_slice(k);
-            out.push(t.dtype.code());
-            put_varint(&mut out, t.global_shape.len() as u64);
-            for &d in &t.global_shape {
-                put_varint(&mut out, d);
-            }
-        }
+        encode_tensors(&mut out, &self.tensors);
         put_varint(&mut out, self.pieces.len() as u64);
         for p in &self.pieces {
             put_varint(&mut out, u64::from(p.tensor));
@@ -114,38 +104,7 @@ impl RankLayout {
         if r.take(MAGIC.len())? != MAGIC {
             return Err(r.err("bad magic"));
         }
-        let n_tensors = r.count(2)?;
-        let mut tensors = Vec::with_capacity(n_tensors);
-        let mut seen = HashMap::with_capacity(n_tensors);
-        for _ in 0..n_tensors {
-            let len = r.count(1)?;
-            let at = r.pos;
-            let raw = r.take(len)?;
-            let s = std::str::from_utf8(raw).map_err(|_| LayoutDecodeError {
-                rank,
-                at,
-                reason: "key is not UTF-8".into(),
-            })?;
-            let key = TensorKey::new(s).map_err(|e| r.err(&e.to_string()))?;
-            let code = r.take(1)?[0];
-            let dtype = DType::from_code(code).ok_or_else(|| r.err("unknown dtype code"))?;
-            let ndim = r.count(1)?;
-            if ndim > MAX_DIMS {
-                return Err(r.err("too many dimensions"));
-            }
-            let global_shape = (0..ndim)
-                .map(|_| r.varint())
-                .collect::<Result<Vec<_>, _>>()?;
-            crate::model::region::num_elements(&global_shape).map_err(|e| r.err(&e.to_string()))?;
-            if seen.insert(key.clone(), ()).is_some() {
-                return Err(r.err(&format!("key `{key}` declared twice")));
-            }
-            tensors.push(TensorDecl {
-                key,
-                dtype,
-                global_shape,
-            });
-        }
+        let tensors = decode_tensors(&mut r)?;
         let n_pieces = r.count(2)?;
         let mut pieces = Vec::with_capacity(n_pieces);
         for _ in 0..n_pieces {
@@ -185,28 +144,82 @@ impl RankLayout {
     }
 }
 
-struct Reader<'a> {
-    bytes: &'a [u8],
-    pos: usize,
-    rank: usize,
+/// Appends the tensor declarations (count, then key, data type code and shape of each).
+pub(crate) fn encode_tensors(out: &mut Vec<u8>, tensors: &[TensorDecl]) {
+    put_varint(out, tensors.len() as u64);
+    for t in tensors {
+        let k = t.key.as_str().as_bytes();
+        put_varint(out, k.len() as u64);
+        out.extend_from_slice(k);
+        out.push(t.dtype.code());
+        put_varint(out, t.global_shape.len() as u64);
+        for &d in &t.global_shape {
+            put_varint(out, d);
+        }
+    }
+}
+
+/// Reads what [`encode_tensors`] wrote, validating keys, data types and shapes, each key at
+/// most once.
+pub(crate) fn decode_tensors(r: &mut Reader<'_>) -> Result<Vec<TensorDecl>, LayoutDecodeError> {
+    let rank = r.rank;
+    let n_tensors = r.count(2)?;
+    let mut tensors = Vec::with_capacity(n_tensors);
+    let mut seen = HashMap::with_capacity(n_tensors);
+    for _ in 0..n_tensors {
+        let len = r.count(1)?;
+        let at = r.pos;
+        let raw = r.take(len)?;
+        let s = std::str::from_utf8(raw).map_err(|_| LayoutDecodeError {
+            rank,
+            at,
+            reason: "key is not UTF-8".into(),
+        })?;
+        let key = TensorKey::new(s).map_err(|e| r.err(&e.to_string()))?;
+        let code = r.take(1)?[0];
+        let dtype = DType::from_code(code).ok_or_else(|| r.err("unknown dtype code"))?;
+        let ndim = r.count(1)?;
+        if ndim > MAX_DIMS {
+            return Err(r.err("too many dimensions"));
+        }
+        let global_shape = (0..ndim)
+            .map(|_| r.varint())
+            .collect::<Result<Vec<_>, _>>()?;
+        crate::model::region::num_elements(&global_shape).map_err(|e| r.err(&e.to_string()))?;
+        if seen.insert(key.clone(), ()).is_some() {
+            return Err(r.err(&format!("key `{key}` declared twice")));
+        }
+        tensors.push(TensorDecl {
+            key,
+            dtype,
+            global_shape,
+        });
+    }
+    Ok(tensors)
+}
+
+pub(crate) struct Reader<'a> {
+    pub(crate) bytes: &'a [u8],
+    pub(crate) pos: usize,
+    pub(crate) rank: usize,
 }
 
 impl Reader<'_> {
-    fn err(&self, reason: &str) -> LayoutDecodeError {
+    pub(crate) fn err(&self, reason: &str) -> LayoutDecodeError {
         LayoutDecodeError {
             rank: self.rank,
             at: self.pos,
             reason: reason.to_owned(),
         }
     }
-    fn take(&mut self, n: usize) -> Result<&[u8], LayoutDecodeError> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&[u8], LayoutDecodeError> {
         let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
         let end = end.ok_or_else(|| self.err("truncated"))?;
         let s = &self.bytes[self.pos..end];
         self.pos = end;
         Ok(s)
     }
-    fn varint(&mut self) -> Result<u64, LayoutDecodeError> {
+    pub(crate) fn varint(&mut self) -> Result<u64, LayoutDecodeError> {
         let mut v: u64 = 0;
         for shift in (0..64).step_by(7) {
             let b = self.take(1)?[0];
@@ -223,7 +236,7 @@ impl Reader<'_> {
     }
     /// A count of items each at least `min_bytes` long: bounded by what is left, so a
     /// hostile count cannot make us allocate.
-    fn count(&mut self, min_bytes: usize) -> Result<usize, LayoutDecodeError> {
+    pub(crate) fn count(&mut self, min_bytes: usize) -> Result<usize, LayoutDecodeError> {
         let n = self.varint()?;
         let left = (self.bytes.len() - self.pos) as u64;
         if n > left / min_bytes.max(1) as u64 {

@@ -60,6 +60,9 @@ pub enum PlanError {
         /// Ranks holding it as main.
         second_ranks: Vec<u32>,
     },
+    /// A rank's description does not fit the rule it names.
+    #[error(transparent)]
+    Describe(#[from] super::layout::LayoutDecodeError),
     /// The main replicas do not cover every element.
     #[error(
         "tensor `{key}`: main replicas cover {covered} of {total} elements (e.g. element {missing:?} is held by no main replica)"

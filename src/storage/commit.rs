@@ -283,7 +283,19 @@ pub fn prepare_target(
             return Ok(t);
         }
     }
-    create_dir_durable(dir)?;
+    if dir.exists() {
+        // An empty directory the caller made: written in place.
+        return Ok(Target::InPlace(dir.to_owned()));
+    }
+    // A new directory appears with its nonce file already inside (made under the staging
+    // name, then renamed), so that a save killed at any point leaves either nothing or a
+    // directory that reads as an incomplete checkpoint.
+    let fresh = staging_path(dir, id);
+    create_dir_durable(&fresh)?;
+    write_durable(&fresh.join(NONCE_FILE), &[id.hex().as_bytes()])?;
+    fsync_dir(&fresh)?;
+    fs::rename(&fresh, dir).map_err(StorageError::io("rename", &fresh))?;
+    fsync_dir(&parent_of(dir))?;
     Ok(Target::InPlace(dir.to_owned()))
 }
 

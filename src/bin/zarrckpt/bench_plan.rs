@@ -1,54 +1,112 @@
-//! `zarrckpt bench-plan`: the cost of planning a save and a load on one rank of a very large
-//! job, with simulated ranks (no I/O, no network): what each rank gathers and how long it
-//! takes to validate the layout and compute its own work.
+//! `zarrckpt bench-plan`: what agreeing on a save and a load costs each rank of a very large
+//! job, with simulated ranks (no network, no data): building the rank's own description, the
+//! traffic of the all-reduce that combines the descriptions up the communicator's binary tree
+//! (bytes each rank receives and sends, the busiest rank apart from the median), planning on a
+//! few ranks (time and peak memory), and reading the index for a load.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
+use std::path::Path;
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use anyhow::bail;
 use serde_json::json;
-use zarrckpt::plan::cache::{self, CHECK_LEN, CachedPlan, CheckOutcome};
+use zarrckpt::plan::SavePlanOptions;
 use zarrckpt::plan::exchange::ExchangePlan;
-use zarrckpt::plan::layout::{GatheredLayouts, PieceDecl, RankLayout, TensorDecl};
+use zarrckpt::plan::layout::{PieceDecl, RankLayout, TensorDecl};
 use zarrckpt::plan::load::StoredGeometry;
-use zarrckpt::plan::{SavePlan, SavePlanOptions};
+use zarrckpt::plan::rule::{Summary, Template, World};
+use zarrckpt::plan::ruled::{plan_load, plan_save};
+use zarrckpt::storage::meta::{CheckpointMeta, TensorEntry, tensor_path};
+use zarrckpt::storage::{Compression, commit};
 use zarrckpt::{DType, Region, TensorKey};
 
 /// Arguments of `zarrckpt bench-plan`.
 #[derive(clap::Args)]
 pub struct Args {
     /// World sizes to simulate.
-    #[arg(long, value_delimiter = ',', default_value = "1024,8192")]
+    #[arg(long, value_delimiter = ',', default_value = "8192,65536")]
     ranks: Vec<u64>,
+    /// Layouts: `tp-pp-dp` (tensor x pipeline x data parallel, replicas), `fsdp` (every rank
+    /// its own rows of every tensor, torch.chunk / DTensor Shard(0)), `zero` (every rank its
+    /// own flat range of every tensor, ZeRO-3 style), `irregular` (fsdp with uneven,
+    /// rank-dependent cuts no rule describes).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "tp-pp-dp,fsdp,zero,irregular"
+    )]
+    cases: Vec<String>,
+    /// World sizes for the `irregular` case (its cost grows with world x tensors).
+    #[arg(long, value_delimiter = ',', default_value = "1024,8192")]
+    irregular_ranks: Vec<u64>,
     /// Tensors in the model.
     #[arg(long, default_value_t = 1000)]
     tensors: u64,
-    /// Tensor-parallel size.
+    /// Tensor-parallel size (`tp-pp-dp`).
     #[arg(long, default_value_t = 8)]
     tp: u64,
-    /// Pipeline-parallel sizes to simulate: 1 (every rank holds a piece of every tensor) and
-    /// more (each stage holds its layers' tensors).
-    #[arg(long, value_delimiter = ',', default_value = "1,8")]
-    pp: Vec<u64>,
-    /// Repetitions per measurement (the median is reported).
-    #[arg(long, default_value_t = 3)]
-    reps: usize,
+    /// Pipeline-parallel size (`tp-pp-dp`).
+    #[arg(long, default_value_t = 8)]
+    pp: u64,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
 }
 
-/// The model: `n` tensors of a hidden-8192 transformer, cycling through column-parallel,
-/// row-parallel and replicated (norm) shapes, assigned to pipeline stages in order.
+/// Bytes allocated now and at most since the last reset, counted by the tool's allocator.
+pub static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
+/// See [`ALLOCATED`].
+pub static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts allocations (for the peak memory of planning).
+pub struct Counting;
+
+// SAFETY: forwards to the system allocator, only counting sizes.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        let now = ALLOCATED.fetch_add(l.size(), Ordering::Relaxed) + l.size();
+        PEAK.fetch_max(now, Ordering::Relaxed);
+        // SAFETY: as the caller promised.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        ALLOCATED.fetch_sub(l.size(), Ordering::Relaxed);
+        // SAFETY: as the caller promised.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, new: usize) -> *mut u8 {
+        if new >= l.size() {
+            let now = ALLOCATED.fetch_add(new - l.size(), Ordering::Relaxed) + new - l.size();
+            PEAK.fetch_max(now, Ordering::Relaxed);
+        } else {
+            ALLOCATED.fetch_sub(l.size() - new, Ordering::Relaxed);
+        }
+        // SAFETY: as the caller promised.
+        unsafe { std::alloc::System.realloc(p, l, new) }
+    }
+}
+
+/// Peak bytes allocated above the level at the start, while `f` runs.
+fn peak_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    let base = ALLOCATED.load(Ordering::Relaxed);
+    PEAK.store(base, Ordering::Relaxed);
+    let out = f();
+    (out, PEAK.load(Ordering::Relaxed).saturating_sub(base))
+}
+
 struct Tensor {
     key: TensorKey,
     dtype: DType,
     shape: Vec<u64>,
+    /// The tensor-parallel axis (`None`: replicated, a norm).
     split: Option<usize>,
     stage: u64,
 }
 
+/// `n` tensors of a hidden-8192 transformer, cycling through column-parallel, row-parallel and
+/// replicated (norm) shapes, assigned to `pp` pipeline stages in order.
 fn model(n: u64, pp: u64) -> Vec<Tensor> {
     let h = 8192;
     (0..n)
@@ -91,34 +149,190 @@ fn model(n: u64, pp: u64) -> Vec<Tensor> {
         .collect()
 }
 
-/// The layout of a rank with tensor-parallel rank `t`, stage `s`, data-parallel rank `d`.
-fn layout(m: &[Tensor], tp: u64, t: u64, s: u64, d: u64) -> RankLayout {
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Case {
+    TpPpDp { tp: u64, pp: u64 },
+    Fsdp,
+    Zero,
+    Irregular,
+}
+
+impl Case {
+    fn name(self) -> &'static str {
+        match self {
+            Case::TpPpDp { .. } => "tp-pp-dp",
+            Case::Fsdp => "fsdp",
+            Case::Zero => "zero",
+            Case::Irregular => "irregular",
+        }
+    }
+}
+
+fn decl(t: &Tensor) -> TensorDecl {
+    TensorDecl {
+        key: t.key.clone(),
+        dtype: t.dtype,
+        global_shape: t.shape.clone(),
+    }
+}
+
+/// Rank `r`'s pieces (save: `main` flags as declared; load: every piece a plain request).
+fn layout(case: Case, m: &[Tensor], world: u64, r: u64, load: bool) -> RankLayout {
     let mut l = RankLayout::default();
-    for x in m.iter().filter(|x| x.stage == s) {
-        let mut region = Region::full(&x.shape);
-        let main = match x.split {
-            Some(axis) => {
-                let size = x.shape[axis] / tp;
-                region.offset[axis] = t * size;
-                region.shape[axis] = size;
-                d == 0
+    let mut push = |t: &Tensor, region: Region, main: bool| {
+        let idx = match l.tensors.iter().position(|d| d.key == t.key) {
+            Some(i) => i,
+            None => {
+                l.tensors.push(decl(t));
+                l.tensors.len() - 1
             }
-            None => d == 0 && t == 0,
         };
-        let idx = u32::try_from(l.tensors.len()).unwrap_or(u32::MAX);
-        l.tensors.push(TensorDecl {
-            key: x.key.clone(),
-            dtype: x.dtype,
-            global_shape: x.shape.clone(),
-        });
         l.pieces.push(PieceDecl {
-            tensor: idx,
+            tensor: u32::try_from(idx).unwrap_or(u32::MAX),
             region,
-            main,
+            main: main && !load,
             auto: false,
         });
+    };
+    match case {
+        Case::TpPpDp { tp, pp } => {
+            let (t, s, d) = (r % tp, (r / tp) % pp, r / (tp * pp));
+            for x in m.iter().filter(|x| x.stage == s) {
+                let mut region = Region::full(&x.shape);
+                let main = match x.split {
+                    Some(axis) => {
+                        let size = x.shape[axis] / tp;
+                        region.offset[axis] = t * size;
+                        region.shape[axis] = size;
+                        d == 0
+                    }
+                    None => d == 0 && t == 0,
+                };
+                push(x, region, main);
+            }
+        }
+        Case::Fsdp => {
+            for x in m {
+                let d0 = x.shape[0];
+                let s = d0.div_ceil(world);
+                let o = (r * s).min(d0);
+                let mut region = Region::full(&x.shape);
+                region.offset[0] = o;
+                region.shape[0] = s.min(d0 - o);
+                push(x, region, true);
+            }
+        }
+        Case::Irregular => {
+            for x in m {
+                let d0 = x.shape[0];
+                let cut = |k: u64| {
+                    if k == 0 || k >= world {
+                        k.min(world) * d0 / world
+                    } else {
+                        (k * d0 / world + k % 2).min(d0)
+                    }
+                };
+                let (a, b) = (cut(r), cut(r + 1));
+                let mut region = Region::full(&x.shape);
+                region.offset[0] = a;
+                region.shape[0] = b.saturating_sub(a);
+                push(x, region, true);
+            }
+        }
+        Case::Zero => {
+            for x in m {
+                let n: u64 = x.shape.iter().product();
+                let s = n.div_ceil(world);
+                let (a, b) = ((r * s).min(n), ((r + 1) * s).min(n));
+                match zarrckpt::model::flat::flat_boxes(&x.shape, a..b) {
+                    Ok(boxes) if !boxes.is_empty() => {
+                        for fb in boxes {
+                            push(x, fb.region, true);
+                        }
+                    }
+                    _ => {
+                        let mut region = Region::full(&x.shape);
+                        region.offset[0] = x.shape[0];
+                        region.shape[0] = 0;
+                        push(x, region, true);
+                    }
+                }
+            }
+        }
     }
     l
+}
+
+fn leaf(case: Case, m: &[Tensor], world: u64, r: u64, load: bool) -> Vec<u8> {
+    let (t, c) = Template::describe(&layout(case, m, world, r, load));
+    Summary::leaf(r, t.encode(), &c).encode()
+}
+
+/// The all-reduce up a binary tree rooted at rank 0 (parent of `r` is `(r - 1) / 2`), as
+/// `TcpComm` runs it: each rank merges its own description with its children's results and
+/// sends the merge up; the root's result travels down. Returns the result and the bytes each
+/// rank receives and sends.
+fn tree_reduce(
+    world: u64,
+    leaf_of: &(dyn Fn(u64) -> Vec<u8> + Sync),
+) -> anyhow::Result<(Vec<u8>, Vec<u64>, Vec<u64>)> {
+    let n = world as usize;
+    let mut received = vec![0u64; n];
+    let mut sent = vec![0u64; n];
+    fn up(
+        r: usize,
+        n: usize,
+        leaf_of: &(dyn Fn(u64) -> Vec<u8> + Sync),
+        received: &mut [u64],
+        sent: &mut [u64],
+    ) -> anyhow::Result<Vec<u8>> {
+        let mut acc = leaf_of(r as u64);
+        for c in [2 * r + 1, 2 * r + 2] {
+            if c < n {
+                let child = up(c, n, leaf_of, received, sent)?;
+                received[r] += child.len() as u64;
+                sent[c] += child.len() as u64;
+                acc = Summary::merge_encoded(&acc, &child).map_err(anyhow::Error::msg)?;
+            }
+        }
+        Ok(acc)
+    }
+    let result = up(0, n, leaf_of, &mut received, &mut sent)?;
+    let len = result.len() as u64;
+    for r in 0..n {
+        if r > 0 {
+            received[r] += len;
+        }
+        sent[r] += len * [2 * r + 1, 2 * r + 2].iter().filter(|&&c| c < n).count() as u64;
+    }
+    Ok((result, received, sent))
+}
+
+/// A directory under the system's temporary directory, removed on drop.
+struct TempDir(std::path::PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> anyhow::Result<TempDir> {
+        let p = std::env::temp_dir().join(format!("zarrckpt-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&p)?;
+        Ok(TempDir(p))
+    }
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn stats(v: &[u64]) -> (u64, u64, usize) {
+    let mut s = v.to_vec();
+    s.sort_unstable();
+    let busiest = (0..v.len()).max_by_key(|&i| v[i]).unwrap_or(0);
+    (s[s.len() / 2], v[busiest], busiest)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -126,153 +340,190 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Collectives of a save besides the layout's: each an all-reduce of a few bytes (outcome
+/// agreements, the write balance), counted as bytes one rank receives (children's and result).
+const SMALL_COLLECTIVES_PER_SAVE: u64 = 8;
+
+fn run_case(case: Case, world: u64, a: &Args) -> anyhow::Result<serde_json::Value> {
+    let m = model(
+        a.tensors,
+        if let Case::TpPpDp { pp, .. } = case {
+            pp
+        } else {
+            1
+        },
+    );
+    let probes: Vec<u64> = {
+        let mut p = vec![0, world / 2, world - 1];
+        p.dedup();
+        p
+    };
+    // 1. The local description.
+    let mut describe_secs = Vec::new();
+    for &r in &probes {
+        let t0 = Instant::now();
+        let l = leaf(case, &m, world, r, false);
+        describe_secs.push(t0.elapsed().as_secs_f64());
+        drop(l);
+    }
+    // 2. The all-reduce's traffic.
+    let t0 = Instant::now();
+    let (summary, received, sent) = tree_reduce(world, &|r| leaf(case, &m, world, r, false))?;
+    let simulate_secs = t0.elapsed().as_secs_f64();
+    let (recv_median, recv_max, recv_busiest) = stats(&received);
+    let (sent_median, sent_max, _) = stats(&sent);
+    let decoded = Summary::decode(&summary, 0)?;
+    // 3. Planning on the probe ranks: decode, validate, own tasks.
+    let opts = SavePlanOptions::default();
+    let mut plan_secs = Vec::new();
+    let mut plan_peak = 0usize;
+    let mut writes = Vec::new();
+    let mut general = 0;
+    let mut plan0 = None;
+    for &r in &probes {
+        let t0 = Instant::now();
+        let (p, peak) = peak_of(|| -> anyhow::Result<_> {
+            let s = Summary::decode(&summary, 0)?;
+            let w = World::from_summary(&s, world as usize)?;
+            Ok(plan_save(&w, u32::try_from(r)?, &opts)?)
+        });
+        let p = p?;
+        plan_secs.push(t0.elapsed().as_secs_f64());
+        plan_peak = plan_peak.max(peak);
+        writes.push(p.tasks.writes.len());
+        general = p.general;
+        if plan0.is_none() {
+            plan0 = Some(p);
+        }
+    }
+    let plan0 = plan0.ok_or_else(|| anyhow::anyhow!("no probe"))?;
+    // 4. The load: the same pieces asked back, the index read, each prober's shared reads.
+    let (lsummary, lreceived, _) = tree_reduce(world, &|r| leaf(case, &m, world, r, true))?;
+    let (lrecv_median, lrecv_max, _) = stats(&lreceived);
+    let tmp = TempDir::new(&format!("bench-plan-{}-{world}", case.name()))?;
+    let mut meta = CheckpointMeta::new(world);
+    for tp in &plan0.plan.tensors {
+        meta.tensors.insert(
+            tp.key.clone(),
+            TensorEntry {
+                path: tensor_path(&tp.key),
+                dtype: tp.dtype,
+                shape: tp.global_shape.clone(),
+                chunk_shape: tp.chunk_shape.clone(),
+                subchunk_shape: tp.subchunk_shape.clone(),
+                compression: Compression::None,
+            },
+        );
+    }
+    commit::commit(tmp.path(), &meta)?;
+    let index_bytes = std::fs::metadata(tmp.path().join("zarr.json"))?.len();
+    let mut index_secs = Vec::new();
+    let mut load_secs = Vec::new();
+    let mut load_peak = 0usize;
+    let mut shared = 0;
+    for &r in &probes {
+        let t0 = Instant::now();
+        let meta = commit::read_index(tmp.path())?;
+        index_secs.push(t0.elapsed().as_secs_f64());
+        let t0 = Instant::now();
+        let (ex, peak) = peak_of(|| -> anyhow::Result<(ExchangePlan, u32)> {
+            let s = Summary::decode(&lsummary, 0)?;
+            let w = World::from_summary(&s, world as usize)?;
+            let geometry = |k: &TensorKey| {
+                meta.tensors.get(k).map(|e| StoredGeometry {
+                    global_shape: e.shape.clone(),
+                    chunk_shape: e.chunk_shape.clone(),
+                    subchunk_shape: e.subchunk_shape.clone(),
+                    elem: e.dtype.size(),
+                })
+            };
+            Ok(plan_load(&w, u32::try_from(r)?, &geometry, 32 << 20)?)
+        });
+        let (ex, _) = ex?;
+        load_secs.push(t0.elapsed().as_secs_f64());
+        load_peak = load_peak.max(peak);
+        shared = shared.max(ex.reads.len());
+    }
+    let small = SMALL_COLLECTIVES_PER_SAVE * 3 * 16;
+    let save_recv_max = recv_max + small;
+    let save_recv_median = recv_median + small;
+    let row = json!({
+        "case": case.name(), "world": world, "tensors": a.tensors,
+        "templates": decoded.templates.len(), "runs": decoded.runs.len(),
+        "summary_bytes": summary.len(),
+        "describe_secs": median(describe_secs),
+        "save_received_bytes_median": save_recv_median, "save_received_bytes_max": save_recv_max,
+        "save_received_busiest_rank": recv_busiest,
+        "save_sent_bytes_median": sent_median, "save_sent_bytes_max": sent_max,
+        "save_plan_secs_max": plan_secs.iter().copied().fold(0.0, f64::max),
+        "save_plan_secs_median": median(plan_secs.clone()),
+        "save_plan_peak_bytes": plan_peak, "general_tensors": general,
+        "probe_writes": writes,
+        "load_received_bytes_median": lrecv_median + small, "load_received_bytes_max": lrecv_max + small,
+        "index_bytes": index_bytes, "index_read_secs": median(index_secs),
+        "load_plan_secs_max": load_secs.iter().copied().fold(0.0, f64::max),
+        "load_plan_peak_bytes": load_peak, "shared_reads_max": shared,
+        "simulation_secs": simulate_secs,
+    });
+    Ok(row)
+}
+
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let mut rows = Vec::new();
-    for &world in &a.ranks {
-        for &pp in &a.pp {
-            if world % (a.tp * pp) != 0 {
-                bail!(
-                    "world size {world} is not a multiple of tp {} x pp {pp}",
-                    a.tp
-                );
+    let mut seen = HashSet::new();
+    for name in &a.cases {
+        let case = match name.as_str() {
+            "tp-pp-dp" => Case::TpPpDp { tp: a.tp, pp: a.pp },
+            "fsdp" => Case::Fsdp,
+            "zero" => Case::Zero,
+            "irregular" => Case::Irregular,
+            other => bail!("unknown case `{other}` (tp-pp-dp, fsdp, zero, irregular)"),
+        };
+        let worlds = if case == Case::Irregular {
+            &a.irregular_ranks
+        } else {
+            &a.ranks
+        };
+        for &world in worlds {
+            if !seen.insert((name.clone(), world)) {
+                continue;
             }
-            let dp = world / (a.tp * pp);
-            let m = model(a.tensors, pp);
-            // Distinct layouts: (tp rank, stage, main or not); every rank's hash.
-            // (tp rank, stage, main) -> (encoded layout, hash)
-            type Distinct = HashMap<(u64, u64, bool), (Vec<u8>, [u8; 16])>;
-            let mut distinct: Distinct = HashMap::new();
-            let mut hashes = Vec::with_capacity(world as usize);
-            let mut sizes = Vec::with_capacity(world as usize);
-            for r in 0..world {
-                let (t, s, d) = (r % a.tp, (r / a.tp) % pp, r / (a.tp * pp));
-                let entry = distinct.entry((t, s, d == 0)).or_insert_with(|| {
-                    let enc = layout(&m, a.tp, t, s, d).encode();
-                    let h = RankLayout::hash_bytes(&enc);
-                    (enc, h)
-                });
-                hashes.push(entry.1);
-                sizes.push(entry.0.len());
+            if let Case::TpPpDp { tp, pp } = case
+                && world % (tp * pp) != 0
+            {
+                bail!("world size {world} is not a multiple of tp {tp} x pp {pp}");
             }
-            let reps = GatheredLayouts::representatives(&hashes);
-            let blobs: Vec<Vec<u8>> = (0..world as usize)
-                .map(|r| {
-                    if reps[r] {
-                        let (t, s, d) = (
-                            r as u64 % a.tp,
-                            (r as u64 / a.tp) % pp,
-                            r as u64 / (a.tp * pp),
-                        );
-                        distinct[&(t, s, d == 0)].0.clone()
-                    } else {
-                        Vec::new()
-                    }
-                })
-                .collect();
-            let gathered_bytes = world * 16 + blobs.iter().map(|b| b.len() as u64).sum::<u64>();
-            let naive_bytes: u64 = sizes.iter().map(|&s| s as u64).sum();
-            // One rank's planning: the last rank (a non-main data-parallel replica).
-            let me = world - 1;
-            let (t, s, d) = (me % a.tp, (me / a.tp) % pp, me / (a.tp * pp));
-            let mut save_times = Vec::new();
-            let mut load_times = Vec::new();
-            let mut writes = 0;
-            let mut shared = 0;
-            let mut balance = 0.0;
-            let mut repeat_times = Vec::new();
-            let mut repeat_reused = true;
-            for _ in 0..a.reps {
-                let t0 = Instant::now();
-                let own = layout(&m, a.tp, t, s, d).encode();
-                let _ = RankLayout::hash_bytes(&own);
-                let g = GatheredLayouts::from_parts(&hashes, &blobs)?;
-                let plan = SavePlan::build(&g, &SavePlanOptions::default())?;
-                writes = plan
-                    .tasks_for(u32::try_from(me).unwrap_or(u32::MAX))
-                    .writes
-                    .len();
-                save_times.push(t0.elapsed().as_secs_f64());
-                balance = plan.write_balance();
-                // A repeated save of the same structure: the plan agreed above is cached on
-                // every rank; each rank sends its status byte and CHECK_LEN-byte check
-                // message, receives everyone's, and reuses the plan if nothing changed.
-                let cached = CachedPlan::new(
-                    SavePlanOptions::default(),
-                    hashes.clone(),
-                    std::sync::Arc::new(plan.clone()),
-                );
-                let msgs: Vec<Vec<u8>> = hashes
-                    .iter()
-                    .map(|h| {
-                        let mut m = vec![0u8];
-                        m.extend_from_slice(&cache::check_message(Some(&cached), *h));
-                        m
-                    })
-                    .collect();
-                let t0 = Instant::now();
-                let own = layout(&m, a.tp, t, s, d).encode();
-                let own_hash = RankLayout::hash_bytes(&own);
-                let mut mine = vec![0u8];
-                mine.extend_from_slice(&cache::check_message(Some(&cached), own_hash));
-                let refs: Vec<&[u8]> = msgs.iter().map(|m| &m[1..]).collect();
-                let outcome = cache::decide(Some(&cached), &refs)?;
-                repeat_reused &=
-                    matches!(outcome, CheckOutcome::Unchanged(_)) && mine == msgs[me as usize];
-                let again = cached
-                    .plan()
-                    .tasks_for(u32::try_from(me).unwrap_or(u32::MAX))
-                    .writes
-                    .len();
-                repeat_times.push(t0.elapsed().as_secs_f64());
-                if again != writes {
-                    bail!("the reused plan gives rank {me} {again} writes, the full one {writes}");
-                }
-                // The load side: the same layout asked back, each box read once per group.
-                let geoms: HashMap<&TensorKey, StoredGeometry> = plan
-                    .tensors
-                    .iter()
-                    .map(|tp| {
-                        let g = StoredGeometry {
-                            global_shape: tp.global_shape.clone(),
-                            chunk_shape: tp.chunk_shape.clone(),
-                            subchunk_shape: tp.subchunk_shape.clone(),
-                            elem: tp.dtype.size(),
-                        };
-                        (&tp.key, g)
-                    })
-                    .collect();
-                let t0 = Instant::now();
-                let g = GatheredLayouts::from_parts(&hashes, &blobs)?;
-                let ex = ExchangePlan::build(&g, |k| geoms.get(k).cloned());
-                load_times.push(t0.elapsed().as_secs_f64());
-                shared = ex.reads.len();
-            }
-            let row = json!({
-                "world": world, "tp": a.tp, "pp": pp, "dp": dp, "tensors": a.tensors,
-                "pieces_per_rank": a.tensors / pp, "distinct_layouts": distinct.len(),
-                "gathered_bytes": gathered_bytes, "gathered_bytes_without_dedup": naive_bytes,
-                "save_plan_secs": median(save_times), "load_plan_secs": median(load_times),
-                "rank_writes": writes, "write_balance": balance, "shared_reads": shared,
-                "repeat_save_sent_bytes": 1 + CHECK_LEN, "repeat_save_received_bytes": world * (1 + CHECK_LEN as u64),
-                "repeat_save_plan_secs": median(repeat_times), "repeat_save_reused": repeat_reused,
-            });
+            let row = run_case(case, world, a)?;
             if !a.json {
+                let f = |k: &str| row[k].as_f64().unwrap_or(0.0);
                 println!(
-                    "world {world:>5} (tp {} x pp {pp} x dp {dp}), {} tensors ({} per rank): gathers {:.2} MB ({} distinct layouts; {:.1} MB without de-duplication); save plan {:.3} s, load plan {:.3} s per rank; write balance {balance:.3}",
-                    a.tp,
+                    "{:<9} world {world:>6}, {} tensors: {} templates, {} runs, world description {:.1} KB",
+                    case.name(),
                     a.tensors,
-                    a.tensors / pp,
-                    gathered_bytes as f64 / 1e6,
-                    distinct.len(),
-                    naive_bytes as f64 / 1e6,
-                    row["save_plan_secs"].as_f64().unwrap_or(0.0),
-                    row["load_plan_secs"].as_f64().unwrap_or(0.0),
+                    row["templates"],
+                    row["runs"],
+                    f("summary_bytes") / 1e3,
                 );
                 println!(
-                    "             repeated save of the same structure: each rank sends {} B (one all-gather), receives {:.1} KB; plan {:.3} ms per rank (plan reused: {repeat_reused})",
-                    1 + CHECK_LEN,
-                    (world * (1 + CHECK_LEN as u64)) as f64 / 1e3,
-                    row["repeat_save_plan_secs"].as_f64().unwrap_or(0.0) * 1e3,
+                    "          save: describe {:.1} ms; received per rank median {:.1} KB, busiest {:.1} KB (rank {}, {:.1}x); plan {:.3} s (max of probes), peak {:.1} MB; {} general tensors",
+                    f("describe_secs") * 1e3,
+                    f("save_received_bytes_median") / 1e3,
+                    f("save_received_bytes_max") / 1e3,
+                    row["save_received_busiest_rank"],
+                    f("save_received_bytes_max") / f("save_received_bytes_median").max(1.0),
+                    f("save_plan_secs_max"),
+                    f("save_plan_peak_bytes") / 1e6,
+                    row["general_tensors"],
+                );
+                println!(
+                    "          load: received median {:.1} KB, busiest {:.1} KB; index {:.1} KB read in {:.1} ms; plan {:.3} s, peak {:.1} MB; {} shared reads on the busiest probe",
+                    f("load_received_bytes_median") / 1e3,
+                    f("load_received_bytes_max") / 1e3,
+                    f("index_bytes") / 1e3,
+                    f("index_read_secs") * 1e3,
+                    f("load_plan_secs_max"),
+                    f("load_plan_peak_bytes") / 1e6,
+                    row["shared_reads_max"],
                 );
             }
             rows.push(row);

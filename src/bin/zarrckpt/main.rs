@@ -18,6 +18,9 @@ mod worker;
 
 use clap::{Parser, Subcommand};
 
+#[global_allocator]
+static ALLOC: bench_plan::Counting = bench_plan::Counting;
+
 /// Distributed training checkpoints as Zarr v3 arrays.
 #[derive(Parser)]
 #[command(name = "zarrckpt", version, about)]

@@ -184,7 +184,7 @@ pub fn run_rank(a: &Args, shared: Arc<dyn Communicator>) -> anyhow::Result<serde
             let secs = t0.elapsed().as_secs_f64();
             Ok(json!({
                 "rank": rank, "secs": secs, "file_bytes": rep.file_bytes, "data_bytes": rep.data_bytes,
-                "write_balance": rep.write_balance, "bytes_per_rank": rep.bytes_per_rank,
+                "write_balance": rep.write_balance, "assigned_bytes": rep.assigned_bytes,
                 "plan_secs": rep.plan_time.as_secs_f64(), "gathered_bytes": rep.gathered_bytes,
             }))
         }

@@ -73,6 +73,8 @@ pub(crate) enum Op {
     Barrier = 3,
     /// [`crate::comm::Communicator::exchange`].
     Exchange = 4,
+    /// [`crate::comm::Communicator::all_reduce`].
+    AllReduce = 5,
 }
 
 impl Op {
@@ -83,6 +85,7 @@ impl Op {
             2 => Op::Broadcast,
             3 => Op::Barrier,
             4 => Op::Exchange,
+            5 => Op::AllReduce,
             _ => return None,
         })
     }
@@ -95,6 +98,7 @@ impl Op {
             Op::Broadcast => "broadcast",
             Op::Barrier => "barrier",
             Op::Exchange => "exchange",
+            Op::AllReduce => "all_reduce",
         }
     }
 }

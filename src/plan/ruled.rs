@@ -1,0 +1,780 @@
+//! Save planning for one rank from the world's rule-based description ([`World`]), in time and
+//! memory that grow with the number of tensors and distinct rules, not with world × tensors.
+//!
+//! A tensor is **regular** when every rank's piece of it (at most one per rank) is a part of
+//! one regular grid (parts of `s_a` elements along each axis), given by a rule or an explicit
+//! box that is such a part. Its chunks are the grid's parts. Validation counts, per part, the
+//! ranks holding it as main or replicated-without-id, once per distinct combination of rules
+//! (shared by every tensor with the same rules and part counts): every part stored, none by two
+//! main holders. Replicated parts are written by one of their holders: the parts with the same
+//! holder set form a group that each holder enumerates identically from its own parts, and
+//! assigns by bytes, largest first, to the least-loaded holder. Each rank derives only its own
+//! writes.
+//!
+//! Every other tensor (irregular pieces, several pieces on one rank) goes through the general
+//! planner ([`SavePlan::build`]) on the instantiated layouts of those tensors alone.
+
+use std::collections::{HashMap, HashSet};
+
+use super::exchange::{ExchangePlan, SharedRead};
+use super::grid;
+use super::layout::LayoutDecodeError;
+use super::load::StoredGeometry;
+use super::rule::{Axis, Rule, World};
+use super::save::{
+    ChunkWrite, Part, PlanError, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan,
+};
+use crate::model::key::check_collisions;
+use crate::model::{DType, Region, TensorKey};
+
+/// One rank's share of a save plan.
+#[derive(Debug, Clone)]
+pub struct RankPlan {
+    /// Every tensor's geometry, sorted by key (pieces listed only for tensors planned by the
+    /// general planner).
+    pub plan: SavePlan,
+    /// What this rank does.
+    pub tasks: RankTasks,
+    /// Tensor bytes this rank writes.
+    pub bytes: u64,
+    /// Tensors planned by the general planner (not described by one regular grid).
+    pub general: usize,
+}
+
+/// How a family's piece picks its part along one axis.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Pick {
+    Fixed(u64),
+    Slot(u32),
+}
+
+/// One template's piece of a regular tensor.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Family {
+    template: usize,
+    picks: Vec<Pick>,
+    main: bool,
+    auto: bool,
+}
+
+/// Per part (linear index in the grid of parts), who holds it.
+#[derive(Debug, Default)]
+struct Holders {
+    main: Vec<u32>,
+    auto: Vec<u32>,
+    all: Vec<u32>,
+}
+
+struct TensorInfo<'w> {
+    key: &'w TensorKey,
+    dtype: DType,
+    shape: &'w [u64],
+    dtypes: Vec<(DType, Vec<usize>)>,
+    shapes: Vec<(&'w [u64], Vec<usize>)>,
+    /// (template, piece index).
+    pieces: Vec<(usize, usize)>,
+}
+
+fn note<T: PartialEq>(v: &mut Vec<(T, Vec<usize>)>, what: T, t: usize) {
+    match v.iter_mut().find(|(x, _)| *x == what) {
+        Some((_, ts)) => ts.push(t),
+        None => v.push((what, vec![t])),
+    }
+}
+
+fn ranks_of_templates(w: &World, ts: &[usize]) -> Vec<u32> {
+    let mut r: Vec<u32> = ts.iter().flat_map(|&t| w.some_ranks(t)).collect();
+    r.sort_unstable();
+    r.dedup();
+    r.truncate(8);
+    r
+}
+
+/// The regular grid of a tensor: part sizes and the families, or `None` when it is not one.
+fn regular(w: &World, info: &TensorInfo<'_>) -> Option<(Vec<u64>, Vec<Family>)> {
+    let shape = info.shape;
+    let mut sizes: Option<Vec<u64>> = None;
+    let mut seen_templates = HashSet::new();
+    // Grid rules fix the sizes; boxes must then be parts of that grid.
+    for &(t, p) in &info.pieces {
+        let piece = &w.templates[t].pieces[p];
+        if let Rule::Grid(axes) = &piece.rule {
+            let s: Vec<u64> = axes
+                .iter()
+                .zip(shape)
+                .map(|(a, &d)| match *a {
+                    Axis::Full => d.max(1),
+                    Axis::Split { size, .. } => size.min(d).max(1),
+                })
+                .collect();
+            match &sizes {
+                None => sizes = Some(s),
+                Some(x) if *x == s => {}
+                Some(_) => return None,
+            }
+        }
+    }
+    let sizes = sizes?;
+    let mut families = Vec::with_capacity(info.pieces.len());
+    for &(t, p) in &info.pieces {
+        let piece = &w.templates[t].pieces[p];
+        let picks = match &piece.rule {
+            Rule::Box(r) if r.is_empty() => continue,
+            Rule::Box(r) => {
+                let mut picks = Vec::with_capacity(shape.len());
+                for (a, &s) in sizes.iter().enumerate() {
+                    let (o, n) = (r.offset[a], r.shape[a]);
+                    if o % s != 0 || n != s.min(shape[a] - o) {
+                        return None;
+                    }
+                    picks.push(Pick::Fixed(o / s));
+                }
+                picks
+            }
+            Rule::Grid(axes) => axes
+                .iter()
+                .map(|a| match *a {
+                    Axis::Full => Pick::Fixed(0),
+                    Axis::Split { slot, .. } => Pick::Slot(slot),
+                })
+                .collect(),
+        };
+        // One piece per rank: a template with two pieces of the tensor goes the general way.
+        if !seen_templates.insert(t) {
+            return None;
+        }
+        families.push(Family {
+            template: t,
+            picks,
+            main: piece.main,
+            auto: piece.auto,
+        });
+    }
+    Some((sizes, families))
+}
+
+/// Parts per axis.
+fn part_counts(shape: &[u64], sizes: &[u64]) -> Vec<u64> {
+    shape
+        .iter()
+        .zip(sizes)
+        .map(|(&d, &s)| d.div_ceil(s))
+        .collect()
+}
+
+fn linear(idx: &[u64], n: &[u64]) -> u64 {
+    idx.iter().zip(n).fold(0u64, |acc, (&i, &k)| acc * k + i)
+}
+
+fn unlinear(mut l: u64, n: &[u64]) -> Vec<u64> {
+    let mut idx = vec![0u64; n.len()];
+    for a in (0..n.len()).rev() {
+        let k = n[a].max(1);
+        idx[a] = l % k;
+        l /= k;
+    }
+    idx
+}
+
+fn part_region(shape: &[u64], sizes: &[u64], idx: &[u64]) -> Region {
+    let offset: Vec<u64> = idx.iter().zip(sizes).map(|(&i, &s)| i * s).collect();
+    let extent = offset
+        .iter()
+        .zip(sizes)
+        .zip(shape)
+        .map(|((&o, &s), &d)| s.min(d - o))
+        .collect();
+    Region {
+        offset,
+        shape: extent,
+    }
+}
+
+/// The part a family's rank holds, from its coordinates.
+fn pick_part(f: &Family, coords: &[u64]) -> Vec<u64> {
+    f.picks
+        .iter()
+        .map(|p| match *p {
+            Pick::Fixed(v) => v,
+            Pick::Slot(s) => coords.get(s as usize).copied().unwrap_or(u64::MAX),
+        })
+        .collect()
+}
+
+/// Who holds each part, for one combination of families and part counts.
+fn holders(
+    w: &World,
+    n: &[u64],
+    families: &[Family],
+) -> Result<HashMap<u64, Holders>, LayoutDecodeError> {
+    let mut parts: HashMap<u64, Holders> = HashMap::new();
+    let mut bad: Option<u32> = None;
+    for f in families {
+        w.for_each_rank(f.template, |rank, coords| {
+            let idx = pick_part(f, coords);
+            if idx.iter().zip(n).any(|(&i, &k)| i >= k) {
+                bad.get_or_insert(rank);
+                return;
+            }
+            let h = parts.entry(linear(&idx, n)).or_default();
+            if f.main {
+                h.main.push(rank);
+            } else if f.auto {
+                h.auto.push(rank);
+            }
+            h.all.push(rank);
+        })?;
+    }
+    if let Some(rank) = bad {
+        return Err(LayoutDecodeError {
+            rank: rank as usize,
+            at: 0,
+            reason: "a part index lies beyond its tensor".into(),
+        });
+    }
+    for h in parts.values_mut() {
+        h.main.sort_unstable();
+        h.auto.sort_unstable();
+        h.all.sort_unstable();
+        h.all.dedup();
+    }
+    Ok(parts)
+}
+
+/// Checks that every part is stored, none by two main holders.
+fn validate_parts(
+    key: &TensorKey,
+    shape: &[u64],
+    sizes: &[u64],
+    n: &[u64],
+    parts: &HashMap<u64, Holders>,
+) -> Result<(), PlanError> {
+    let total: u128 = n.iter().map(|&k| u128::from(k)).product();
+    let mut stored: u128 = 0;
+    let mut doubly: Option<u64> = None;
+    for (&l, h) in parts {
+        if h.main.len() > 1 && doubly.is_none_or(|d| l < d) {
+            doubly = Some(l);
+        }
+        if !h.main.is_empty() || !h.auto.is_empty() {
+            stored += 1;
+        }
+    }
+    if let Some(l) = doubly {
+        let region = part_region(shape, sizes, &unlinear(l, n));
+        let ranks: Vec<u32> = parts[&l].main.iter().copied().take(8).collect();
+        return Err(PlanError::Overlap {
+            key: key.clone(),
+            first: region.clone(),
+            first_ranks: ranks.clone(),
+            second: region,
+            second_ranks: ranks,
+        });
+    }
+    if stored != total {
+        // The first part nobody stores (at most `parts.len() + 1` candidates).
+        let missing = (0u64..)
+            .find(|l| {
+                parts
+                    .get(l)
+                    .is_none_or(|h| h.main.is_empty() && h.auto.is_empty())
+            })
+            .unwrap_or(0);
+        let elem_total: u128 = shape.iter().map(|&d| u128::from(d)).product();
+        let region = part_region(shape, sizes, &unlinear(missing, n));
+        let missing_elems = u128::from(region.num_elements().unwrap_or(0));
+        return Err(PlanError::Gap {
+            key: key.clone(),
+            covered: elem_total
+                .saturating_sub(missing_elems * (total - stored))
+                .min(elem_total),
+            total: elem_total,
+            missing: region.offset,
+        });
+    }
+    Ok(())
+}
+
+/// One regular tensor's part this rank holds, waiting for its writer.
+struct Held {
+    tensor: usize,
+    part: u64,
+    region: Region,
+    bytes: u64,
+    group: usize,
+}
+
+/// Plans a save for rank `me` of the world described by `w`.
+///
+/// # Errors
+/// [`PlanError`] when keys collide, ranks disagree on a tensor's data type or shape, or the
+/// main replicas of a tensor do not cover every element exactly once;
+/// [`PlanError::Describe`] for coordinates that do not fit their template.
+pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan, PlanError> {
+    // Step 1: tensors across templates.
+    let mut infos: Vec<TensorInfo<'_>> = Vec::new();
+    let mut ids: HashMap<&TensorKey, usize> = HashMap::new();
+    for (ti, t) in w.templates.iter().enumerate() {
+        let mut local = Vec::with_capacity(t.tensors.len());
+        for d in &t.tensors {
+            let id = *ids.entry(&d.key).or_insert_with(|| {
+                infos.push(TensorInfo {
+                    key: &d.key,
+                    dtype: d.dtype,
+                    shape: &d.global_shape,
+                    dtypes: Vec::new(),
+                    shapes: Vec::new(),
+                    pieces: Vec::new(),
+                });
+                infos.len() - 1
+            });
+            note(&mut infos[id].dtypes, d.dtype, ti);
+            note(&mut infos[id].shapes, d.global_shape.as_slice(), ti);
+            local.push(id);
+        }
+        for (pi, p) in t.pieces.iter().enumerate() {
+            infos[local[p.tensor as usize]].pieces.push((ti, pi));
+        }
+    }
+    check_collisions(infos.iter().map(|i| i.key))?;
+    infos.sort_by(|a, b| a.key.cmp(b.key));
+    for info in &infos {
+        if info.dtypes.len() > 1 {
+            return Err(PlanError::Disagreement {
+                key: info.key.clone(),
+                what: "data type",
+                variants: info
+                    .dtypes
+                    .iter()
+                    .map(|(d, ts)| (d.to_string(), ranks_of_templates(w, ts)))
+                    .collect(),
+            });
+        }
+        if info.shapes.len() > 1 {
+            return Err(PlanError::Disagreement {
+                key: info.key.clone(),
+                what: "global shape",
+                variants: info
+                    .shapes
+                    .iter()
+                    .map(|(s, ts)| (format!("{s:?}"), ranks_of_templates(w, ts)))
+                    .collect(),
+            });
+        }
+    }
+    let (my_template, my_coords) = w.of_rank(me as usize).ok_or_else(|| LayoutDecodeError {
+        rank: me as usize,
+        at: 0,
+        reason: "no description for this rank".into(),
+    })?;
+
+    // Step 2: regular tensors, validated per distinct combination of rules.
+    let mut memo: HashMap<(Vec<u64>, Vec<Family>), usize> = HashMap::new();
+    let mut tables: Vec<HashMap<u64, Holders>> = Vec::new();
+    let mut plans: Vec<TensorPlan> = Vec::with_capacity(infos.len());
+    let mut general: Vec<usize> = Vec::new();
+    let mut held: Vec<Held> = Vec::new();
+    let mut group_ids: HashMap<Vec<u32>, usize> = HashMap::new();
+    let mut solo: Vec<(usize, u64, Region, u64)> = Vec::new();
+    for (ix, info) in infos.iter().enumerate() {
+        let Some((sizes, families)) = regular(w, info) else {
+            general.push(ix);
+            plans.push(TensorPlan {
+                key: info.key.clone(),
+                dtype: info.dtype,
+                global_shape: info.shape.to_vec(),
+                chunk_shape: Vec::new(),
+                subchunk_shape: Vec::new(),
+                aligned: false,
+                pieces: Vec::new(),
+                metadata_writer: 0,
+            });
+            continue;
+        };
+        let n = part_counts(info.shape, &sizes);
+        let key = (n.clone(), families);
+        let table = match memo.get(&key) {
+            Some(&m) => m,
+            None => {
+                let t = holders(w, &n, &key.1)?;
+                tables.push(t);
+                memo.insert(key.clone(), tables.len() - 1);
+                tables.len() - 1
+            }
+        };
+        let parts = &tables[table];
+        validate_parts(info.key, info.shape, &sizes, &n, parts)?;
+        let chunk_shape: Vec<u64> = sizes
+            .iter()
+            .zip(&n)
+            .zip(info.shape)
+            .map(|((&s, &k), &d)| if k >= 2 { s } else { d.max(1) })
+            .collect();
+        let elem = info.dtype.size();
+        let subchunk_shape = grid::subchunk_shape(
+            &chunk_shape,
+            info.shape,
+            elem,
+            opts.grid.subchunk_target_bytes,
+        );
+        let metadata_writer = parts
+            .get(&0)
+            .and_then(|h| h.all.first().copied())
+            .unwrap_or(0);
+        plans.push(TensorPlan {
+            key: info.key.clone(),
+            dtype: info.dtype,
+            global_shape: info.shape.to_vec(),
+            chunk_shape,
+            subchunk_shape,
+            aligned: true,
+            pieces: Vec::new(),
+            metadata_writer,
+        });
+        // This rank's part, if it holds one that is stored.
+        let Some(f) = key.1.iter().find(|f| f.template == my_template) else {
+            continue;
+        };
+        let idx = pick_part(f, &my_coords);
+        let l = linear(&idx, &n);
+        let Some(h) = parts.get(&l) else { continue };
+        if h.main.is_empty() && h.auto.is_empty() {
+            continue;
+        }
+        let region = part_region(info.shape, &sizes, &idx);
+        if region.is_empty() {
+            continue;
+        }
+        let bytes = region
+            .num_elements()
+            .unwrap_or(0)
+            .saturating_mul(elem as u64);
+        let writer = if !opts.balance_replicas {
+            Some(h.main.first().or(h.auto.first()).copied().unwrap_or(0))
+        } else if h.all.len() == 1 {
+            Some(h.all[0])
+        } else {
+            None
+        };
+        match writer {
+            Some(wr) if wr == me => solo.push((ix, l, region, bytes)),
+            Some(_) => {}
+            None => {
+                let next = group_ids.len();
+                let group = *group_ids.entry(h.all.clone()).or_insert(next);
+                held.push(Held {
+                    tensor: ix,
+                    part: l,
+                    region,
+                    bytes,
+                    group,
+                });
+            }
+        }
+    }
+
+    // Step 3: replicated parts, assigned within their holder group.
+    let mut groups: Vec<Vec<u32>> = vec![Vec::new(); group_ids.len()];
+    for (h, g) in group_ids {
+        groups[g] = h;
+    }
+    held.sort_by(|a, b| {
+        (a.group, std::cmp::Reverse(a.bytes), a.tensor, a.part).cmp(&(
+            b.group,
+            std::cmp::Reverse(b.bytes),
+            b.tensor,
+            b.part,
+        ))
+    });
+    let mut load: HashMap<u32, u64> = HashMap::new();
+    let mut current_group = usize::MAX;
+    for h in held {
+        if h.group != current_group {
+            current_group = h.group;
+            load.clear();
+        }
+        let writer = groups[h.group]
+            .iter()
+            .copied()
+            .min_by_key(|r| (load.get(r).copied().unwrap_or(0), *r))
+            .unwrap_or(0);
+        *load.entry(writer).or_default() += h.bytes;
+        if writer == me {
+            solo.push((h.tensor, h.part, h.region, h.bytes));
+        }
+    }
+
+    // Step 4: the general planner for the other tensors.
+    let mut tasks = RankTasks::default();
+    let mut bytes: u64 = 0;
+    if !general.is_empty() {
+        let keys: HashSet<&TensorKey> = general.iter().map(|&i| infos[i].key).collect();
+        let g = w.gathered(Some(&keys))?;
+        let gp = SavePlan::build(&g, opts)?;
+        let index: HashMap<&TensorKey, usize> =
+            general.iter().map(|&i| (infos[i].key, i)).collect();
+        let remap: Vec<usize> = gp.tensors.iter().map(|t| index[&t.key]).collect();
+        let mut t = gp.tasks_for(me);
+        for wr in &mut t.writes {
+            wr.tensor = remap[wr.tensor];
+        }
+        for s in &mut t.sends {
+            s.tensor = remap[s.tensor];
+        }
+        for m in &mut t.metadata {
+            *m = remap[*m];
+        }
+        bytes += gp.bytes_per_rank.get(me as usize).copied().unwrap_or(0);
+        tasks = t;
+        for (tp, &i) in gp.tensors.into_iter().zip(&remap) {
+            plans[i] = tp;
+        }
+    }
+
+    // Step 5: this rank's writes of regular tensors, in plan order.
+    solo.sort_by_key(|a| (a.0, a.1));
+    for (ti, l, region, b) in solo {
+        let tp = &plans[ti];
+        let n = part_counts(&tp.global_shape, &tp.chunk_shape);
+        bytes += b;
+        tasks.writes.push(ChunkWrite {
+            tensor: ti,
+            chunk: unlinear(l, &n),
+            region: region.clone(),
+            parts: vec![Part {
+                region: region.clone(),
+                source: Source::Local(region),
+            }],
+        });
+    }
+    tasks
+        .writes
+        .sort_by(|a, b| (a.tensor, &a.chunk).cmp(&(b.tensor, &b.chunk)));
+    let mut is_general = vec![false; plans.len()];
+    for &i in &general {
+        is_general[i] = true;
+    }
+    for (ti, tp) in plans.iter().enumerate() {
+        if tp.metadata_writer == me && !is_general[ti] {
+            tasks.metadata.push(ti);
+        }
+    }
+    tasks.metadata.sort_unstable();
+    tasks.metadata.dedup();
+    Ok(RankPlan {
+        plan: SavePlan {
+            tensors: plans,
+            bytes_per_rank: Vec::new(),
+        },
+        tasks,
+        bytes,
+        general: general.len(),
+    })
+}
+
+/// The shared reads of a load that rank `me` takes part in, from the world's description of
+/// the requests (`w`) and the stored geometry of each tensor (`None`: not in the checkpoint).
+///
+/// Ranks that ask for the identical box of a regular tensor (data-parallel replicas, most of
+/// all) form a read group: each box of each shard they need is read once, by the member with
+/// the least bytes so far in that group (largest first), and sent to the others; each group is
+/// cut into rounds of at most `round_bytes` on its own, identically on each member. Requests of
+/// other tensors are planned by [`ExchangePlan::build`] on their instantiated layouts, in
+/// rounds after the groups'. Requests marked `main` (converted) are read alone.
+///
+/// Returns the plan and the number of group rounds this rank takes part in (the caller agrees
+/// on the largest).
+///
+/// # Errors
+/// [`LayoutDecodeError`] for coordinates that do not fit their template.
+pub fn plan_load(
+    w: &World,
+    me: u32,
+    geometry: &dyn Fn(&TensorKey) -> Option<StoredGeometry>,
+    round_bytes: u64,
+) -> Result<(ExchangePlan, u32), LayoutDecodeError> {
+    let Some((my_template, my_coords)) = w.of_rank(me as usize) else {
+        return Err(LayoutDecodeError {
+            rank: me as usize,
+            at: 0,
+            reason: "no description for this rank".into(),
+        });
+    };
+    // Every requested tensor, with every template's pieces of it.
+    let mine: HashSet<&TensorKey> = w.templates[my_template]
+        .tensors
+        .iter()
+        .map(|d| &d.key)
+        .collect();
+    let mut infos: HashMap<&TensorKey, TensorInfo<'_>> = HashMap::new();
+    for (ti, t) in w.templates.iter().enumerate() {
+        for (pi, p) in t.pieces.iter().enumerate() {
+            let d = &t.tensors[p.tensor as usize];
+            let info = infos.entry(&d.key).or_insert_with(|| TensorInfo {
+                key: &d.key,
+                dtype: d.dtype,
+                shape: &d.global_shape,
+                dtypes: Vec::new(),
+                shapes: Vec::new(),
+                pieces: Vec::new(),
+            });
+            if !p.main {
+                info.pieces.push((ti, pi));
+            }
+        }
+    }
+    let mut keys: Vec<&TensorKey> = infos.keys().copied().collect();
+    keys.sort();
+    // Tensors no regular grid describes, the same set on every rank.
+    let mut general: HashSet<&TensorKey> = HashSet::new();
+    let mut grids: HashMap<&TensorKey, (Vec<u64>, Vec<Family>)> = HashMap::new();
+    for &key in &keys {
+        let info = &infos[key];
+        if geometry(key).is_none_or(|g| g.global_shape.as_slice() != info.shape) {
+            continue;
+        }
+        match regular(w, info) {
+            Some(r) => {
+                grids.insert(key, r);
+            }
+            None => {
+                general.insert(key);
+            }
+        }
+    }
+    keys.retain(|k| mine.contains(k) && grids.contains_key(k));
+    let mut memo: HashMap<(Vec<u64>, Vec<Family>), usize> = HashMap::new();
+    let mut tables: Vec<HashMap<u64, Holders>> = Vec::new();
+    let mut group_ids: HashMap<Vec<u32>, usize> = HashMap::new();
+    let mut items: Vec<(usize, SharedRead)> = Vec::new();
+    for key in keys {
+        let info = &infos[key];
+        let Some(geom) = geometry(key) else { continue };
+        let (sizes, families) = &grids[key];
+        let Some(f) = families.iter().find(|f| f.template == my_template) else {
+            continue;
+        };
+        let idx = pick_part(f, &my_coords);
+        let n = part_counts(info.shape, sizes);
+        let memo_key = (n.clone(), families.clone());
+        let table = match memo.get(&memo_key) {
+            Some(&m) => m,
+            None => {
+                tables.push(holders(w, &n, families)?);
+                memo.insert(memo_key, tables.len() - 1);
+                tables.len() - 1
+            }
+        };
+        let Some(h) = tables[table].get(&linear(&idx, &n)) else {
+            continue;
+        };
+        if h.all.len() < 2 {
+            continue;
+        }
+        let region = part_region(info.shape, sizes, &idx);
+        if region.is_empty() {
+            continue;
+        }
+        let next = group_ids.len();
+        let group = *group_ids.entry(h.all.clone()).or_insert(next);
+        let (lo, hi) = grid::chunks_overlapping(&region, &geom.chunk_shape);
+        grid::for_each_index(&lo, &hi, |c| {
+            let chunk_box = Region {
+                offset: c
+                    .iter()
+                    .zip(&geom.chunk_shape)
+                    .map(|(i, s)| i * s)
+                    .collect(),
+                shape: geom.chunk_shape.clone(),
+            };
+            if let Some(inner) = region.intersect(&chunk_box) {
+                let bytes = inner
+                    .num_elements()
+                    .unwrap_or(0)
+                    .saturating_mul(geom.elem as u64);
+                items.push((
+                    group,
+                    SharedRead {
+                        key: key.clone(),
+                        chunk: c.to_vec(),
+                        region: inner,
+                        ranks: h.all.clone(),
+                        reader: 0,
+                        bytes,
+                    },
+                ));
+            }
+        });
+    }
+    // Readers: per group, largest first to the least-loaded member.
+    items.sort_by(|(ga, a), (gb, b)| {
+        (ga, std::cmp::Reverse(a.bytes), &a.key, &a.chunk, &a.region).cmp(&(
+            gb,
+            std::cmp::Reverse(b.bytes),
+            &b.key,
+            &b.chunk,
+            &b.region,
+        ))
+    });
+    let mut load: HashMap<u32, u64> = HashMap::new();
+    let mut current = usize::MAX;
+    for (g, r) in &mut items {
+        if *g != current {
+            current = *g;
+            load.clear();
+        }
+        let reader = r
+            .ranks
+            .iter()
+            .copied()
+            .min_by_key(|k| (load.get(k).copied().unwrap_or(0), *k))
+            .unwrap_or(0);
+        *load.entry(reader).or_default() += r.bytes;
+        r.reader = reader;
+    }
+    // Rounds: per group, in (key, chunk, region) order.
+    items.sort_by(|(ga, a), (gb, b)| {
+        (ga, &a.key, &a.chunk, &a.region).cmp(&(gb, &b.key, &b.chunk, &b.region))
+    });
+    let mut reads = Vec::with_capacity(items.len());
+    let mut rounds = Vec::with_capacity(items.len());
+    let (mut current, mut round, mut acc) = (usize::MAX, 0u32, 0u64);
+    let mut n_rounds = 0u32;
+    for (g, r) in items {
+        if g != current {
+            (current, round, acc) = (g, 0, 0);
+        } else if acc > 0 && acc + r.bytes > round_bytes {
+            round += 1;
+            acc = 0;
+        }
+        acc += r.bytes;
+        n_rounds = n_rounds.max(round + 1);
+        rounds.push(round);
+        reads.push(r);
+    }
+    let mut plan = ExchangePlan {
+        reads,
+        bytes_per_rank: Vec::new(),
+        round: rounds,
+        general_from: 0,
+        general_rounds: 0,
+    };
+    plan.general_from = plan.reads.len();
+    // Other tensors: the general planner on their layouts (the same on every rank); their
+    // rounds follow the groups'.
+    if !general.is_empty() {
+        let g = w.gathered(Some(&general))?;
+        let gp = ExchangePlan::build(&g, |k| geometry(k));
+        let rounds = gp.rounds(round_bytes);
+        plan.general_rounds = rounds.len() as u32;
+        for (ri, range) in rounds.into_iter().enumerate() {
+            for r in &gp.reads[range] {
+                if r.ranks.binary_search(&me).is_ok() {
+                    plan.reads.push(r.clone());
+                    plan.round.push(ri as u32);
+                }
+            }
+        }
+    }
+    Ok((plan, n_rounds))
+}
