@@ -328,6 +328,13 @@ impl Saver {
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
         self.settle()?;
+        let boxed;
+        let pieces = if pieces.iter().any(|p| p.flat_range().is_some()) {
+            boxed = crate::model::tensor::expand_flat_pieces(pieces);
+            &boxed[..]
+        } else {
+            pieces
+        };
         let agreed = steps::agree_on_layout_cached(pieces, &*self.comm, opts, &mut self.cache)?;
         steps::save_agreed(dir, &*self.comm, opts, &agreed, None)
     }
@@ -380,6 +387,14 @@ impl Saver {
         let threads = self.threads()?;
         let comm = Arc::clone(&self.comm);
         let rank = comm.rank();
+        // Flat pieces are saved as the boxes of their decomposition.
+        let boxed;
+        let pieces = if pieces.iter().any(|p| p.flat_range().is_some()) {
+            boxed = crate::model::tensor::expand_flat_pieces(pieces);
+            &boxed[..]
+        } else {
+            pieces
+        };
         let agreed = steps::agree_on_layout_cached(pieces, &*comm, opts, &mut self.cache)?;
         let plan = Arc::clone(&agreed.plan);
         let tasks = plan.tasks.clone();
