@@ -45,6 +45,15 @@ pub enum Rule {
     Box(Region),
     /// A part of a regular grid, per axis.
     Grid(Vec<Axis>),
+    /// Part `coords[slot]` of the C-order flattening cut in parts of `size` elements
+    /// (`[i * size, min((i + 1) * size, numel))`, the ZeRO / FSDP1 rule), held as the boxes of
+    /// its decomposition (`crate::model::flat::flat_boxes`).
+    Flat {
+        /// Elements per part (the last part may be shorter).
+        size: u64,
+        /// The coordinate holding the part index.
+        slot: u32,
+    },
 }
 
 /// One piece of a template: a rule and the piece's flags (as in [`PieceDecl`]).
@@ -91,8 +100,36 @@ impl Template {
         let mut coords: Vec<u64> = Vec::new();
         let mut slot_of: HashMap<u64, u32> = HashMap::new();
         let mut pieces: Vec<Option<RulePiece>> = Vec::with_capacity(layout.pieces.len());
+        // Flat ranges held as several boxes: one flat rule each, when the range is part
+        // `start / len` of parts of its length.
+        let flat = flat_runs(layout);
+        let mut skip = 0usize;
         // First pass: whole parts.
-        for p in &layout.pieces {
+        for (k, p) in layout.pieces.iter().enumerate() {
+            if skip > 0 {
+                skip -= 1;
+                pieces.push(None);
+                continue;
+            }
+            if let Some(&(n_boxes, ref range)) = flat.get(&k) {
+                let len = range.end - range.start;
+                if range.start % len == 0
+                    && let Some(slot) = slot_for(range.start / len, &mut coords, &mut slot_of)
+                {
+                    skip = n_boxes - 1;
+                    pieces.push(Some(RulePiece {
+                        tensor: p.tensor,
+                        rule: Rule::Flat { size: len, slot },
+                        main: p.main,
+                        auto: p.auto,
+                    }));
+                    continue;
+                }
+                // Not a whole part: left to the second pass, as one range.
+                skip = n_boxes - 1;
+                pieces.push(None);
+                continue;
+            }
             let shape = &layout.tensors[p.tensor as usize].global_shape;
             let mut axes = Vec::with_capacity(shape.len());
             let mut ok = !p.region.is_empty();
@@ -104,19 +141,9 @@ impl Template {
                 if o == 0 && n == dim {
                     axes.push(Axis::Full);
                 } else if n > 0 && o % n == 0 && o + n <= dim {
-                    let i = o / n;
-                    let slot = match slot_of.get(&i) {
-                        Some(&s) => s,
-                        None if (coords.len() as u32) < MAX_SLOTS => {
-                            let s = coords.len() as u32;
-                            coords.push(i);
-                            slot_of.insert(i, s);
-                            s
-                        }
-                        None => {
-                            ok = false;
-                            break;
-                        }
+                    let Some(slot) = slot_for(o / n, &mut coords, &mut slot_of) else {
+                        ok = false;
+                        break;
                     };
                     axes.push(Axis::Split { size: n, slot });
                 } else {
@@ -131,24 +158,50 @@ impl Template {
             }));
         }
         // Second pass: last, shorter parts, from the coordinates found.
-        let pieces = layout
-            .pieces
-            .iter()
-            .zip(pieces)
-            .map(|(p, done)| {
-                done.unwrap_or_else(|| {
-                    let shape = &layout.tensors[p.tensor as usize].global_shape;
-                    let rule = last_part(&p.region, shape, &coords)
-                        .map_or_else(|| Rule::Box(p.region.clone()), Rule::Grid);
-                    RulePiece {
+        let mut out = Vec::with_capacity(pieces.len());
+        let mut k = 0;
+        while k < layout.pieces.len() {
+            let p = &layout.pieces[k];
+            if let Some(done) = pieces[k].take() {
+                let boxes = match done.rule {
+                    Rule::Flat { .. } => flat.get(&k).map_or(1, |f| f.0),
+                    _ => 1,
+                };
+                out.push(done);
+                k += boxes;
+                continue;
+            }
+            let shape = &layout.tensors[p.tensor as usize].global_shape;
+            if let Some(&(n_boxes, ref range)) = flat.get(&k) {
+                match last_flat_part(range, shape, &coords) {
+                    Some(rule) => out.push(RulePiece {
                         tensor: p.tensor,
                         rule,
                         main: p.main,
                         auto: p.auto,
-                    }
-                })
-            })
-            .collect();
+                    }),
+                    // Explicit boxes, which planning may still recognise as one part.
+                    None => out.extend(layout.pieces[k..k + n_boxes].iter().map(|q| RulePiece {
+                        tensor: q.tensor,
+                        rule: Rule::Box(q.region.clone()),
+                        main: q.main,
+                        auto: q.auto,
+                    })),
+                }
+                k += n_boxes;
+                continue;
+            }
+            let rule = last_part(&p.region, shape, &coords)
+                .map_or_else(|| Rule::Box(p.region.clone()), Rule::Grid);
+            out.push(RulePiece {
+                tensor: p.tensor,
+                rule,
+                main: p.main,
+                auto: p.auto,
+            });
+            k += 1;
+        }
+        let pieces = out;
         let t = Template {
             tensors: layout.tensors.clone(),
             pieces,
@@ -157,14 +210,22 @@ impl Template {
         (t, coords)
     }
 
-    /// The box of piece `p` for a rank with these coordinates, or `None` when a part index
-    /// lies beyond the tensor.
+    /// The boxes of piece `p` for a rank with these coordinates (one, or the decomposition of
+    /// a flat part), or `None` when a part index lies beyond the tensor.
     #[must_use]
-    pub fn region_of(&self, p: &RulePiece, coords: &[u64]) -> Option<Region> {
+    pub fn regions_of(&self, p: &RulePiece, coords: &[u64]) -> Option<Vec<Region>> {
+        let shape = &self.tensors[p.tensor as usize].global_shape;
         match &p.rule {
-            Rule::Box(r) => Some(r.clone()),
+            Rule::Box(r) => Some(vec![r.clone()]),
+            Rule::Flat { size, slot } => {
+                let n = crate::model::region::num_elements(shape).ok()?;
+                let i = *coords.get(*slot as usize)?;
+                let a = i.checked_mul(*size).filter(|&a| a < n)?;
+                let b = a.saturating_add(*size).min(n);
+                let boxes = crate::model::flat::flat_boxes(shape, a..b).ok()?;
+                Some(boxes.into_iter().map(|f| f.region).collect())
+            }
             Rule::Grid(axes) => {
-                let shape = &self.tensors[p.tensor as usize].global_shape;
                 let mut offset = Vec::with_capacity(axes.len());
                 let mut extent = Vec::with_capacity(axes.len());
                 for (ax, &dim) in axes.iter().zip(shape) {
@@ -181,10 +242,10 @@ impl Template {
                         }
                     }
                 }
-                Some(Region {
+                Some(vec![Region {
                     offset,
                     shape: extent,
-                })
+                }])
             }
         }
     }
@@ -210,24 +271,23 @@ impl Template {
                 self.slots
             )));
         }
-        let pieces = self
-            .pieces
-            .iter()
-            .map(|p| {
-                let region = self.region_of(p, coords).ok_or_else(|| {
-                    err(format!(
-                        "coordinates {coords:?} put a part of `{}` beyond its shape",
-                        self.tensors[p.tensor as usize].key
-                    ))
-                })?;
-                Ok(PieceDecl {
+        let mut pieces = Vec::with_capacity(self.pieces.len());
+        for p in &self.pieces {
+            let regions = self.regions_of(p, coords).ok_or_else(|| {
+                err(format!(
+                    "coordinates {coords:?} put a part of `{}` beyond its shape",
+                    self.tensors[p.tensor as usize].key
+                ))
+            })?;
+            for region in regions {
+                pieces.push(PieceDecl {
                     tensor: p.tensor,
                     region,
                     main: p.main,
                     auto: p.auto,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+                });
+            }
+        }
         Ok(RankLayout {
             tensors: self.tensors.clone(),
             pieces,
@@ -254,6 +314,11 @@ impl Template {
                     for &s in &r.shape {
                         put_varint(&mut out, s);
                     }
+                }
+                Rule::Flat { size, slot } => {
+                    out.push(flags | 8);
+                    put_varint(&mut out, *size);
+                    put_varint(&mut out, u64::from(*slot));
                 }
                 Rule::Grid(axes) => {
                     out.push(flags | 4);
@@ -301,11 +366,21 @@ impl Template {
                 .get(t as usize)
                 .ok_or_else(|| r.err("tensor index out of range"))?;
             let flags = r.take(1)?[0];
-            if flags & !4 > 2 {
+            if flags & !12 > 2 || flags & 12 == 12 {
                 return Err(r.err("unknown piece flags"));
             }
             let nd = decl.global_shape.len();
-            let rule = if flags & 4 == 0 {
+            let rule = if flags & 8 != 0 {
+                let size = r.varint()?;
+                let slot = r.varint()?;
+                if size == 0 || slot >= u64::from(slots) {
+                    return Err(r.err("bad flat rule"));
+                }
+                Rule::Flat {
+                    size,
+                    slot: slot as u32,
+                }
+            } else if flags & 4 == 0 {
                 let offset = (0..nd).map(|_| r.varint()).collect::<Result<Vec<_>, _>>()?;
                 let shape = (0..nd).map(|_| r.varint()).collect::<Result<Vec<_>, _>>()?;
                 let region = Region::new(offset, shape).map_err(|e| r.err(&e.to_string()))?;
@@ -348,6 +423,83 @@ impl Template {
             slots,
         })
     }
+}
+
+/// The coordinate slot holding `i`, adding one when there is room.
+fn slot_for(i: u64, coords: &mut Vec<u64>, slot_of: &mut HashMap<u64, u32>) -> Option<u32> {
+    if let Some(&s) = slot_of.get(&i) {
+        return Some(s);
+    }
+    if coords.len() as u32 >= MAX_SLOTS {
+        return None;
+    }
+    let s = coords.len() as u32;
+    coords.push(i);
+    slot_of.insert(i, s);
+    Some(s)
+}
+
+/// Runs of consecutive pieces (same tensor and flags, at least two) that are exactly the box
+/// decomposition of one flat range: first piece's index -> (number of boxes, range).
+fn flat_runs(layout: &RankLayout) -> HashMap<usize, (usize, std::ops::Range<u64>)> {
+    use crate::model::flat::{box_flat_range, flat_boxes};
+    let mut out = HashMap::new();
+    let ps = &layout.pieces;
+    let mut k = 0;
+    while k < ps.len() {
+        let p = &ps[k];
+        let shape = &layout.tensors[p.tensor as usize].global_shape;
+        let max = 2 * shape.len();
+        let mut found = None;
+        if let Some(first) = box_flat_range(shape, &p.region) {
+            let mut end = first.end;
+            let mut j = k + 1;
+            while j < ps.len() && j - k < max {
+                let q = &ps[j];
+                if q.tensor != p.tensor || q.main != p.main || q.auto != p.auto {
+                    break;
+                }
+                match box_flat_range(shape, &q.region) {
+                    Some(r) if r.start == end => end = r.end,
+                    _ => break,
+                }
+                j += 1;
+                let range = first.start..end;
+                if flat_boxes(shape, range.clone()).is_ok_and(|b| {
+                    b.len() == j - k && b.iter().zip(&ps[k..j]).all(|(b, q)| b.region == q.region)
+                }) {
+                    found = Some((j - k, range));
+                }
+            }
+        }
+        match found {
+            Some((n, range)) => {
+                out.insert(k, (n, range));
+                k += n;
+            }
+            None => k += 1,
+        }
+    }
+    out
+}
+
+/// The last, shorter part of a flat cut, from a coordinate the rank already has.
+fn last_flat_part(range: &std::ops::Range<u64>, shape: &[u64], coords: &[u64]) -> Option<Rule> {
+    let n = crate::model::region::num_elements(shape).ok()?;
+    let len = range.end - range.start;
+    if range.end != n {
+        return None;
+    }
+    coords.iter().enumerate().find_map(|(slot, &i)| {
+        if i == 0 || range.start % i != 0 {
+            return None;
+        }
+        let size = range.start / i;
+        (size >= len).then_some(Rule::Flat {
+            size,
+            slot: slot as u32,
+        })
+    })
 }
 
 /// The last, shorter part of a split along each axis where the box is not a whole part:
@@ -845,7 +997,7 @@ impl World {
                     if !wanted[p.tensor as usize] {
                         continue;
                     }
-                    let Some(region) = t.region_of(p, coords) else {
+                    let Some(regions) = t.regions_of(p, coords) else {
                         err = Some(LayoutDecodeError {
                             rank: rank as usize,
                             at: 0,
@@ -857,12 +1009,14 @@ impl World {
                         l.tensors.push(t.tensors[p.tensor as usize].clone());
                         (l.tensors.len() - 1) as u32
                     });
-                    l.pieces.push(PieceDecl {
-                        tensor: id,
-                        region,
-                        main: p.main,
-                        auto: p.auto,
-                    });
+                    for region in regions {
+                        l.pieces.push(PieceDecl {
+                            tensor: id,
+                            region,
+                            main: p.main,
+                            auto: p.auto,
+                        });
+                    }
                 }
                 // Tensors declared without pieces still take part in the agreement on type and shape.
                 for (i, d) in t.tensors.iter().enumerate() {

@@ -22,7 +22,7 @@ use super::layout::LayoutDecodeError;
 use super::load::StoredGeometry;
 use super::rule::{Axis, Rule, World};
 use super::save::{
-    ChunkWrite, Part, PlanError, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan,
+    ChunkWrite, Part, PlanError, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan, Transfer,
 };
 use crate::model::key::check_collisions;
 use crate::model::{DType, Region, TensorKey};
@@ -119,6 +119,7 @@ fn regular(w: &World, info: &TensorInfo<'_>) -> Option<(Vec<u64>, Vec<Family>)> 
     for &(t, p) in &info.pieces {
         let piece = &w.templates[t].pieces[p];
         let picks = match &piece.rule {
+            Rule::Flat { .. } => return None,
             Rule::Box(r) if r.is_empty() => continue,
             Rule::Box(r) => {
                 let mut picks = Vec::with_capacity(shape.len());
@@ -245,11 +246,10 @@ fn holders(
 fn validate_parts(
     key: &TensorKey,
     shape: &[u64],
-    sizes: &[u64],
-    n: &[u64],
+    total: u128,
     parts: &HashMap<u64, Holders>,
+    region_of: &dyn Fn(u64) -> Region,
 ) -> Result<(), PlanError> {
-    let total: u128 = n.iter().map(|&k| u128::from(k)).product();
     let mut stored: u128 = 0;
     let mut doubly: Option<u64> = None;
     for (&l, h) in parts {
@@ -261,7 +261,7 @@ fn validate_parts(
         }
     }
     if let Some(l) = doubly {
-        let region = part_region(shape, sizes, &unlinear(l, n));
+        let region = region_of(l);
         let ranks: Vec<u32> = parts[&l].main.iter().copied().take(8).collect();
         return Err(PlanError::Overlap {
             key: key.clone(),
@@ -281,7 +281,7 @@ fn validate_parts(
             })
             .unwrap_or(0);
         let elem_total: u128 = shape.iter().map(|&d| u128::from(d)).product();
-        let region = part_region(shape, sizes, &unlinear(missing, n));
+        let region = region_of(missing);
         let missing_elems = u128::from(region.num_elements().unwrap_or(0));
         return Err(PlanError::Gap {
             key: key.clone(),
@@ -376,7 +376,25 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
     let mut held: Vec<Held> = Vec::new();
     let mut group_ids: HashMap<Vec<u32>, usize> = HashMap::new();
     let mut solo: Vec<(usize, u64, Region, u64)> = Vec::new();
+    let mut flat_memo: HashMap<(u64, Vec<FlatFamily>), Option<usize>> = HashMap::new();
+    let mut flat_sends: Vec<Transfer> = Vec::new();
+    let mut flat_writes: Vec<ChunkWrite> = Vec::new();
+    let mut flat_bytes: u64 = 0;
     for (ix, info) in infos.iter().enumerate() {
+        if let Some(done) = plan_flat(
+            w,
+            info,
+            ix,
+            (me, my_template, &my_coords),
+            opts,
+            (&mut flat_memo, &mut tables),
+        )? {
+            plans.push(done.plan);
+            flat_writes.extend(done.writes);
+            flat_sends.extend(done.sends);
+            flat_bytes += done.bytes;
+            continue;
+        }
         let Some((sizes, families)) = regular(w, info) else {
             general.push(ix);
             plans.push(TensorPlan {
@@ -403,7 +421,9 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             }
         };
         let parts = &tables[table];
-        validate_parts(info.key, info.shape, &sizes, &n, parts)?;
+        let total: u128 = n.iter().map(|&k| u128::from(k)).product();
+        let region_of = |l: u64| part_region(info.shape, &sizes, &unlinear(l, &n));
+        validate_parts(info.key, info.shape, total, parts, &region_of)?;
         let chunk_shape: Vec<u64> = sizes
             .iter()
             .zip(&n)
@@ -547,9 +567,15 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             }],
         });
     }
+    bytes += flat_bytes;
+    tasks.writes.extend(flat_writes);
+    tasks.sends.extend(flat_sends);
     tasks
         .writes
         .sort_by(|a, b| (a.tensor, &a.chunk).cmp(&(b.tensor, &b.chunk)));
+    // Per destination, sends go in the order the writer lists its remote parts: by tensor
+    // (each rank sends parts of one chunk per tensor), boxes in order.
+    tasks.sends.sort_by_key(|t| t.tensor);
     let mut is_general = vec![false; plans.len()];
     for &i in &general {
         is_general[i] = true;
@@ -628,9 +654,17 @@ pub fn plan_load(
     // Tensors no regular grid describes, the same set on every rank.
     let mut general: HashSet<&TensorKey> = HashSet::new();
     let mut grids: HashMap<&TensorKey, (Vec<u64>, Vec<Family>)> = HashMap::new();
+    let mut flats: HashMap<&TensorKey, (u64, Vec<FlatFamily>, usize)> = HashMap::new();
+    let mut flat_memo: HashMap<(u64, Vec<FlatFamily>), Option<usize>> = HashMap::new();
+    let mut tables: Vec<HashMap<u64, Holders>> = Vec::new();
     for &key in &keys {
         let info = &infos[key];
         if geometry(key).is_none_or(|g| g.global_shape.as_slice() != info.shape) {
+            continue;
+        }
+        if let Some((size, families, table, _, _)) = flat_cut(w, info, &mut flat_memo, &mut tables)?
+        {
+            flats.insert(key, (size, families, table));
             continue;
         }
         match regular(w, info) {
@@ -642,69 +676,80 @@ pub fn plan_load(
             }
         }
     }
-    keys.retain(|k| mine.contains(k) && grids.contains_key(k));
+    keys.retain(|k| mine.contains(k) && (grids.contains_key(k) || flats.contains_key(k)));
     let mut memo: HashMap<(Vec<u64>, Vec<Family>), usize> = HashMap::new();
-    let mut tables: Vec<HashMap<u64, Holders>> = Vec::new();
     let mut group_ids: HashMap<Vec<u32>, usize> = HashMap::new();
     let mut items: Vec<(usize, SharedRead)> = Vec::new();
     for key in keys {
         let info = &infos[key];
         let Some(geom) = geometry(key) else { continue };
-        let (sizes, families) = &grids[key];
-        let Some(f) = families.iter().find(|f| f.template == my_template) else {
-            continue;
+        // The boxes this rank asks for, and who else asks for exactly them.
+        let (regions, table, part) = if let Some((size, families, table)) = flats.get(key) {
+            let Some(f) = families.iter().find(|f| f.template == my_template) else {
+                continue;
+            };
+            let numel = crate::model::region::num_elements(info.shape).unwrap_or(0);
+            let Some(l) = flat_pick(f, &my_coords, info.shape, *size, numel) else {
+                continue;
+            };
+            (flat_part_boxes(info.shape, *size, numel, l), *table, l)
+        } else {
+            let (sizes, families) = &grids[key];
+            let Some(f) = families.iter().find(|f| f.template == my_template) else {
+                continue;
+            };
+            let idx = pick_part(f, &my_coords);
+            let n = part_counts(info.shape, sizes);
+            let memo_key = (n.clone(), families.clone());
+            let table = match memo.get(&memo_key) {
+                Some(&m) => m,
+                None => {
+                    tables.push(holders(w, &n, families)?);
+                    memo.insert(memo_key, tables.len() - 1);
+                    tables.len() - 1
+                }
+            };
+            let region = part_region(info.shape, sizes, &idx);
+            (vec![region], table, linear(&idx, &n))
         };
-        let idx = pick_part(f, &my_coords);
-        let n = part_counts(info.shape, sizes);
-        let memo_key = (n.clone(), families.clone());
-        let table = match memo.get(&memo_key) {
-            Some(&m) => m,
-            None => {
-                tables.push(holders(w, &n, families)?);
-                memo.insert(memo_key, tables.len() - 1);
-                tables.len() - 1
-            }
-        };
-        let Some(h) = tables[table].get(&linear(&idx, &n)) else {
+        let Some(h) = tables[table].get(&part) else {
             continue;
         };
         if h.all.len() < 2 {
             continue;
         }
-        let region = part_region(info.shape, sizes, &idx);
-        if region.is_empty() {
-            continue;
-        }
         let next = group_ids.len();
         let group = *group_ids.entry(h.all.clone()).or_insert(next);
-        let (lo, hi) = grid::chunks_overlapping(&region, &geom.chunk_shape);
-        grid::for_each_index(&lo, &hi, |c| {
-            let chunk_box = Region {
-                offset: c
-                    .iter()
-                    .zip(&geom.chunk_shape)
-                    .map(|(i, s)| i * s)
-                    .collect(),
-                shape: geom.chunk_shape.clone(),
-            };
-            if let Some(inner) = region.intersect(&chunk_box) {
-                let bytes = inner
-                    .num_elements()
-                    .unwrap_or(0)
-                    .saturating_mul(geom.elem as u64);
-                items.push((
-                    group,
-                    SharedRead {
-                        key: key.clone(),
-                        chunk: c.to_vec(),
-                        region: inner,
-                        ranks: h.all.clone(),
-                        reader: 0,
-                        bytes,
-                    },
-                ));
-            }
-        });
+        for region in regions.iter().filter(|r| !r.is_empty()) {
+            let (lo, hi) = grid::chunks_overlapping(region, &geom.chunk_shape);
+            grid::for_each_index(&lo, &hi, |c| {
+                let chunk_box = Region {
+                    offset: c
+                        .iter()
+                        .zip(&geom.chunk_shape)
+                        .map(|(i, s)| i * s)
+                        .collect(),
+                    shape: geom.chunk_shape.clone(),
+                };
+                if let Some(inner) = region.intersect(&chunk_box) {
+                    let bytes = inner
+                        .num_elements()
+                        .unwrap_or(0)
+                        .saturating_mul(geom.elem as u64);
+                    items.push((
+                        group,
+                        SharedRead {
+                            key: key.clone(),
+                            chunk: c.to_vec(),
+                            region: inner,
+                            ranks: h.all.clone(),
+                            reader: 0,
+                            bytes,
+                        },
+                    ));
+                }
+            });
+        }
     }
     // Readers: per group, largest first to the least-loaded member.
     items.sort_by(|(ga, a), (gb, b)| {
@@ -777,4 +822,364 @@ pub fn plan_load(
         }
     }
     Ok((plan, n_rounds))
+}
+
+/// How one template's piece of a flat-regular tensor picks its part.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum FlatPick {
+    /// `coords[slot]` (a flat rule).
+    Slot(u32),
+    /// Always this part (an explicit box that is one).
+    Fixed(u64),
+    /// A grid rule whose box must be one part (checked rank by rank).
+    Grid(Vec<Axis>),
+}
+
+/// One template's piece of a flat-regular tensor.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct FlatFamily {
+    template: usize,
+    pick: FlatPick,
+    main: bool,
+    auto: bool,
+}
+
+/// The most parts one chunk of a flat-regular tensor gathers (its writer receives the others).
+const FLAT_MAX_PARTS_PER_CHUNK: u64 = 64;
+
+/// A tensor whose pieces are parts of one flat cut (at least one flat rule, every other piece
+/// a box that may be such a part, at most one per rank): the part size and the families.
+fn flat_regular(w: &World, info: &TensorInfo<'_>) -> Option<(u64, Vec<FlatFamily>)> {
+    let mut size = None;
+    for &(t, p) in &info.pieces {
+        if let Rule::Flat { size: s, .. } = w.templates[t].pieces[p].rule {
+            match size {
+                None => size = Some(s),
+                Some(x) if x == s => {}
+                Some(_) => return None,
+            }
+        }
+    }
+    let size = size?;
+    let numel = crate::model::region::num_elements(info.shape).ok()?;
+    // Per template, its pieces of the tensor (in template order).
+    let mut by_template: Vec<(usize, Vec<usize>)> = Vec::new();
+    for &(t, p) in &info.pieces {
+        match by_template.iter_mut().find(|(x, _)| *x == t) {
+            Some((_, ps)) => ps.push(p),
+            None => by_template.push((t, vec![p])),
+        }
+    }
+    let mut families = Vec::with_capacity(by_template.len());
+    for (t, ps) in by_template {
+        let pieces: Vec<&super::rule::RulePiece> = ps
+            .iter()
+            .map(|&p| &w.templates[t].pieces[p])
+            .filter(|p| !matches!(&p.rule, Rule::Box(r) if r.is_empty()))
+            .collect();
+        let Some(first) = pieces.first() else {
+            continue;
+        };
+        if pieces
+            .iter()
+            .any(|p| p.main != first.main || p.auto != first.auto)
+        {
+            return None;
+        }
+        let pick = match &first.rule {
+            _ if pieces.len() > 1 => {
+                // Explicit boxes that together are one part (a last, shorter flat part whose
+                // rank had no coordinate to name it by).
+                let mut ranges = pieces
+                    .iter()
+                    .map(|p| match &p.rule {
+                        Rule::Box(r) => crate::model::flat::box_flat_range(info.shape, r),
+                        _ => None,
+                    })
+                    .collect::<Option<Vec<_>>>()?;
+                ranges.sort_by_key(|r| r.start);
+                if ranges.windows(2).any(|x| x[0].end != x[1].start) {
+                    return None;
+                }
+                let range = ranges[0].start..ranges[ranges.len() - 1].end;
+                FlatPick::Fixed(flat_part(&range, size, numel)?)
+            }
+            Rule::Box(r) => {
+                let range = crate::model::flat::box_flat_range(info.shape, r)?;
+                FlatPick::Fixed(flat_part(&range, size, numel)?)
+            }
+            Rule::Flat { slot, .. } => FlatPick::Slot(*slot),
+            Rule::Grid(axes) => FlatPick::Grid(axes.clone()),
+        };
+        families.push(FlatFamily {
+            template: t,
+            pick,
+            main: first.main,
+            auto: first.auto,
+        });
+    }
+    Some((size, families))
+}
+
+/// The part index of a flat range that is one part of parts of `size`.
+fn flat_part(range: &std::ops::Range<u64>, size: u64, numel: u64) -> Option<u64> {
+    let len = range.end - range.start;
+    (range.start % size == 0 && (len == size || (range.end == numel && len < size)))
+        .then(|| range.start / size)
+}
+
+/// The part a family's rank holds, or `None` when its box is not a part.
+fn flat_pick(f: &FlatFamily, coords: &[u64], shape: &[u64], size: u64, numel: u64) -> Option<u64> {
+    match &f.pick {
+        FlatPick::Slot(s) => coords.get(*s as usize).copied(),
+        FlatPick::Fixed(v) => Some(*v),
+        FlatPick::Grid(axes) => {
+            let mut offset = Vec::with_capacity(axes.len());
+            let mut extent = Vec::with_capacity(axes.len());
+            for (ax, &dim) in axes.iter().zip(shape) {
+                match *ax {
+                    Axis::Full => {
+                        offset.push(0);
+                        extent.push(dim);
+                    }
+                    Axis::Split { size, slot } => {
+                        let o = coords.get(slot as usize)?.checked_mul(size)?;
+                        offset.push(o);
+                        extent.push(size.min(dim.checked_sub(o)?));
+                    }
+                }
+            }
+            let r = Region {
+                offset,
+                shape: extent,
+            };
+            let range = crate::model::flat::box_flat_range(shape, &r)?;
+            flat_part(&range, size, numel)
+        }
+    }
+}
+
+/// Who holds each part of a flat cut, or `None` when a grid piece is not a part.
+fn flat_holders(
+    w: &World,
+    shape: &[u64],
+    size: u64,
+    families: &[FlatFamily],
+) -> Result<Option<HashMap<u64, Holders>>, LayoutDecodeError> {
+    let numel = crate::model::region::num_elements(shape).unwrap_or(0);
+    let n = numel.div_ceil(size);
+    let mut parts: HashMap<u64, Holders> = HashMap::new();
+    let mut bad: Option<u32> = None;
+    let mut irregular = false;
+    for f in families {
+        w.for_each_rank(f.template, |rank, coords| {
+            match flat_pick(f, coords, shape, size, numel) {
+                None => irregular = true,
+                Some(i) if i >= n => {
+                    bad.get_or_insert(rank);
+                }
+                Some(i) => {
+                    let h = parts.entry(i).or_default();
+                    if f.main {
+                        h.main.push(rank);
+                    } else if f.auto {
+                        h.auto.push(rank);
+                    }
+                    h.all.push(rank);
+                }
+            }
+        })?;
+    }
+    if irregular {
+        return Ok(None);
+    }
+    if let Some(rank) = bad {
+        return Err(LayoutDecodeError {
+            rank: rank as usize,
+            at: 0,
+            reason: "a flat part lies beyond its tensor".into(),
+        });
+    }
+    for h in parts.values_mut() {
+        h.main.sort_unstable();
+        h.auto.sort_unstable();
+        h.all.sort_unstable();
+        h.all.dedup();
+    }
+    Ok(Some(parts))
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+/// What a rank does for one flat-regular tensor.
+struct FlatDone {
+    plan: TensorPlan,
+    writes: Vec<ChunkWrite>,
+    sends: Vec<Transfer>,
+    bytes: u64,
+}
+
+/// The boxes of flat part `i` of parts of `size`.
+fn flat_part_boxes(shape: &[u64], size: u64, numel: u64, i: u64) -> Vec<Region> {
+    let a = i.saturating_mul(size).min(numel);
+    let b = a.saturating_add(size).min(numel);
+    crate::model::flat::flat_boxes(shape, a..b)
+        .map(|v| v.into_iter().map(|f| f.region).collect())
+        .unwrap_or_default()
+}
+
+/// A flat-regular tensor's cut: part size, holders table (index into the tables), parts,
+/// rows per chunk and parts per chunk; `None` when the tensor is not flat-regular or a chunk
+/// would gather more than [`FLAT_MAX_PARTS_PER_CHUNK`] parts.
+fn flat_cut(
+    w: &World,
+    info: &TensorInfo<'_>,
+    memo: &mut HashMap<(u64, Vec<FlatFamily>), Option<usize>>,
+    tables: &mut Vec<HashMap<u64, Holders>>,
+) -> Result<Option<(u64, Vec<FlatFamily>, usize, u64, u64)>, LayoutDecodeError> {
+    let shape = info.shape;
+    if shape.len() < 2 {
+        return Ok(None);
+    }
+    let Some((size, families)) = flat_regular(w, info) else {
+        return Ok(None);
+    };
+    let row: u64 = shape[1..].iter().product();
+    if row == 0 {
+        return Ok(None);
+    }
+    let Some(lcm) = (size / gcd(size, row)).checked_mul(row) else {
+        return Ok(None);
+    };
+    let (rows, m) = (lcm / row, lcm / size);
+    if m > FLAT_MAX_PARTS_PER_CHUNK {
+        return Ok(None);
+    }
+    let key = (size, families);
+    let table = match memo.get(&key) {
+        Some(&t) => t,
+        None => {
+            let t = flat_holders(w, shape, size, &key.1)?.map(|parts| {
+                tables.push(parts);
+                tables.len() - 1
+            });
+            memo.insert(key.clone(), t);
+            t
+        }
+    };
+    Ok(table.map(|t| (size, key.1, t, rows, m)))
+}
+
+/// Plans a flat-regular tensor (ZeRO / FSDP1 flat ranges cut inside rows): chunks of `R`
+/// whole rows holding `m` whole parts (`R * row = lcm(size, row) = m * size`), written by the
+/// writer of their first part, which receives the other parts. A part is written by its main
+/// holder (else the lowest replicated holder).
+fn plan_flat(
+    w: &World,
+    info: &TensorInfo<'_>,
+    ix: usize,
+    (me, my_template, my_coords): (u32, usize, &[u64]),
+    opts: &SavePlanOptions,
+    (memo, tables): (
+        &mut HashMap<(u64, Vec<FlatFamily>), Option<usize>>,
+        &mut Vec<HashMap<u64, Holders>>,
+    ),
+) -> Result<Option<FlatDone>, PlanError> {
+    let Some((size, families, table, rows, m)) = flat_cut(w, info, memo, tables)? else {
+        return Ok(None);
+    };
+    let shape = info.shape;
+    let numel = crate::model::region::num_elements(shape).unwrap_or(0);
+    let parts = &tables[table];
+    let n = numel.div_ceil(size);
+    let region_of = |l: u64| {
+        flat_part_boxes(shape, size, numel, l)
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| Region::full(shape))
+    };
+    validate_parts(info.key, shape, u128::from(n), parts, &region_of)?;
+    let writer = |l: u64| {
+        parts
+            .get(&l)
+            .and_then(|h| h.main.first().or(h.auto.first()).copied())
+            .unwrap_or(0)
+    };
+    let elem = info.dtype.size();
+    let mut chunk_shape = shape.to_vec();
+    chunk_shape[0] = rows.min(shape[0]).max(1);
+    let subchunk_shape =
+        grid::subchunk_shape(&chunk_shape, shape, elem, opts.grid.subchunk_target_bytes);
+    let mut done = FlatDone {
+        plan: TensorPlan {
+            key: info.key.clone(),
+            dtype: info.dtype,
+            global_shape: shape.to_vec(),
+            chunk_shape: chunk_shape.clone(),
+            subchunk_shape,
+            aligned: false,
+            pieces: Vec::new(),
+            metadata_writer: writer(0),
+        },
+        writes: Vec::new(),
+        sends: Vec::new(),
+        bytes: 0,
+    };
+    let Some(f) = families.iter().find(|f| f.template == my_template) else {
+        return Ok(Some(done));
+    };
+    let Some(l) = flat_pick(f, my_coords, shape, size, numel) else {
+        return Ok(Some(done));
+    };
+    if writer(l) != me || !parts.contains_key(&l) {
+        return Ok(Some(done));
+    }
+    let boxes = flat_part_boxes(shape, size, numel, l);
+    done.bytes = boxes
+        .iter()
+        .map(|b| b.num_elements().unwrap_or(0))
+        .sum::<u64>()
+        .saturating_mul(elem as u64);
+    let k = l / m;
+    let wk = writer(k * m);
+    if wk == me {
+        let mut chunk = vec![0u64; shape.len()];
+        chunk[0] = k;
+        let region = grid::chunk_region(shape, &chunk_shape, &chunk);
+        let mut chunk_parts = Vec::new();
+        for j in k * m..((k + 1) * m).min(n) {
+            let wj = writer(j);
+            for b in flat_part_boxes(shape, size, numel, j) {
+                chunk_parts.push(Part {
+                    region: b.clone(),
+                    source: if wj == me {
+                        Source::Local(b)
+                    } else {
+                        Source::Remote(wj)
+                    },
+                });
+            }
+        }
+        done.writes.push(ChunkWrite {
+            tensor: ix,
+            chunk,
+            region,
+            parts: chunk_parts,
+        });
+    } else {
+        for b in boxes {
+            done.sends.push(Transfer {
+                tensor: ix,
+                to: wk,
+                piece: b.clone(),
+                region: b,
+            });
+        }
+    }
+    Ok(Some(done))
 }
