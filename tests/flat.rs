@@ -700,13 +700,13 @@ fn zero_style_flat_parts_save_and_load_by_rule() {
         let cut: Vec<Vec<Range<u64>>> = (0..2 * parts)
             .map(|r| {
                 let a = ((r % parts) * size).min(n);
-                vec![a..(a + size).min(n)]
+                std::iter::once(a..(a + size).min(n)).collect()
             })
             .collect();
         load_and_check(&dir, &shape, &cut, &vec![Vec::new(); cut.len()]);
         // Another cut, and rows.
         let other: Vec<Vec<Range<u64>>> = (0..3u64)
-            .map(|r| vec![n * r / 3..n * (r + 1) / 3])
+            .map(|r| std::iter::once(n * r / 3..n * (r + 1) / 3).collect())
             .collect();
         let rows: Vec<Vec<Region>> = (0..3u64)
             .map(|r| vec![Region::new(vec![3 * r, 0], vec![3, 10]).unwrap()])

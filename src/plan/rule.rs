@@ -113,7 +113,7 @@ impl Template {
             }
             if let Some(&(n_boxes, ref range)) = flat.get(&k) {
                 let len = range.end - range.start;
-                if range.start % len == 0
+                if range.start.is_multiple_of(len)
                     && let Some(slot) = slot_for(range.start / len, &mut coords, &mut slot_of)
                 {
                     skip = n_boxes - 1;
@@ -129,6 +129,25 @@ impl Template {
                 skip = n_boxes - 1;
                 pieces.push(None);
                 continue;
+            }
+            // A single box inside one row (or slab) that is a whole part of a flat cut:
+            // described as that part, as a flat range of the same length elsewhere would be.
+            let shape = &layout.tensors[p.tensor as usize].global_shape;
+            if let Some(range) = partial_row_range(shape, &p.region) {
+                let len = range.end - range.start;
+                let numel = crate::model::region::num_elements(shape).unwrap_or(0);
+                if range.start.is_multiple_of(len)
+                    && range.end < numel
+                    && let Some(slot) = slot_for(range.start / len, &mut coords, &mut slot_of)
+                {
+                    pieces.push(Some(RulePiece {
+                        tensor: p.tensor,
+                        rule: Rule::Flat { size: len, slot },
+                        main: p.main,
+                        auto: p.auto,
+                    }));
+                    continue;
+                }
             }
             let shape = &layout.tensors[p.tensor as usize].global_shape;
             let mut axes = Vec::with_capacity(shape.len());
@@ -425,6 +444,16 @@ impl Template {
     }
 }
 
+/// The flat range of a non-empty box that lies inside one row of a tensor of two or more
+/// dimensions without spanning it (a part of a flat cut finer than a row), if it is one.
+fn partial_row_range(shape: &[u64], region: &Region) -> Option<std::ops::Range<u64>> {
+    let last = shape.len().checked_sub(1).filter(|&l| l >= 1)?;
+    if region.shape[last] >= shape[last] || region.shape[..last].iter().any(|&e| e != 1) {
+        return None;
+    }
+    crate::model::flat::box_flat_range(shape, region)
+}
+
 /// The coordinate slot holding `i`, adding one when there is room.
 fn slot_for(i: u64, coords: &mut Vec<u64>, slot_of: &mut HashMap<u64, u32>) -> Option<u32> {
     if let Some(&s) = slot_of.get(&i) {
@@ -491,7 +520,7 @@ fn last_flat_part(range: &std::ops::Range<u64>, shape: &[u64], coords: &[u64]) -
         return None;
     }
     coords.iter().enumerate().find_map(|(slot, &i)| {
-        if i == 0 || range.start % i != 0 {
+        if i == 0 || !range.start.is_multiple_of(i) {
             return None;
         }
         let size = range.start / i;

@@ -376,7 +376,7 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
     let mut held: Vec<Held> = Vec::new();
     let mut group_ids: HashMap<Vec<u32>, usize> = HashMap::new();
     let mut solo: Vec<(usize, u64, Region, u64)> = Vec::new();
-    let mut flat_memo: HashMap<(u64, Vec<FlatFamily>), Option<usize>> = HashMap::new();
+    let mut flat_memo: FlatMemo = HashMap::new();
     let mut flat_sends: Vec<Transfer> = Vec::new();
     let mut flat_writes: Vec<ChunkWrite> = Vec::new();
     let mut flat_bytes: u64 = 0;
@@ -655,7 +655,7 @@ pub fn plan_load(
     let mut general: HashSet<&TensorKey> = HashSet::new();
     let mut grids: HashMap<&TensorKey, (Vec<u64>, Vec<Family>)> = HashMap::new();
     let mut flats: HashMap<&TensorKey, (u64, Vec<FlatFamily>, usize)> = HashMap::new();
-    let mut flat_memo: HashMap<(u64, Vec<FlatFamily>), Option<usize>> = HashMap::new();
+    let mut flat_memo: FlatMemo = HashMap::new();
     let mut tables: Vec<HashMap<u64, Holders>> = Vec::new();
     for &key in &keys {
         let info = &infos[key];
@@ -924,7 +924,7 @@ fn flat_regular(w: &World, info: &TensorInfo<'_>) -> Option<(u64, Vec<FlatFamily
 /// The part index of a flat range that is one part of parts of `size`.
 fn flat_part(range: &std::ops::Range<u64>, size: u64, numel: u64) -> Option<u64> {
     let len = range.end - range.start;
-    (range.start % size == 0 && (len == size || (range.end == numel && len < size)))
+    (range.start.is_multiple_of(size) && (len == size || (range.end == numel && len < size)))
         .then(|| range.start / size)
 }
 
@@ -1016,6 +1016,12 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
+/// A flat-regular tensor's cut: part size, families, holders table, rows and parts per chunk.
+type FlatCut = (u64, Vec<FlatFamily>, usize, u64, u64);
+
+/// Holders tables of flat cuts, memoized by (part size, families); `None`: not flat-regular.
+type FlatMemo = HashMap<(u64, Vec<FlatFamily>), Option<usize>>;
+
 /// What a rank does for one flat-regular tensor.
 struct FlatDone {
     plan: TensorPlan,
@@ -1039,9 +1045,9 @@ fn flat_part_boxes(shape: &[u64], size: u64, numel: u64, i: u64) -> Vec<Region> 
 fn flat_cut(
     w: &World,
     info: &TensorInfo<'_>,
-    memo: &mut HashMap<(u64, Vec<FlatFamily>), Option<usize>>,
+    memo: &mut FlatMemo,
     tables: &mut Vec<HashMap<u64, Holders>>,
-) -> Result<Option<(u64, Vec<FlatFamily>, usize, u64, u64)>, LayoutDecodeError> {
+) -> Result<Option<FlatCut>, LayoutDecodeError> {
     let shape = info.shape;
     if shape.len() < 2 {
         return Ok(None);
@@ -1085,10 +1091,7 @@ fn plan_flat(
     ix: usize,
     (me, my_template, my_coords): (u32, usize, &[u64]),
     opts: &SavePlanOptions,
-    (memo, tables): (
-        &mut HashMap<(u64, Vec<FlatFamily>), Option<usize>>,
-        &mut Vec<HashMap<u64, Holders>>,
-    ),
+    (memo, tables): (&mut FlatMemo, &mut Vec<HashMap<u64, Holders>>),
 ) -> Result<Option<FlatDone>, PlanError> {
     let Some((size, families, table, rows, m)) = flat_cut(w, info, memo, tables)? else {
         return Ok(None);
