@@ -62,7 +62,38 @@ struct Family {
 struct Holders {
     main: Vec<u32>,
     auto: Vec<u32>,
-    all: Vec<u32>,
+    /// Holders neither main nor replicated without id (plain replicas).
+    other: Vec<u32>,
+}
+
+impl Holders {
+    /// Every holder, ascending (allocated only when asked).
+    fn all(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self
+            .main
+            .iter()
+            .chain(&self.auto)
+            .chain(&self.other)
+            .copied()
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    /// The lowest holder.
+    fn lowest(&self) -> Option<u32> {
+        [self.main.first(), self.auto.first(), self.other.first()]
+            .into_iter()
+            .flatten()
+            .min()
+            .copied()
+    }
+
+    /// True when exactly one rank holds the part.
+    fn single(&self) -> bool {
+        self.main.len() + self.auto.len() + self.other.len() == 1
+    }
 }
 
 struct TensorInfo<'w> {
@@ -222,8 +253,9 @@ fn holders(
                 h.main.push(rank);
             } else if f.auto {
                 h.auto.push(rank);
+            } else {
+                h.other.push(rank);
             }
-            h.all.push(rank);
         })?;
     }
     if let Some(rank) = bad {
@@ -236,8 +268,7 @@ fn holders(
     for h in parts.values_mut() {
         h.main.sort_unstable();
         h.auto.sort_unstable();
-        h.all.sort_unstable();
-        h.all.dedup();
+        h.other.sort_unstable();
     }
     Ok(parts)
 }
@@ -377,6 +408,8 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
     let mut group_ids: HashMap<Vec<u32>, usize> = HashMap::new();
     let mut solo: Vec<(usize, u64, Region, u64)> = Vec::new();
     let mut flat_memo: FlatMemo = HashMap::new();
+    // Holders tables already validated (validity depends on the table alone).
+    let mut valid: HashSet<usize> = HashSet::new();
     let mut flat_sends: Vec<Transfer> = Vec::new();
     let mut flat_writes: Vec<ChunkWrite> = Vec::new();
     let mut flat_bytes: u64 = 0;
@@ -387,7 +420,7 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             ix,
             (me, my_template, &my_coords),
             opts,
-            (&mut flat_memo, &mut tables),
+            (&mut flat_memo, &mut tables, &mut valid),
         )? {
             plans.push(done.plan);
             flat_writes.extend(done.writes);
@@ -423,7 +456,10 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
         let parts = &tables[table];
         let total: u128 = n.iter().map(|&k| u128::from(k)).product();
         let region_of = |l: u64| part_region(info.shape, &sizes, &unlinear(l, &n));
-        validate_parts(info.key, info.shape, total, parts, &region_of)?;
+        if !valid.contains(&table) {
+            validate_parts(info.key, info.shape, total, parts, &region_of)?;
+            valid.insert(table);
+        }
         let chunk_shape: Vec<u64> = sizes
             .iter()
             .zip(&n)
@@ -437,10 +473,7 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             elem,
             opts.grid.subchunk_target_bytes,
         );
-        let metadata_writer = parts
-            .get(&0)
-            .and_then(|h| h.all.first().copied())
-            .unwrap_or(0);
+        let metadata_writer = parts.get(&0).and_then(Holders::lowest).unwrap_or(0);
         plans.push(TensorPlan {
             key: info.key.clone(),
             dtype: info.dtype,
@@ -471,8 +504,8 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             .saturating_mul(elem as u64);
         let writer = if !opts.balance_replicas {
             Some(h.main.first().or(h.auto.first()).copied().unwrap_or(0))
-        } else if h.all.len() == 1 {
-            Some(h.all[0])
+        } else if h.single() {
+            h.lowest()
         } else {
             None
         };
@@ -481,7 +514,7 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             Some(_) => {}
             None => {
                 let next = group_ids.len();
-                let group = *group_ids.entry(h.all.clone()).or_insert(next);
+                let group = *group_ids.entry(h.all()).or_insert(next);
                 held.push(Held {
                     tensor: ix,
                     part: l,
@@ -715,11 +748,12 @@ pub fn plan_load(
         let Some(h) = tables[table].get(&part) else {
             continue;
         };
-        if h.all.len() < 2 {
+        if h.single() || h.lowest().is_none() {
             continue;
         }
         let next = group_ids.len();
-        let group = *group_ids.entry(h.all.clone()).or_insert(next);
+        let ranks = h.all();
+        let group = *group_ids.entry(ranks.clone()).or_insert(next);
         for region in regions.iter().filter(|r| !r.is_empty()) {
             let (lo, hi) = grid::chunks_overlapping(region, &geom.chunk_shape);
             grid::for_each_index(&lo, &hi, |c| {
@@ -742,7 +776,7 @@ pub fn plan_load(
                             key: key.clone(),
                             chunk: c.to_vec(),
                             region: inner,
-                            ranks: h.all.clone(),
+                            ranks: ranks.clone(),
                             reader: 0,
                             bytes,
                         },
@@ -984,8 +1018,9 @@ fn flat_holders(
                         h.main.push(rank);
                     } else if f.auto {
                         h.auto.push(rank);
+                    } else {
+                        h.other.push(rank);
                     }
-                    h.all.push(rank);
                 }
             }
         })?;
@@ -1003,8 +1038,7 @@ fn flat_holders(
     for h in parts.values_mut() {
         h.main.sort_unstable();
         h.auto.sort_unstable();
-        h.all.sort_unstable();
-        h.all.dedup();
+        h.other.sort_unstable();
     }
     Ok(Some(parts))
 }
@@ -1019,8 +1053,9 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 /// A flat-regular tensor's cut: part size, families, holders table, rows and parts per chunk.
 type FlatCut = (u64, Vec<FlatFamily>, usize, u64, u64);
 
-/// Holders tables of flat cuts, memoized by (part size, families); `None`: not flat-regular.
-type FlatMemo = HashMap<(u64, Vec<FlatFamily>), Option<usize>>;
+/// Holders tables of flat cuts, memoized by (part size, shape, families); `None`: not
+/// flat-regular.
+type FlatMemo = HashMap<(u64, Vec<u64>, Vec<FlatFamily>), Option<usize>>;
 
 /// What a rank does for one flat-regular tensor.
 struct FlatDone {
@@ -1066,11 +1101,11 @@ fn flat_cut(
     if m > FLAT_MAX_PARTS_PER_CHUNK {
         return Ok(None);
     }
-    let key = (size, families);
+    let key = (size, shape.to_vec(), families);
     let table = match memo.get(&key) {
         Some(&t) => t,
         None => {
-            let t = flat_holders(w, shape, size, &key.1)?.map(|parts| {
+            let t = flat_holders(w, shape, size, &key.2)?.map(|parts| {
                 tables.push(parts);
                 tables.len() - 1
             });
@@ -1078,7 +1113,7 @@ fn flat_cut(
             t
         }
     };
-    Ok(table.map(|t| (size, key.1, t, rows, m)))
+    Ok(table.map(|t| (size, key.2, t, rows, m)))
 }
 
 /// Plans a flat-regular tensor (ZeRO / FSDP1 flat ranges cut inside rows): chunks of `R`
@@ -1091,7 +1126,11 @@ fn plan_flat(
     ix: usize,
     (me, my_template, my_coords): (u32, usize, &[u64]),
     opts: &SavePlanOptions,
-    (memo, tables): (&mut FlatMemo, &mut Vec<HashMap<u64, Holders>>),
+    (memo, tables, valid): (
+        &mut FlatMemo,
+        &mut Vec<HashMap<u64, Holders>>,
+        &mut HashSet<usize>,
+    ),
 ) -> Result<Option<FlatDone>, PlanError> {
     let Some((size, families, table, rows, m)) = flat_cut(w, info, memo, tables)? else {
         return Ok(None);
@@ -1106,7 +1145,10 @@ fn plan_flat(
             .next()
             .unwrap_or_else(|| Region::full(shape))
     };
-    validate_parts(info.key, shape, u128::from(n), parts, &region_of)?;
+    if !valid.contains(&table) {
+        validate_parts(info.key, shape, u128::from(n), parts, &region_of)?;
+        valid.insert(table);
+    }
     let writer = |l: u64| {
         parts
             .get(&l)
