@@ -222,15 +222,26 @@ def _piece_tuple(p: Piece, load: bool) -> tuple:
     return (p.key, dt, gshape, *place, extra, address, nbytes)
 
 
-def _check_disjoint(tuples: list[tuple]) -> None:
-    """Load targets must not overlap in memory (each is written by the core)."""
-    spans = sorted((t[7], t[7] + t[8], t[0]) for t in tuples if t[8])
-    for (a0, a1, ka), (b0, _b1, kb) in zip(spans, spans[1:], strict=False):
+def _disjoint(tuples: list[tuple]) -> list[tuple]:
+    """The load targets with the same memory asked for twice (tied weights: two keys, one
+    tensor) kept once; targets overlapping otherwise are an error (each is written by the
+    core)."""
+    out = []
+    seen: set[tuple[int, int]] = set()
+    for t in tuples:
+        span = (t[7], t[8])
+        if t[8] and span in seen:
+            continue
+        seen.add(span)
+        out.append(t)
+    spans = sorted((t[7], t[7] + t[8], t[0]) for t in out if t[8])
+    for (_a0, a1, ka), (b0, _b1, kb) in zip(spans, spans[1:], strict=False):
         if b0 < a1:
             raise InvalidArgumentError(
                 f"load targets `{ka}` and `{kb}` overlap in memory; load into one of them and "
                 "copy, or give separate tensors"
             )
+    return out
 
 
 def _json_text(key: str, value: Any) -> str:
@@ -513,9 +524,9 @@ def load(
     """Loads into the pieces' tensors in place (collective); returns the report:
     ``loaded_bytes``, ``bytes_read``, ``bytes_received``, ``bytes_sent``, ``unexpected``,
     ``missing``, and ``objects`` (one value per request, in order; ``None`` for a key the
-    strict mode skipped)."""
-    tuples = [_piece_tuple(p, load=True) for p in pieces]
-    _check_disjoint(tuples)
+    strict mode skipped). Pieces sharing the very same memory (tied weights under two keys)
+    are loaded once, from the first one's key."""
+    tuples = _disjoint([_piece_tuple(p, load=True) for p in pieces])
     rank = comm.rank if comm is not None else 0
     reqs = _request_tuples(objects, rank)
     _wait_idle(comm)
