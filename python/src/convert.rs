@@ -140,8 +140,19 @@ impl SaveSpec {
     }
 }
 
-/// The pieces to hand to zarrckpt.
+/// The pieces to hand to zarrckpt. Flat pieces are handed in as the boxes of their
+/// decomposition, which `zarrckpt::save` does itself but `Saver` (repeated and asynchronous
+/// saves) does not.
 pub(crate) fn pieces_of(spec: &SaveSpec) -> Result<Vec<ShardedTensor<'_>>, Error> {
+    let pieces = pieces_as_given(spec)?;
+    Ok(if pieces.iter().any(|p| p.flat_range().is_some()) {
+        zarrckpt::model::tensor::expand_flat_pieces(&pieces)
+    } else {
+        pieces
+    })
+}
+
+fn pieces_as_given(spec: &SaveSpec) -> Result<Vec<ShardedTensor<'_>>, Error> {
     spec.0
         .iter()
         .map(|(s, replica)| {

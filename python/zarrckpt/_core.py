@@ -27,7 +27,9 @@ Calls (collective: every rank of ``comm`` calls them, in the same order)::
         -> dict   # report; report["objects"]: the values, in request order (None if skipped)
     async_save(path, pieces, objects=None, *, comm=None, **options) -> SaveHandle
 
-``comm`` is ``None`` (one rank) or a :class:`TorchComm`. ``options`` of save: ``overwrite``,
+``comm`` is ``None`` (one rank), a :class:`TorchComm`, or any object with its byte protocol
+(``rank``, ``world_size``, ``all_gather``, ``broadcast``, ``barrier``, ``exchange``; see
+``python/src/comm.rs``). ``options`` of save: ``overwrite``,
 ``compression`` (``"none"``, ``"zstd"``, ``"blosc"``), ``io_threads``, ``balance_replicas``,
 ``subchunk_bytes``, ``user_metadata`` (a JSON-able dict); of load: ``io_threads``,
 ``exchange`` (read boxes several ranks need once and share them; default on),
@@ -474,22 +476,31 @@ _local_inflight: SaveHandle | None = None
 _pending: weakref.WeakSet = weakref.WeakSet()
 
 
-def _wait_idle(comm: TorchComm | None) -> None:
+_other_savers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _wait_idle(comm: Any) -> None:
     global _local_inflight
-    if comm is not None:
+    if comm is None:
+        if _local_inflight is not None:
+            _local_inflight._settle()
+            _local_inflight = None
+    elif hasattr(comm, "wait_idle"):
         comm.wait_idle()
-    elif _local_inflight is not None:
-        _local_inflight._settle()
-        _local_inflight = None
 
 
-def _saver(comm: TorchComm | None) -> Any:
+def _saver(comm: Any) -> Any:
     global _local_saver
-    if comm is not None:
+    if comm is None:
+        if _local_saver is None:
+            _local_saver = _native.Saver(None)
+        return _local_saver
+    if hasattr(comm, "saver"):
         return comm.saver()
-    if _local_saver is None:
-        _local_saver = _native.Saver(None)
-    return _local_saver
+    s = _other_savers.get(comm)
+    if s is None:
+        s = _other_savers[comm] = _native.Saver(comm)
+    return s
 
 
 def save(
@@ -599,10 +610,10 @@ def async_save(
     _wait_idle(comm)
     native = _saver(comm).save_async(str(path), tuples, objs, _options(options, load=False))
     handle = SaveHandle(native)
-    if comm is not None:
-        comm._inflight = handle
-    else:
+    if comm is None:
         _local_inflight = handle
+    elif hasattr(comm, "wait_idle"):
+        comm._inflight = handle
     _pending.add(handle)
     return handle
 
