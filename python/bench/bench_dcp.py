@@ -12,11 +12,15 @@ over 3. The three contenders run in alternation, round after round:
 - ``dcp.save`` / ``dcp.load`` of the same state dict with ``FileSystemWriter`` /
   ``FileSystemReader`` (DCP's defaults: one file per rank, fsync);
 - the Rust API on the same layout: ``zarrckpt worker save|load`` launched as 4 and 3
-  processes over TCP (``zarrckpt launch``).
+  processes over TCP (``zarrckpt launch``), between the Python rounds;
+- the machine's limit, measured by the same processes in the same rounds: each save rank
+  writes its bytes to one file and fsyncs it; each load rank reads a third of those bytes
+  back from the page cache.
 
 Each figure is the checkpoint's bytes over the slowest rank's time from a barrier to the end
-of the call; medians over rounds are printed with every round. Every load is checked
-against the saved contents once.
+of the call; medians over rounds are printed with every round, and the medians of the
+ratios within a round (the disk here swings between rounds). The first three loads of each
+kind are checked against the saved contents.
 
     "$(scripts/build-python.sh | tail -n1)" python/bench/bench_dcp.py [--size 2000000000]
         [--rounds 3] [--dir /tmp/zarrckpt-pybench] [--json]
@@ -136,7 +140,11 @@ def state(model, rank, world, contents: bool):
             continue
         placements = [Shard(split)] if split is not None else [Replicate()]
         sd[key] = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=torch.Size(shape),
+            local,
+            mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(shape),
             stride=torch.empty(shape, device="meta").stride(),
         )
     return sd
@@ -158,6 +166,48 @@ def check(model, sd, rank, world) -> bool:
 # the Python ranks
 
 
+def _wait_file(path: str) -> None:
+    while not os.path.exists(path):
+        time.sleep(0.02)
+
+
+def _raw_write(sd, path, rank) -> None:
+    """The machine's limit for the save: this rank's bytes (replicated tensors on rank 0
+    only: the checkpoint's bytes in all) written to one file, fsync'd."""
+    with open(f"{path}.{rank}", "wb") as f:
+        for v in sd.values():
+            replicated = not hasattr(v, "placements") or not any(p.is_shard() for p in v.placements)
+            t = v.to_local() if hasattr(v, "to_local") else v
+            if t.numel() and (rank == 0 or not replicated):
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw_read(path, rank, world, buf) -> None:
+    """The machine's limit for the load: this rank's share of the raw files' bytes, read
+    from the page cache into memory it holds."""
+    files = sorted(Path(path).parent.glob(Path(path).name + ".*"))
+    sizes = [f.stat().st_size for f in files]
+    total = sum(sizes)
+    lo, hi = rank * total // world, (rank + 1) * total // world
+    at, pos = 0, 0
+    view = memoryview(buf)
+    for f, n in zip(files, sizes, strict=True):
+        a, b = max(lo, at), min(hi, at + n)
+        if a < b:
+            with open(f, "rb", buffering=0) as fh:
+                fh.seek(a - at)
+                got = 0
+                while got < b - a:
+                    n_read = fh.readinto(view[pos + got : pos + b - a])
+                    if not n_read:
+                        raise RuntimeError(f"bench: {f} is shorter than expected")
+                    got += n_read
+            pos += b - a
+        at += n
+
+
 def _rank_main(rank, world, store, job, args, out):
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch.distributed as dist
@@ -173,42 +223,70 @@ def _rank_main(rank, world, store, job, args, out):
     _core.communicator().group()
     model = gpt(args.size)
     sd = state(model, rank, world, contents=(job == "save"))
+    buf = bytearray(nbytes(model) // world + 1) if job == "load" else None
+    if buf is not None:
+        raw = sum(f.stat().st_size for f in Path(args.dir).glob("raw.*"))
+        assert raw == nbytes(model), (raw, nbytes(model))
+    contenders = ["zarrckpt", "dcp", "raw"]
     results = []
     for rnd in range(args.rounds):
-        order = ["zarrckpt", "dcp"] if rnd % 2 == 0 else ["dcp", "zarrckpt"]
+        order = contenders[rnd % 3 :] + contenders[: rnd % 3]
         for who in order:
             path = f"{args.dir}/{who}"
-            if job == "save" and rank == 0 and who == "dcp":
-                shutil.rmtree(path, ignore_errors=True)  # DCP overwrites file by file
+            if job == "save" and rank == 0 and who != "raw":
+                # Every contender writes a fresh directory (removing the last round's
+                # checkpoint is not part of the save).
+                shutil.rmtree(path, ignore_errors=True)
             dist.barrier()
             t0 = time.perf_counter()
             if who == "zarrckpt":
                 (zc.save if job == "save" else zc.load)(sd, path)
-            elif job == "save":
+            elif who == "dcp" and job == "save":
                 dcp.save(sd, storage_writer=dcp.FileSystemWriter(path))
-            else:
+            elif who == "dcp":
                 dcp.load(sd, storage_reader=dcp.FileSystemReader(path))
+            elif job == "save":
+                _raw_write(sd, path, rank)
+            else:
+                _raw_read(f"{args.dir}/raw", rank, world, buf)
             secs = time.perf_counter() - t0
             dist.barrier()
             ok = None
-            if job == "load" and rnd == 0:
+            if job == "load" and who != "raw" and rnd < 3:
                 ok = check(model, sd, rank, world)
                 for v in sd.values():  # the next contender starts from zeros
                     (v.to_local() if hasattr(v, "to_local") else v).zero_()
             results.append({"round": rnd, "who": who, "secs": secs, "ok": ok})
+        # The Rust API's turn, between rounds (the driver launches it).
+        if rank == 0:
+            Path(f"{args.dir}/sync.{job}.{rnd}.ready").touch()
+            _wait_file(f"{args.dir}/sync.{job}.{rnd}.go")
+        dist.barrier()
     with open(f"{out}.{rank}", "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
 
 
-def python_job(job, world, args) -> list[dict]:
+def python_and_rust(job, world, args) -> list[dict]:
+    """The Python ranks' rounds, with a Rust round launched after each."""
+    rust = []
     with tempfile.TemporaryDirectory() as d:
         store, out = f"{d}/store", f"{d}/out"
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank_main, args=(r, world, store, job, args, out))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world, store, job, args, out))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
+        for rnd in range(args.rounds):
+            ready = f"{args.dir}/sync.{job}.{rnd}.ready"
+            while not os.path.exists(ready):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    sys.exit(f"bench: a {job} rank failed")
+                time.sleep(0.05)
+            rust.append(rust_job(job, world, args, rnd))
+            Path(f"{args.dir}/sync.{job}.{rnd}.go").touch()
         for p in procs:
             p.join()
         if any(p.exitcode != 0 for p in procs):
@@ -216,12 +294,15 @@ def python_job(job, world, args) -> list[dict]:
         per_rank = [json.load(open(f"{out}.{r}")) for r in range(world)]
     rows = []
     for i, first in enumerate(per_rank[0]):
-        rows.append({
-            "round": first["round"], "who": first["who"],
-            "secs": max(p[i]["secs"] for p in per_rank),
-            "ok": None if first["ok"] is None else all(p[i]["ok"] for p in per_rank),
-        })
-    return rows
+        rows.append(
+            {
+                "round": first["round"],
+                "who": first["who"],
+                "secs": max(p[i]["secs"] for p in per_rank),
+                "ok": None if first["ok"] is None else all(p[i]["ok"] for p in per_rank),
+            }
+        )
+    return rows + rust
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,12 +313,29 @@ def rust_job(job, world, args, rnd) -> dict:
     exe = REPO / "target" / "release" / "zarrckpt"
     path = f"{args.dir}/rust"
     report = f"{args.dir}/report"
-    cmd = [str(exe), "launch", "-n", str(world), "--", str(exe), "worker", job, "--dir", path,
-           "--size", str(args.size), "--hidden", str(HIDDEN), "--tp", str(world),
-           "--report", report]
+    cmd = [
+        str(exe),
+        "launch",
+        "-n",
+        str(world),
+        "--",
+        str(exe),
+        "worker",
+        job,
+        "--dir",
+        path,
+        "--size",
+        str(args.size),
+        "--hidden",
+        str(HIDDEN),
+        "--tp",
+        str(world),
+        "--report",
+        report,
+    ]
     if job == "save":
-        cmd.append("--overwrite")
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        shutil.rmtree(path, ignore_errors=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     reps = []
     for r in range(world):
         p = Path(f"{report}.{r}")
@@ -261,38 +359,69 @@ def main() -> None:
     os.makedirs(args.dir)
     model = gpt(args.size)
     total = nbytes(model)
-    print(f"bench: GPT-like state of {total / 1e9:.2f} GB ({len(model)} tensors), "
-          f"{SAVE_WORLD} processes save, {LOAD_WORLD} load (another sharding), "
-          f"{args.rounds} rounds, {os.cpu_count()} cores, torch {torch.__version__}",
-          flush=True)
+    print(
+        f"bench: GPT-like state of {total / 1e9:.2f} GB ({len(model)} tensors), "
+        f"{SAVE_WORLD} processes save, {LOAD_WORLD} load (another sharding), "
+        f"{args.rounds} rounds, {os.cpu_count()} cores, torch {torch.__version__}",
+        flush=True,
+    )
 
     rows = []
-    rows += [dict(r, job="save") for r in python_job("save", SAVE_WORLD, args)]
-    rows += [dict(rust_job("save", SAVE_WORLD, args, rnd), job="save") for rnd in range(args.rounds)]
-    rows += [dict(r, job="load") for r in python_job("load", LOAD_WORLD, args)]
-    rows += [dict(rust_job("load", LOAD_WORLD, args, rnd), job="load") for rnd in range(args.rounds)]
+    rows += [dict(r, job="save") for r in python_and_rust("save", SAVE_WORLD, args)]
+    rows += [dict(r, job="load") for r in python_and_rust("load", LOAD_WORLD, args)]
     for r in rows:
         r["gbps"] = total / r["secs"] / 1e9
 
-    summary = {}
+    who_all = ("zarrckpt", "dcp", "rust", "raw")
+    names = {
+        "zarrckpt": "zarrckpt.torch",
+        "dcp": "DCP FileSystemWriter/Reader",
+        "rust": "zarrckpt Rust API (TCP)",
+        "raw": "raw limit",
+    }
+    summary: dict = {}
     for job in ("save", "load"):
-        for who in ("zarrckpt", "dcp", "rust"):
-            mine = [r for r in rows if r["job"] == job and r["who"] == who]
-            summary[f"{job}/{who}"] = statistics.median(r["gbps"] for r in mine)
-            if job == "load" and any(r["ok"] is False for r in mine):
-                sys.exit(f"bench: {who} loaded wrong data")
+        mine = [r for r in rows if r["job"] == job]
+        by = {w: {r["round"]: r for r in mine if r["who"] == w} for w in who_all}
+        for w in who_all:
+            summary[f"{job}/{w}"] = statistics.median(r["gbps"] for r in by[w].values())
+            if any(r["ok"] is False for r in by[w].values()):
+                sys.exit(f"bench: {w} loaded wrong data")
+        # Ratios within each round (the disk's speed swings between rounds).
+        for a, b in (
+            ("zarrckpt", "dcp"),
+            ("zarrckpt", "rust"),
+            ("zarrckpt", "raw"),
+            ("dcp", "raw"),
+            ("rust", "raw"),
+        ):
+            summary[f"{job}/{a}:{b}"] = statistics.median(
+                by[a][n]["gbps"] / by[b][n]["gbps"] for n in range(args.rounds)
+            )
     if args.json:
-        print(json.dumps({"bytes": total, "rows": rows, "median_gbps": summary}, indent=1))
-    names = {"zarrckpt": "zarrckpt.torch", "dcp": "DCP FileSystemWriter/Reader",
-             "rust": "zarrckpt Rust API (TCP)"}
+        print(json.dumps({"bytes": total, "rows": rows, "summary": summary}, indent=1))
     for job in ("save", "load"):
-        print(f"\n{job} ({SAVE_WORLD if job == 'save' else LOAD_WORLD} processes)")
-        for who in ("zarrckpt", "dcp", "rust"):
-            rounds = ", ".join(f"{r['gbps']:.2f}" for r in rows
-                               if r["job"] == job and r["who"] == who)
-            print(f"  {names[who]:<30} {summary[f'{job}/{who}']:6.2f} GB/s   (rounds: {rounds})")
-        z, d, r = (summary[f"{job}/{w}"] for w in ("zarrckpt", "dcp", "rust"))
-        print(f"  zarrckpt.torch / DCP: {z / d:.2f}x    zarrckpt.torch / Rust API: {z / r:.2f}")
+        what = "write + fsync" if job == "save" else "page-cache read"
+        print(
+            f"\n{job}, {SAVE_WORLD if job == 'save' else LOAD_WORLD} processes "
+            f"(GB/s, median of {args.rounds} rounds; raw limit = {what} of the same bytes)"
+        )
+        for w in who_all:
+            rounds = ", ".join(
+                f"{r['gbps']:.2f}"
+                for r in sorted(
+                    (r for r in rows if r["job"] == job and r["who"] == w), key=lambda r: r["round"]
+                )
+            )
+            print(f"  {names[w]:<30} {summary[f'{job}/{w}']:6.2f}   (rounds: {rounds})")
+        print(
+            "  medians of per-round ratios: "
+            f"zarrckpt.torch / DCP {summary[f'{job}/zarrckpt:dcp']:.2f}x, "
+            f"zarrckpt.torch / Rust API {summary[f'{job}/zarrckpt:rust']:.2f}, "
+            f"zarrckpt.torch / raw {summary[f'{job}/zarrckpt:raw']:.2f}, "
+            f"DCP / raw {summary[f'{job}/dcp:raw']:.2f}, "
+            f"Rust API / raw {summary[f'{job}/rust:raw']:.2f}"
+        )
     shutil.rmtree(args.dir, ignore_errors=True)
 
 
