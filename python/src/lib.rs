@@ -151,7 +151,9 @@ impl Saver {
         })
     }
 
-    /// Saves synchronously (waiting first for a save in flight).
+    /// Saves synchronously: reusing the agreed plan while the structure is unchanged when
+    /// there are no objects; with objects, as `zarrckpt::save_with_objects` (no staging copy).
+    /// The caller waits for a save in flight first.
     #[pyo3(signature = (path, pieces, objects, options))]
     fn save(
         &self,
@@ -165,18 +167,26 @@ impl Saver {
         let objs = objects.map(save_objects).transpose()?;
         let opts = save_options(options)?;
         let inner = Arc::clone(&self.inner);
+        let comm = &self.comm;
         let result = py.detach(|| {
             let pieces = pieces_of(&spec)?;
             let mut saver = inner
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            match &objs {
-                // The saver's synchronous path has no objects: an asynchronous save waited
-                // for at once is the same work.
-                Some(o) => saver
-                    .save_async_with_objects(&pieces, o, &path, &opts)
-                    .and_then(RsHandle::wait),
-                None => saver.save(&pieces, &path, &opts),
+            match objs.as_deref() {
+                // `Saver` has no synchronous save with objects (its asynchronous one stages a
+                // copy of every piece): with objects, the plain collective save, once the
+                // saver's save in flight, if any, is over (the caller waited for it).
+                Some(o) if !o.is_empty() => {
+                    if saver.is_busy() {
+                        return Err(zarrckpt::Error::SaveInFlight {
+                            rank: comm.dynamic.rank(),
+                            path: path.clone(),
+                        });
+                    }
+                    zarrckpt::save_with_objects(&pieces, o, &path, &*comm.dynamic, &opts)
+                }
+                _ => saver.save(&pieces, &path, &opts),
             }
         });
         let report = result.map_err(|e| self.comm.err(py, &e))?;
