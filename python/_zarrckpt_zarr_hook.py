@@ -43,7 +43,8 @@ def _after_zarr_import():
         import warnings
 
         warnings.warn(
-            f"zarrckpt: could not register the bfloat16 / float8 data types with zarr-python: {e!r}",
+            "zarrckpt: could not register the bfloat16 / float8 data types with zarr-python: "
+            f"{e!r}",
             stacklevel=2,
         )
 

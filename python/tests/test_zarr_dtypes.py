@@ -132,7 +132,11 @@ def run_cli(*args: str) -> str:
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> None:
     header, blobs, offset = {}, [], 0
     for name, (st_dtype, shape, data) in tensors.items():
-        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        header[name] = {
+            "dtype": st_dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         blobs.append(data)
         offset += len(data)
     raw = json.dumps(header).encode()
@@ -185,7 +189,9 @@ def check_array(root: Path, entry: dict, want: bytes, dtype_name: str) -> None:
     assert got.tobytes() == want, f"{label}: bytes differ"
     expect = np.frombuffer(want, dtype=DTYPES[dtype_name][1]).reshape(shape)
     box = sub_box(shape)
-    assert np.asarray(arr[box]).tobytes() == np.ascontiguousarray(expect[box]).tobytes(), f"{label}: box {box}"
+    assert np.asarray(arr[box]).tobytes() == np.ascontiguousarray(expect[box]).tobytes(), (
+        f"{label}: box {box}"
+    )
     if dtype_name in FLOAT8_TABLES:
         raw = np.frombuffer(want, dtype=np.uint8)
         with np.errstate(invalid="ignore"):
@@ -216,9 +222,20 @@ def every_dtype_model(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd", "blosc"])
-def test_zarr_python_reads_every_dtype_of_a_cli_checkpoint(every_dtype_model, tmp_path, compression):
+def test_zarr_python_reads_every_dtype_of_a_cli_checkpoint(
+    every_dtype_model, tmp_path, compression
+):
     root = tmp_path / "ckpt"
-    run_cli("import", str(every_dtype_model), "--out", str(root), "--ranks", "3", "--compression", compression)
+    run_cli(
+        "import",
+        str(every_dtype_model),
+        "--out",
+        str(root),
+        "--ranks",
+        "3",
+        "--compression",
+        compression,
+    )
     tensors = read_safetensors(every_dtype_model)
     index = index_of(root)
     assert set(index) == set(tensors)
@@ -232,7 +249,7 @@ def test_zarr_python_reads_every_dtype_of_a_cli_checkpoint(every_dtype_model, tm
     assert seen == set(DTYPES)
     # The same arrays through the root group, as a user browsing the checkpoint would.
     group = zarr.open_group(str(root), mode="r")
-    for key, (_, shape, data) in tensors.items():
+    for key, (_, _, data) in tensors.items():
         node = group[index[key]["path"]]
         assert isinstance(node, zarr.Array) and node[...].tobytes() == data, key
 
@@ -251,7 +268,11 @@ def test_zarr_python_reads_a_tensor_parallel_demo_checkpoint(tmp_path):
         check_array(root, index[key], data, index[key]["dtype"])
         dtypes.add(index[key]["dtype"])
     assert "bfloat16" in dtypes
-    chunks = {tuple(e["chunk_shape"]) != tuple(e["shape"]) for e in index.values() if e["dtype"] == "bfloat16"}
+    chunks = {
+        tuple(e["chunk_shape"]) != tuple(e["shape"])
+        for e in index.values()
+        if e["dtype"] == "bfloat16"
+    }
     assert True in chunks  # several shards per bf16 tensor
 
 
@@ -268,7 +289,9 @@ def test_without_the_extension_zarr_python_refuses_these_arrays(every_dtype_mode
         for key, (_, _, data) in tensors.items():
             name = index[key]["dtype"]
             if name in EXTENSION:
-                with pytest.raises(ValueError, match=f"No Zarr data type found that matches '{name}'"):
+                with pytest.raises(
+                    ValueError, match=f"No Zarr data type found that matches '{name}'"
+                ):
                     zarr.open_array(str(root / index[key]["path"]), mode="r")
             else:
                 check_array(root, index[key], data, name)
@@ -317,7 +340,9 @@ def test_zarr_python_writes_the_three_types(tmp_path, name):
     assert back.dtype == dtype and back.tobytes() == data.tobytes()
     # Another reader agrees (tensorstore names the same data types).
     ts = pytest.importorskip("tensorstore")
-    t = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}, read=True).result()
+    t = ts.open(
+        {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}, read=True
+    ).result()
     assert t.dtype.name == name
     assert np.ascontiguousarray(t.read().result()).tobytes() == data.tobytes()
 
@@ -436,7 +461,9 @@ def package_parent() -> str:
     return str(Path(zd.__file__).resolve().parents[1])
 
 
-def fresh_interpreter_reads(root: Path, site_dir: Path | None, hook: bool) -> subprocess.CompletedProcess:
+def fresh_interpreter_reads(
+    root: Path, site_dir: Path | None, hook: bool
+) -> subprocess.CompletedProcess:
     """A new python that never imports zarrckpt itself: `import zarr`, then open the three
     arrays of extension types. `site_dir` is processed like site-packages (.pth files)."""
     index = index_of(root)
@@ -477,7 +504,9 @@ def simulated_install(tmp_path) -> Path:
     shutil.copy(PYTHON_DIR / "_zarrckpt_zarr_hook.py", site)
     dist = site / "zarrckpt_simulated-0.0.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: zarrckpt-simulated\nVersion: 0.0\n")
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: zarrckpt-simulated\nVersion: 0.0\n"
+    )
     (dist / "entry_points.txt").write_text(ENTRY_POINTS)
     return site
 

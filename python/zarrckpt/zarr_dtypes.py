@@ -121,19 +121,24 @@ class _MLFloat(ZDType, HasItemSize):  # type: ignore[type-arg]
         if cls._check_json_v3(data):
             return cls()
         raise DataTypeValidationError(
-            f"Invalid JSON representation of {cls.__name__}. Got {data!r}, expected {cls._zarr_v3_name!r}."
+            f"Invalid JSON representation of {cls.__name__}. Got {data!r}, "
+            f"expected {cls._zarr_v3_name!r}."
         )
 
     @classmethod
     def _from_json_v2(cls, data: Any) -> _MLFloat:
         # Zarr v2 names data types by numpy type strings; ml_dtypes types have none of their own
         # ("<V2" is any two-byte void), so there is nothing to match.
-        raise DataTypeValidationError(f"{cls._zarr_v3_name} has no Zarr v2 representation (got {data!r})")
+        raise DataTypeValidationError(
+            f"{cls._zarr_v3_name} has no Zarr v2 representation (got {data!r})"
+        )
 
     def to_json(self, zarr_format: Literal[2, 3]) -> str:  # type: ignore[override]
         if zarr_format == 3:
             return self._zarr_v3_name
-        raise ValueError(f"{self._zarr_v3_name} can be stored in Zarr v3 arrays only (zarr_format={zarr_format})")
+        raise ValueError(
+            f"{self._zarr_v3_name} can be stored in Zarr v3 arrays only (zarr_format={zarr_format})"
+        )
 
     # --- scalars -----------------------------------------------------------------------------
 
@@ -150,7 +155,9 @@ class _MLFloat(ZDType, HasItemSize):  # type: ignore[type-arg]
         if math.isfinite(x):
             limit = float(ml_dtypes.finfo(self._ml_type).max)
             if abs(x) > limit and not self._has_inf:
-                raise ValueError(f"{x!r} is out of range for {self._zarr_v3_name} (largest finite {limit})")
+                raise ValueError(
+                    f"{x!r} is out of range for {self._zarr_v3_name} (largest finite {limit})"
+                )
         return self._ml_type(x)
 
     def _check_scalar(self, data: object) -> bool:
@@ -165,8 +172,8 @@ class _MLFloat(ZDType, HasItemSize):  # type: ignore[type-arg]
     def cast_scalar(self, data: object) -> np.generic:
         if not self._check_scalar(data):
             raise TypeError(
-                f"Cannot convert object {data!r} with type {type(data)} to a scalar compatible with "
-                f"the data type {self}."
+                f"Cannot convert object {data!r} with type {type(data)} to a scalar compatible "
+                f"with the data type {self}."
             )
         if isinstance(data, np.generic) and type(data) is self._ml_type:
             return data
@@ -297,6 +304,8 @@ def unregister(registry: Any = None) -> None:
 
 
 if sys.byteorder != "little":  # pragma: no cover
-    raise ImportError("zarrckpt.zarr_dtypes needs a little-endian host (ml_dtypes arrays are native order)")
+    raise ImportError(
+        "zarrckpt.zarr_dtypes needs a little-endian host (ml_dtypes arrays are native order)"
+    )
 
 register()
