@@ -694,10 +694,12 @@ class LoadStrategy(LoadShardedStrategy):
             if sh.data is None:
                 init = torch.zeros if sh.allow_shape_mismatch else torch.empty
                 sh.data = init(sh.local_shape, dtype=sh.dtype, device="cpu")
-            elif sh.allow_shape_mismatch:
-                sh.data.zero_()
+            else:
+                sh.data = sh.data.detach()
+                if sh.allow_shape_mismatch:
+                    sh.data.zero_()
             gshape = tuple(int(d) for d in sh.global_shape)
-            for offset, dest in _boxes(sh, sh.data.detach()):
+            for offset, dest in _boxes(sh, sh.data):
                 if sh.allow_shape_mismatch:
                     stored = stored_shapes.get(sh.key) if stored_shapes else None
                     if stored is None:
