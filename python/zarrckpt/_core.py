@@ -1,0 +1,629 @@
+"""The thin layer every zarrckpt front (``zarrckpt.torch``, ``zarrckpt.megatron``) builds on.
+
+It turns pieces of global tensors into calls of the Rust core (``zarrckpt._native``) with no
+copy of tensor data, and runs them over a torch.distributed group.
+
+Pieces
+    A :class:`Piece` is one box (``global_offset``) or one flat range (``flat_range``: elements
+    ``[start, stop)`` of the tensor's C-order flattening, as ZeRO / Megatron's distributed
+    optimizer hold them) of one global tensor, held by this rank at save time or wanted at
+    load time. ``tensor`` is a CPU tensor (or numpy array) in C order: it is saved from, or
+    loaded into, in place. ``replica`` is 0 for the main copy, > 0 for a copy another rank
+    holds as main, ``"auto"`` for a box every holder declares the same way (stored once,
+    written by one of them). Any dtype of the core works, bf16 and fp8 included: data travels
+    as bytes.
+
+Objects
+    Non-tensor state, saved with the tensors in the same commit, never pickled: a value is
+    ``bytes`` or anything :func:`json.dumps` accepts (``allow_nan=False``). :class:`Object`
+    gives the scope: ``"common"`` (one value for the job; ranks declaring it must agree),
+    ``"per_rank"`` (every rank its own) or ``"sharded"`` (one value per cell of ``grid``; this
+    rank's cell ``index``). ``save`` also takes a ``{key: value}`` dict of common objects.
+
+Calls (collective: every rank of ``comm`` calls them, in the same order)::
+
+    save(path, pieces, objects=None, *, comm=None, **options) -> dict   # report
+    load(path, pieces, objects=None, *, comm=None, strict="assume_ok_unexpected", **options)
+        -> dict   # report; report["objects"]: the values, in request order (None if skipped)
+    async_save(path, pieces, objects=None, *, comm=None, **options) -> SaveHandle
+
+``comm`` is ``None`` (one rank), a :class:`TorchComm`, or any object with its byte protocol
+(``rank``, ``world_size``, ``all_gather``, ``broadcast``, ``barrier``, ``exchange``; see
+``python/src/comm.rs``). ``options`` of save: ``overwrite``,
+``compression`` (``"none"``, ``"zstd"``, ``"blosc"``), ``io_threads``, ``balance_replicas``,
+``subchunk_bytes``, ``user_metadata`` (a JSON-able dict); of load: ``io_threads``,
+``exchange`` (read boxes several ranks need once and share them; default on),
+``read_method`` (``"pread"``, ``"mmap"``), and ``strict``, one of Megatron's modes
+(``assume_ok_unexpected``, ``log_unexpected``, ``log_all``, ``raise_unexpected``,
+``raise_all``, ``return_unexpected``, ``return_all``, ``ignore_all``). Load pieces may set
+``cast=True`` to accept another stored float type (converted, rounded to nearest even).
+
+The GIL is released while the core plans, reads and writes. Errors are
+:mod:`zarrckpt._errors` exceptions carrying the core's message (key, chunk, rank, path).
+
+Saves and loads on one :class:`TorchComm` never overlap: a save or load first waits for an
+asynchronous save still in flight on it (its background thread owns the communicator's
+group meanwhile). Repeated saves on one communicator reuse the agreed plan while the
+structure is unchanged (a constant-size check instead of the full agreement).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _native
+from ._errors import InvalidArgumentError
+
+__all__ = [
+    "Piece",
+    "Object",
+    "TorchComm",
+    "SaveHandle",
+    "save",
+    "load",
+    "async_save",
+    "dtype_name",
+    "communicator",
+]
+
+# torch.frombuffer warns about read-only buffers (the send side of an exchange).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+
+
+@dataclass
+class Piece:
+    """One box (or flat range) of one global tensor this rank holds / wants."""
+
+    key: str
+    tensor: Any  # torch.Tensor (CPU, contiguous) or numpy.ndarray (C-contiguous)
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...] | None = None
+    flat_range: tuple[int, int] | None = None
+    replica: int | str = 0
+    cast: bool = False  # load only: accept another stored float type
+
+
+@dataclass
+class Object:
+    """One object to save (``value``) or to load (the value comes back in the report)."""
+
+    key: str
+    value: Any = None
+    scope: str = "common"
+    grid: tuple[int, ...] | None = None
+    index: tuple[int, ...] | None = None
+    rank: int | None = None  # load of a per-rank object: whose value (default: this rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes and memory
+
+_TORCH_DTYPES: dict[Any, str] = {}
+
+
+def _torch_dtypes() -> dict[Any, str]:
+    if not _TORCH_DTYPES:
+        import torch
+
+        names = {
+            "bool": "bool",
+            "int8": "int8",
+            "int16": "int16",
+            "int32": "int32",
+            "int64": "int64",
+            "uint8": "uint8",
+            "uint16": "uint16",
+            "uint32": "uint32",
+            "uint64": "uint64",
+            "float16": "float16",
+            "bfloat16": "bfloat16",
+            "float32": "float32",
+            "float64": "float64",
+            "float8_e4m3fn": "float8_e4m3fn",
+            "float8_e5m2": "float8_e5m2",
+        }
+        for attr, name in names.items():
+            dt = getattr(torch, attr, None)
+            if dt is not None:
+                _TORCH_DTYPES[dt] = name
+    return _TORCH_DTYPES
+
+
+def _numpy_dtype_name(dt: np.dtype) -> str | None:
+    if dt.kind in "biuf" and dt.byteorder in "=|<" and dt.name in _native.DTYPES:
+        return dt.name
+    # ml_dtypes: bfloat16, float8_e4m3fn, float8_e5m2 (kind 'V').
+    if dt.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        return dt.name
+    return None
+
+
+def _is_torch(x: Any) -> bool:
+    mod = type(x).__module__
+    return mod.startswith("torch") and hasattr(x, "data_ptr")
+
+
+def dtype_name(x: Any) -> str:
+    """The core's dtype name of a torch tensor / dtype or a numpy array / dtype."""
+    dt = getattr(x, "dtype", x)
+    if isinstance(dt, np.dtype):
+        name = _numpy_dtype_name(dt)
+    else:
+        name = _torch_dtypes().get(dt)
+    if name is None:
+        raise InvalidArgumentError(
+            f"data type {dt} is not supported; supported: {', '.join(_native.DTYPES)}"
+        )
+    return name
+
+
+def _memory(key: str, x: Any, writable: bool) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype name, shape, address, nbytes) of a tensor's memory, checked."""
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise InvalidArgumentError(f"`{key}`: tensor on {x.device}; pieces are CPU tensors")
+        if not x.is_contiguous():
+            raise InvalidArgumentError(f"`{key}`: tensor is not contiguous")
+        if x.is_conj() or x.is_neg():
+            raise InvalidArgumentError(f"`{key}`: tensor has a lazy conjugate/negative bit")
+        if getattr(x, "is_quantized", False) or x.layout.__repr__() != "torch.strided":
+            raise InvalidArgumentError(f"`{key}`: only dense strided tensors can be pieces")
+        nbytes = x.numel() * x.element_size()
+        return dtype_name(x), tuple(x.shape), (x.data_ptr() if nbytes else 0), nbytes
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            raise InvalidArgumentError(f"`{key}`: array is not C-contiguous")
+        if writable and not x.flags.writeable:
+            raise InvalidArgumentError(f"`{key}`: array is read-only")
+        return dtype_name(x), tuple(x.shape), (x.ctypes.data if x.nbytes else 0), x.nbytes
+    raise InvalidArgumentError(
+        f"`{key}`: a piece holds a torch.Tensor or a numpy.ndarray, not {type(x).__name__}"
+    )
+
+
+def _piece_tuple(p: Piece, load: bool) -> tuple:
+    dt, shape, address, nbytes = _memory(p.key, p.tensor, writable=load)
+    gshape = tuple(int(d) for d in p.global_shape)
+    if p.flat_range is not None:
+        if p.global_offset is not None:
+            raise InvalidArgumentError(f"`{p.key}`: give a global_offset or a flat_range, not both")
+        start, stop = (int(v) for v in p.flat_range)
+        count = 1
+        for d in shape:
+            count *= d
+        if stop - start != count:
+            raise InvalidArgumentError(
+                f"`{p.key}`: flat range {start}..{stop} holds {stop - start} elements, "
+                f"the tensor {count}"
+            )
+        place = (None, None, (start, stop))
+    else:
+        offset = (
+            tuple(int(o) for o in p.global_offset)
+            if p.global_offset is not None
+            else (0,) * len(gshape)
+        )
+        place = (offset, shape, None)
+    if load:
+        extra: Any = bool(p.cast)
+    elif p.replica == "auto":
+        extra = None
+    elif isinstance(p.replica, int) and p.replica >= 0:
+        extra = int(p.replica)
+    else:
+        raise InvalidArgumentError(f"`{p.key}`: replica is an int >= 0 or 'auto'")
+    return (p.key, dt, gshape, *place, extra, address, nbytes)
+
+
+def _disjoint(tuples: list[tuple]) -> list[tuple]:
+    """The load targets with the same memory asked for twice (tied weights: two keys, one
+    tensor) kept once; targets overlapping otherwise are an error (each is written by the
+    core)."""
+    out = []
+    seen: set[tuple[int, int]] = set()
+    for t in tuples:
+        span = (t[7], t[8])
+        if t[8] and span in seen:
+            continue
+        seen.add(span)
+        out.append(t)
+    spans = sorted((t[7], t[7] + t[8], t[0]) for t in out if t[8])
+    for (_a0, a1, ka), (b0, _b1, kb) in zip(spans, spans[1:], strict=False):
+        if b0 < a1:
+            raise InvalidArgumentError(
+                f"load targets `{ka}` and `{kb}` overlap in memory; load into one of them and "
+                "copy, or give separate tensors"
+            )
+    return out
+
+
+def _json_text(key: str, value: Any) -> str:
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"object `{key}`: its value is neither bytes nor JSON ({e}); nothing is pickled, "
+            "so convert it (to a JSON-able value, bytes or a tensor) first"
+        ) from e
+
+
+def _object_tuples(objects: Mapping[str, Any] | Iterable[Object] | None) -> list[tuple] | None:
+    if objects is None:
+        return None
+    if isinstance(objects, Mapping):
+        objects = [Object(k, v) for k, v in objects.items()]
+    out = []
+    for o in objects:
+        v = o.value
+        if isinstance(v, bytes | bytearray | memoryview):
+            value: Any = bytes(v)
+        else:
+            value = _json_text(o.key, v)
+        grid = tuple(int(g) for g in o.grid) if o.grid is not None else None
+        index = tuple(int(i) for i in o.index) if o.index is not None else None
+        out.append((o.key, o.scope, grid, index, value))
+    return out
+
+
+def _request_tuples(objects: Iterable[Object | str] | None, rank: int) -> list[tuple] | None:
+    if objects is None:
+        return None
+    out = []
+    for o in objects:
+        if isinstance(o, str):
+            o = Object(o)
+        r = o.rank if o.rank is not None else (rank if o.scope == "per_rank" else None)
+        grid = tuple(int(g) for g in o.grid) if o.grid is not None else None
+        index = tuple(int(i) for i in o.index) if o.index is not None else None
+        out.append((o.key, o.scope, r, grid, index))
+    return out
+
+
+def _decode(value: tuple | None) -> Any:
+    if value is None:
+        return None
+    enc, data = value
+    return json.loads(data) if enc == "json" else data
+
+
+def _options(options: dict, load: bool) -> dict:
+    out = dict(options)
+    if not load and isinstance(out.get("user_metadata"), Mapping):
+        out["user_metadata"] = _json_text("user_metadata", dict(out["user_metadata"]))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the communicator over torch.distributed
+
+
+class TorchComm:
+    """zarrckpt's communicator over a torch.distributed process group.
+
+    ``group`` is the group whose ranks save or load together (default: the default group).
+    The collectives run on a dedicated gloo group over the same ranks, created on first use
+    from the default store (no new port, no set-up), so they never interleave with training
+    collectives on ``group`` (an asynchronous save's background thread uses it while training
+    goes on) and work whatever the training backend (nccl, gloo). Only bytes travel: sizes
+    and payloads as uint8 tensors, never pickled objects.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise InvalidArgumentError("torch.distributed is not initialised")
+        self._dist = dist
+        self._parent = group
+        self._group: Any = None
+        self._lock = threading.Lock()
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._saver: Any = None
+        self._inflight: SaveHandle | None = None
+
+    # -- the group ---------------------------------------------------------------------------
+
+    def group(self) -> Any:
+        """The dedicated gloo group (created collectively on first use)."""
+        with self._lock:
+            if self._group is None:
+                dist = self._dist
+                ranks = None
+                if self._parent is not None:
+                    ranks = sorted(dist.get_process_group_ranks(self._parent))
+                self._group = dist.new_group(
+                    ranks=ranks, backend="gloo", use_local_synchronization=True
+                )
+                if dist.get_rank(self._group) != self.rank:
+                    raise InvalidArgumentError(
+                        "the group's ranks are not in ascending order of global rank; "
+                        "zarrckpt needs group rank order to follow global rank order"
+                    )
+            return self._group
+
+    # -- bytes collectives (called by the Rust core, GIL held) -------------------------------
+
+    def _sizes(self, n: int) -> list[int]:
+        import torch
+
+        g = self.group()
+        mine = torch.tensor([n], dtype=torch.int64)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        self._dist.all_gather(out, mine, group=g)
+        return [int(t.item()) for t in out]
+
+    def all_gather(self, data: bytes) -> list[bytes]:
+        import torch
+
+        g = self.group()
+        sizes = self._sizes(len(data))
+        m = max(sizes)
+        if m == 0:
+            return [b""] * self.world_size
+        buf = torch.zeros(m, dtype=torch.uint8)
+        if data:
+            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._dist.all_gather(out, buf, group=g)
+        return [out[i][: sizes[i]].numpy().tobytes() for i in range(self.world_size)]
+
+    def broadcast(self, root: int, data: bytes) -> bytes:
+        import torch
+
+        g = self.group()
+        n = torch.tensor([len(data) if self.rank == root else 0], dtype=torch.int64)
+        self._dist.broadcast(n, group=g, group_src=root)
+        size = int(n.item())
+        if size == 0:
+            return b""
+        if self.rank == root:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+        self._dist.broadcast(buf, group=g, group_src=root)
+        return data if self.rank == root else buf.numpy().tobytes()
+
+    def barrier(self) -> None:
+        self._dist.barrier(group=self.group())
+
+    def exchange(self, sends: list[tuple[int, memoryview]], recvs: list[tuple[int, memoryview]]):
+        import torch
+
+        g = self.group()
+        works = []
+        local_sends: list[memoryview] = []
+        sent: dict[int, int] = {}
+        for peer, mv in sends:
+            if peer == self.rank:
+                local_sends.append(mv)
+                continue
+            tag = sent.get(peer, 0)
+            sent[peer] = tag + 1
+            if len(mv):
+                t = torch.frombuffer(mv, dtype=torch.uint8)
+                works.append(self._dist.isend(t, group=g, group_dst=peer, tag=tag))
+        got: dict[int, int] = {}
+        for peer, mv in recvs:
+            if peer == self.rank:
+                src = local_sends.pop(0)
+                mv[:] = src
+                continue
+            tag = got.get(peer, 0)
+            got[peer] = tag + 1
+            if len(mv):
+                t = torch.frombuffer(mv, dtype=torch.uint8)
+                works.append(self._dist.irecv(t, group=g, group_src=peer, tag=tag))
+        for w in works:
+            w.wait()
+
+    # -- saves in flight ---------------------------------------------------------------------
+
+    def saver(self) -> Any:
+        if self._saver is None:
+            self._saver = _native.Saver(self)
+        return self._saver
+
+    def wait_idle(self) -> None:
+        """Waits for an asynchronous save in flight on this communicator (errors stay with
+        its handle)."""
+        h = self._inflight
+        if h is not None:
+            h._settle()
+            self._inflight = None
+
+
+_COMMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_DEFAULT_COMM: dict[Any, TorchComm] = {}
+
+
+def communicator(group: Any = None) -> TorchComm | None:
+    """The :class:`TorchComm` of ``group`` (one per group, reused), or ``None`` when
+    torch.distributed is not initialised or the job has one rank."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if group is None:
+        world = dist.group.WORLD
+        c = _DEFAULT_COMM.get(world)
+        if c is None:
+            _DEFAULT_COMM.clear()  # a new default group after destroy/init
+            c = _DEFAULT_COMM[world] = TorchComm(None)
+    else:
+        c = _COMMS.get(group)
+        if c is None:
+            c = _COMMS[group] = TorchComm(group)
+    return c if c.world_size > 1 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# save, load, async save
+
+_local_saver: Any = None
+_local_inflight: SaveHandle | None = None
+_pending: weakref.WeakSet = weakref.WeakSet()
+
+
+_other_savers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _wait_idle(comm: Any) -> None:
+    global _local_inflight
+    if comm is None:
+        if _local_inflight is not None:
+            _local_inflight._settle()
+            _local_inflight = None
+    elif hasattr(comm, "wait_idle"):
+        comm.wait_idle()
+
+
+def _saver(comm: Any) -> Any:
+    global _local_saver
+    if comm is None:
+        if _local_saver is None:
+            _local_saver = _native.Saver(None)
+        return _local_saver
+    if hasattr(comm, "saver"):
+        return comm.saver()
+    s = _other_savers.get(comm)
+    if s is None:
+        s = _other_savers[comm] = _native.Saver(comm)
+    return s
+
+
+def save(
+    path: Any,
+    pieces: list[Piece],
+    objects: Mapping[str, Any] | Iterable[Object] | None = None,
+    *,
+    comm: TorchComm | None = None,
+    **options: Any,
+) -> dict:
+    """Saves this rank's pieces and objects into the checkpoint at ``path`` (collective).
+
+    Returns the core's report: ``tensors``, ``chunks_written``, ``data_bytes``,
+    ``file_bytes``, ``bytes_per_rank``, ``write_balance``, ``plan_s``, ``gathered_bytes``,
+    ``plan_reused``.
+    """
+    tuples = [_piece_tuple(p, load=False) for p in pieces]
+    objs = _object_tuples(objects)
+    _wait_idle(comm)
+    return _saver(comm).save(str(path), tuples, objs, _options(options, load=False))
+
+
+def load(
+    path: Any,
+    pieces: list[Piece],
+    objects: Iterable[Object | str] | None = None,
+    *,
+    comm: TorchComm | None = None,
+    strict: str = "assume_ok_unexpected",
+    **options: Any,
+) -> dict:
+    """Loads into the pieces' tensors in place (collective); returns the report:
+    ``loaded_bytes``, ``bytes_read``, ``bytes_received``, ``bytes_sent``, ``unexpected``,
+    ``missing``, and ``objects`` (one value per request, in order; ``None`` for a key the
+    strict mode skipped). Pieces sharing the very same memory (tied weights under two keys)
+    are loaded once, from the first one's key."""
+    tuples = _disjoint([_piece_tuple(p, load=True) for p in pieces])
+    rank = comm.rank if comm is not None else 0
+    reqs = _request_tuples(objects, rank)
+    _wait_idle(comm)
+    opts = _options(options, load=True)
+    opts["strict"] = strict
+    report = _native.load(str(path), tuples, reqs, comm, opts)
+    report["objects"] = [_decode(v) for v in report["objects"]]
+    return report
+
+
+class SaveHandle:
+    """An asynchronous save in flight: :meth:`wait` for the report, :meth:`done` to poll,
+    :meth:`exception` for the error (or ``None``)."""
+
+    def __init__(self, native: Any, keep: Any = None) -> None:
+        self._native = native
+        self._keep = keep
+        self._result: dict | None = None
+        self._error: BaseException | None = None
+        self._settled = False
+        self._lock = threading.Lock()
+        self.blocked_s: float = native.blocked_s
+        self.staged_bytes: int = native.staged_bytes
+
+    def _settle(self) -> None:
+        with self._lock:
+            if self._settled:
+                return
+            try:
+                self._result = self._native.wait()
+            except BaseException as e:  # noqa: BLE001 - kept for wait()/exception()
+                self._error = e
+            self._settled = True
+            self._keep = None
+
+    def done(self) -> bool:
+        """True once writing, fsync and commit are over (successfully or not)."""
+        return self._settled or self._native.done()
+
+    def wait(self) -> dict:
+        """Waits for the save; returns its report or raises its error."""
+        self._settle()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    result = wait
+
+    def exception(self) -> BaseException | None:
+        """Waits for the save; returns its error, or ``None`` if it succeeded."""
+        self._settle()
+        return self._error
+
+
+def async_save(
+    path: Any,
+    pieces: list[Piece],
+    objects: Mapping[str, Any] | Iterable[Object] | None = None,
+    *,
+    comm: TorchComm | None = None,
+    **options: Any,
+) -> SaveHandle:
+    """Starts a save that finishes in the background (collective). Returns once this rank's
+    pieces are copied into staging memory (the caller may change its tensors then) and the
+    objects are taken; writing, fsync and commit go on in a background thread."""
+    global _local_inflight
+    tuples = [_piece_tuple(p, load=False) for p in pieces]
+    objs = _object_tuples(objects)
+    _wait_idle(comm)
+    native = _saver(comm).save_async(str(path), tuples, objs, _options(options, load=False))
+    handle = SaveHandle(native)
+    if comm is None:
+        _local_inflight = handle
+    elif hasattr(comm, "wait_idle"):
+        comm._inflight = handle
+    _pending.add(handle)
+    return handle
+
+
+@atexit.register
+def _finish_pending() -> None:
+    # A background save calls back into Python (the communicator): let it end before the
+    # interpreter does.
+    for h in list(_pending):
+        try:
+            h._settle()
+        except BaseException:  # noqa: BLE001
+            pass
