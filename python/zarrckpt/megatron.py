@@ -42,8 +42,11 @@ Mapping:
   ``torch_dist`` does). Several pieces of one key on one rank (the optimizer's buckets) are
   fine. A legacy ``flattened_range`` (Megatron < 0.16) is cut into the boxes it covers.
   ``allow_shape_mismatch`` loads the intersection with the stored tensor and zeroes the rest.
-* ``ShardedObject`` -> a ``sharded`` zarrckpt object ``key``, grid ``global_shape``, cell
-  ``global_offset``; the main replica's value is stored.
+* ``ShardedObject`` -> the ``common`` zarrckpt object named by Megatron's ``unique_key``
+  (``<key>/shard_<offset>_<shape>``, e.g. ``decoder.layers.mlp.linear_fc1._extra_state/
+  shard_2_4``, as Megatron names its own files), declared by the main replica only. (Not a
+  ``sharded`` zarrckpt object: zarrckpt takes one cell of a key per rank, and a pipeline stage
+  holds several layers' cells.)
 * The common state (what :func:`save` stores) -> the ``common`` object ``megatron/common``.
 
 Values of objects and of the common state are encoded without pickle (:func:`encode_value`):
@@ -492,14 +495,28 @@ def _save_objects(objects: list[ShardedObject]) -> list[_core.Object]:
         seen.add(o.unique_key)
         out.append(
             _core.Object(
-                key=o.key,
+                key=o.unique_key,
                 value=_stored(encode_value(o.data, path=o.unique_key)),
-                scope="sharded",
-                grid=tuple(int(g) for g in o.global_shape),
-                index=tuple(int(i) for i in o.global_offset),
+                scope="common",
             )
         )
     return out
+
+
+def _object_from_unique_key(unique_key: str) -> ShardedObject | None:
+    """The (empty) ShardedObject a stored object key names, or None for another key."""
+    key, _, shard = unique_key.rpartition("/")
+    parts = shard.split("_")
+    if not key or len(parts) != 3 or parts[0] != "shard":
+        return None
+    try:
+        offset = tuple(int(i) for i in parts[1].split("."))
+        shape = tuple(int(i) for i in parts[2].split("."))
+    except ValueError:
+        return None
+    if len(offset) != len(shape):
+        return None
+    return ShardedObject(key, None, shape, offset, replica_id=0)
 
 
 def _stored(encoded: str | bytes) -> Any:
@@ -680,14 +697,7 @@ class LoadStrategy(LoadShardedStrategy):
         for sh in leaves:
             if isinstance(sh, ShardedObject):
                 objects.append(sh)
-                requests.append(
-                    _core.Object(
-                        key=sh.key,
-                        scope="sharded",
-                        grid=tuple(int(g) for g in sh.global_shape),
-                        index=tuple(int(i) for i in sh.global_offset),
-                    )
-                )
+                requests.append(_core.Object(key=sh.unique_key, scope="common"))
                 continue
             if not isinstance(sh, ShardedTensor):
                 continue
@@ -764,12 +774,9 @@ class LoadStrategy(LoadShardedStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir: Any) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.load_tensors_metadata(checkpoint_dir))
-        for key, e in _index(checkpoint_dir).get("objects", {}).items():
-            if e.get("scope") != "sharded":
-                continue
-            grid = tuple(int(g) for g in e["grid"])
-            for index in np.ndindex(*grid):
-                o = ShardedObject(key, None, grid, tuple(int(i) for i in index), replica_id=0)
+        for key in _index(checkpoint_dir).get("objects", {}):
+            o = _object_from_unique_key(key)
+            if o is not None:
                 out[o.unique_key] = o
         return out
 
@@ -826,7 +833,7 @@ class LoadCommonStrategy(_LoadCommonBase):
         ckpt = zarrckpt.open(_ckpt_path(checkpoint_dir))
 
         def one(o: ShardedObject) -> Any:
-            return decode_value(ckpt.object(o.key, shard=tuple(o.global_offset)))
+            return decode_value(ckpt.object(o.unique_key))
 
         return dict_list_map_inplace(one, sharded_objects_state_dict)
 
