@@ -523,3 +523,179 @@ def test_one_argument_switch_tp2_to_pp2_with_async_save(tmp_path):
     cfg = dist_checkpointing.core.maybe_load_config(str(ckpt))
     assert (cfg.sharded_backend, cfg.common_backend) == ("zarrckpt", "torch")
     run(2, "gpt_load", tmp_path, tp=1, pp=2, ckpt=str(ckpt), saved_by="megatron", loader="zarrckpt")
+
+
+# --- edge cases on 2 ranks: dtypes, legacy flattened_range, views, duplicates, shape mismatch,
+# casts, strict modes, errors, plain tensors -----------------------------------------------------
+
+
+def _st(key, dtype, gshape, offset, local, replica=0, data=True, **kw) -> ShardedTensor:
+    t = None
+    if data:
+        t = expected_bits(key, dtype, gshape, offset, local).reshape(local).clone()
+    return ShardedTensor(
+        key, t, dtype, tuple(local), tuple(gshape), tuple(offset), None, replica_id=replica, **kw
+    )
+
+
+def _flat(key, dtype, gshape, start, stop, data=True) -> ShardedTensor:
+    """A legacy (Megatron < 0.16) flattened_range piece of the whole tensor's box."""
+    sh = _st(key, dtype, gshape, (0,) * len(gshape), gshape, data=False)
+    full = expected_bits(key, dtype, gshape, (0,) * len(gshape), gshape).reshape(-1)
+    sh.data = full[start:stop].clone() if data else torch.zeros(stop - start, dtype=dtype)
+    sh.flattened_range = slice(start, stop)  # 0.16 refuses it in __init__; older versions not
+    return sh
+
+
+def edge_cases(rank: int, world: int, ckpt: str):
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    assert world == 2
+    r = rank
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    sd = {
+        "bf16": _st("w.bf16", torch.bfloat16, (10, 6), (5 * r, 0), (5, 6)),
+        "e4m3": _st("w.e4m3", e4m3, (7, 3), (4 * r, 0), (4 - r, 3)),
+        "e5m2": _st("w.e5m2", e5m2, (7, 3), (4 * r, 0), (4 - r, 3)),
+        "vocab": _st("vocab", torch.float32, (10, 4), (5 * r, 0), (5, 4)),
+        "tied": _st("tied", torch.float32, (4, 4), (0, 0), (4, 4), replica=r + 1),
+        "obj": ShardedObject("obj", {"rank": r, "t": torch.ones(2) * r}, (2,), (r,)),
+    }
+    if r == 0:  # one box twice on one rank, the main replica second
+        sd["tied_main"] = _st("tied", torch.float32, (4, 4), (0, 0), (4, 4), replica=0)
+    zm.save(sd, ckpt)
+    # The legacy flattened_range (whole-tensor flat ranges split 23 / 37), in another checkpoint.
+    flat_ckpt = ckpt + "-flat"
+    cut = (0, 23) if r == 0 else (23, 60)
+    zm.save(
+        {"flat": _flat("flat", torch.float32, (6, 10), *cut)},
+        flat_ckpt,
+        validate_access_integrity=False,
+    )
+
+    # Load in another split: columns, a non-contiguous destination, duplicate targets.
+    cols = (0, 3) if r == 0 else (3, 3)
+    bf16 = _st(
+        "w.bf16", torch.bfloat16, (10, 6), (0, cols[0]), (10, cols[1]), replica=0, data=False
+    )
+    if r == 0:
+        bf16.data = torch.empty(3, 10, dtype=torch.bfloat16).t()  # a [10, 3] view, strided
+    want = {
+        "bf16": bf16,
+        "e4m3": _st("w.e4m3", e4m3, (7, 3), (0, 0), (7, 3), replica=r, data=False),
+        "e5m2": _st("w.e5m2", e5m2, (7, 3), (4 * r, 0), (4 - r, 3), data=False),
+        # Padded (12 rows requested, 10 stored): rows 10 and 11 come back zero.
+        "vocab": _st(
+            "vocab",
+            torch.float32,
+            (12, 4),
+            (6 * r, 0),
+            (6, 4),
+            data=False,
+            allow_shape_mismatch=True,
+        ),
+        "tied": _st("tied", torch.float32, (4, 4), (0, 0), (4, 4), replica=r, data=False),
+        "tied2": _st("tied", torch.float32, (4, 4), (0, 0), (4, 4), replica=1, data=False),
+        "obj": ShardedObject("obj", None, (2,), (1 - r,)),
+    }
+    got = dist_checkpointing.load(want, ckpt)
+    if r == 0:  # loaded in place into the strided view (through a staging copy)
+        assert got["bf16"].data_ptr() == bf16.data.data_ptr()
+        assert not got["bf16"].is_contiguous()
+    assert same_bits(
+        got["bf16"], expected_bits("w.bf16", torch.bfloat16, (10, 6), (0, cols[0]), (10, cols[1]))
+    )
+    assert same_bits(got["e4m3"], expected_bits("w.e4m3", e4m3, (7, 3), (0, 0), (7, 3)))
+    e5 = (0, 4) if r == 0 else (4, 3)
+    assert same_bits(got["e5m2"], expected_bits("w.e5m2", e5m2, (7, 3), (e5[0], 0), (e5[1], 3)))
+    full_vocab = torch.zeros(12, 4)
+    full_vocab[:10] = expected_bits("vocab", torch.float32, (10, 4), (0, 0), (10, 4))
+    assert same_bits(got["vocab"], full_vocab[6 * r : 6 * r + 6])
+    tied = expected_bits("tied", torch.float32, (4, 4), (0, 0), (4, 4))
+    assert same_bits(got["tied"], tied) and same_bits(got["tied2"], tied)
+    assert_same({"rank": 1 - r, "t": torch.ones(2) * (1 - r)}, got["obj"])
+
+    # A stored bfloat16 into float32 only when asked for.
+    f32 = {"w": _st("w.bf16", torch.float32, (10, 6), (5 * r, 0), (5, 6), data=False)}
+    with pytest.raises(Exception, match="w.bf16"):
+        dist_checkpointing.load(f32, ckpt, sharded_strategy=zm.LoadStrategy())
+    f32 = {"w": _st("w.bf16", torch.float32, (10, 6), (5 * r, 0), (5, 6), data=False)}
+    got = dist_checkpointing.load(f32, ckpt, sharded_strategy=zm.LoadStrategy(cast=True))
+    want_f32 = expected_bits("w.bf16", torch.bfloat16, (10, 6), (5 * r, 0), (5, 6)).float()
+    assert same_bits(got["w"], want_f32)
+
+    # Legacy flat ranges load as boxes, and boxes load into flat ranges.
+    whole = dist_checkpointing.load(
+        {"f": _st("flat", torch.float32, (6, 10), (0, 0), (6, 10), replica=r, data=False)},
+        flat_ckpt,
+    )
+    assert same_bits(whole["f"], expected_bits("flat", torch.float32, (6, 10), (0, 0), (6, 10)))
+    part = (7, 41) if r == 0 else (41, 60)
+    flat = dist_checkpointing.load(
+        {"f": _flat("flat", torch.float32, (6, 10), *part, data=False)},
+        flat_ckpt,
+        validate_access_integrity=False,
+    )
+    full = expected_bits("flat", torch.float32, (6, 10), (0, 0), (6, 10)).reshape(-1)
+    assert same_bits(flat["f"], full[part[0] : part[1]])
+
+    # Strict modes see the checkpoint's keys (tensors and objects) through the strategy.
+    ask = {
+        "e4m3": _st("w.e4m3", e4m3, (7, 3), (0, 0), (7, 3), replica=r, data=False),
+        "nope": _st("nope", torch.float32, (3,), (0,), (3,), replica=r, data=False),
+    }
+    _, missing, unexpected = dist_checkpointing.load(ask, ckpt, strict=StrictHandling.RETURN_ALL)
+    assert unexpected == {"nope"}, unexpected
+    assert {"w.bf16", "w.e5m2", "vocab", "tied", "obj"} <= missing, missing
+    # The default mode: a key the checkpoint lacks is an error naming it.
+    ask = {"nope": _st("nope", torch.float32, (3,), (0,), (3,), replica=r, data=False)}
+    with pytest.raises(Exception, match="nope"):
+        dist_checkpointing.load(ask, ckpt)
+    # Plain full tensors (Megatron's load_plain_tensors: metadata from the strategy).
+    plain = dist_checkpointing.load_plain_tensors(ckpt)
+    assert set(plain) == {"w.bf16", "w.e4m3", "w.e5m2", "vocab", "tied"}
+    assert same_bits(plain["w.e4m3"], expected_bits("w.e4m3", e4m3, (7, 3), (0, 0), (7, 3)))
+    assert same_bits(plain["vocab"], full_vocab[:10])
+
+
+SCENARIOS["edge_cases"] = edge_cases
+
+
+def test_edge_cases_on_2_ranks(tmp_path):
+    run(2, "edge_cases", tmp_path, ckpt=str(tmp_path / "ckpt"))
+
+
+# --- without processes -----------------------------------------------------------------------
+
+
+def test_values_round_trip_without_pickle():
+    for value in (object_value(3), common_state(), {"a": [1, 2.5, None, "x"]}, [], 7, None):
+        encoded = zm.encode_value(value)
+        assert b"pickle" not in (encoded if isinstance(encoded, bytes) else encoded.encode())
+        stored = encoded if isinstance(encoded, bytes) else __import__("json").loads(encoded)
+        assert_same(value, zm.decode_value(stored))
+    # Plain JSON stays readable JSON.
+    assert zm.encode_value({"iteration": 5, "lr": 0.1}) == '{"iteration":5,"lr":0.1}'
+    with pytest.raises(Exception, match=r"value\.fn"):
+        zm.encode_value({"fn": print})
+    with pytest.raises(Exception, match="not written by zarrckpt.megatron"):
+        zm.decode_value(b"\x80\x04K\x01.")  # a pickle is refused, never loaded
+
+
+def test_flat_boxes_cover_every_range_exactly_once():
+    for shape in ((5,), (3, 4), (2, 3, 4), (2, 1, 3, 2)):
+        n = math.prod(shape)
+        for start in range(n + 1):
+            for stop in range(start, n + 1):
+                covered = []
+                for off, ext, fs in zm._flat_boxes(shape, start, stop):
+                    idx = np.ravel_multi_index(
+                        np.meshgrid(
+                            *[np.arange(o, o + e) for o, e in zip(off, ext, strict=True)],
+                            indexing="ij",
+                        ),
+                        shape,
+                    ).reshape(-1)
+                    assert list(idx) == list(range(fs, fs + len(idx)))  # contiguous, in order
+                    covered.extend(idx)
+                assert covered == list(range(start, stop)), (shape, start, stop)
