@@ -625,8 +625,12 @@ class SaveStrategy(AsyncSaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Any) -> AsyncRequest:
         """Copies this rank's state into staging memory and returns; writing and the commit go
-        on in a background thread. The request's finalisation waits for them (Megatron calls it
-        on every rank, then writes metadata.json)."""
+        on in a background thread of this process. The returned request has no ``async_fn``
+        (nothing to run in Megatron's worker process); its finalisation waits for the
+        background save (Megatron calls it on every rank, then writes metadata.json). With
+        Megatron's async queue that wait happens at the first ``maybe_finalize_async_calls``
+        after scheduling: call it late (e.g. before the next save) to keep training going
+        meanwhile."""
         pieces, objs = self._prepare(sharded_state_dict)
         handle = _core.async_save(
             _ckpt_path(checkpoint_dir),
