@@ -315,7 +315,8 @@ def _worker(rank: int, world: int, init_file: str, scenario: str, kwargs: dict) 
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        SCENARIOS[scenario](rank=rank, world=world, **kwargs)
+        fn = scenario if callable(scenario) else SCENARIOS[scenario]
+        fn(rank=rank, world=world, **kwargs)
         dist.barrier()
     finally:
         from megatron.core import parallel_state
@@ -324,12 +325,13 @@ def _worker(rank: int, world: int, init_file: str, scenario: str, kwargs: dict) 
         dist.destroy_process_group()
 
 
-def run(world: int, scenario: str, tmp_path: Path, **kwargs) -> None:
+def run(world: int, scenario, tmp_path: Path, **kwargs) -> None:
     """Runs `scenario` on `world` processes; fails with the first error, or after the time
     limit with every process ended (never a hang)."""
     import torch.multiprocessing as mp
 
-    init_file = tmp_path / f"init-{scenario}-{time.monotonic_ns()}"
+    name = getattr(scenario, "__name__", scenario)
+    init_file = tmp_path / f"init-{name}-{time.monotonic_ns()}"
     ctx = mp.start_processes(
         _worker,
         args=(world, str(init_file), scenario, kwargs),
@@ -343,7 +345,7 @@ def run(world: int, scenario: str, tmp_path: Path, **kwargs) -> None:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-            pytest.fail(f"{scenario} on {world} processes did not finish in {TIMEOUT_S} s")
+            pytest.fail(f"{name} on {world} processes did not finish in {TIMEOUT_S} s")
 
 
 # --- the model -------------------------------------------------------------------------------
