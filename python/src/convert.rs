@@ -226,7 +226,11 @@ pub(crate) fn targets_of(spec: &LoadSpec) -> Result<Vec<LoadTarget<'_>>, Error> 
                     LoadTarget::from_flat(key, s.dtype, s.global_shape.clone(), *a..*b, buf)?
                 }
             };
-            Ok(if *cast { t.with_cast(Cast::FloatConvert) } else { t })
+            Ok(if *cast {
+                t.with_cast(Cast::FloatConvert)
+            } else {
+                t
+            })
         })
         .collect()
 }
@@ -237,8 +241,28 @@ fn json_value(key: &str, text: &str) -> PyResult<serde_json::Value> {
 }
 
 fn grid_of(v: Option<Vec<u64>>, what: &str, key: &str) -> PyResult<Vec<u64>> {
-    v.ok_or_else(|| PyValueError::new_err(format!("object `{key}`: a sharded object needs a {what}")))
+    v.ok_or_else(|| {
+        PyValueError::new_err(format!("object `{key}`: a sharded object needs a {what}"))
+    })
 }
+
+/// An object to save, as described from Python.
+type ObjectTuple<'py> = (
+    String,
+    String,
+    Option<Vec<u64>>,
+    Option<Vec<u64>>,
+    Bound<'py, PyAny>,
+);
+
+/// An object request, as described from Python.
+type RequestTuple = (
+    String,
+    String,
+    Option<u64>,
+    Option<Vec<u64>>,
+    Option<Vec<u64>>,
+);
 
 /// Objects to save: tuples `(key, scope, grid | None, index | None, value)` where the value
 /// is `str` (JSON text) or `bytes`.
@@ -246,13 +270,7 @@ pub(crate) fn save_objects(list: &Bound<'_, PyList>) -> PyResult<Vec<StateObject
     let py = list.py();
     list.iter()
         .map(|item| {
-            let (key, scope, grid, index, value): (
-                String,
-                String,
-                Option<Vec<u64>>,
-                Option<Vec<u64>>,
-                Bound<'_, PyAny>,
-            ) = item.extract()?;
+            let (key, scope, grid, index, value): ObjectTuple<'_> = item.extract()?;
             let value = if let Ok(b) = value.cast::<PyBytes>() {
                 ObjectValue::Bytes(b.as_bytes().to_vec())
             } else if let Ok(s) = value.cast::<PyString>() {
@@ -287,19 +305,15 @@ pub(crate) fn object_requests(list: &Bound<'_, PyList>) -> PyResult<Vec<ObjectRe
     let py = list.py();
     list.iter()
         .map(|item| {
-            let (key, scope, rank, grid, index): (
-                String,
-                String,
-                Option<u64>,
-                Option<Vec<u64>>,
-                Option<Vec<u64>>,
-            ) = item.extract()?;
+            let (key, scope, rank, grid, index): RequestTuple = item.extract()?;
             let r = match scope.as_str() {
                 "common" => ObjectRequest::common(&key),
                 "per_rank" => ObjectRequest::rank(
                     &key,
                     rank.ok_or_else(|| {
-                        PyValueError::new_err(format!("object `{key}`: a per-rank request needs a rank"))
+                        PyValueError::new_err(format!(
+                            "object `{key}`: a per-rank request needs a rank"
+                        ))
                     })?,
                 ),
                 "sharded" => ObjectRequest::shard(
@@ -349,7 +363,9 @@ fn get_usize(options: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<usize>> 
 }
 
 fn get_str(options: &Bound<'_, PyDict>, key: &str) -> PyResult<Option<String>> {
-    opt(options, key)?.map(|v| v.extract::<String>()).transpose()
+    opt(options, key)?
+        .map(|v| v.extract::<String>())
+        .transpose()
 }
 
 pub(crate) fn compression_name(c: Compression) -> &'static str {

@@ -20,14 +20,14 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use zarrckpt::{
-    Checkpoint as RsCheckpoint, Communicator, IfBusy, LocalComm, ObjectSlot, SaveHandle as RsHandle,
-    Saver as RsSaver, SaverOptions, TensorKey,
+    Checkpoint as RsCheckpoint, Communicator, IfBusy, LocalComm, ObjectSlot,
+    SaveHandle as RsHandle, Saver as RsSaver, SaverOptions, TensorKey,
 };
 
 use crate::comm::PyComm;
 use crate::convert::{
-    LoadSpec, ObjectOut, SaveSpec, load_options, object_requests, save_objects, save_options,
-    targets_of, pieces_of,
+    LoadSpec, ObjectOut, SaveSpec, load_options, object_requests, pieces_of, save_objects,
+    save_options, targets_of,
 };
 use crate::errors::to_py;
 
@@ -167,7 +167,9 @@ impl Saver {
         let inner = Arc::clone(&self.inner);
         let result = py.detach(|| {
             let pieces = pieces_of(&spec)?;
-            let mut saver = inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut saver = inner
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             match &objs {
                 // The saver's synchronous path has no objects: an asynchronous save waited
                 // for at once is the same work.
@@ -197,7 +199,9 @@ impl Saver {
         let inner = Arc::clone(&self.inner);
         let result = py.detach(|| {
             let pieces = pieces_of(&spec)?;
-            let mut saver = inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut saver = inner
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             match &objs {
                 Some(o) => saver.save_async_with_objects(&pieces, o, &path, &opts),
                 None => saver.save_async(&pieces, &path, &opts),
@@ -251,7 +255,9 @@ impl SaveHandle {
     fn settle(&self, py: Python<'_>) {
         let state = Arc::clone(&self.state);
         py.detach(move || {
-            let mut s = state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut s = state
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             if let HandleState::Running(_) = &*s
                 && let HandleState::Running(h) = std::mem::replace(&mut *s, HandleState::Taken)
             {
@@ -390,7 +396,9 @@ impl Checkpoint {
         let key = TensorKey::new(key).map_err(|e| to_py(py, &e.into(), None))?;
         let slot = if slot.is_instance_of::<PyString>() {
             if slot.extract::<String>()? != "common" {
-                return Err(PyValueError::new_err("slot: 'common', ('rank', r) or ('shard', index)"));
+                return Err(PyValueError::new_err(
+                    "slot: 'common', ('rank', r) or ('shard', index)",
+                ));
             }
             ObjectSlot::Common
         } else {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -26,37 +27,54 @@ def _entry(rank: int, world: int, store: str, out: str, fn: Callable, args: tupl
             json.dump({"ok": True, "result": result}, f)
     except BaseException as e:
         with open(f"{out}.{rank}", "w") as f:
-            json.dump({"ok": False, "type": type(e).__name__, "error": str(e),
-                       "trace": traceback.format_exc()}, f)
-        raise
-    finally:
-        dist.destroy_process_group()
+            json.dump(
+                {
+                    "ok": False,
+                    "type": type(e).__name__,
+                    "error": str(e),
+                    "trace": traceback.format_exc(),
+                },
+                f,
+            )
+        os._exit(1)  # peers may be gone: no collective teardown
+    dist.destroy_process_group()
 
 
-def run(world: int, fn: Callable, *args: Any, expect_failure: bool = False) -> list[Any]:
+def run(
+    world: int, fn: Callable, *args: Any, expect_failure: bool = False, timeout: float = 600
+) -> list[Any]:
     """Runs ``fn(rank, world, *args)`` on ``world`` processes joined by a gloo group;
     returns each rank's (JSON) result, or with ``expect_failure`` each rank's outcome dict
-    (``ok``, ``type``, ``error``)."""
+    (``ok``, ``type``, ``error``). Every process is waited for (a rank that fails does not
+    stop the others), at most ``timeout`` seconds in all."""
+    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as d:
         store, out = os.path.join(d, "store"), os.path.join(d, "out")
-        ctx = mp.start_processes(_entry, args=(world, store, out, fn, args), nprocs=world,
-                                 join=False, start_method="spawn")
-        failed = None
-        try:
-            while not ctx.join(timeout=300):
-                pass
-        except Exception as e:  # a rank raised or died
-            failed = e
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, store, out, fn, args), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
         outcomes = []
         for r in range(world):
             try:
                 with open(f"{out}.{r}") as f:
                     outcomes.append(json.load(f))
             except FileNotFoundError:
-                outcomes.append({"ok": False, "type": "Died", "error": "no outcome"})
+                why = "hung" if r in hung else f"exit code {procs[r].exitcode}"
+                outcomes.append({"ok": False, "type": "Died", "error": f"no outcome ({why})"})
         if expect_failure:
             return outcomes
-        if failed is not None:
+        if any(not o["ok"] for o in outcomes):
             msgs = [o.get("trace", o.get("error")) for o in outcomes if not o["ok"]]
-            raise AssertionError("ranks failed:\n" + "\n".join(msgs)) from failed
+            raise AssertionError("ranks failed:\n" + "\n".join(msgs))
         return [o["result"] for o in outcomes]

@@ -17,9 +17,21 @@ from zarrckpt import _core
 from zarrckpt._core import Object, Piece
 
 TORCH_DTYPES = [
-    torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16,
-    torch.uint32, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.bool,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
 ]
 
 
@@ -35,8 +47,10 @@ def random_tensor(shape, dtype, seed=0):
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     )
 
 
@@ -58,8 +72,15 @@ def test_every_dtype_round_trips_bit_exactly(tmp_path, dtype):
     right = torch.zeros((6, 3), dtype=dtype)
     s = torch.zeros((), dtype=dtype)
     e = torch.zeros((0, 3), dtype=dtype)
-    _core.load(tmp_path / "c", [Piece("w", left, (6, 5), (0, 0)), Piece("w", right, (6, 5), (0, 2)),
-                                Piece("s", s, ()), Piece("e", e, (0, 3))])
+    _core.load(
+        tmp_path / "c",
+        [
+            Piece("w", left, (6, 5), (0, 0)),
+            Piece("w", right, (6, 5), (0, 2)),
+            Piece("s", s, ()),
+            Piece("e", e, (0, 3)),
+        ],
+    )
     assert same_bits(left, full[:, :2]) and same_bits(right, full[:, 2:])
     assert same_bits(s, scalar) and same_bits(e, empty)
     # The reader gives the same bits, as numpy (ml_dtypes) and as torch.
@@ -88,12 +109,17 @@ def test_flat_ranges_save_and_load_across_layouts(tmp_path):
     full = torch.arange(7 * 9, dtype=torch.float32).reshape(7, 9)
     flat = full.flatten()
     cuts = [0, 5, 23, 40, 63]  # ZeRO-style shares, crossing rows
-    pieces = [Piece("w", flat[a:b].clone(), (7, 9), flat_range=(a, b)) for a, b in zip(cuts, cuts[1:])]
+    pieces = [
+        Piece("w", flat[a:b].clone(), (7, 9), flat_range=(a, b))
+        for a, b in zip(cuts, cuts[1:], strict=False)
+    ]
     _core.save(tmp_path / "c", pieces)
     box = torch.zeros(3, 4)
     share = torch.zeros(30)
-    _core.load(tmp_path / "c", [Piece("w", box, (7, 9), (2, 5)),
-                                Piece("w", share, (7, 9), flat_range=(11, 41))])
+    _core.load(
+        tmp_path / "c",
+        [Piece("w", box, (7, 9), (2, 5)), Piece("w", share, (7, 9), flat_range=(11, 41))],
+    )
     assert torch.equal(box, full[2:5, 5:9])
     assert torch.equal(share, flat[11:41])
 
@@ -123,8 +149,16 @@ def test_objects_json_bytes_and_scopes(tmp_path):
     with pytest.raises(zarrckpt.PlanError, match=r"no rank declares shard \[1\]"):
         _core.save(tmp_path / "grid", [], [Object("s", 0, scope="sharded", grid=(2,), index=(0,))])
     _core.save(tmp_path / "c", [], objs + [Object("other", 1.5)])
-    rep = _core.load(tmp_path / "c", [], ["config", Object("iteration"), Object("rng", scope="per_rank"),
-                                          Object("stage", scope="sharded", grid=(1,), index=(0,))])
+    rep = _core.load(
+        tmp_path / "c",
+        [],
+        [
+            "config",
+            Object("iteration"),
+            Object("rng", scope="per_rank"),
+            Object("stage", scope="sharded", grid=(1,), index=(0,)),
+        ],
+    )
     assert rep["objects"] == [objs[0].value, 1200, b"\x00\x01\xff", {"pp": 0}]
     ck = zarrckpt.open(tmp_path / "c")
     assert ck.objects["rng"].scope == "per_rank" and ck.objects["rng"].encoding == "bytes"
@@ -143,8 +177,12 @@ def test_values_that_are_not_json_are_refused(tmp_path):
 
 def test_user_metadata_and_compression(tmp_path):
     w = torch.zeros(256, 256)
-    _core.save(tmp_path / "c", [Piece("w", w, (256, 256))], compression="zstd",
-               user_metadata={"step": 7, "run": "a"})
+    _core.save(
+        tmp_path / "c",
+        [Piece("w", w, (256, 256))],
+        compression="zstd",
+        user_metadata={"step": 7, "run": "a"},
+    )
     ck = zarrckpt.open(tmp_path / "c")
     assert ck.metadata == {"step": 7, "run": "a"}
     assert ck.tensors["w"].compression == "zstd"
@@ -154,8 +192,13 @@ def test_user_metadata_and_compression(tmp_path):
 
 def test_reader_reads_only_the_chunks_it_needs(tmp_path):
     full = torch.randn(64, 32)
-    _core.save(tmp_path / "c", [Piece("w", full[i * 16:(i + 1) * 16].contiguous(), (64, 32), (i * 16, 0))
-                                for i in range(4)])
+    _core.save(
+        tmp_path / "c",
+        [
+            Piece("w", full[i * 16 : (i + 1) * 16].contiguous(), (64, 32), (i * 16, 0))
+            for i in range(4)
+        ],
+    )
     ck = zarrckpt.open(tmp_path / "c")
     info = ck.tensors["w"]
     assert info.num_chunks == 4 and info.chunk_shape == (16, 32)
@@ -168,9 +211,18 @@ def test_reader_reads_only_the_chunks_it_needs(tmp_path):
 
 
 INDEXES = [
-    (slice(None),), (3,), (-1,), (slice(2, 50, 3),), (slice(None, None, -1),),
-    (slice(40, 5, -7), slice(1, 30, 4)), (Ellipsis, 5), (None, 4, slice(2, 9)),
-    (slice(5, 5),), (slice(-10, None), -3), (Ellipsis,), (0, 0),
+    (slice(None),),
+    (3,),
+    (-1,),
+    (slice(2, 50, 3),),
+    (slice(None, None, -1),),
+    (slice(40, 5, -7), slice(1, 30, 4)),
+    (Ellipsis, 5),
+    (None, 4, slice(2, 9)),
+    (slice(5, 5),),
+    (slice(-10, None), -3),
+    (Ellipsis,),
+    (0, 0),
 ]
 
 
@@ -178,8 +230,13 @@ INDEXES = [
 def test_reader_indexing_matches_numpy(tmp_path, index):
     full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
     path = tmp_path / "c"
-    _core.save(path, [Piece("w", torch.from_numpy(full[i * 16:(i + 1) * 16].copy()), (64, 32), (i * 16, 0))
-                      for i in range(4)])
+    _core.save(
+        path,
+        [
+            Piece("w", torch.from_numpy(full[i * 16 : (i + 1) * 16].copy()), (64, 32), (i * 16, 0))
+            for i in range(4)
+        ],
+    )
     ck = zarrckpt.open(path)
     got = ck["w"][index]
     np.testing.assert_array_equal(got, full[index])
@@ -195,7 +252,9 @@ def test_gil_is_released_during_io(tmp_path):
     # 128 MiB of shards, loaded in a thread with one I/O thread: meanwhile the main thread
     # keeps running Python, with no gap near the load's duration.
     w = torch.randn(32 * 1024 * 1024 // 4 * 4).reshape(4, -1)
-    _core.save(tmp_path / "c", [Piece("w", w[i:i + 1].clone(), tuple(w.shape), (i, 0)) for i in range(4)])
+    _core.save(
+        tmp_path / "c", [Piece("w", w[i : i + 1].clone(), tuple(w.shape), (i, 0)) for i in range(4)]
+    )
     out = torch.empty_like(w)
     done = threading.Event()
     spans: list[float] = []
@@ -248,7 +307,9 @@ def test_errors_keep_the_core_message(tmp_path):
     assert isinstance(e.value, OSError)
     with pytest.raises(zarrckpt.InvalidArgumentError, match="dot segment"):
         _core.save(tmp_path / "d", [Piece("a/../b", torch.zeros(1), (1,))])
-    with pytest.raises(zarrckpt.InvalidArgumentError, match=r"`w`: region \[1..5, 0..3\] is out of bounds"):
+    with pytest.raises(
+        zarrckpt.InvalidArgumentError, match=r"`w`: region \[1..5, 0..3\] is out of bounds"
+    ):
         _core.save(tmp_path / "d", [Piece("w", torch.zeros(4, 3), (4, 3), (1, 0))])
     with pytest.raises(zarrckpt.PlanError, match="`w`"):
         _core.save(tmp_path / "d", [Piece("w", torch.zeros(2, 3), (4, 3))])  # rows 2..4 missing
@@ -275,8 +336,11 @@ def test_errors_keep_the_core_message(tmp_path):
 def test_corruption_is_an_error_naming_key_chunk_and_file(tmp_path):
     path = tmp_path / "c"
     _core.save(path, [Piece("w", torch.randn(8, 8), (8, 8))])
-    shards = [p for p in path.rglob("*") if p.is_file() and p.name != "zarr.json"
-              and "w" in str(p.relative_to(path))]
+    shards = [
+        p
+        for p in path.rglob("*")
+        if p.is_file() and p.name != "zarr.json" and "w" in str(p.relative_to(path))
+    ]
     assert shards
     shard = shards[0]
     data = bytearray(shard.read_bytes())
@@ -319,7 +383,9 @@ def test_async_save_handle(tmp_path):
     assert torch.equal(ck["w"].torch[...], torch.arange(1 << 20, dtype=torch.float32))
     assert ck.object("it") == 3
     # The same structure again reuses the plan; a failure comes from wait()/exception().
-    h2 = _core.async_save(tmp_path / "c", [Piece("w", w, tuple(w.shape))], {"it": 4}, overwrite=True)
+    h2 = _core.async_save(
+        tmp_path / "c", [Piece("w", w, tuple(w.shape))], {"it": 4}, overwrite=True
+    )
     assert h2.wait()["plan_reused"]
     bad = tmp_path / "file"
     bad.write_text("x")
@@ -335,8 +401,9 @@ def test_import_does_not_need_torch():
     # The reader and _core work on numpy alone; torch is imported lazily.
     import subprocess
     import sys
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import zarrckpt, zarrckpt._core\nprint('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ})
+
+    code = "import sys; sys.modules['torch'] = None\nimport zarrckpt, zarrckpt._core\nprint('ok')"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ}
+    )
     assert out.stdout.strip() == "ok", out.stderr

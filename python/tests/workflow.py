@@ -59,7 +59,9 @@ class Net(nn.Module):
         }
         mesh = init_device_mesh("cpu", MESH[world])
         for name, value in init.items():
-            setattr(self, name, nn.Parameter(distribute_tensor(value, mesh, PLACEMENTS[world][name])))
+            setattr(
+                self, name, nn.Parameter(distribute_tensor(value, mesh, PLACEMENTS[world][name]))
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(x @ full(self.w1).T + full(self.b1)) * full(self.norm)

@@ -50,7 +50,9 @@ structure is unchanged (a constant-size check instead of the full agreement).
 from __future__ import annotations
 
 import atexit
+import datetime
 import json
+import os
 import threading
 import warnings
 import weakref
@@ -315,13 +317,20 @@ class TorchComm:
     collectives on ``group`` (an asynchronous save's background thread uses it while training
     goes on) and work whatever the training backend (nccl, gloo). Only bytes travel: sizes
     and payloads as uint8 tensors, never pickled objects.
+
+    ``timeout`` (seconds; default ``ZARRCKPT_TIMEOUT_S`` if set, else torch's default for
+    gloo groups) bounds each collective: a rank that died is noticed at once (its
+    connections close), one that hangs within the timeout.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout: float | None = None) -> None:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             raise InvalidArgumentError("torch.distributed is not initialised")
+        if timeout is None and os.environ.get("ZARRCKPT_TIMEOUT_S"):
+            timeout = float(os.environ["ZARRCKPT_TIMEOUT_S"])
+        self._timeout = timeout
         self._dist = dist
         self._parent = group
         self._group: Any = None
@@ -341,8 +350,11 @@ class TorchComm:
                 ranks = None
                 if self._parent is not None:
                     ranks = sorted(dist.get_process_group_ranks(self._parent))
+                kw: dict[str, Any] = {}
+                if self._timeout is not None:
+                    kw["timeout"] = datetime.timedelta(seconds=self._timeout)
                 self._group = dist.new_group(
-                    ranks=ranks, backend="gloo", use_local_synchronization=True
+                    ranks=ranks, backend="gloo", use_local_synchronization=True, **kw
                 )
                 if dist.get_rank(self._group) != self.rank:
                     raise InvalidArgumentError(

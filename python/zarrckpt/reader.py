@@ -255,8 +255,10 @@ class Checkpoint(Mapping):
         return len(self.tensors)
 
     def __repr__(self) -> str:
-        return f"zarrckpt.Checkpoint({self.path!r}, {len(self.tensors)} tensors, " \
+        return (
+            f"zarrckpt.Checkpoint({self.path!r}, {len(self.tensors)} tensors, "
             f"{len(self.objects)} objects)"
+        )
 
     def object(self, key: str, *, rank: int | None = None, shard: Any = None) -> Any:
         """The value of an object: a common one, rank ``rank``'s of a per-rank one, or the

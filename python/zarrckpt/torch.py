@@ -302,9 +302,7 @@ class _Flattener:
         key = self.key(key)
         mem = self._memory(key, t)
         shape = tuple(t.shape)
-        self.plan.pieces.append(
-            _core.Piece(key, mem, shape, (0,) * len(shape), replica="auto")
-        )
+        self.plan.pieces.append(_core.Piece(key, mem, shape, (0,) * len(shape), replica="auto"))
 
     def dtensor(self, dt: Any, key: str) -> None:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -330,9 +328,7 @@ class _Flattener:
             if isinstance(p, Replicate) and mesh.size(d) > 1:
                 replicated = True
         gshape = tuple(dt.shape)
-        local_shape, offset = compute_local_shape_and_global_offset(
-            dt.shape, mesh, dt.placements
-        )
+        local_shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
         local = dt.to_local()
         if tuple(local.shape) != tuple(local_shape):
             raise InvalidArgumentError(
@@ -341,8 +337,9 @@ class _Flattener:
             )
         mem = self._memory(key, local)
         self.plan.pieces.append(
-            _core.Piece(key, mem, gshape, tuple(int(o) for o in offset),
-                        replica="auto" if replicated else 0)
+            _core.Piece(
+                key, mem, gshape, tuple(int(o) for o in offset), replica="auto" if replicated else 0
+            )
         )
 
     def per_rank(self, value: Any, key: str, setter: Any) -> None:
@@ -365,6 +362,7 @@ class _Flattener:
                 _core.Piece(key, mem, gshape, (self.rank,) + (0,) * value.dim())
             )
         elif isinstance(value, bytes | bytearray) or _is_json(value):
+
             def put(v: Any) -> None:
                 if setter is not None:
                     setter(PerRank(v))
@@ -416,8 +414,9 @@ def save(
     """
     comm = _core.communicator(process_group)
     plan = _flatten(state_dict, comm, load=False, path=str(path))
-    return _core.save(path, plan.pieces, plan.objects, comm=comm,
-                      **_save_options(overwrite, options))
+    return _core.save(
+        path, plan.pieces, plan.objects, comm=comm, **_save_options(overwrite, options)
+    )
 
 
 def async_save(
@@ -434,8 +433,9 @@ def async_save(
     returns the report or raises, ``done()`` polls, ``exception()`` gives the error."""
     comm = _core.communicator(process_group)
     plan = _flatten(state_dict, comm, load=False, path=str(path))
-    return _core.async_save(path, plan.pieces, plan.objects, comm=comm,
-                            **_save_options(overwrite, options))
+    return _core.async_save(
+        path, plan.pieces, plan.objects, comm=comm, **_save_options(overwrite, options)
+    )
 
 
 def load(

@@ -1,0 +1,283 @@
+"""zarrckpt.torch across processes (torch.multiprocessing, gloo over loopback): DTensors of
+any mesh and placement saved on 4 ranks and loaded on 3 with another sharding, the training
+workflow resumed bit for bit, asynchronous saves next to training collectives, sub-groups,
+errors on every rank, and torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import distributed
+import pytest
+import torch
+import workflow
+
+SAVE_WORLD, LOAD_WORLD, STEPS = 4, 3, 3
+
+
+def dtensor_specs(world):
+    """(name, dtype, global shape, placements) per world size (2 x 2 mesh, then 1-D)."""
+    from torch.distributed.tensor import Replicate as R
+    from torch.distributed.tensor import Shard as S
+
+    if world == 4:
+        return [
+            ("a", torch.float32, (10, 7), [S(0), S(1)]),
+            ("b", torch.bfloat16, (9,), [S(0), R()]),
+            ("c", torch.float8_e4m3fn, (5, 6), [R(), S(1)]),
+            ("d", torch.int64, (3, 4), [R(), R()]),
+            ("e", torch.float16, (2, 13), [S(1), S(1)]),
+            ("f", torch.uint8, (3,), [S(0), S(0)]),  # one rank holds nothing
+        ]
+    return [
+        ("a", torch.float32, (10, 7), [S(1)]),
+        ("b", torch.bfloat16, (9,), [R()]),
+        ("c", torch.float8_e4m3fn, (5, 6), [S(0)]),
+        ("d", torch.int64, (3, 4), [S(0)]),
+        ("e", torch.float16, (2, 13), [R()]),
+        ("f", torch.uint8, (3,), [S(0)]),
+    ]
+
+
+def full_value(name, dtype, shape):
+    from test_core import random_tensor
+
+    return random_tensor(shape, dtype, seed=ord(name))
+
+
+def local_box(shape, mesh, placements):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local, strict=True))
+
+
+def dtensors(world, fill):
+    """This rank's DTensors, built from local slices (gloo cannot broadcast fp8)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", workflow.MESH[world])
+    out = {}
+    for name, dtype, shape, placements in dtensor_specs(world):
+        box = local_box(shape, mesh, placements)
+        full = full_value(name, dtype, shape)
+        local = full[box].clone() if fill else torch.zeros_like(full[box])
+        out[name] = DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=full.stride()
+        )
+    return out
+
+
+def save_job(rank, world, root):
+    import torch.distributed as dist
+
+    import zarrckpt
+    import zarrckpt.torch as zc
+
+    out = {}
+    # 1. The training workflow: a few steps, save, one more step.
+    model, opt = workflow.make(world, seed=1)
+    losses = [workflow.train_step(model, opt, s) for s in range(STEPS)]
+    state = {"model": model, "optim": opt, "step": STEPS, "rng": zc.PerRank(bytes([rank] * 4))}
+    zc.save(state, f"{root}/train")
+    out["before"] = workflow.full_state(model, opt)
+    losses.append(workflow.train_step(model, opt, STEPS))
+    out["losses"] = losses
+    out["after"] = workflow.full_state(model, opt)
+
+    # 2. DTensors of every placement, plain replicated and per-rank tensors.
+    state = dtensors(world, fill=True)
+    state["replicated"] = torch.arange(6, dtype=torch.int32)
+    state["own"] = zc.PerRank(torch.full((2,), rank, dtype=torch.int16))
+    rep = zc.save(state, f"{root}/dtensors")
+    out["written"] = rep["bytes_per_rank"]
+
+    # 3. An asynchronous save while training collectives run on the default group.
+    w = torch.full((1000,), float(rank))
+    h = zc.async_save({"w": zc.PerRank(w), "step": 7}, f"{root}/async")
+    w.add_(100)  # staged already
+    acc = torch.ones(1)
+    for _ in range(20):
+        dist.all_reduce(acc)
+    out["allreduce"] = acc.item()
+    out["async"] = h.wait()["data_bytes"]
+    dist.barrier()
+    if rank == 0:
+        ck = zarrckpt.open(f"{root}/async")
+        got = ck["w"].torch[...]
+        out["async_ok"] = all(
+            torch.equal(got[r], torch.full((1000,), float(r))) for r in range(world)
+        )
+
+    # 4. A sub-group saves on its own.
+    group = dist.new_group([1, 2])
+    if rank in (1, 2):
+        zc.save({"x": zc.PerRank(torch.tensor([rank]))}, f"{root}/sub", process_group=group)
+        out["sub_world"] = zarrckpt.open(f"{root}/sub").world_size
+    dist.barrier()
+    return out
+
+
+def load_job(rank, world, root):
+    import zarrckpt.torch as zc
+
+    out = {}
+    model, opt = workflow.make(world, seed=2)  # other weights, no optimizer state yet
+    state = {"model": model, "optim": opt, "step": 0, "rng": zc.PerRank(b"")}
+    zc.load(state, f"{root}/train")
+    out["before"] = workflow.full_state(model, opt)
+    out["loss"] = workflow.train_step(model, opt, state["step"])
+    out["after"] = workflow.full_state(model, opt)
+    out["step"] = state["step"]
+    out["rng"] = list(state["rng"].value)
+
+    state = dtensors(world, fill=False)
+    state["replicated"] = torch.zeros(6, dtype=torch.int32)
+    state["own"] = zc.PerRank(torch.zeros(2, dtype=torch.int16))
+    rep = zc.load(state, f"{root}/dtensors")
+    bad = []
+    for name, dtype, shape, placements in dtensor_specs(world):
+        dt = state[name]
+        want = full_value(name, dtype, shape)[local_box(shape, dt.device_mesh, placements)]
+        if not torch.equal(
+            dt.to_local().reshape(-1).view(torch.uint8),
+            want.contiguous().reshape(-1).view(torch.uint8),
+        ):
+            bad.append(name)
+    out["bad"] = bad
+    out["replicated"] = state["replicated"].tolist()
+    out["own"] = state["own"].value.tolist()
+    out["bytes_read"] = rep["bytes_read"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("dist"))
+    saved = distributed.run(SAVE_WORLD, save_job, root)
+    loaded = distributed.run(LOAD_WORLD, load_job, root)
+    return saved, loaded
+
+
+def test_training_resumes_bit_exactly_on_another_sharding(jobs):
+    saved, loaded = jobs
+    # Every rank of each job computed the same thing.
+    assert all(s["losses"] == saved[0]["losses"] for s in saved)
+    assert all(r["loss"] == loaded[0]["loss"] for r in loaded)
+    # The state loaded on 3 ranks (1-D mesh) is the state saved on 4 (2 x 2 mesh), bit for
+    # bit: parameters, Adam moments and step counts...
+    assert loaded[0]["before"] == saved[0]["before"]
+    assert loaded[0]["step"] == STEPS
+    # ...and one more step gives the loss and parameters of the run that never stopped.
+    assert loaded[0]["loss"] == saved[0]["losses"][STEPS]
+    assert loaded[0]["after"] == saved[0]["after"]
+    # The run actually trains (the comparison is not between constants).
+    assert saved[0]["losses"][0] != saved[0]["losses"][STEPS]
+    assert saved[0]["after"] != saved[0]["before"]
+    # Per-rank objects come back to their ranks.
+    assert [r["rng"] for r in loaded] == [[r] * 4 for r in range(LOAD_WORLD)]
+
+
+def test_dtensors_of_any_placement_reshard(jobs):
+    saved, loaded = jobs
+    assert all(r["bad"] == [] for r in loaded), [r["bad"] for r in loaded]
+    assert all(r["replicated"] == list(range(6)) for r in loaded)
+    assert [r["own"] for r in loaded] == [[r, r] for r in range(LOAD_WORLD)]
+    # Replicated pieces were written once: the ranks' shares add up to the data.
+    total = sum(saved[0]["written"])
+    data = (
+        sum(torch.empty(s, dtype=d).nbytes for _, d, s, _ in dtensor_specs(4)) + 6 * 4 + 4 * 2 * 2
+    )
+    assert total == data
+
+
+def test_async_save_next_to_training_collectives(jobs):
+    saved, _ = jobs
+    assert all(s["allreduce"] == SAVE_WORLD**20 for s in saved)
+    assert saved[0]["async_ok"] is True
+    assert all(s["async"] > 0 for s in saved)
+
+
+def test_sub_group_saves_alone(jobs):
+    saved, _ = jobs
+    assert [s.get("sub_world") for s in saved] == [None, 2, 2, None]
+
+
+def disagreeing_job(rank, world, root):
+    import zarrckpt.torch as zc
+
+    dtype = torch.float32 if rank == 0 else torch.float64
+    zc.save({"layer": {"w": torch.zeros(3, dtype=dtype)}}, f"{root}/bad")
+
+
+def dying_job(rank, world, root):
+    import zarrckpt.torch as zc
+
+    zc.save({"w": torch.zeros(3)}, f"{root}/first")  # the group is up
+    if rank == 1:
+        os._exit(3)
+    zc.save({"w": torch.zeros(3)}, f"{root}/second")
+
+
+def test_errors_on_every_rank(tmp_path):
+    out = distributed.run(2, disagreeing_job, str(tmp_path), expect_failure=True)
+    assert [o["type"] for o in out] == ["PlanError", "PlanError"], out
+    assert all("`layer/w`" in o["error"] and "float64" in o["error"] for o in out), out
+    assert not (tmp_path / "bad" / "zarr.json").exists()
+
+
+def test_a_dead_rank_is_an_error_not_a_hang(tmp_path):
+    os.environ["ZARRCKPT_TIMEOUT_S"] = "60"
+    try:
+        out = distributed.run(2, dying_job, str(tmp_path), expect_failure=True)
+    finally:
+        del os.environ["ZARRCKPT_TIMEOUT_S"]
+    assert out[0]["type"] == "CommError", out[0]
+    assert "rank 0" in out[0]["error"]
+    assert not (tmp_path / "second" / "zarr.json").exists()
+
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    import zarrckpt, zarrckpt.torch as zc
+    dist.init_process_group("gloo")  # as a training script does under torchrun
+    rank, world = dist.get_rank(), dist.get_world_size()
+    path = sys.argv[1]
+    zc.save({"w": zc.PerRank(torch.full((3,), rank)), "n": world}, path)
+    t = {"w": zc.PerRank(torch.zeros(3, dtype=torch.int64)), "n": 0}
+    zc.load(t, path)
+    assert t["n"] == world and t["w"].value.tolist() == [rank] * 3
+    dist.barrier()
+    if rank == 0:
+        print("torchrun ok", zarrckpt.open(path).world_size)
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_with_an_initialised_process_group(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(tmp_path / "ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "torchrun ok 2" in out.stdout

@@ -1,0 +1,202 @@
+"""zarrckpt.torch on one process: every kind of leaf round-trips, in place."""
+
+from __future__ import annotations
+
+import json
+from collections import namedtuple
+
+import pytest
+import torch
+from test_core import TORCH_DTYPES, random_tensor, same_bits
+from torch import nn
+
+import zarrckpt
+import zarrckpt.torch as zc
+
+
+def test_tensors_of_every_dtype_and_nesting(tmp_path):
+    state = {f"t/{i}": random_tensor((3, 4), dt, seed=i) for i, dt in enumerate(TORCH_DTYPES)}
+    state["nested"] = {
+        "a": [random_tensor((2,), torch.float32, 1), {"b": random_tensor((), torch.int64, 2)}]
+    }
+    zc.save(state, tmp_path / "c")
+    target = {k: torch.zeros_like(v) for k, v in state.items() if k != "nested"}
+    target["nested"] = {"a": [torch.zeros(2), {"b": torch.zeros((), dtype=torch.int64)}]}
+    ptrs = {k: v.data_ptr() for k, v in target.items() if isinstance(v, torch.Tensor)}
+    zc.load(target, tmp_path / "c")
+    for k, v in ptrs.items():
+        assert target[k].data_ptr() == v  # in place
+        assert same_bits(target[k], state[k])
+    assert same_bits(target["nested"]["a"][0], state["nested"]["a"][0])
+    assert same_bits(target["nested"]["a"][1]["b"], state["nested"]["a"][1]["b"])
+    keys = set(zarrckpt.open(tmp_path / "c").tensors)
+    assert {"t/0", "nested/a/0", "nested/a/1/b"} <= keys
+
+
+def test_non_contiguous_and_non_cpu_layouts_are_staged(tmp_path):
+    base = torch.arange(20.0).reshape(4, 5)
+    zc.save({"t": base.T, "s": base[:, 1]}, tmp_path / "c")
+    ck = zarrckpt.open(tmp_path / "c")
+    assert torch.equal(ck["t"].torch[...], base.T) and torch.equal(ck["s"].torch[...], base[:, 1])
+    out = torch.zeros(4, 5)
+    target = {"t": out.T, "s": torch.zeros(8)[::2]}
+    zc.load(target, tmp_path / "c")
+    assert torch.equal(out.T, base.T) and torch.equal(target["s"], base[:, 1])
+
+
+def make_training(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5)
+    return model, opt, sched
+
+
+def train(model, opt, sched, steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(4, 5, generator=g)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_module_optimizer_scheduler_resume_identically(tmp_path):
+    model, opt, sched = make_training(0)
+    train(model, opt, sched, 3)
+    zc.save({"model": model, "optim": opt, "sched": sched, "step": 3}, tmp_path / "c")
+    expected = train(model, opt, sched, 2, seed=5)
+
+    model2, opt2, sched2 = make_training(1)  # other weights, no optimizer state yet
+    state = {"model": model2, "optim": opt2, "sched": sched2, "step": 0}
+    zc.load(state, tmp_path / "c")
+    assert state["step"] == 3
+    assert opt2.param_groups[0]["betas"] == (0.8, 0.95)  # a tuple again
+    assert sched2.last_epoch == 3
+    assert train(model2, opt2, sched2, 2, seed=5) == expected
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    # The optimizer state is keyed by parameter names (torch.distributed.checkpoint.state_dict).
+    keys = set(zarrckpt.open(tmp_path / "c").tensors)
+    assert "optim/state/0.weight/exp_avg" in keys and "model/2.bias" in keys
+
+
+def test_optimizer_without_its_module(tmp_path):
+    model, opt, sched = make_training(0)
+    train(model, opt, sched, 2)
+    zc.save({"optim": opt}, tmp_path / "c")
+    model2, opt2, _ = make_training(0)
+    zc.load({"optim": opt2}, tmp_path / "c")  # state created before loading into it
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert s1["param_groups"] == s2["param_groups"]
+    for i in s1["state"]:
+        for k in s1["state"][i]:
+            assert torch.equal(s1["state"][i][k], s2["state"][i][k])
+
+
+def test_json_bytes_per_rank_and_tuples(tmp_path):
+    Point = namedtuple("Point", "x y")
+    state = {
+        "cfg": {"name": "run ✓", "dims": (4, 5), "p": Point(1, 2), "none": None, "f": 0.1},
+        "flag": True,
+        "blob": b"\x00\xffraw",
+        "mixed": (torch.ones(2), "label", 3),
+        "rng": zc.PerRank(torch.get_rng_state()),
+        "seed": zc.PerRank(1234),
+        "list": [1, "two", [3.0]],
+    }
+    zc.save(state, tmp_path / "c")
+    target = {
+        "cfg": {"name": "", "dims": (0, 0), "p": Point(0, 0), "none": 1, "f": 0.0},
+        "flag": False,
+        "blob": b"",
+        "mixed": (torch.zeros(2), "", 0),
+        "rng": zc.PerRank(torch.zeros_like(torch.get_rng_state())),
+        "seed": zc.PerRank(0),
+        "list": [],
+    }
+    zc.load(target, tmp_path / "c")
+    assert target["cfg"] == state["cfg"] and isinstance(target["cfg"]["p"], Point)
+    assert isinstance(target["cfg"]["dims"], tuple)
+    assert target["flag"] is True and target["blob"] == state["blob"]
+    assert torch.equal(target["mixed"][0], torch.ones(2)) and target["mixed"][1:] == ("label", 3)
+    assert torch.equal(target["rng"].value, state["rng"].value)
+    assert target["seed"].value == 1234 and target["list"] == [1, "two", [3.0]]
+    ck = zarrckpt.open(tmp_path / "c")
+    assert ck.object("cfg")["dims"] == [4, 5]  # stored as plain JSON
+    assert ck.objects["seed"].scope == "per_rank"
+    assert ck.tensors["rng"].shape[0] == 1  # a leading rank axis
+
+
+def test_tied_weights_are_loaded_once(tmp_path):
+    emb = nn.Embedding(11, 4)
+    head = nn.Linear(4, 11, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    zc.save({"model": model}, tmp_path / "c")
+    emb2 = nn.Embedding(11, 4)
+    head2 = nn.Linear(4, 11, bias=False)
+    head2.weight = emb2.weight
+    model2 = nn.ModuleDict({"emb": emb2, "head": head2})
+    zc.load({"model": model2}, tmp_path / "c")
+    assert torch.equal(emb2.weight, emb.weight) and head2.weight is emb2.weight
+
+
+def test_strict_and_missing_keys(tmp_path):
+    zc.save({"a": torch.ones(2), "n": 1}, tmp_path / "c")
+    with pytest.raises(zarrckpt.KeyMismatchError, match="`b`") as e:
+        zc.load({"a": torch.zeros(2), "b": torch.zeros(1)}, tmp_path / "c")
+    assert e.value.details["keys"] == ["b"]
+    target = {"a": torch.zeros(2), "b": torch.zeros(1), "m": 5}
+    rep = zc.load(target, tmp_path / "c", strict=False)
+    assert sorted(rep["unexpected"]) == ["b", "m"]
+    assert torch.equal(target["a"], torch.ones(2)) and target["m"] == 5  # skipped, unchanged
+    with pytest.raises(zarrckpt.MismatchError, match="requested float64, stored float32"):
+        zc.load({"a": torch.zeros(2, dtype=torch.float64)}, tmp_path / "c")
+    target = {"a": torch.zeros(2, dtype=torch.bfloat16)}
+    zc.load(target, tmp_path / "c", cast=True)
+    assert torch.equal(target["a"], torch.ones(2, dtype=torch.bfloat16))
+
+
+def test_leaves_that_cannot_be_saved(tmp_path):
+    with pytest.raises(zarrckpt.InvalidArgumentError, match="`x/y`: builtins.object is not a leaf"):
+        zc.save({"x": {"y": object()}}, tmp_path / "c")
+    with pytest.raises(zarrckpt.InvalidArgumentError, match="nothing is pickled"):
+        zc.save({"x": float("inf")}, tmp_path / "c")
+    with pytest.raises(zarrckpt.InvalidArgumentError, match="keys are str or int"):
+        zc.save({"x": {(1, 2): torch.ones(1)}}, tmp_path / "c")
+    with pytest.raises(zarrckpt.InvalidArgumentError, match="is a dict"):
+        zc.save([torch.ones(1)], tmp_path / "c")
+    with pytest.raises(zarrckpt.InvalidArgumentError, match="not supported"):
+        zc.save({"c": torch.ones(2, dtype=torch.complex64)}, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def test_async_save_and_overwrite(tmp_path):
+    model, opt, sched = make_training(0)
+    train(model, opt, sched, 1)
+    state = {"model": model, "optim": opt, "step": 1}
+    h = zc.async_save(state, tmp_path / "c")
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, opt, sched, 1)  # training goes on while the save is written
+    rep = h.wait()
+    assert h.done() and h.exception() is None and rep["tensors"] > 0
+    ck = zarrckpt.open(tmp_path / "c")
+    for k, v in saved.items():
+        assert torch.equal(ck[f"model/{k}"].torch[...], v)
+    # the default overwrite replaces the checkpoint (atomically)
+    state["step"] = 2
+    zc.async_save(state, tmp_path / "c").wait()
+    assert zarrckpt.open(tmp_path / "c").object("step") == 2
+    with pytest.raises(zarrckpt.StorageError):
+        zc.save(state, tmp_path / "c", overwrite=False)
+
+
+def test_checkpoint_is_plain_zarr_json(tmp_path):
+    zc.save({"w": torch.ones(3, dtype=torch.bfloat16), "cfg": {"a": 1}}, tmp_path / "c")
+    root = json.loads((tmp_path / "c" / "zarr.json").read_text())
+    assert root["zarr_format"] == 3
