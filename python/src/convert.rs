@@ -477,7 +477,7 @@ pub(crate) fn save_report(py: Python<'_>, r: &SaveReport) -> PyResult<Py<PyDict>
     d.set_item("chunks_written", r.chunks_written)?;
     d.set_item("data_bytes", r.data_bytes)?;
     d.set_item("file_bytes", r.file_bytes)?;
-    d.set_item("bytes_per_rank", r.bytes_per_rank.clone())?;
+    d.set_item("assigned_bytes", r.assigned_bytes)?;
     d.set_item("write_balance", r.write_balance)?;
     d.set_item("plan_s", r.plan_time.as_secs_f64())?;
     d.set_item("gathered_bytes", r.gathered_bytes)?;

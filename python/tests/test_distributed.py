@@ -94,7 +94,7 @@ def save_job(rank, world, root):
     state["replicated"] = torch.arange(6, dtype=torch.int32)
     state["own"] = zc.PerRank(torch.full((2,), rank, dtype=torch.int16))
     rep = zc.save(state, f"{root}/dtensors")
-    out["written"] = rep["bytes_per_rank"]
+    out["written"] = rep["assigned_bytes"]
 
     # 3. An asynchronous save while training collectives run on the default group.
     w = torch.full((1000,), float(rank))
@@ -188,7 +188,7 @@ def test_dtensors_of_any_placement_reshard(jobs):
     assert all(r["replicated"] == list(range(6)) for r in loaded)
     assert [r["own"] for r in loaded] == [[r, r] for r in range(LOAD_WORLD)]
     # Replicated pieces were written once: the ranks' shares add up to the data.
-    total = sum(saved[0]["written"])
+    total = sum(r["written"] for r in saved)
     data = (
         sum(torch.empty(s, dtype=d).nbytes for _, d, s, _ in dtensor_specs(4)) + 6 * 4 + 4 * 2 * 2
     )

@@ -526,7 +526,7 @@ def save(
     """Saves this rank's pieces and objects into the checkpoint at ``path`` (collective).
 
     Returns the core's report: ``tensors``, ``chunks_written``, ``data_bytes``,
-    ``file_bytes``, ``bytes_per_rank``, ``write_balance``, ``plan_s``, ``gathered_bytes``,
+    ``file_bytes``, ``assigned_bytes``, ``write_balance``, ``plan_s``, ``gathered_bytes``,
     ``plan_reused``.
     """
     tuples = [_piece_tuple(p, load=False) for p in pieces]
