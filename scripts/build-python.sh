@@ -15,6 +15,6 @@ VENV="$(dirname "$(dirname "$PY")")"
 # pyo3 builds against the venv's interpreter (the same for maturin and cargo clippy, so
 # neither rebuilds pyo3 for the other).
 export PYO3_PYTHON="$PY"
-(cd "$REPO/python" && VIRTUAL_ENV="$VENV" "$VENV/bin/maturin" develop --release --locked >&2)
+(cd "$REPO/python" && PATH="$VENV/bin:$PATH" VIRTUAL_ENV="$VENV" maturin develop --release --locked >&2)
 "$PY" -c 'import zarrckpt; print("build-python: zarrckpt", zarrckpt.__version__, "from", zarrckpt.__file__)' >&2
 printf '%s\n' "$PY"

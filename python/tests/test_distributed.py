@@ -122,10 +122,42 @@ def save_job(rank, world, root):
     return out
 
 
+def comm_checks(rank, world):
+    """TorchComm's byte collectives with messages of every size class (empty, inline, longer
+    than the inline part, different lengths on different ranks)."""
+    from zarrckpt import _core
+
+    c = _core.communicator()
+    inline = c._inline()
+    sizes = [0, 5, inline, inline + 1, 3 * inline + 7]
+    ok = []
+    for base in sizes:
+        mine = bytes((rank * 31 + i) % 256 for i in range(base + rank))
+        got = c.all_gather(mine)
+        ok.append(got == [bytes((r * 31 + i) % 256 for i in range(base + r)) for r in range(world)])
+        b = c.broadcast(world - 1, mine if rank == world - 1 else b"")
+        ok.append(b == bytes(((world - 1) * 31 + i) % 256 for i in range(base + world - 1)))
+    c.barrier()
+    # exchange: every rank sends two messages to every rank (itself included), in order
+    sends, recvs = [], []
+    for peer in range(world):
+        for k in range(2):
+            sends.append((peer, memoryview(bytes([rank, peer, k]) * (k * 1000 + 1))))
+            recvs.append((peer, memoryview(bytearray(3 * (k * 1000 + 1)))))
+    c.exchange(sends, recvs)
+    ok.append(
+        all(
+            bytes(mv) == bytes([peer, rank, i % 2]) * ((i % 2) * 1000 + 1)
+            for i, (peer, mv) in enumerate(recvs)
+        )
+    )
+    return ok
+
+
 def load_job(rank, world, root):
     import zarrckpt.torch as zc
 
-    out = {}
+    out = {"comm": comm_checks(rank, world)}
     model, opt = workflow.make(world, seed=2)  # other weights, no optimizer state yet
     state = {"model": model, "optim": opt, "step": 0, "rng": zc.PerRank(b"")}
     zc.load(state, f"{root}/train")
@@ -200,6 +232,11 @@ def test_async_save_next_to_training_collectives(jobs):
     assert all(s["allreduce"] == SAVE_WORLD**20 for s in saved)
     assert saved[0]["async_ok"] is True
     assert all(s["async"] > 0 for s in saved)
+
+
+def test_byte_collectives_over_gloo(jobs):
+    _, loaded = jobs
+    assert all(all(r["comm"]) and len(r["comm"]) == 11 for r in loaded), [r["comm"] for r in loaded]
 
 
 def test_sub_group_saves_alone(jobs):

@@ -316,7 +316,8 @@ class TorchComm:
     from the default store (no new port, no set-up), so they never interleave with training
     collectives on ``group`` (an asynchronous save's background thread uses it while training
     goes on) and work whatever the training backend (nccl, gloo). Only bytes travel: sizes
-    and payloads as uint8 tensors, never pickled objects.
+    and payloads as uint8 tensors, never pickled objects. A message of up to 64 KiB (less
+    beyond 64 ranks) takes one collective; a longer one a second for its rest.
 
     ``timeout`` (seconds; default ``ZARRCKPT_TIMEOUT_S`` if set, else torch's default for
     gloo groups) bounds each collective: a rank that died is noticed at once (its
@@ -365,45 +366,70 @@ class TorchComm:
 
     # -- bytes collectives (called by the Rust core, GIL held) -------------------------------
 
-    def _sizes(self, n: int) -> list[int]:
-        import torch
-
-        g = self.group()
-        mine = torch.tensor([n], dtype=torch.int64)
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._dist.all_gather(out, mine, group=g)
-        return [int(t.item()) for t in out]
+    def _inline(self) -> int:
+        """Bytes of each rank's message that travel in the first (fixed-size) collective:
+        small messages (the usual case) take one collective, not a size exchange first."""
+        return max(256, min(1 << 16, (4 << 20) // self.world_size))
 
     def all_gather(self, data: bytes) -> list[bytes]:
+        import numpy as np
         import torch
 
         g = self.group()
-        sizes = self._sizes(len(data))
-        m = max(sizes)
-        if m == 0:
-            return [b""] * self.world_size
-        buf = torch.zeros(m, dtype=torch.uint8)
-        if data:
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty(m, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._dist.all_gather(out, buf, group=g)
-        return [out[i][: sizes[i]].numpy().tobytes() for i in range(self.world_size)]
+        world, inline = self.world_size, self._inline()
+        n = len(data)
+        # [8-byte length][first `inline` bytes], gathered in one collective.
+        head = np.zeros(8 + inline, dtype=np.uint8)
+        head[:8] = np.frombuffer(n.to_bytes(8, "little"), dtype=np.uint8)
+        k = min(n, inline)
+        if k:
+            head[8 : 8 + k] = np.frombuffer(data, dtype=np.uint8, count=k)
+        out = torch.empty(world * (8 + inline), dtype=torch.uint8)
+        self._dist.all_gather_into_tensor(out, torch.from_numpy(head), group=g)
+        rows = out.numpy().reshape(world, 8 + inline)
+        sizes = [int.from_bytes(rows[i, :8].tobytes(), "little") for i in range(world)]
+        parts = [rows[i, 8 : 8 + min(sizes[i], inline)].tobytes() for i in range(world)]
+        rest = max(sizes) - inline
+        if rest > 0:
+            # The rest of the longer messages, padded to the longest.
+            tail = np.zeros(rest, dtype=np.uint8)
+            if n > inline:
+                tail[: n - inline] = np.frombuffer(data, dtype=np.uint8, offset=inline)
+            out2 = torch.empty(world * rest, dtype=torch.uint8)
+            self._dist.all_gather_into_tensor(out2, torch.from_numpy(tail), group=g)
+            rows2 = out2.numpy().reshape(world, rest)
+            for i in range(world):
+                if sizes[i] > inline:
+                    parts[i] += rows2[i, : sizes[i] - inline].tobytes()
+        return parts
 
     def broadcast(self, root: int, data: bytes) -> bytes:
+        import numpy as np
         import torch
 
         g = self.group()
-        n = torch.tensor([len(data) if self.rank == root else 0], dtype=torch.int64)
-        self._dist.broadcast(n, group=g, group_src=root)
-        size = int(n.item())
-        if size == 0:
-            return b""
+        inline = self._inline()
+        head = np.zeros(8 + inline, dtype=np.uint8)
         if self.rank == root:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        else:
-            buf = torch.empty(size, dtype=torch.uint8)
-        self._dist.broadcast(buf, group=g, group_src=root)
-        return data if self.rank == root else buf.numpy().tobytes()
+            n = len(data)
+            head[:8] = np.frombuffer(n.to_bytes(8, "little"), dtype=np.uint8)
+            k = min(n, inline)
+            if k:
+                head[8 : 8 + k] = np.frombuffer(data, dtype=np.uint8, count=k)
+        t = torch.from_numpy(head)
+        self._dist.broadcast(t, group=g, group_src=root)
+        if self.rank == root:
+            if len(data) > inline:
+                rest = torch.frombuffer(bytearray(data[inline:]), dtype=torch.uint8)
+                self._dist.broadcast(rest, group=g, group_src=root)
+            return data
+        size = int.from_bytes(head[:8].tobytes(), "little")
+        got = head[8 : 8 + min(size, inline)].tobytes()
+        if size > inline:
+            rest = torch.empty(size - inline, dtype=torch.uint8)
+            self._dist.broadcast(rest, group=g, group_src=root)
+            got += rest.numpy().tobytes()
+        return got
 
     def barrier(self) -> None:
         self._dist.barrier(group=self.group())
