@@ -339,6 +339,34 @@ impl Saver {
         steps::save_agreed(dir, &*self.comm, opts, &agreed, None)
     }
 
+    /// Saves synchronously with objects, as [`crate::save_with_objects`], reusing the agreed
+    /// plan while no rank's structure changed. Every rank calls it (or every rank
+    /// [`Saver::save`]) for a given save; an empty `objects` is fine.
+    ///
+    /// # Errors
+    /// As [`crate::save_with_objects`]; [`Error::SaveInFlight`] as [`Saver::save_async`].
+    pub fn save_with_objects(
+        &mut self,
+        pieces: &[ShardedTensor<'_>],
+        objects: &[StateObject],
+        dir: &Path,
+        opts: &SaveOptions,
+    ) -> Result<SaveReport> {
+        self.settle()?;
+        let boxed;
+        let pieces = if pieces.iter().any(|p| p.flat_range().is_some()) {
+            boxed = crate::model::tensor::expand_flat_pieces(pieces);
+            &boxed[..]
+        } else {
+            pieces
+        };
+        let agreed = steps::agree_on_layout_cached(pieces, &*self.comm, opts, &mut self.cache)?;
+        let objects = crate::objects::agree_on_objects(objects, &*self.comm)?;
+        let mut report = steps::save_agreed(dir, &*self.comm, opts, &agreed, Some(&objects))?;
+        report.gathered_bytes += objects.gathered_bytes;
+        Ok(report)
+    }
+
     /// Starts a save and returns once this rank's part of the state is staged in host memory;
     /// writing, fsync and commit go on in the background. The caller may change or free its
     /// tensors as soon as this returns: what is saved is what they held during the call.

@@ -487,3 +487,77 @@ fn flat_pieces_save_through_a_saver() {
         assert_eq!(got, want, "asynchronous: {asynchronous}");
     }
 }
+
+#[test]
+fn synchronous_saves_with_objects_reuse_the_plan() {
+    // Every rank calls `Saver::save_with_objects`, one of them with no objects at all: the
+    // ranks stay in step, the second save reuses the plan, and the objects read back.
+    let tmp = tempfile::tempdir().unwrap();
+    let data: Vec<f32> = (0..12).map(|i| i as f32).collect();
+    for step in 0..2u64 {
+        let dir = tmp.path().join(format!("s{step}"));
+        let reps = run_local(3, TIMEOUT, |comm| {
+            let comm = shared(comm);
+            let r = comm.rank() as u64;
+            let rows = &data[(4 * r) as usize..(4 * r + 4) as usize];
+            let piece = ShardedTensor::new(
+                TensorKey::new("w").unwrap(),
+                DType::Float32,
+                vec![3, 4],
+                Region::new(vec![r, 0], vec![1, 4]).unwrap(),
+                0,
+                bytemuck_f32(rows),
+            )
+            .unwrap();
+            let mut objects =
+                vec![zarrckpt::StateObject::common("step", serde_json::json!(step)).unwrap()];
+            if r == 1 {
+                objects.clear();
+                objects
+                    .push(zarrckpt::StateObject::common("step", serde_json::json!(step)).unwrap());
+                objects.push(zarrckpt::StateObject::common("note", vec![1u8, 1, 1]).unwrap());
+            }
+            if r == 2 {
+                objects.clear();
+            }
+            let mut saver = Saver::new(Arc::clone(&comm));
+            let first = saver
+                .save_with_objects(
+                    &[piece.clone()],
+                    &objects,
+                    &dir.join("a"),
+                    &SaveOptions::default(),
+                )
+                .unwrap();
+            let second = saver
+                .save_with_objects(&[piece], &objects, &dir.join("b"), &SaveOptions::default())
+                .unwrap();
+            (first.plan_reused, second.plan_reused)
+        });
+        for (first, second) in reps {
+            assert!(!first && second);
+        }
+        for sub in ["a", "b"] {
+            let ck = Checkpoint::open(&dir.join(sub)).unwrap();
+            let v = ck
+                .read_object(
+                    &TensorKey::new("step").unwrap(),
+                    &zarrckpt::ObjectSlot::Common,
+                )
+                .unwrap();
+            assert_eq!(v, zarrckpt::ObjectValue::Json(serde_json::json!(step)));
+            let v = ck
+                .read_object(
+                    &TensorKey::new("note").unwrap(),
+                    &zarrckpt::ObjectSlot::Common,
+                )
+                .unwrap();
+            assert_eq!(v, zarrckpt::ObjectValue::Bytes(vec![1, 1, 1]));
+        }
+    }
+}
+
+fn bytemuck_f32(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any bytes are valid u8.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
