@@ -523,7 +523,7 @@ fn synchronous_saves_with_objects_reuse_the_plan() {
             let mut saver = Saver::new(Arc::clone(&comm));
             let first = saver
                 .save_with_objects(
-                    &[piece.clone()],
+                    std::slice::from_ref(&piece),
                     &objects,
                     &dir.join("a"),
                     &SaveOptions::default(),
@@ -538,7 +538,7 @@ fn synchronous_saves_with_objects_reuse_the_plan() {
             assert!(!first && second);
         }
         for sub in ["a", "b"] {
-            let ck = Checkpoint::open(&dir.join(sub)).unwrap();
+            let ck = Checkpoint::open(dir.join(sub)).unwrap();
             let v = ck
                 .read_object(
                     &TensorKey::new("step").unwrap(),
