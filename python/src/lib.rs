@@ -151,8 +151,8 @@ impl Saver {
         })
     }
 
-    /// Saves synchronously: reusing the agreed plan while the structure is unchanged when
-    /// there are no objects; with objects, as `zarrckpt::save_with_objects` (no staging copy).
+    /// Saves synchronously, objects included (`Saver::save_with_objects`), reusing the agreed
+    /// plan while the structure is unchanged.
     /// The caller waits for a save in flight first.
     #[pyo3(signature = (path, pieces, objects, options))]
     fn save(
@@ -173,21 +173,8 @@ impl Saver {
             let mut saver = inner
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            match objs.as_deref() {
-                // `Saver` has no synchronous save with objects (its asynchronous one stages a
-                // copy of every piece): with objects, the plain collective save, once the
-                // saver's save in flight, if any, is over (the caller waited for it).
-                Some(o) if !o.is_empty() => {
-                    if saver.is_busy() {
-                        return Err(zarrckpt::Error::SaveInFlight {
-                            rank: comm.dynamic.rank(),
-                            path: path.clone(),
-                        });
-                    }
-                    zarrckpt::save_with_objects(&pieces, o, &path, &*comm.dynamic, &opts)
-                }
-                _ => saver.save(&pieces, &path, &opts),
-            }
+            // Every rank takes the same path, whether or not it has objects of its own.
+            saver.save_with_objects(&pieces, objs.as_deref().unwrap_or(&[]), &path, &opts)
         });
         let report = result.map_err(|e| self.comm.err(py, &e))?;
         convert::save_report(py, &report)
@@ -212,10 +199,8 @@ impl Saver {
             let mut saver = inner
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            match &objs {
-                Some(o) => saver.save_async_with_objects(&pieces, o, &path, &opts),
-                None => saver.save_async(&pieces, &path, &opts),
-            }
+            // Every rank takes the same path, whether or not it has objects of its own.
+            saver.save_async_with_objects(&pieces, objs.as_deref().unwrap_or(&[]), &path, &opts)
         });
         let handle = result.map_err(|e| self.comm.err(py, &e))?;
         Ok(SaveHandle {
