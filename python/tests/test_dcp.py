@@ -176,7 +176,7 @@ def test_dcp_checkpoint_is_an_ordinary_zarrckpt_checkpoint(jobs):
     assert ck.object("extra/betas") == [0.9, 0.99]
     assert ck.object("extra/blob") == EXTRA["blob"]
     assert ck.object("optim/param_groups/0/lr") == 0.02
-    assert ck.metadata[zd.TORCH_SAVE_FLAG] == {"torch_save": []}
+    assert ck.object(zd.TORCH_SAVE_FLAG) == {"torch_save": []}
     assert not list(Path(root, "dcp").rglob(".metadata"))
     assert ck.verify()["problems"] == []
 
@@ -190,7 +190,7 @@ def test_default_planner_pickles_are_flagged(jobs):
     root, _, _ = jobs
     path = f"{root}/default"
     ck = zarrckpt.open(path)
-    assert ck.metadata[zd.TORCH_SAVE_FLAG] == {"torch_save": ["meta/a", "meta/b"]}
+    assert ck.object(zd.TORCH_SAVE_FLAG) == {"torch_save": ["meta/a", "meta/b"]}
     # DCP's default planner reads its own pickles back (the user's trust decision)...
     state = {"t": torch.zeros(3, 4), "meta": {"a": 0, "b": []}}
     dcp.load(state, storage_reader=zd.StorageReader(path))
@@ -236,8 +236,10 @@ def test_hostile_pickle_object_runs_nothing(tmp_path):
         core.save(
             tmp_path / name,
             [core.Piece("w", w, (5,))],
-            [core.Object("evil", payload)],
-            user_metadata={zd.TORCH_SAVE_FLAG: {"torch_save": flagged}},
+            [
+                core.Object("evil", payload),
+                core.Object(zd.TORCH_SAVE_FLAG, {"torch_save": flagged}),
+            ],
         )
     # An unflagged bytes object comes back as the bytes, with either planner.
     for planner in (zd.LoadPlanner(), None):

@@ -38,12 +38,13 @@ Non-tensor values and trust
     state dict has tuples). A value that is neither is an error naming its key.
 
     With DCP's default planners, non-tensor values are ``torch.save`` pickles. The writer
-    stores them as opaque bytes and lists their keys under ``zarrckpt.dcp`` /
-    ``torch_save`` in the checkpoint's user metadata. DCP's ``DefaultLoadPlanner`` unpickles
-    them with ``torch.load(weights_only=False)``: that runs whatever code the pickle holds, so
-    load such a checkpoint only if you trust whoever could write it. :class:`LoadPlanner`
-    refuses them (or, with ``pickled="weights_only"``, reads them with torch's restricted
-    unpickler, which builds tensors and plain containers and runs no code). JSON and plain
+    stores them as opaque bytes and lists their keys in the checkpoint's object
+    ``__zarrckpt_dcp__`` (``{"torch_save": [...]}``, :data:`TORCH_SAVE_FLAG`). DCP's
+    ``DefaultLoadPlanner`` unpickles them with ``torch.load(weights_only=False)``: that runs
+    whatever code the pickle holds, so load such a checkpoint only if you trust whoever could
+    write it. :class:`LoadPlanner` refuses them (or, with ``pickled="weights_only"``, reads
+    them with torch's restricted unpickler, which builds tensors and plain containers and runs
+    no code). JSON and plain
     bytes objects reach DCP's default planner as pickles the reader builds itself, so the
     checkpoint's own bytes are never unpickled on that path.
 
@@ -99,8 +100,11 @@ from .torch import _is_json, _like
 
 __all__ = ["StorageWriter", "StorageReader", "SavePlanner", "LoadPlanner", "TORCH_SAVE_FLAG"]
 
-# The user-metadata entry listing the keys of objects that are torch.save pickles.
-TORCH_SAVE_FLAG = "zarrckpt.dcp"
+# The common object, declared by every rank of a save through the writer, listing the keys of
+# the objects that are torch.save pickles: ``{"torch_save": [key, ...]}``. Every rank declares
+# it so that every rank saves objects (the Python ``Saver`` takes the objects path only on
+# ranks that have objects; DCP gives non-tensor items to one rank).
+TORCH_SAVE_FLAG = "__zarrckpt_dcp__"
 
 # Tensors whose chunk grid has more chunks than this are described to DCP as one chunk (the
 # reader reads any box, so this only keeps DCP's metadata small).
@@ -321,18 +325,11 @@ class StorageWriter(_DcpStorageWriter):
                 )
                 size = t.numel() * t.element_size()
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
-        options = dict(self.options)
-        meta = dict(options.pop("user_metadata", None) or {})
         byte_keys = (plan.storage_data or {}).get("byte_keys", [])
         pickled = [] if isinstance(planner, SavePlanner) else list(byte_keys)
-        meta[TORCH_SAVE_FLAG] = {"torch_save": pickled}
+        objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": pickled}))
         self.last_report = _core.save(
-            self.path,
-            pieces,
-            objects,
-            comm=_comm(self.process_group),
-            user_metadata=meta,
-            **options,
+            self.path, pieces, objects, comm=_comm(self.process_group), **self.options
         )
         return _done(results)
 
@@ -452,14 +449,15 @@ class StorageReader(_DcpStorageReader):
             chunks = _grid(shape, tuple(int(c) for c in t["chunk_shape"]))
             fqn = add(t["key"], TensorStorageMetadata(props, torch.Size(shape), chunks))
             shapes[fqn] = shape
+        flags: Any = {}
         for o in ck.objects():
-            if o["scope"] == "common":
+            if o["key"] == TORCH_SAVE_FLAG:
+                enc, data = ck.read_object(TORCH_SAVE_FLAG, "common")
+                flags = json.loads(data) if enc == "json" else {}
+            elif o["scope"] == "common":
                 add(o["key"], BytesStorageMetadata())
-        try:
-            flags = json.loads(ck.user_metadata()).get(TORCH_SAVE_FLAG) or {}
-        except (ValueError, AttributeError):
-            flags = {}
-        self.pickled = {str(k) for k in flags.get("torch_save", [])}
+        pickled = flags.get("torch_save", []) if isinstance(flags, dict) else []
+        self.pickled = {str(k) for k in pickled}
         self.keys, self.shapes = keys, shapes
         return Metadata(
             state_dict_metadata=md,
