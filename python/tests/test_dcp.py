@@ -123,9 +123,11 @@ def load_job(rank, world, root):
     zc.save({"model": model, "optim": opt}, f"{root}/zc")
     model, opt = workflow.make(world, seed=4)
     msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": {"state": osd["state"]}}
+    osd["param_groups"][0]["lr"] = 0.5  # the load must bring 0.02 back
+    state = {"model": msd, "optim": osd}
     dcp.load(state, storage_reader=zd.StorageReader(f"{root}/zc"), planner=zd.LoadPlanner())
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=osd)
+    out["zc_dcp_lr"] = state["optim"]["param_groups"][0]["lr"]
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     out["zc_dcp_before"] = workflow.full_state(model, opt)
     return out
 
@@ -184,6 +186,8 @@ def test_dcp_checkpoint_is_an_ordinary_zarrckpt_checkpoint(jobs):
 def test_zarrckpt_torch_checkpoint_through_dcp_load(jobs):
     _, _, loaded = jobs
     assert all(r["zc_dcp_before"] == loaded[0]["zc_before"] for r in loaded)
+    # zarrckpt.torch stored the param groups as one JSON object; DCP asked for its leaves.
+    assert all(r["zc_dcp_lr"] == 0.02 for r in loaded)
 
 
 def test_default_planner_pickles_are_flagged(jobs):

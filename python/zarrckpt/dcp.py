@@ -48,9 +48,10 @@ Non-tensor values and trust
     bytes objects reach DCP's default planner as pickles the reader builds itself, so the
     checkpoint's own bytes are never unpickled on that path.
 
-Limits: per-rank and sharded zarrckpt objects are not part of DCP's metadata (read them with
-``zarrckpt.open``); a JSON object that :mod:`zarrckpt.torch` stored for a whole container
-(``optim/param_groups``) is one DCP key, not DCP's flattened ``optim.param_groups.0.lr``.
+A JSON object that :mod:`zarrckpt.torch` stored for a whole container (``optim/param_groups``)
+is offered to DCP both whole (``optim.param_groups``) and as the leaves DCP's flattening names
+(``optim.param_groups.0.lr``). Per-rank and sharded zarrckpt objects are not part of DCP's
+metadata (read them with ``zarrckpt.open``).
 """
 
 from __future__ import annotations
@@ -387,6 +388,26 @@ def _grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> list[ChunkStorageMe
     return out
 
 
+def _json_terminal(value: list) -> bool:
+    """DCP's rule: a list is a leaf unless it holds a dict or a list that is not a leaf."""
+    return not any(
+        isinstance(v, dict) or (isinstance(v, list) and not _json_terminal(v)) for v in value
+    )
+
+
+def _json_leaves(value: Any, path: tuple[str, ...]) -> Any:
+    """The (path, value) leaves of a JSON value as DCP's flattening walks a state dict (empty
+    for a value that is itself a leaf)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _json_leaves(v, (*path, str(k)))
+    elif isinstance(value, list) and not _json_terminal(value):
+        for i, v in enumerate(value):
+            yield from _json_leaves(v, (*path, str(i)))
+    elif path:
+        yield path, value
+
+
 class StorageReader(_DcpStorageReader):
     """Reads any zarrckpt checkpoint at ``path`` for ``dcp.load``.
 
@@ -412,6 +433,8 @@ class StorageReader(_DcpStorageReader):
         self.keys: dict[str, str] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.pickled: set[str] = set()
+        # DCP names of the leaves of JSON containers stored as one object: (key, path).
+        self.parts: dict[str, tuple[str, tuple[str, ...]]] = {}
         self.last_report: dict | None = None
 
     @property
@@ -432,6 +455,7 @@ class StorageReader(_DcpStorageReader):
         md: dict[str, Any] = {}
         keys: dict[str, str] = {}
         shapes: dict[str, tuple[int, ...]] = {}
+        parts: dict[str, tuple[str, tuple[str, ...]]] = {}
 
         def add(key: str, entry: Any) -> str:
             fqn = key.replace("/", ".")
@@ -455,10 +479,21 @@ class StorageReader(_DcpStorageReader):
                 enc, data = ck.read_object(TORCH_SAVE_FLAG, "common")
                 flags = json.loads(data) if enc == "json" else {}
             elif o["scope"] == "common":
-                add(o["key"], BytesStorageMetadata())
+                fqn = add(o["key"], BytesStorageMetadata())
+                if o["encoding"] == "json":
+                    # A container stored whole (zarrckpt.torch): its leaves as DCP names them.
+                    enc, data = ck.read_object(o["key"], "common")
+                    for path, _ in _json_leaves(json.loads(data), ()):
+                        sub = ".".join((fqn, *path))
+                        if sub not in md:
+                            md[sub] = BytesStorageMetadata()
+                            parts[sub] = (o["key"], path)
         pickled = flags.get("torch_save", []) if isinstance(flags, dict) else []
         self.pickled = {str(k) for k in pickled}
-        self.keys, self.shapes = keys, shapes
+        for sub in list(parts):
+            if sub in keys:  # a stored key of that name wins
+                del parts[sub]
+        self.keys, self.shapes, self.parts = keys, shapes, parts
         return Metadata(
             state_dict_metadata=md,
             planner_data={f: tuple(k.split("/")) for f, k in keys.items()},
@@ -484,15 +519,21 @@ class StorageReader(_DcpStorageReader):
         pieces: list[_core.Piece] = []
         tensors: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []
         requests: list[_core.Object] = []
-        byte_items: list[ReadItem] = []
+        byte_items: list[tuple[ReadItem, int, tuple[str, ...]]] = []
+        requested: dict[str, int] = {}
         for item in plan.items:
             fqn = item.storage_index.fqn
             key = self.keys.get(fqn)
+            path: tuple[str, ...] = ()
+            if key is None and item.type == LoadItemType.BYTE_IO and fqn in self.parts:
+                key, path = self.parts[fqn]
             if key is None:
                 raise InvalidArgumentError(f"`{fqn}` is not in the checkpoint at {self.path}")
             if item.type == LoadItemType.BYTE_IO:
-                requests.append(_core.Object(key))
-                byte_items.append(item)
+                if key not in requested:
+                    requested[key] = len(requests)
+                    requests.append(_core.Object(key))
+                byte_items.append((item, requested[key], path))
                 continue
             dest = planner.resolve_tensor(item).detach()
             if tuple(dest.shape) != tuple(item.lengths):
@@ -521,14 +562,17 @@ class StorageReader(_DcpStorageReader):
             if staged is not None:
                 dest.copy_(staged)
             planner.commit_tensor(item, dest)
-        for item, key, value in zip(
-            byte_items, (r.key for r in requests), report["objects"], strict=True
-        ):
-            planner.load_bytes(item, self._bytes(key, value, isinstance(planner, LoadPlanner)))
+        values = report["objects"]
+        ours = isinstance(planner, LoadPlanner)
+        for item, i, path in byte_items:
+            value = values[i]
+            for p in path:
+                value = value[p] if isinstance(value, dict) else value[int(p)]
+            planner.load_bytes(item, self._bytes(requests[i].key, value, ours, bool(path)))
         return _done(None)
 
-    def _bytes(self, key: str, value: Any, ours: bool) -> _Loaded:
-        if isinstance(value, bytes):
+    def _bytes(self, key: str, value: Any, ours: bool, part: bool) -> _Loaded:
+        if isinstance(value, bytes) and not part:
             if key in self.pickled:
                 # DCP's own format: the user's default planner unpickles it (see the module).
                 return _Loaded(value, value, "torch_save")
