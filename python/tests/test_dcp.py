@@ -31,6 +31,9 @@ try:
 except ImportError:  # pragma: no cover
     from torch.distributed.checkpoint import CheckpointException
 
+# The single-process tests run DCP without torch.distributed, on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 SAVE_WORLD, LOAD_WORLD, STEPS = 4, 3, 3
 REPO = Path(__file__).resolve().parents[2]
 
