@@ -68,6 +68,9 @@ def save_job(rank, world, root):
     out["written"] = writer.last_report["assigned_bytes"]
     out["before"] = workflow.full_state(model, opt)
 
+    # The same state in DCP's own format (FileSystemWriter), for the import test.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/fs"))
+
     # The same state through dcp.async_save (DCP's stager copies it; training goes on).
     resp = dcp.async_save(
         state, storage_writer=zd.StorageWriter(f"{root}/async"), planner=zd.SavePlanner()
@@ -223,6 +226,29 @@ def test_save_planner_refuses_what_it_would_have_to_pickle(tmp_path):
             storage_writer=zd.StorageWriter(tmp_path / "c"),
             planner=zd.SavePlanner(),
         )
+
+
+def test_import_of_a_dcp_checkpoint(jobs):
+    """DCP's own format (FileSystemWriter, 4 ranks, DTensor shards) imported into zarrckpt
+    holds what zarrckpt's writer stored from the same state, bit for bit."""
+    root, _, _ = jobs
+    rep = zd.import_dcp(f"{root}/fs", f"{root}/imported")
+    ours = zarrckpt.open(f"{root}/dcp", output="torch")
+    imported = zarrckpt.open(f"{root}/imported", output="torch")
+    assert set(imported.tensors) == set(ours.tensors) and rep["tensors"] == len(ours.tensors)
+    for key in ours.tensors:
+        assert ours.tensors[key].dtype == imported.tensors[key].dtype, key
+        a, b = ours[key][...], imported[key][...]
+        a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+        assert torch.equal(a, b), key
+    assert set(imported.objects) == set(ours.objects)
+    for key in ours.objects:
+        assert imported.object(key) == ours.object(key), key
+    assert rep["tensor_bytes"] == sum(i.nbytes for i in ours.tensors.values())
+    # A plain DCP load reads the import back.
+    state = {"extra": {"step": 0, "name": "", "betas": (0.0, 0.0), "blob": b""}}
+    dcp.load(state, storage_reader=zd.StorageReader(f"{root}/imported"), planner=zd.LoadPlanner())
+    assert state["extra"] == EXTRA
 
 
 # ---------------------------------------------------------------------------------------------

@@ -99,7 +99,14 @@ from . import _core, _native
 from ._errors import InvalidArgumentError
 from .torch import _is_json, _like
 
-__all__ = ["StorageWriter", "StorageReader", "SavePlanner", "LoadPlanner", "TORCH_SAVE_FLAG"]
+__all__ = [
+    "StorageWriter",
+    "StorageReader",
+    "SavePlanner",
+    "LoadPlanner",
+    "TORCH_SAVE_FLAG",
+    "import_dcp",
+]
 
 # The common object, declared by every rank of a save through the writer, listing the keys of
 # the objects that are torch.save pickles: ``{"torch_save": [key, ...]}``. Every rank declares
@@ -593,3 +600,111 @@ class StorageReader(_DcpStorageReader):
             return _is_checkpoint(_path(checkpoint_id))
         except TypeError:
             return False
+
+
+# ---------------------------------------------------------------------------------------------
+# migration: an existing DCP checkpoint into zarrckpt
+
+
+class _ImportPlanner(DefaultLoadPlanner):
+    """Loads a DCP checkpoint's non-tensor values with ``torch.load(weights_only=...)``."""
+
+    def __init__(self, weights_only: bool) -> None:
+        super().__init__(allow_partial_load=False)
+        self.weights_only = weights_only
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=self.weights_only)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def import_dcp(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    weights_only: bool = True,
+    overwrite: bool = False,
+    **options: Any,
+) -> dict:
+    """Converts the DCP checkpoint directory ``src`` (``FileSystemWriter``'s format: a
+    pickled ``.metadata`` and ``.distcp`` files, as torchtitan writes) into a zarrckpt
+    checkpoint at ``dst``, in this process, then reads every tensor and object back from
+    ``dst`` and compares it with the source's, byte for byte.
+
+    Trust: the source is read with torch's own DCP reader, which unpickles its ``.metadata``
+    (and, with ``weights_only=False``, its non-tensor values with the unrestricted
+    unpickler): import only checkpoints you trust, with the torch you train with. The
+    result holds no pickle: tensors as tensors (a non-tensor value that is a tensor too),
+    JSON-able values as JSON, ``bytes`` as bytes; any other value is an error naming its
+    key. Keys are the ``/``-joined state-dict paths DCP recorded (as the writer here keys
+    them). The whole state is held in memory. Returns ``tensors``, ``objects``,
+    ``tensor_bytes`` and the save report (``save``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(_path(src))
+    md = reader.read_metadata()
+    mappings = md.planner_data if isinstance(md.planner_data, Mapping) else {}
+    state: dict[str, Any] = {}
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            state[fqn] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        else:
+            state[fqn] = None
+    if state:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=_ImportPlanner(weights_only),
+            no_dist=True,
+        )
+    pieces: list[_core.Piece] = []
+    objects: list[_core.Object] = []
+    keys: dict[str, str] = {}
+    for fqn, value in state.items():
+        key = _key(fqn, mappings)
+        if key in keys.values():
+            raise InvalidArgumentError(f"`{fqn}`: two DCP keys map to the zarrckpt key `{key}`")
+        keys[fqn] = key
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            pieces.append(_core.Piece(key, t, tuple(t.shape)))
+        elif isinstance(value, bytes | bytearray) or _is_json(value):
+            objects.append(
+                _core.Object(key, bytes(value) if isinstance(value, bytearray) else value)
+            )
+        else:
+            raise InvalidArgumentError(
+                f"`{fqn}`: {type(value).__module__}.{type(value).__qualname__} is neither a "
+                "tensor, bytes nor a JSON value; zarrckpt stores no pickles"
+            )
+    objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": []}))
+    report = _core.save(_path(dst), pieces, objects, comm=None, overwrite=overwrite, **options)
+    # Every byte back, compared with the source's.
+    from .reader import open as _open
+
+    ck = _open(_path(dst), output="torch")
+    for p in pieces:
+        got = ck[p.key][...]
+        if not torch.equal(
+            got.reshape(-1).view(torch.uint8), p.tensor.reshape(-1).view(torch.uint8)
+        ):
+            raise InvalidArgumentError(f"`{p.key}`: the imported tensor differs from the source")
+    for o in objects:
+        got = ck.object(o.key)
+        want = (
+            o.value if isinstance(o.value, bytes) else json.loads(_core._json_text(o.key, o.value))
+        )
+        if got != want:
+            raise InvalidArgumentError(f"`{o.key}`: the imported object differs from the source")
+    return {
+        "tensors": len(pieces),
+        "objects": len(objects) - 1,
+        "tensor_bytes": sum(p.tensor.numel() * p.tensor.element_size() for p in pieces),
+        "save": report,
+    }
