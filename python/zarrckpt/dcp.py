@@ -61,7 +61,7 @@ import json
 import os
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -108,10 +108,11 @@ __all__ = [
     "import_dcp",
 ]
 
-# The common object, declared by every rank of a save through the writer, listing the keys of
-# the objects that are torch.save pickles: ``{"torch_save": [key, ...]}``. Every rank declares
-# it so that every rank saves objects (the Python ``Saver`` takes the objects path only on
-# ranks that have objects; DCP gives non-tensor items to one rank).
+# The per-rank object, declared by every rank of a save through the writer, listing the keys
+# of the objects that rank wrote as torch.save pickles: ``{"torch_save": [key, ...]}`` (the
+# reader takes the union; a common object of that form counts too). Every rank declares it,
+# so that every rank saves objects (the Python ``Saver`` takes the objects path only on ranks
+# that have objects; DCP gives non-tensor items to one rank).
 TORCH_SAVE_FLAG = "__zarrckpt_dcp__"
 
 # Tensors whose chunk grid has more chunks than this are described to DCP as one chunk (the
@@ -276,16 +277,7 @@ class StorageWriter(_DcpStorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # Every rank learns the keys of all non-tensor items (to flag pickles the same way).
-        fqns = sorted(
-            {i.index.fqn for p in plans for i in p.items if i.type == WriteItemType.BYTE_IO}
-        )
-        mappings: dict[str, Any] = {}
-        for p in plans:
-            if isinstance(p.planner_data, Mapping):
-                mappings.update(p.planner_data)
-        keys = sorted(_key(f, mappings) for f in fqns)
-        return [replace(p, storage_data={"byte_keys": keys}) for p in plans]
+        return plans
 
     def write_data(self, plan: SavePlan, planner: Any) -> Future:
         if self.path is None:
@@ -333,9 +325,8 @@ class StorageWriter(_DcpStorageWriter):
                 )
                 size = t.numel() * t.element_size()
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
-        byte_keys = (plan.storage_data or {}).get("byte_keys", [])
-        pickled = [] if isinstance(planner, SavePlanner) else list(byte_keys)
-        objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": pickled}))
+        pickled = [] if isinstance(planner, SavePlanner) else sorted(o.key for o in objects)
+        objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": pickled}, "per_rank"))
         self.last_report = _core.save(
             self.path, pieces, objects, comm=_comm(self.process_group), **self.options
         )
@@ -480,11 +471,18 @@ class StorageReader(_DcpStorageReader):
             chunks = _grid(shape, tuple(int(c) for c in t["chunk_shape"]))
             fqn = add(t["key"], TensorStorageMetadata(props, torch.Size(shape), chunks))
             shapes[fqn] = shape
-        flags: Any = {}
+        pickled: list[Any] = []
         for o in ck.objects():
             if o["key"] == TORCH_SAVE_FLAG:
-                enc, data = ck.read_object(TORCH_SAVE_FLAG, "common")
-                flags = json.loads(data) if enc == "json" else {}
+                if o["scope"] == "per_rank":
+                    slots: list[Any] = [("rank", r) for r in range(o["world_size"] or 0)]
+                else:
+                    slots = ["common"]
+                for slot in slots:
+                    enc, data = ck.read_object(TORCH_SAVE_FLAG, slot)
+                    flag = json.loads(data) if enc == "json" else {}
+                    if isinstance(flag, dict) and isinstance(flag.get("torch_save"), list):
+                        pickled.extend(flag["torch_save"])
             elif o["scope"] == "common":
                 fqn = add(o["key"], BytesStorageMetadata())
                 if o["encoding"] == "json":
@@ -495,7 +493,6 @@ class StorageReader(_DcpStorageReader):
                         if sub not in md:
                             md[sub] = BytesStorageMetadata()
                             parts[sub] = (o["key"], path)
-        pickled = flags.get("torch_save", []) if isinstance(flags, dict) else []
         self.pickled = {str(k) for k in pickled}
         for sub in list(parts):
             if sub in keys:  # a stored key of that name wins
@@ -683,7 +680,7 @@ def import_dcp(
                 f"`{fqn}`: {type(value).__module__}.{type(value).__qualname__} is neither a "
                 "tensor, bytes nor a JSON value; zarrckpt stores no pickles"
             )
-    objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": []}))
+    objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": []}, "per_rank"))
     report = _core.save(_path(dst), pieces, objects, comm=None, overwrite=overwrite, **options)
     # Every byte back, compared with the source's.
     from .reader import open as _open
@@ -695,7 +692,7 @@ def import_dcp(
             got.reshape(-1).view(torch.uint8), p.tensor.reshape(-1).view(torch.uint8)
         ):
             raise InvalidArgumentError(f"`{p.key}`: the imported tensor differs from the source")
-    for o in objects:
+    for o in objects[:-1]:  # the last one is the flag
         got = ck.object(o.key)
         want = (
             o.value if isinstance(o.value, bytes) else json.loads(_core._json_text(o.key, o.value))
