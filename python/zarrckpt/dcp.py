@@ -1,0 +1,707 @@
+"""zarrckpt inside ``torch.distributed.checkpoint`` (DCP): a storage writer and reader for
+``dcp.save`` / ``dcp.async_save`` / ``dcp.load``, and a planner pair that never pickles.
+
+::
+
+    import torch.distributed.checkpoint as dcp
+    import zarrckpt.dcp as zd
+
+    dcp.save(state, storage_writer=zd.StorageWriter("ckpt/step-1200"), planner=zd.SavePlanner())
+    dcp.load(state, storage_reader=zd.StorageReader("ckpt/step-1200"), planner=zd.LoadPlanner())
+
+Writer
+    DCP's write items (tensor shards with their global offsets, uneven ones included; DCP
+    has already kept one copy of each replicated shard) become zarrckpt pieces, and
+    non-tensor items become zarrckpt objects; one collective zarrckpt save writes them and
+    commits the index atomically. The save runs in :meth:`StorageWriter.write_data`, which DCP
+    calls on every rank (``finish`` runs on the coordinator only and has nothing left to do):
+    a failure on any rank leaves the previous checkpoint at the path, never a mix. No pickled
+    ``.metadata`` is written; the checkpoint is an ordinary zarrckpt checkpoint, keyed by the
+    ``/``-joined path of each leaf in the (nested) state dict, as :mod:`zarrckpt.torch` keys
+    them (``optim/state/fc.weight/exp_avg``), so ``zarrckpt.torch.load`` and
+    ``zarrckpt.open`` read it.
+
+Reader
+    DCP's ``Metadata`` is built from the zarrckpt index of any checkpoint (written through
+    DCP, :mod:`zarrckpt.torch` or the Rust CLI): one ``TensorStorageMetadata`` per tensor
+    (dtype, shape, the chunks of its Zarr chunk grid), one ``BytesStorageMetadata`` per common
+    object; a key ``a/b.c`` is DCP's ``a.b.c``. ``read_data`` (called on every rank) loads
+    every read item of the rank in one collective zarrckpt load, straight into the targets
+    ``planner.resolve_tensor`` gives, reading only the subchunks that intersect them (boxes
+    several ranks need are read once and shared). Nothing is cast: a stored dtype other than
+    the target's is an error (``StorageReader(path, cast=True)`` converts float types).
+
+Non-tensor values and trust
+    With :class:`SavePlanner` / :class:`LoadPlanner`, JSON-able values (``None``, bools,
+    numbers, strings, lists, tuples and str-keyed dicts of them) are stored as JSON and
+    ``bytes`` as bytes; loading never unpickles anything (tuples come back as tuples where the
+    state dict has tuples). A value that is neither is an error naming its key.
+
+    With DCP's default planners, non-tensor values are ``torch.save`` pickles. The writer
+    stores them as opaque bytes and lists their keys in the checkpoint's object
+    ``__zarrckpt_dcp__`` (``{"torch_save": [...]}``, :data:`TORCH_SAVE_FLAG`). DCP's
+    ``DefaultLoadPlanner`` unpickles them with ``torch.load(weights_only=False)``: that runs
+    whatever code the pickle holds, so load such a checkpoint only if you trust whoever could
+    write it. :class:`LoadPlanner` refuses them (or, with ``pickled="weights_only"``, reads
+    them with torch's restricted unpickler, which builds tensors and plain containers and runs
+    no code). JSON and plain
+    bytes objects reach DCP's default planner as pickles the reader builds itself, so the
+    checkpoint's own bytes are never unpickled on that path.
+
+A JSON object that :mod:`zarrckpt.torch` stored for a whole container (``optim/param_groups``)
+is offered to DCP both whole (``optim.param_groups``) and as the leaves DCP's flattening names
+(``optim.param_groups.0.lr``). Per-rank and sharded zarrckpt objects are not part of DCP's
+metadata (read them with ``zarrckpt.open``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
+from torch.distributed.checkpoint import (
+    StorageReader as _DcpStorageReader,
+)
+from torch.distributed.checkpoint import (
+    StorageWriter as _DcpStorageWriter,
+)
+from torch.distributed.checkpoint._traverse import get_element, set_element
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from . import _core, _native
+from ._errors import InvalidArgumentError
+from .torch import _is_json, _like
+
+__all__ = [
+    "StorageWriter",
+    "StorageReader",
+    "SavePlanner",
+    "LoadPlanner",
+    "TORCH_SAVE_FLAG",
+    "import_dcp",
+]
+
+# The per-rank object, declared by every rank of a save through the writer, listing the keys
+# of the objects that rank wrote as torch.save pickles: ``{"torch_save": [key, ...]}`` (the
+# reader takes the union; a common object of that form counts too). Every rank declares it,
+# so that every rank saves objects (the Python ``Saver`` takes the objects path only on ranks
+# that have objects; DCP gives non-tensor items to one rank).
+TORCH_SAVE_FLAG = "__zarrckpt_dcp__"
+
+# Tensors whose chunk grid has more chunks than this are described to DCP as one chunk (the
+# reader reads any box, so this only keeps DCP's metadata small).
+_MAX_CHUNKS = 4096
+
+
+def _done(value: Any) -> Future:
+    f: Future = Future()  # torch.futures.Future: DCP calls .wait() and .value()
+    f.set_result(value)
+    return f
+
+
+def _path(checkpoint_id: Any) -> str:
+    return os.fspath(checkpoint_id)
+
+
+def _comm(process_group: Any) -> Any:
+    return _core.communicator(process_group)
+
+
+def _is_checkpoint(path: Any) -> bool:
+    try:
+        _native.Checkpoint(_path(path))
+    except Exception:  # noqa: BLE001 - any failure means "not a checkpoint"
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# planners
+
+
+@dataclass
+class _Value:
+    """A non-tensor value the save planner hands the writer as it is (JSON or bytes)."""
+
+    value: Any
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that non-tensor values are stored as JSON (JSON-able
+    values) or bytes (``bytes``), never pickled. Any other value is an error naming its key."""
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002
+        if write_item.type != WriteItemType.BYTE_IO:
+            return super().transform_object(write_item, object)
+        if isinstance(object, bytes | bytearray | memoryview):
+            return _Value(bytes(object))
+        if _is_json(object):
+            return _Value(object)
+        raise InvalidArgumentError(
+            f"`{write_item.index.fqn}`: {type(object).__module__}.{type(object).__qualname__} "
+            "is neither a tensor, bytes nor a JSON value; zarrckpt.dcp.SavePlanner pickles "
+            "nothing, so convert it first"
+        )
+
+
+class _Loaded(io.BytesIO):
+    """What the reader hands ``load_bytes``: the stored value, decoded (``value``), and its
+    kind (``"json"``, ``"bytes"``, or ``"torch_save"`` for a flagged pickle). As a BytesIO
+    it holds a pickle DCP's default planner can read (see the reader)."""
+
+    def __init__(self, data: bytes, value: Any, kind: str) -> None:
+        super().__init__(data)
+        self.zarrckpt_value = value
+        self.zarrckpt_kind = kind
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor values are taken as zarrckpt stored
+    them (JSON values, bytes) and nothing is unpickled. Tuples come back as tuples where the
+    state dict has them.
+
+    ``pickled``: what to do with an object the checkpoint flags as a ``torch.save`` pickle
+    (written through DCP's default save planner): ``"error"`` (default) or
+    ``"weights_only"`` (``torch.load(weights_only=True)``: torch's restricted unpickler,
+    tensors and plain containers only, no code runs). Works with
+    :class:`StorageReader` only."""
+
+    def __init__(self, *args: Any, pickled: str = "error", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if pickled not in ("error", "weights_only"):
+            raise InvalidArgumentError("pickled is 'error' or 'weights_only'")
+        self.pickled = pickled
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        kind = getattr(value, "zarrckpt_kind", None)
+        if kind is None:
+            raise InvalidArgumentError(
+                f"`{fqn}`: zarrckpt.dcp.LoadPlanner reads non-tensor values through "
+                "zarrckpt.dcp.StorageReader only (it unpickles nothing)"
+            )
+        if kind == "torch_save":
+            if self.pickled != "weights_only":
+                raise InvalidArgumentError(
+                    f"`{fqn}`: the checkpoint stores this value as a torch.save pickle (written "
+                    "through DCP's default save planner); zarrckpt.dcp.LoadPlanner does not "
+                    "unpickle. LoadPlanner(pickled='weights_only') reads it with torch's "
+                    "restricted unpickler; save with zarrckpt.dcp.SavePlanner to avoid pickles"
+                )
+            value.seek(0)
+            loaded = torch.load(value, weights_only=True)
+        else:
+            loaded = value.zarrckpt_value  # type: ignore[attr-defined]
+        if self.flatten_state_dict:
+            path = self.mappings[fqn]
+            template = get_element(self.original_state_dict, path)
+            set_element(self.original_state_dict, path, _like(template, loaded))
+        else:
+            self.state_dict[fqn] = _like(self.state_dict.get(fqn), loaded)
+
+
+# ---------------------------------------------------------------------------------------------
+# writer
+
+
+class StorageWriter(_DcpStorageWriter):
+    """Writes ``dcp.save`` / ``dcp.async_save`` into a zarrckpt checkpoint at ``path``.
+
+    ``process_group``: the group DCP saves with (default: the default group); zarrckpt talks
+    over its own gloo group on the same ranks. ``overwrite`` (default True) replaces an
+    existing checkpoint at the path atomically. Other options as :func:`zarrckpt._core.save`
+    (``compression``, ``io_threads``, ``user_metadata``, ...)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        process_group: Any = None,
+        overwrite: bool = True,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.path = _path(path) if path is not None else None
+        self.process_group = process_group
+        self.options = dict(options)
+        self.options["overwrite"] = overwrite
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self.last_report: dict | None = None
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = _path(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if kwargs.get("use_collectives", True) is False:
+            raise InvalidArgumentError(
+                "zarrckpt saves collectively (one atomic commit for the job); "
+                "use_collectives=False is not supported"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future:
+        if self.path is None:
+            raise InvalidArgumentError("StorageWriter: no path (checkpoint_id) given")
+        mappings = getattr(planner, "mappings", None) or {}
+        pieces: list[_core.Piece] = []
+        objects: list[_core.Object] = []
+        results: list[WriteResult] = []
+        keys: dict[str, str] = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            key = keys.get(fqn) or keys.setdefault(fqn, _key(fqn, mappings, plan.planner_data))
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                if isinstance(data, _Value):
+                    value = data.value
+                elif isinstance(data, io.BytesIO):
+                    value = data.getvalue()
+                else:
+                    raise InvalidArgumentError(
+                        f"`{fqn}`: the planner resolved a non-tensor item to "
+                        f"{type(data).__name__}; expected io.BytesIO"
+                    )
+                objects.append(_core.Object(key, value))
+                size = len(value) if isinstance(value, bytes) else 0
+            else:
+                td = item.tensor_data
+                t = data.detach()
+                if t.device.type != "cpu":
+                    t = t.to("cpu")
+                if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                    t = t.resolve_conj().resolve_neg().contiguous()
+                if t.dtype != td.properties.dtype:
+                    raise InvalidArgumentError(
+                        f"`{fqn}`: the planner resolved a {t.dtype} tensor for a "
+                        f"{td.properties.dtype} item"
+                    )
+                pieces.append(
+                    _core.Piece(
+                        key,
+                        t,
+                        tuple(int(d) for d in td.size),
+                        tuple(int(o) for o in td.chunk.offsets),
+                    )
+                )
+                size = t.numel() * t.element_size()
+            results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
+        pickled = [] if isinstance(planner, SavePlanner) else sorted(o.key for o in objects)
+        objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": pickled}, "per_rank"))
+        self.last_report = _core.save(
+            self.path, pieces, objects, comm=_comm(self.process_group), **self.options
+        )
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # The collective save in write_data has committed the checkpoint on every rank.
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            p = _path(checkpoint_id)
+        except TypeError:
+            return False
+        return not os.path.exists(p) or _is_checkpoint(p)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+
+def _key(fqn: str, mappings: Mapping[str, Any], extra: Any = None) -> str:
+    """The zarrckpt key of a DCP item: the ``/``-joined path of the leaf in the nested state
+    dict (DCP's flattening mappings), or the FQN itself for a flat state dict."""
+    path = mappings.get(fqn)
+    if path is None and isinstance(extra, Mapping):
+        path = extra.get(fqn)
+    if path is None:
+        return fqn
+    return "/".join(str(p) for p in path)
+
+
+# ---------------------------------------------------------------------------------------------
+# reader
+
+
+def _grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> list[ChunkStorageMetadata]:
+    if not shape or any(d == 0 for d in shape) or len(chunk) != len(shape):
+        return [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))]
+    counts = [-(-d // max(c, 1)) for d, c in zip(shape, chunk, strict=True)]
+    total = 1
+    for n in counts:
+        total *= n
+    if total > _MAX_CHUNKS:
+        return [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))]
+    out: list[ChunkStorageMetadata] = []
+    idx = [0] * len(shape)
+    for _ in range(total):
+        off = [i * c for i, c in zip(idx, chunk, strict=True)]
+        size = [min(c, d - o) for c, d, o in zip(chunk, shape, off, strict=True)]
+        out.append(ChunkStorageMetadata(torch.Size(off), torch.Size(size)))
+        for a in reversed(range(len(shape))):
+            idx[a] += 1
+            if idx[a] < counts[a]:
+                break
+            idx[a] = 0
+    return out
+
+
+def _json_terminal(value: list) -> bool:
+    """DCP's rule: a list is a leaf unless it holds a dict or a list that is not a leaf."""
+    return not any(
+        isinstance(v, dict) or (isinstance(v, list) and not _json_terminal(v)) for v in value
+    )
+
+
+def _json_leaves(value: Any, path: tuple[str, ...]) -> Any:
+    """The (path, value) leaves of a JSON value as DCP's flattening walks a state dict (empty
+    for a value that is itself a leaf)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _json_leaves(v, (*path, str(k)))
+    elif isinstance(value, list) and not _json_terminal(value):
+        for i, v in enumerate(value):
+            yield from _json_leaves(v, (*path, str(i)))
+    elif path:
+        yield path, value
+
+
+class StorageReader(_DcpStorageReader):
+    """Reads any zarrckpt checkpoint at ``path`` for ``dcp.load``.
+
+    ``process_group``: the group DCP loads with (default: the default group). ``cast``:
+    accept a stored float type other than the target's (converted, rounded to nearest
+    even); by default a mismatch is an error. Other options as :func:`zarrckpt._core.load`
+    (``io_threads``, ``exchange``, ``read_method``)."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        *,
+        process_group: Any = None,
+        cast: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.path = _path(path) if path is not None else None
+        self.process_group = process_group
+        self.cast = cast
+        self.options = options
+        self.load_id = uuid.uuid4().hex
+        self.keys: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.pickled: set[str] = set()
+        # DCP names of the leaves of JSON containers stored as one object: (key, path).
+        self.parts: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self.last_report: dict | None = None
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = _path(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.path is None:
+            raise InvalidArgumentError("StorageReader: no path (checkpoint_id) given")
+        if kwargs.get("rank") is not None:
+            raise InvalidArgumentError("a zarrckpt checkpoint has no rank-local metadata")
+        ck = _native.Checkpoint(self.path)
+        md: dict[str, Any] = {}
+        keys: dict[str, str] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        parts: dict[str, tuple[str, tuple[str, ...]]] = {}
+
+        def add(key: str, entry: Any) -> str:
+            fqn = key.replace("/", ".")
+            if fqn in keys:
+                raise InvalidArgumentError(
+                    f"keys `{keys[fqn]}` and `{key}` are both `{fqn}` in DCP's dotted naming"
+                )
+            keys[fqn] = key
+            md[fqn] = entry
+            return fqn
+
+        for t in ck.tensors():
+            shape = tuple(int(d) for d in t["shape"])
+            props = TensorProperties(dtype=getattr(torch, t["dtype"]))
+            chunks = _grid(shape, tuple(int(c) for c in t["chunk_shape"]))
+            fqn = add(t["key"], TensorStorageMetadata(props, torch.Size(shape), chunks))
+            shapes[fqn] = shape
+        pickled: list[Any] = []
+        for o in ck.objects():
+            if o["key"] == TORCH_SAVE_FLAG:
+                if o["scope"] == "per_rank":
+                    slots: list[Any] = [("rank", r) for r in range(o["world_size"] or 0)]
+                else:
+                    slots = ["common"]
+                for slot in slots:
+                    enc, data = ck.read_object(TORCH_SAVE_FLAG, slot)
+                    flag = json.loads(data) if enc == "json" else {}
+                    if isinstance(flag, dict) and isinstance(flag.get("torch_save"), list):
+                        pickled.extend(flag["torch_save"])
+            elif o["scope"] == "common":
+                fqn = add(o["key"], BytesStorageMetadata())
+                if o["encoding"] == "json":
+                    # A container stored whole (zarrckpt.torch): its leaves as DCP names them.
+                    enc, data = ck.read_object(o["key"], "common")
+                    for path, _ in _json_leaves(json.loads(data), ()):
+                        sub = ".".join((fqn, *path))
+                        if sub not in md:
+                            md[sub] = BytesStorageMetadata()
+                            parts[sub] = (o["key"], path)
+        self.pickled = {str(k) for k in pickled}
+        for sub in list(parts):
+            if sub in keys:  # a stored key of that name wins
+                del parts[sub]
+        self.keys, self.shapes, self.parts = keys, shapes, parts
+        return Metadata(
+            state_dict_metadata=md,
+            planner_data={f: tuple(k.split("/")) for f, k in keys.items()},
+            storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
+        )
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self.is_coordinator = is_coordinator
+        if not self.keys:  # metadata from elsewhere: rebuild our key table
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        if self.path is None:
+            raise InvalidArgumentError("StorageReader: no path (checkpoint_id) given")
+        pieces: list[_core.Piece] = []
+        tensors: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []
+        requests: list[_core.Object] = []
+        byte_items: list[tuple[ReadItem, int, tuple[str, ...]]] = []
+        requested: dict[str, int] = {}
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            key = self.keys.get(fqn)
+            path: tuple[str, ...] = ()
+            if key is None and item.type == LoadItemType.BYTE_IO and fqn in self.parts:
+                key, path = self.parts[fqn]
+            if key is None:
+                raise InvalidArgumentError(f"`{fqn}` is not in the checkpoint at {self.path}")
+            if item.type == LoadItemType.BYTE_IO:
+                if key not in requested:
+                    requested[key] = len(requests)
+                    requests.append(_core.Object(key))
+                byte_items.append((item, requested[key], path))
+                continue
+            dest = planner.resolve_tensor(item).detach()
+            if tuple(dest.shape) != tuple(item.lengths):
+                raise InvalidArgumentError(
+                    f"`{fqn}`: the planner resolved a tensor of shape {tuple(dest.shape)} for "
+                    f"a read of {tuple(item.lengths)}"
+                )
+            staged = None
+            mem = dest
+            if dest.device.type != "cpu" or not dest.is_contiguous():
+                staged = mem = torch.empty(tuple(dest.shape), dtype=dest.dtype, device="cpu")
+            base = item.storage_index.offset or torch.Size([0] * len(item.lengths))
+            offset = tuple(int(b) + int(o) for b, o in zip(base, item.storage_offsets, strict=True))
+            pieces.append(_core.Piece(key, mem, self.shapes[fqn], offset, cast=self.cast))
+            tensors.append((item, dest, staged))
+        report = _core.load(
+            self.path,
+            pieces,
+            requests,
+            comm=_comm(self.process_group),
+            strict="raise_unexpected",
+            **self.options,
+        )
+        self.last_report = report
+        for item, dest, staged in tensors:
+            if staged is not None:
+                dest.copy_(staged)
+            planner.commit_tensor(item, dest)
+        values = report["objects"]
+        ours = isinstance(planner, LoadPlanner)
+        for item, i, path in byte_items:
+            value = values[i]
+            for p in path:
+                value = value[p] if isinstance(value, dict) else value[int(p)]
+            planner.load_bytes(item, self._bytes(requests[i].key, value, ours, bool(path)))
+        return _done(None)
+
+    def _bytes(self, key: str, value: Any, ours: bool, part: bool) -> _Loaded:
+        if isinstance(value, bytes) and not part:
+            if key in self.pickled:
+                # DCP's own format: the user's default planner unpickles it (see the module).
+                return _Loaded(value, value, "torch_save")
+            kind = "bytes"
+        else:
+            kind = "json"
+        if ours:
+            return _Loaded(b"", value, kind)
+        # For DCP's default planner (which torch.load's whatever it gets): a pickle built
+        # here from the decoded value, never the checkpoint's own bytes.
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        return _Loaded(buf.getvalue(), value, kind)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        try:
+            return _is_checkpoint(_path(checkpoint_id))
+        except TypeError:
+            return False
+
+
+# ---------------------------------------------------------------------------------------------
+# migration: an existing DCP checkpoint into zarrckpt
+
+
+class _ImportPlanner(DefaultLoadPlanner):
+    """Loads a DCP checkpoint's non-tensor values with ``torch.load(weights_only=...)``."""
+
+    def __init__(self, weights_only: bool) -> None:
+        super().__init__(allow_partial_load=False)
+        self.weights_only = weights_only
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=self.weights_only)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def import_dcp(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    weights_only: bool = True,
+    overwrite: bool = False,
+    **options: Any,
+) -> dict:
+    """Converts the DCP checkpoint directory ``src`` (``FileSystemWriter``'s format: a
+    pickled ``.metadata`` and ``.distcp`` files, as torchtitan writes) into a zarrckpt
+    checkpoint at ``dst``, in this process, then reads every tensor and object back from
+    ``dst`` and compares it with the source's, byte for byte.
+
+    Trust: the source is read with torch's own DCP reader, which unpickles its ``.metadata``
+    (and, with ``weights_only=False``, its non-tensor values with the unrestricted
+    unpickler): import only checkpoints you trust, with the torch you train with. The
+    result holds no pickle: tensors as tensors (a non-tensor value that is a tensor too),
+    JSON-able values as JSON, ``bytes`` as bytes; any other value is an error naming its
+    key. Keys are the ``/``-joined state-dict paths DCP recorded (as the writer here keys
+    them). The whole state is held in memory. Returns ``tensors``, ``objects``,
+    ``tensor_bytes`` and the save report (``save``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    reader = FileSystemReader(_path(src))
+    md = reader.read_metadata()
+    mappings = md.planner_data if isinstance(md.planner_data, Mapping) else {}
+    state: dict[str, Any] = {}
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            state[fqn] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        else:
+            state[fqn] = None
+    if state:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=_ImportPlanner(weights_only),
+            no_dist=True,
+        )
+    pieces: list[_core.Piece] = []
+    objects: list[_core.Object] = []
+    keys: dict[str, str] = {}
+    for fqn, value in state.items():
+        key = _key(fqn, mappings)
+        if key in keys.values():
+            raise InvalidArgumentError(f"`{fqn}`: two DCP keys map to the zarrckpt key `{key}`")
+        keys[fqn] = key
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            pieces.append(_core.Piece(key, t, tuple(t.shape)))
+        elif isinstance(value, bytes | bytearray) or _is_json(value):
+            objects.append(
+                _core.Object(key, bytes(value) if isinstance(value, bytearray) else value)
+            )
+        else:
+            raise InvalidArgumentError(
+                f"`{fqn}`: {type(value).__module__}.{type(value).__qualname__} is neither a "
+                "tensor, bytes nor a JSON value; zarrckpt stores no pickles"
+            )
+    objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": []}, "per_rank"))
+    report = _core.save(_path(dst), pieces, objects, comm=None, overwrite=overwrite, **options)
+    # Every byte back, compared with the source's.
+    from .reader import open as _open
+
+    ck = _open(_path(dst), output="torch")
+    for p in pieces:
+        got = ck[p.key][...]
+        if not torch.equal(
+            got.reshape(-1).view(torch.uint8), p.tensor.reshape(-1).view(torch.uint8)
+        ):
+            raise InvalidArgumentError(f"`{p.key}`: the imported tensor differs from the source")
+    for o in objects[:-1]:  # the last one is the flag
+        got = ck.object(o.key)
+        want = (
+            o.value if isinstance(o.value, bytes) else json.loads(_core._json_text(o.key, o.value))
+        )
+        if got != want:
+            raise InvalidArgumentError(f"`{o.key}`: the imported object differs from the source")
+    return {
+        "tensors": len(pieces),
+        "objects": len(objects) - 1,
+        "tensor_bytes": sum(p.tensor.numel() * p.tensor.element_size() for p in pieces),
+        "save": report,
+    }
