@@ -328,13 +328,9 @@ impl Saver {
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
         self.settle()?;
-        let boxed;
-        let pieces = if pieces.iter().any(|p| p.flat_range().is_some()) {
-            boxed = crate::model::tensor::expand_flat_pieces(pieces);
-            &boxed[..]
-        } else {
-            pieces
-        };
+        // Flat pieces are saved as the boxes of their decomposition.
+        let boxed = crate::model::tensor::boxed_pieces(pieces);
+        let pieces = &boxed[..];
         let agreed = steps::agree_on_layout_cached(pieces, &*self.comm, opts, &mut self.cache)?;
         steps::save_agreed(dir, &*self.comm, opts, &agreed, None)
     }
@@ -353,13 +349,9 @@ impl Saver {
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
         self.settle()?;
-        let boxed;
-        let pieces = if pieces.iter().any(|p| p.flat_range().is_some()) {
-            boxed = crate::model::tensor::expand_flat_pieces(pieces);
-            &boxed[..]
-        } else {
-            pieces
-        };
+        // Flat pieces are saved as the boxes of their decomposition.
+        let boxed = crate::model::tensor::boxed_pieces(pieces);
+        let pieces = &boxed[..];
         let agreed = steps::agree_on_layout_cached(pieces, &*self.comm, opts, &mut self.cache)?;
         let objects = crate::objects::agree_on_objects(objects, &*self.comm)?;
         let mut report = steps::save_agreed(dir, &*self.comm, opts, &agreed, Some(&objects))?;
@@ -416,13 +408,8 @@ impl Saver {
         let comm = Arc::clone(&self.comm);
         let rank = comm.rank();
         // Flat pieces are saved as the boxes of their decomposition.
-        let boxed;
-        let pieces = if pieces.iter().any(|p| p.flat_range().is_some()) {
-            boxed = crate::model::tensor::expand_flat_pieces(pieces);
-            &boxed[..]
-        } else {
-            pieces
-        };
+        let boxed = crate::model::tensor::boxed_pieces(pieces);
+        let pieces = &boxed[..];
         let agreed = steps::agree_on_layout_cached(pieces, &*comm, opts, &mut self.cache)?;
         let plan = Arc::clone(&agreed.plan);
         let tasks = plan.tasks.clone();

@@ -496,15 +496,7 @@ fn shard_reads(
             continue;
         };
         for shard in geom.reads_for(region) {
-            let chunk_box = Region {
-                offset: shard
-                    .chunk
-                    .iter()
-                    .zip(&geom.chunk_shape)
-                    .map(|(c, s)| c * s)
-                    .collect(),
-                shape: geom.chunk_shape.clone(),
-            };
+            let chunk_box = crate::plan::grid::chunk_box(&geom.chunk_shape, &shard.chunk);
             // A converting request reads alone: it never takes part in shared reads.
             let unit = region
                 .intersect(&chunk_box)

@@ -141,14 +141,7 @@ pub(crate) fn entry_of(tp: &TensorPlan, compression: Compression) -> TensorEntry
 
 /// The full (unclipped) box of a chunk: stored chunks always have the full chunk shape.
 pub(crate) fn full_chunk_box(tp: &TensorPlan, chunk: &[u64]) -> Region {
-    Region {
-        offset: chunk
-            .iter()
-            .zip(&tp.chunk_shape)
-            .map(|(c, s)| c * s)
-            .collect(),
-        shape: tp.chunk_shape.clone(),
-    }
+    crate::plan::grid::chunk_box(&tp.chunk_shape, chunk)
 }
 
 /// The source of one chunk: the local piece holding the whole (unpadded) chunk, or else a
@@ -397,13 +390,8 @@ fn save_impl(
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
     // Flat pieces are saved as the boxes of their decomposition.
-    let boxed: Vec<ShardedTensor<'_>>;
-    let pieces = if pieces.iter().any(|p| p.flat_range().is_some()) {
-        boxed = crate::model::tensor::expand_flat_pieces(pieces);
-        &boxed
-    } else {
-        pieces
-    };
+    let boxed = crate::model::tensor::boxed_pieces(pieces);
+    let pieces = &boxed[..];
     let agreed = agree_on_layout(pieces, comm, opts)?;
     let objects = objects
         .map(|o| crate::objects::agree_on_objects(o, comm))

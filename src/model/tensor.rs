@@ -501,6 +501,18 @@ impl<'a> ShardedTensor<'a> {
     }
 }
 
+/// The pieces as boxes: `pieces` itself when none is flat, else [`expand_flat_pieces`].
+#[must_use]
+pub fn boxed_pieces<'p, 'a>(
+    pieces: &'p [ShardedTensor<'a>],
+) -> std::borrow::Cow<'p, [ShardedTensor<'a>]> {
+    if pieces.iter().any(|p| p.flat_range().is_some()) {
+        std::borrow::Cow::Owned(expand_flat_pieces(pieces))
+    } else {
+        std::borrow::Cow::Borrowed(pieces)
+    }
+}
+
 /// `pieces` with every flat piece replaced by its box pieces ([`ShardedTensor::box_pieces`]),
 /// what a save declares. Several empty flat pieces of one key give one empty box, so that a
 /// rank holding empty ranges does not declare the same empty box twice.

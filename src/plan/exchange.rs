@@ -71,14 +71,7 @@ impl ExchangePlan {
                 }
                 let (lo, hi) = grid::chunks_overlapping(&p.region, &geom.chunk_shape);
                 grid::for_each_index(&lo, &hi, |c| {
-                    let chunk_box = Region {
-                        offset: c
-                            .iter()
-                            .zip(&geom.chunk_shape)
-                            .map(|(i, s)| i * s)
-                            .collect(),
-                        shape: geom.chunk_shape.clone(),
-                    };
+                    let chunk_box = grid::chunk_box(&geom.chunk_shape, c);
                     if let Some(inner) = p.region.intersect(&chunk_box) {
                         let layouts = need.entry((key, c.to_vec(), inner)).or_default();
                         if layouts.last() != Some(&u) {

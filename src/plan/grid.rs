@@ -357,6 +357,15 @@ pub fn for_each_index(lo: &[u64], hi: &[u64], mut f: impl FnMut(&[u64])) {
     }
 }
 
+/// The full (unclipped) box of chunk `idx` of a grid of `chunk_shape` chunks.
+#[must_use]
+pub fn chunk_box(chunk_shape: &[u64], idx: &[u64]) -> Region {
+    Region {
+        offset: idx.iter().zip(chunk_shape).map(|(i, s)| i * s).collect(),
+        shape: chunk_shape.to_vec(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -244,28 +244,7 @@ impl Template {
                 let boxes = crate::model::flat::flat_boxes(shape, a..b).ok()?;
                 Some(boxes.into_iter().map(|f| f.region).collect())
             }
-            Rule::Grid(axes) => {
-                let mut offset = Vec::with_capacity(axes.len());
-                let mut extent = Vec::with_capacity(axes.len());
-                for (ax, &dim) in axes.iter().zip(shape) {
-                    match *ax {
-                        Axis::Full => {
-                            offset.push(0);
-                            extent.push(dim);
-                        }
-                        Axis::Split { size, slot } => {
-                            let i = *coords.get(slot as usize)?;
-                            let o = i.checked_mul(size).filter(|&o| o < dim)?;
-                            offset.push(o);
-                            extent.push(size.min(dim - o));
-                        }
-                    }
-                }
-                Some(vec![Region {
-                    offset,
-                    shape: extent,
-                }])
-            }
+            Rule::Grid(axes) => grid_region(axes, shape, coords).map(|r| vec![r]),
         }
     }
 
@@ -452,6 +431,32 @@ fn partial_row_range(shape: &[u64], region: &Region) -> Option<std::ops::Range<u
         return None;
     }
     crate::model::flat::box_flat_range(shape, region)
+}
+
+/// The box of a grid rule for a rank with these coordinates, or `None` when a part index lies
+/// beyond the tensor.
+#[must_use]
+pub fn grid_region(axes: &[Axis], shape: &[u64], coords: &[u64]) -> Option<Region> {
+    let mut offset = Vec::with_capacity(axes.len());
+    let mut extent = Vec::with_capacity(axes.len());
+    for (ax, &dim) in axes.iter().zip(shape) {
+        match *ax {
+            Axis::Full => {
+                offset.push(0);
+                extent.push(dim);
+            }
+            Axis::Split { size, slot } => {
+                let i = *coords.get(slot as usize)?;
+                let o = i.checked_mul(size).filter(|&o| o < dim)?;
+                offset.push(o);
+                extent.push(size.min(dim - o));
+            }
+        }
+    }
+    Some(Region {
+        offset,
+        shape: extent,
+    })
 }
 
 /// The coordinate slot holding `i`, adding one when there is room.

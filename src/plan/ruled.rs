@@ -67,6 +67,24 @@ struct Holders {
 }
 
 impl Holders {
+    /// Notes `rank` holding the part through a piece with these flags.
+    fn add(&mut self, rank: u32, main: bool, auto: bool) {
+        if main {
+            self.main.push(rank);
+        } else if auto {
+            self.auto.push(rank);
+        } else {
+            self.other.push(rank);
+        }
+    }
+
+    /// Sorts the holders once every rank is in.
+    fn finish(&mut self) {
+        self.main.sort_unstable();
+        self.auto.sort_unstable();
+        self.other.sort_unstable();
+    }
+
     /// Every holder, ascending (allocated only when asked).
     fn all(&self) -> Vec<u32> {
         let mut v: Vec<u32> = self
@@ -248,14 +266,10 @@ fn holders(
                 bad.get_or_insert(rank);
                 return;
             }
-            let h = parts.entry(linear(&idx, n)).or_default();
-            if f.main {
-                h.main.push(rank);
-            } else if f.auto {
-                h.auto.push(rank);
-            } else {
-                h.other.push(rank);
-            }
+            parts
+                .entry(linear(&idx, n))
+                .or_default()
+                .add(rank, f.main, f.auto);
         })?;
     }
     if let Some(rank) = bad {
@@ -265,11 +279,7 @@ fn holders(
             reason: "a part index lies beyond its tensor".into(),
         });
     }
-    for h in parts.values_mut() {
-        h.main.sort_unstable();
-        h.auto.sort_unstable();
-        h.other.sort_unstable();
-    }
+    parts.values_mut().for_each(Holders::finish);
     Ok(parts)
 }
 
@@ -757,14 +767,7 @@ pub fn plan_load(
         for region in regions.iter().filter(|r| !r.is_empty()) {
             let (lo, hi) = grid::chunks_overlapping(region, &geom.chunk_shape);
             grid::for_each_index(&lo, &hi, |c| {
-                let chunk_box = Region {
-                    offset: c
-                        .iter()
-                        .zip(&geom.chunk_shape)
-                        .map(|(i, s)| i * s)
-                        .collect(),
-                    shape: geom.chunk_shape.clone(),
-                };
+                let chunk_box = grid::chunk_box(&geom.chunk_shape, c);
                 if let Some(inner) = region.intersect(&chunk_box) {
                     let bytes = inner
                         .num_elements()
@@ -968,25 +971,7 @@ fn flat_pick(f: &FlatFamily, coords: &[u64], shape: &[u64], size: u64, numel: u6
         FlatPick::Slot(s) => coords.get(*s as usize).copied(),
         FlatPick::Fixed(v) => Some(*v),
         FlatPick::Grid(axes) => {
-            let mut offset = Vec::with_capacity(axes.len());
-            let mut extent = Vec::with_capacity(axes.len());
-            for (ax, &dim) in axes.iter().zip(shape) {
-                match *ax {
-                    Axis::Full => {
-                        offset.push(0);
-                        extent.push(dim);
-                    }
-                    Axis::Split { size, slot } => {
-                        let o = coords.get(slot as usize)?.checked_mul(size)?;
-                        offset.push(o);
-                        extent.push(size.min(dim.checked_sub(o)?));
-                    }
-                }
-            }
-            let r = Region {
-                offset,
-                shape: extent,
-            };
+            let r = super::rule::grid_region(axes, shape, coords)?;
             let range = crate::model::flat::box_flat_range(shape, &r)?;
             flat_part(&range, size, numel)
         }
@@ -1013,14 +998,7 @@ fn flat_holders(
                     bad.get_or_insert(rank);
                 }
                 Some(i) => {
-                    let h = parts.entry(i).or_default();
-                    if f.main {
-                        h.main.push(rank);
-                    } else if f.auto {
-                        h.auto.push(rank);
-                    } else {
-                        h.other.push(rank);
-                    }
+                    parts.entry(i).or_default().add(rank, f.main, f.auto);
                 }
             }
         })?;
@@ -1035,11 +1013,7 @@ fn flat_holders(
             reason: "a flat part lies beyond its tensor".into(),
         });
     }
-    for h in parts.values_mut() {
-        h.main.sort_unstable();
-        h.auto.sort_unstable();
-        h.other.sort_unstable();
-    }
+    parts.values_mut().for_each(Holders::finish);
     Ok(Some(parts))
 }
 
