@@ -167,7 +167,6 @@ impl Saver {
         let objs = objects.map(save_objects).transpose()?;
         let opts = save_options(options)?;
         let inner = Arc::clone(&self.inner);
-        let comm = &self.comm;
         let result = py.detach(|| {
             let pieces = pieces_of(&spec)?;
             let mut saver = inner
