@@ -202,7 +202,10 @@ fn a_rank_killed_during_load_fails_the_others() {
         let took = t0.elapsed();
         assert!(!o.status.success());
         let err = String::from_utf8_lossy(&o.stderr);
-        assert!(err.contains("rank 1 failed first"), "{err}");
+        // Which rank the launcher sees exit first is a race when the others fail within
+        // microseconds of the dead one (its exit watcher may wake last); what matters is that
+        // every other rank fails by itself naming the dead rank.
+        assert!(err.contains("failed first"), "{err}");
         for r in [0, 2, 3] {
             let line = err
                 .lines()
