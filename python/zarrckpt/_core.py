@@ -574,7 +574,8 @@ def load(
     ``loaded_bytes``, ``bytes_read``, ``bytes_received``, ``bytes_sent``, ``unexpected``,
     ``missing``, and ``objects`` (one value per request, in order; ``None`` for a key the
     strict mode skipped). Pieces sharing the very same memory (tied weights under two keys)
-    are loaded once, from the first one's key."""
+    are loaded once, from the first one's key. Collective: every rank passes ``objects`` (a
+    list, possibly empty) or every rank passes ``None``."""
     tuples = _disjoint([_piece_tuple(p, load=True) for p in pieces])
     rank = comm.rank if comm is not None else 0
     reqs = _request_tuples(objects, rank)
