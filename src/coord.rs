@@ -9,6 +9,7 @@ use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::model::{DType, Region, TensorKey};
 use crate::plan::layout::{PieceDecl, RankLayout, TensorDecl};
+use crate::plan::rule::{Summary, Template, World};
 
 /// Called with a number of bytes each time that many more bytes are done.
 pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
@@ -90,6 +91,53 @@ fn first_failure(a: &[u8], b: &[u8]) -> std::result::Result<Vec<u8>, String> {
         }
     };
     Ok(keep.to_vec())
+}
+
+/// This rank's layout described by rule, as a one-rank summary (see [`crate::plan::rule`]).
+pub(crate) fn describe(comm: &dyn Communicator, layout: &RankLayout) -> Vec<u8> {
+    let (template, coords) = Template::describe(layout);
+    Summary::leaf(comm.rank() as u64, template.encode(), &coords).encode()
+}
+
+/// Every rank's description ([`describe`]) combined up the communicator's tree: the world it
+/// describes, and the combined summary's bytes.
+pub(crate) fn combine(comm: &dyn Communicator, leaf: &[u8]) -> Result<(World, Vec<u8>)> {
+    let combined = comm.all_reduce(leaf, &Summary::merge_encoded)?;
+    let summary = Summary::decode(&combined, 0)?;
+    Ok((World::from_summary(&summary, comm.world_size())?, combined))
+}
+
+/// One all-reduce of fixed-size integers: `values[i]` of every rank combined with `ops[i]`.
+pub(crate) fn all_reduce_u64(
+    comm: &dyn Communicator,
+    values: &[u64],
+    ops: &[fn(u64, u64) -> u64],
+) -> Result<Vec<u64>> {
+    let parse = |m: &[u8]| -> std::result::Result<Vec<u64>, String> {
+        if m.len() != 8 * ops.len() {
+            return Err(format!("{} bytes, expected {}", m.len(), 8 * ops.len()));
+        }
+        Ok(m.chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+            .collect())
+    };
+    let encode = |v: &[u64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let out = comm.all_reduce(&encode(values), &|a, b| {
+        let (a, b) = (parse(a)?, parse(b)?);
+        Ok(encode(
+            &ops.iter()
+                .zip(a.iter().zip(&b))
+                .map(|(op, (&x, &y))| op(x, y))
+                .collect::<Vec<_>>(),
+        ))
+    })?;
+    parse(&out).map_err(|detail| {
+        Error::Comm(crate::comm::CommError::Mismatch {
+            op: "all_reduce",
+            rank: comm.rank(),
+            detail,
+        })
+    })
 }
 
 /// One box a rank declares: a piece it holds (save) or a box it asks for (load).

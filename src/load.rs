@@ -8,14 +8,16 @@ use rayon::prelude::*;
 
 use crate::comm::Communicator;
 use crate::comm::{RecvBuf, SendBuf};
-use crate::coord::{BoxDecl, Progress, agree, io_pool, rank_layout};
+use crate::coord::{
+    BoxDecl, Progress, agree, all_reduce_u64, combine, describe, io_pool, rank_layout,
+};
 use crate::error::{Error, Result};
 use crate::model::copy::DisjointBuf;
 use crate::model::{LoadTarget, ObjectRequest, ObjectValue, Region, TensorKey};
 use crate::plan::exchange::{ExchangePlan, SharedRead};
 use crate::plan::layout::RankLayout;
 use crate::plan::load::{ShardRead, StoredGeometry};
-use crate::plan::rule::{Summary, Template, World};
+use crate::plan::rule::World;
 use crate::plan::ruled::plan_load;
 use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
 use crate::storage::{CheckpointMeta, TensorArray, commit};
@@ -241,28 +243,6 @@ fn check_requests(
     Ok((my_unexpected, missing))
 }
 
-/// The world's requests: this rank's described by rule, combined up the communicator's tree.
-fn requests_of_world(comm: &dyn Communicator, layout: &RankLayout) -> Result<World> {
-    let (template, coords) = Template::describe(layout);
-    let leaf = Summary::leaf(comm.rank() as u64, template.encode(), &coords).encode();
-    let combined = comm.all_reduce(&leaf, &Summary::merge_encoded)?;
-    let summary = Summary::decode(&combined, 0)?;
-    Ok(World::from_summary(&summary, comm.world_size())?)
-}
-
-/// The largest `v` over all ranks.
-fn max_over_ranks(comm: &dyn Communicator, v: u32) -> Result<u32> {
-    let m = comm.all_reduce(&v.to_le_bytes(), &|a, b| {
-        let get = |m: &[u8]| {
-            <[u8; 4]>::try_from(m)
-                .map(u32::from_le_bytes)
-                .map_err(|_| "malformed round count".to_owned())
-        };
-        Ok(get(a)?.max(get(b)?).to_le_bytes().to_vec())
-    })?;
-    Ok(<[u8; 4]>::try_from(m.as_slice()).map_or(0, u32::from_le_bytes))
-}
-
 /// Loads the requested boxes into the targets' buffers. Every rank of `comm` calls it with
 /// its own targets, in any topology: each rank reads only the shards and subchunks that
 /// intersect what it asked for, decoding straight into its buffers.
@@ -346,7 +326,8 @@ fn load_boxes(
     let me = comm.rank();
     let me32 = u32::try_from(me).unwrap_or(u32::MAX);
     let layout = agree(comm, request_layout(targets, meta))?;
-    let world = requests_of_world(comm, &layout)?;
+    // The world's requests: this rank's described by rule, combined up the tree.
+    let (world, _) = combine(comm, &describe(comm, &layout))?;
     let (mut unexpected, mut missing) = check_requests(dir, meta, &world, me, opts.strict)?;
     let object_values = match objects {
         Some(requests) => {
@@ -360,7 +341,8 @@ fn load_boxes(
     let (plan, group_rounds) = if opts.exchange && comm.world_size() > 1 {
         let geometry = |key: &TensorKey| stored_geometry(meta, key);
         let (plan, mine) = plan_load(&world, me32, &geometry, ROUND_BYTES)?;
-        (plan, max_over_ranks(comm, mine)?)
+        let rounds = all_reduce_u64(comm, &[u64::from(mine)], &[u64::max])?[0];
+        (plan, u32::try_from(rounds).unwrap_or(u32::MAX))
     } else {
         (ExchangePlan::default(), 0)
     };

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use rayon::prelude::*;
 
 use crate::comm::{Communicator, RecvBuf, SendBuf};
-use crate::coord::{BoxDecl, agree, io_pool, rank_layout};
+use crate::coord::{BoxDecl, agree, all_reduce_u64, combine, describe, io_pool, rank_layout};
 use crate::error::{Error, Result};
 use crate::model::copy::copy_region;
 use crate::model::{Region, ShardedTensor, StateObject, TensorKey};
@@ -17,7 +17,6 @@ use crate::objects::AgreedObjects;
 use crate::plan::GridOptions;
 use crate::plan::cache::{self, CachedPlan};
 use crate::plan::layout::RankLayout;
-use crate::plan::rule::{Summary, Template, World};
 use crate::plan::ruled::{RankPlan, plan_save};
 use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan};
 use crate::storage::commit::{SaveLock, Target};
@@ -485,11 +484,9 @@ fn plan_options(opts: &SaveOptions) -> SavePlanOptions {
     }
 }
 
-/// A rank's description: its template and coordinates, encoded as a one-rank summary, and
-/// the hash of that.
+/// A rank's description (a one-rank summary) and its hash.
 fn own_description(comm: &dyn Communicator, layout: &RankLayout) -> (Vec<u8>, [u8; 16]) {
-    let (template, coords) = Template::describe(layout);
-    let leaf = Summary::leaf(comm.rank() as u64, template.encode(), &coords).encode();
+    let leaf = describe(comm, layout);
     let hash = RankLayout::hash_bytes(&leaf);
     (leaf, hash)
 }
@@ -501,9 +498,7 @@ fn plan_from_world(
     leaf: &[u8],
     plan_opts: &SavePlanOptions,
 ) -> Result<(RankPlan, [u8; 16], u64, f64)> {
-    let combined = comm.all_reduce(leaf, &Summary::merge_encoded)?;
-    let summary = Summary::decode(&combined, 0)?;
-    let world = World::from_summary(&summary, comm.world_size())?;
+    let (world, combined) = combine(comm, leaf)?;
     let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
     let plan = plan_save(&world, rank, plan_opts)?;
     let digest = cache::world_digest(comm.world_size(), plan_opts, &combined);
@@ -513,23 +508,8 @@ fn plan_from_world(
 
 /// The largest bytes assigned to a rank over the mean, from one all-reduce of (max, sum).
 fn write_balance(comm: &dyn Communicator, bytes: u64) -> Result<f64> {
-    let mut msg = bytes.to_le_bytes().to_vec();
-    msg.extend_from_slice(&bytes.to_le_bytes());
-    let both = comm.all_reduce(&msg, &|a, b| {
-        let get = |m: &[u8], i: usize| {
-            m.get(i * 8..i * 8 + 8)
-                .and_then(|x| <[u8; 8]>::try_from(x).ok())
-                .map(u64::from_le_bytes)
-                .ok_or_else(|| "malformed balance message".to_owned())
-        };
-        let (max, sum) = (
-            get(a, 0)?.max(get(b, 0)?),
-            get(a, 1)?.saturating_add(get(b, 1)?),
-        );
-        Ok([max.to_le_bytes(), sum.to_le_bytes()].concat())
-    })?;
-    let max = u64::from_le_bytes(both[..8].try_into().unwrap_or_default());
-    let sum = u64::from_le_bytes(both[8..16].try_into().unwrap_or_default());
+    let v = all_reduce_u64(comm, &[bytes, bytes], &[u64::max, u64::saturating_add])?;
+    let (max, sum) = (v[0], v[1]);
     Ok(if sum == 0 {
         1.0
     } else {

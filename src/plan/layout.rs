@@ -61,6 +61,16 @@ pub struct LayoutDecodeError {
 
 const MAGIC: &[u8; 5] = b"ZCKL1";
 
+/// Appends a box: its offsets, then its extents.
+pub(crate) fn put_region(out: &mut Vec<u8>, region: &Region) {
+    for &o in &region.offset {
+        put_varint(out, o);
+    }
+    for &s in &region.shape {
+        put_varint(out, s);
+    }
+}
+
 pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
@@ -80,12 +90,7 @@ impl RankLayout {
         for p in &self.pieces {
             put_varint(&mut out, u64::from(p.tensor));
             out.push(u8::from(p.main) | (u8::from(p.auto) << 1));
-            for &o in &p.region.offset {
-                put_varint(&mut out, o);
-            }
-            for &s in &p.region.shape {
-                put_varint(&mut out, s);
-            }
+            put_region(&mut out, &p.region);
         }
         out
     }
@@ -117,13 +122,7 @@ impl RankLayout {
             if flags > 2 {
                 return Err(r.err("unknown piece flags"));
             }
-            let nd = decl.global_shape.len();
-            let offset = (0..nd).map(|_| r.varint()).collect::<Result<Vec<_>, _>>()?;
-            let shape = (0..nd).map(|_| r.varint()).collect::<Result<Vec<_>, _>>()?;
-            let region = Region::new(offset, shape).map_err(|e| r.err(&e.to_string()))?;
-            region
-                .check_within(&decl.global_shape)
-                .map_err(|e| r.err(&e.to_string()))?;
+            let region = r.region_within(&decl.global_shape)?;
             pieces.push(PieceDecl {
                 tensor: t,
                 region,
@@ -234,6 +233,22 @@ impl Reader<'_> {
         }
         Err(self.err("varint too long"))
     }
+    /// A box written by [`put_region`], checked to lie inside a tensor of `shape`.
+    pub(crate) fn region_within(&mut self, shape: &[u64]) -> Result<Region, LayoutDecodeError> {
+        let nd = shape.len();
+        let offset = (0..nd)
+            .map(|_| self.varint())
+            .collect::<Result<Vec<_>, _>>()?;
+        let extent = (0..nd)
+            .map(|_| self.varint())
+            .collect::<Result<Vec<_>, _>>()?;
+        let region = Region::new(offset, extent).map_err(|e| self.err(&e.to_string()))?;
+        region
+            .check_within(shape)
+            .map_err(|e| self.err(&e.to_string()))?;
+        Ok(region)
+    }
+
     /// A count of items each at least `min_bytes` long: bounded by what is left, so a
     /// hostile count cannot make us allocate.
     pub(crate) fn count(&mut self, min_bytes: usize) -> Result<usize, LayoutDecodeError> {

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 
 use super::layout::{
     LayoutDecodeError, PieceDecl, RankLayout, Reader, TensorDecl, decode_tensors, encode_tensors,
-    put_varint,
+    put_region, put_varint,
 };
 use crate::model::{Region, TensorKey};
 
@@ -237,12 +237,7 @@ impl Template {
         match &p.rule {
             Rule::Box(r) => Some(vec![r.clone()]),
             Rule::Flat { size, slot } => {
-                let n = crate::model::region::num_elements(shape).ok()?;
-                let i = *coords.get(*slot as usize)?;
-                let a = i.checked_mul(*size).filter(|&a| a < n)?;
-                let b = a.saturating_add(*size).min(n);
-                let boxes = crate::model::flat::flat_boxes(shape, a..b).ok()?;
-                Some(boxes.into_iter().map(|f| f.region).collect())
+                flat_part_regions(shape, *size, *coords.get(*slot as usize)?)
             }
             Rule::Grid(axes) => grid_region(axes, shape, coords).map(|r| vec![r]),
         }
@@ -306,12 +301,7 @@ impl Template {
             match &p.rule {
                 Rule::Box(r) => {
                     out.push(flags);
-                    for &o in &r.offset {
-                        put_varint(&mut out, o);
-                    }
-                    for &s in &r.shape {
-                        put_varint(&mut out, s);
-                    }
+                    put_region(&mut out, r);
                 }
                 Rule::Flat { size, slot } => {
                     out.push(flags | 8);
@@ -379,13 +369,7 @@ impl Template {
                     slot: slot as u32,
                 }
             } else if flags & 4 == 0 {
-                let offset = (0..nd).map(|_| r.varint()).collect::<Result<Vec<_>, _>>()?;
-                let shape = (0..nd).map(|_| r.varint()).collect::<Result<Vec<_>, _>>()?;
-                let region = Region::new(offset, shape).map_err(|e| r.err(&e.to_string()))?;
-                region
-                    .check_within(&decl.global_shape)
-                    .map_err(|e| r.err(&e.to_string()))?;
-                Rule::Box(region)
+                Rule::Box(r.region_within(&decl.global_shape)?)
             } else {
                 let mut axes = Vec::with_capacity(nd);
                 for _ in 0..nd {
@@ -431,6 +415,17 @@ fn partial_row_range(shape: &[u64], region: &Region) -> Option<std::ops::Range<u
         return None;
     }
     crate::model::flat::box_flat_range(shape, region)
+}
+
+/// The boxes of part `i` of a tensor of `shape` whose flattening is cut in parts of `size`
+/// elements, or `None` when the part starts beyond the tensor.
+#[must_use]
+pub fn flat_part_regions(shape: &[u64], size: u64, i: u64) -> Option<Vec<Region>> {
+    let n = crate::model::region::num_elements(shape).ok()?;
+    let a = i.checked_mul(size).filter(|&a| a < n)?;
+    let b = a.saturating_add(size).min(n);
+    let boxes = crate::model::flat::flat_boxes(shape, a..b).ok()?;
+    Some(boxes.into_iter().map(|f| f.region).collect())
 }
 
 /// The box of a grid rule for a rank with these coordinates, or `None` when a part index lies

@@ -735,7 +735,7 @@ pub fn plan_load(
             let Some(l) = flat_pick(f, &my_coords, info.shape, *size, numel) else {
                 continue;
             };
-            (flat_part_boxes(info.shape, *size, numel, l), *table, l)
+            (flat_part_boxes(info.shape, *size, l), *table, l)
         } else {
             let (sizes, families) = &grids[key];
             let Some(f) = families.iter().find(|f| f.template == my_template) else {
@@ -1039,13 +1039,9 @@ struct FlatDone {
     bytes: u64,
 }
 
-/// The boxes of flat part `i` of parts of `size`.
-fn flat_part_boxes(shape: &[u64], size: u64, numel: u64, i: u64) -> Vec<Region> {
-    let a = i.saturating_mul(size).min(numel);
-    let b = a.saturating_add(size).min(numel);
-    crate::model::flat::flat_boxes(shape, a..b)
-        .map(|v| v.into_iter().map(|f| f.region).collect())
-        .unwrap_or_default()
+/// The boxes of flat part `i` of parts of `size` (none beyond the tensor).
+fn flat_part_boxes(shape: &[u64], size: u64, i: u64) -> Vec<Region> {
+    super::rule::flat_part_regions(shape, size, i).unwrap_or_default()
 }
 
 /// A flat-regular tensor's cut: part size, holders table (index into the tables), parts,
@@ -1114,7 +1110,7 @@ fn plan_flat(
     let parts = &tables[table];
     let n = numel.div_ceil(size);
     let region_of = |l: u64| {
-        flat_part_boxes(shape, size, numel, l)
+        flat_part_boxes(shape, size, l)
             .into_iter()
             .next()
             .unwrap_or_else(|| Region::full(shape))
@@ -1158,7 +1154,7 @@ fn plan_flat(
     if writer(l) != me || !parts.contains_key(&l) {
         return Ok(Some(done));
     }
-    let boxes = flat_part_boxes(shape, size, numel, l);
+    let boxes = flat_part_boxes(shape, size, l);
     done.bytes = boxes
         .iter()
         .map(|b| b.num_elements().unwrap_or(0))
@@ -1173,7 +1169,7 @@ fn plan_flat(
         let mut chunk_parts = Vec::new();
         for j in k * m..((k + 1) * m).min(n) {
             let wj = writer(j);
-            for b in flat_part_boxes(shape, size, numel, j) {
+            for b in flat_part_boxes(shape, size, j) {
                 chunk_parts.push(Part {
                     region: b.clone(),
                     source: if wj == me {
