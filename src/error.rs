@@ -28,6 +28,9 @@ pub enum Error {
     /// A tensor piece handed in is invalid.
     #[error(transparent)]
     Tensor(#[from] TensorError),
+    /// A device (GPU) copy or view failed.
+    #[error(transparent)]
+    Device(#[from] crate::device::DeviceError),
     /// A key is invalid.
     #[error(transparent)]
     Key(#[from] KeyError),

@@ -60,6 +60,7 @@ pub mod async_save;
 pub mod checkpoint;
 pub mod comm;
 mod coord;
+pub mod device;
 pub mod error;
 pub mod launch;
 pub mod load;

@@ -71,7 +71,7 @@ pub enum TensorError {
     },
 }
 
-fn check_piece(
+pub(crate) fn check_piece(
     key: &TensorKey,
     dtype: DType,
     global_shape: &[u64],

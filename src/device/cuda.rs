@@ -1,0 +1,369 @@
+//! The CUDA device (cargo feature `cuda`): cudarc's driver API, with the driver loaded at
+//! run time. Copies go on one stream (the device's own, or a caller's, such as torch's
+//! current stream), in order; fences are CUDA events.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::ptr::NonNull;
+use std::sync::Mutex;
+
+use cudarc::driver::result::DriverError;
+use cudarc::driver::sys;
+
+use super::{Device, DeviceError, Fence, PinnedBuf, Pitched};
+
+fn driver(call: &'static str) -> impl Fn(DriverError) -> DeviceError {
+    move |e| DeviceError::Driver {
+        call,
+        detail: e
+            .error_string()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("{:?}", e.0)),
+    }
+}
+
+fn check(call: &'static str, r: sys::CUresult) -> Result<(), DeviceError> {
+    r.result().map_err(driver(call))
+}
+
+/// One GPU through the CUDA driver.
+#[derive(Debug)]
+pub struct CudaDevice {
+    ordinal: usize,
+    device: sys::CUdevice,
+    ctx: usize,
+    stream: usize,
+    owns_stream: bool,
+    events: Mutex<(u64, HashMap<u64, usize>)>,
+}
+
+// SAFETY: the context and stream handles are used only through driver calls, which are
+// thread-safe once the context is made current on the calling thread (done by every call).
+unsafe impl Send for CudaDevice {}
+// SAFETY: as above; the event table is behind a mutex.
+unsafe impl Sync for CudaDevice {}
+
+impl CudaDevice {
+    /// Whether a CUDA driver can be loaded and reports at least one device.
+    #[must_use]
+    pub fn available() -> bool {
+        Self::count() > 0
+    }
+
+    /// Devices the driver reports (0 without a driver).
+    #[must_use]
+    pub fn count() -> usize {
+        // SAFETY: only tries to load the library.
+        if !unsafe { sys::is_culib_present() } {
+            return 0;
+        }
+        if cudarc::driver::result::init().is_err() {
+            return 0;
+        }
+        cudarc::driver::result::device::get_count()
+            .ok()
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(0)
+    }
+
+    /// Device `ordinal`'s primary context (the one PyTorch uses) and a new non-blocking
+    /// stream of its own.
+    ///
+    /// # Errors
+    /// [`DeviceError::Unavailable`] without a driver or such a device; driver errors.
+    pub fn new(ordinal: usize) -> Result<Self, DeviceError> {
+        let mut d = Self::open(ordinal)?;
+        let stream = cudarc::driver::result::stream::create(
+            cudarc::driver::result::stream::StreamKind::NonBlocking,
+        )
+        .map_err(driver("cuStreamCreate"))?;
+        d.stream = stream as usize;
+        d.owns_stream = true;
+        Ok(d)
+    }
+
+    /// Device `ordinal`'s primary context, copying on the caller's `stream` (a `CUstream`,
+    /// for example `torch.cuda.current_stream().cuda_stream`), so that copies are ordered
+    /// with the caller's work on that stream.
+    ///
+    /// # Errors
+    /// As [`CudaDevice::new`].
+    ///
+    /// # Safety
+    /// `stream` must be a stream of that device's primary context, alive as long as this.
+    pub unsafe fn with_stream(ordinal: usize, stream: u64) -> Result<Self, DeviceError> {
+        let mut d = Self::open(ordinal)?;
+        d.stream = usize::try_from(stream).unwrap_or(0);
+        Ok(d)
+    }
+
+    fn open(ordinal: usize) -> Result<Self, DeviceError> {
+        // SAFETY: only tries to load the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(DeviceError::Unavailable(
+                "the CUDA driver (libcuda) is not installed".into(),
+            ));
+        }
+        cudarc::driver::result::init().map_err(driver("cuInit"))?;
+        let count = Self::count();
+        if ordinal >= count {
+            return Err(DeviceError::Unavailable(format!(
+                "device {ordinal} asked for; the driver reports {count}"
+            )));
+        }
+        let device = cudarc::driver::result::device::get(i32::try_from(ordinal).unwrap_or(0))
+            .map_err(driver("cuDeviceGet"))?;
+        // SAFETY: a valid device handle.
+        let ctx = unsafe { cudarc::driver::result::primary_ctx::retain(device) }
+            .map_err(driver("cuDevicePrimaryCtxRetain"))?;
+        let d = CudaDevice {
+            ordinal,
+            device,
+            ctx: ctx as usize,
+            stream: 0,
+            owns_stream: false,
+            events: Mutex::new((0, HashMap::new())),
+        };
+        d.current()?;
+        Ok(d)
+    }
+
+    /// The device ordinal.
+    #[must_use]
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    fn current(&self) -> Result<(), DeviceError> {
+        // SAFETY: a retained primary context.
+        check("cuCtxSetCurrent", unsafe {
+            sys::cuCtxSetCurrent(self.ctx as sys::CUcontext)
+        })
+    }
+
+    fn stream(&self) -> sys::CUstream {
+        self.stream as sys::CUstream
+    }
+
+    /// Allocates `len` bytes of device memory (for tests and benchmarks; training code
+    /// passes its own tensors' addresses).
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn alloc(&self, len: usize) -> Result<u64, DeviceError> {
+        self.current()?;
+        // SAFETY: the context is current.
+        unsafe { cudarc::driver::result::malloc_sync(len.max(1)) }.map_err(driver("cuMemAlloc"))
+    }
+
+    /// Frees memory from [`CudaDevice::alloc`].
+    ///
+    /// # Errors
+    /// Driver errors.
+    ///
+    /// # Safety
+    /// `address` came from `alloc` and is not used afterwards.
+    pub unsafe fn free(&self, address: u64) -> Result<(), DeviceError> {
+        self.current()?;
+        // SAFETY: per the contract.
+        unsafe { cudarc::driver::result::free_sync(address) }.map_err(driver("cuMemFree"))
+    }
+
+    /// Waits until everything enqueued on the stream has finished.
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn synchronize(&self) -> Result<(), DeviceError> {
+        self.current()?;
+        // SAFETY: a valid stream of the current context.
+        unsafe { cudarc::driver::result::stream::synchronize(self.stream()) }
+            .map_err(driver("cuStreamSynchronize"))
+    }
+
+    fn record(&self) -> Result<Fence, DeviceError> {
+        let event =
+            cudarc::driver::result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(driver("cuEventCreate"))?;
+        // SAFETY: a fresh event and a valid stream.
+        unsafe { cudarc::driver::result::event::record(event, self.stream()) }
+            .map_err(driver("cuEventRecord"))?;
+        let mut g = self
+            .events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        g.0 += 1;
+        let id = g.0;
+        g.1.insert(id, event as usize);
+        Ok(Fence(id))
+    }
+
+    /// Enqueues one pitched copy. `to_device`: host -> device, else device -> host.
+    ///
+    /// # Safety
+    /// As [`Device::to_device`].
+    unsafe fn enqueue(
+        &self,
+        host: *mut u8,
+        c: &Pitched,
+        to_device: bool,
+    ) -> Result<(), DeviceError> {
+        // SAFETY (all blocks below): the caller guarantees the host and device ranges.
+        let h = unsafe { host.add(c.host_offset) };
+        if c.is_linear() {
+            let n = c.bytes();
+            return if to_device {
+                check("cuMemcpyHtoDAsync", unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(c.device, h as *const c_void, n, self.stream())
+                })
+            } else {
+                check("cuMemcpyDtoHAsync", unsafe {
+                    sys::cuMemcpyDtoHAsync_v2(h as *mut c_void, c.device, n, self.stream())
+                })
+            };
+        }
+        let dev_pitch = usize::try_from(c.device_pitch).unwrap_or(usize::MAX);
+        let dev_slice = usize::try_from(c.device_slice_pitch).unwrap_or(usize::MAX);
+        if c.depth > 1 && dev_pitch > 0 && dev_slice % dev_pitch == 0 {
+            let mut p: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+            let (host_t, dev_t) = (
+                sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+                sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            );
+            if to_device {
+                p.srcMemoryType = host_t;
+                p.srcHost = h as *const c_void;
+                p.srcPitch = c.host_pitch;
+                p.srcHeight = c.height;
+                p.dstMemoryType = dev_t;
+                p.dstDevice = c.device;
+                p.dstPitch = dev_pitch;
+                p.dstHeight = dev_slice / dev_pitch;
+            } else {
+                p.srcMemoryType = dev_t;
+                p.srcDevice = c.device;
+                p.srcPitch = dev_pitch;
+                p.srcHeight = dev_slice / dev_pitch;
+                p.dstMemoryType = host_t;
+                p.dstHost = h.cast::<c_void>();
+                p.dstPitch = c.host_pitch;
+                p.dstHeight = c.height;
+            }
+            p.WidthInBytes = c.width;
+            p.Height = c.height;
+            p.Depth = c.depth;
+            return check("cuMemcpy3DAsync", unsafe {
+                sys::cuMemcpy3DAsync_v2(&raw const p, self.stream())
+            });
+        }
+        // 2-D copies, one per slice.
+        for z in 0..c.depth {
+            let mut p: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
+            let hz = unsafe { h.add(z * c.host_slice_pitch) };
+            let dz = c.device + z as u64 * c.device_slice_pitch;
+            if to_device {
+                p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+                p.srcHost = hz as *const c_void;
+                p.srcPitch = c.host_pitch;
+                p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+                p.dstDevice = dz;
+                p.dstPitch = dev_pitch;
+            } else {
+                p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+                p.srcDevice = dz;
+                p.srcPitch = dev_pitch;
+                p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
+                p.dstHost = hz.cast::<c_void>();
+                p.dstPitch = c.host_pitch;
+            }
+            p.WidthInBytes = c.width;
+            p.Height = c.height;
+            check("cuMemcpy2DAsync", unsafe {
+                sys::cuMemcpy2DAsync_v2(&raw const p, self.stream())
+            })?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        if self.current().is_err() {
+            return;
+        }
+        let g = self
+            .events
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (_, e) in g.1.drain() {
+            // SAFETY: events created by this device, not used afterwards.
+            let _ = unsafe { cudarc::driver::result::event::destroy(e as sys::CUevent) };
+        }
+        if self.owns_stream {
+            // SAFETY: the stream this device created.
+            let _ = unsafe { cudarc::driver::result::stream::destroy(self.stream()) };
+        }
+        // SAFETY: retained in `open`.
+        let _ = unsafe { cudarc::driver::result::primary_ctx::release(self.device) };
+    }
+}
+
+impl Device for CudaDevice {
+    fn pinned(&self, len: usize) -> Result<PinnedBuf, DeviceError> {
+        self.current()?;
+        // SAFETY: the context is current.
+        let p = unsafe {
+            cudarc::driver::result::malloc_host(len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE)
+        }
+        .map_err(driver("cuMemHostAlloc"))?;
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| DeviceError::Driver {
+            call: "cuMemHostAlloc",
+            detail: "returned a null pointer".into(),
+        })?;
+        let ctx = self.ctx;
+        let free = Box::new(move |p: NonNull<u8>, _len: usize| {
+            // SAFETY: memory from cuMemHostAlloc in this context, not used afterwards.
+            unsafe {
+                let _ = sys::cuCtxSetCurrent(ctx as sys::CUcontext);
+                let _ = cudarc::driver::result::free_host(p.as_ptr().cast::<c_void>());
+            }
+        });
+        // SAFETY: fresh pinned memory of `len` bytes (at least 1 allocated), owned here.
+        Ok(unsafe { PinnedBuf::from_raw(ptr, len, free) })
+    }
+
+    unsafe fn to_device(&self, host: *const u8, copies: &[Pitched]) -> Result<Fence, DeviceError> {
+        self.current()?;
+        for c in copies {
+            // SAFETY: forwarded contract.
+            unsafe { self.enqueue(host.cast_mut(), c, true) }?;
+        }
+        self.record()
+    }
+
+    unsafe fn to_host(&self, host: *mut u8, copies: &[Pitched]) -> Result<Fence, DeviceError> {
+        self.current()?;
+        for c in copies {
+            // SAFETY: forwarded contract.
+            unsafe { self.enqueue(host, c, false) }?;
+        }
+        self.record()
+    }
+
+    fn wait(&self, fence: Fence) -> Result<(), DeviceError> {
+        self.current()?;
+        let event = self
+            .events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .1
+            .remove(&fence.0);
+        let Some(e) = event else { return Ok(()) };
+        let e = e as sys::CUevent;
+        // SAFETY: an event recorded by this device.
+        let r = unsafe { cudarc::driver::result::event::synchronize(e) }
+            .map_err(driver("cuEventSynchronize"));
+        // SAFETY: as above; not used afterwards.
+        let _ = unsafe { cudarc::driver::result::event::destroy(e) };
+        r
+    }
+}

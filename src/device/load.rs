@@ -1,0 +1,330 @@
+//! Loading into device memory through bounded, reused pinned staging.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::copy::{check_disjoint, pitched_copies, slabs};
+use super::{Device, DeviceError, DeviceView, Fence, PinnedBuf};
+use crate::comm::Communicator;
+use crate::coord::{agree, all_reduce_u64};
+use crate::error::{Error, Result};
+use crate::load::{LoadOptions, LoadReport, StrictMode, load_from_index};
+use crate::model::tensor::check_piece;
+use crate::model::{DType, LoadTarget, Region, TensorKey};
+use crate::storage::commit;
+
+/// A box of a global tensor to load into a device view.
+#[derive(Debug, Clone)]
+pub struct DeviceTarget {
+    key: TensorKey,
+    dtype: DType,
+    global_shape: Vec<u64>,
+    region: Region,
+    view: DeviceView,
+}
+
+impl DeviceTarget {
+    /// A request to fill `view` with `region` of tensor `key`, which must have exactly this
+    /// data type and global shape in the checkpoint.
+    ///
+    /// # Errors
+    /// [`Error::Tensor`] when the region is malformed or out of bounds;
+    /// [`Error::Device`] when the view's strides do not fit the region or overlap.
+    pub fn new(
+        key: TensorKey,
+        dtype: DType,
+        global_shape: Vec<u64>,
+        region: Region,
+        view: DeviceView,
+    ) -> Result<Self> {
+        let bytes = region
+            .num_elements()
+            .ok()
+            .and_then(|n| usize::try_from(n).ok())
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .unwrap_or(usize::MAX);
+        check_piece(&key, dtype, &global_shape, &region, bytes)?;
+        let wrap = |source| DeviceError::View {
+            key: key.to_string(),
+            source,
+        };
+        super::copy::view_extent(&region.shape, view.strides(), dtype.size()).map_err(wrap)?;
+        check_disjoint(&region.shape, view.strides()).map_err(wrap)?;
+        Ok(DeviceTarget {
+            key,
+            dtype,
+            global_shape,
+            region,
+            view,
+        })
+    }
+
+    /// The tensor.
+    #[must_use]
+    pub fn key(&self) -> &TensorKey {
+        &self.key
+    }
+
+    /// The box.
+    #[must_use]
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+}
+
+/// Two pinned staging buffers of a device, allocated on first use and reused by every load
+/// that is handed the same staging: pinned host memory stays bounded by the cap.
+#[derive(Debug)]
+pub struct DeviceStaging {
+    device: Arc<dyn Device>,
+    buffer_bytes: usize,
+    buffers: Vec<PinnedBuf>,
+}
+
+impl DeviceStaging {
+    /// Staging of at most `cap` bytes of pinned memory (two buffers of half each; at least
+    /// one element of the largest data type each).
+    #[must_use]
+    pub fn new(device: Arc<dyn Device>, cap: usize) -> Self {
+        DeviceStaging {
+            device,
+            buffer_bytes: (cap / 2).max(16),
+            buffers: Vec::new(),
+        }
+    }
+
+    /// The device.
+    #[must_use]
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// Bytes of one buffer.
+    #[must_use]
+    pub fn buffer_bytes(&self) -> usize {
+        self.buffer_bytes
+    }
+
+    fn ensure(&mut self) -> Result<(), DeviceError> {
+        while self.buffers.len() < 2 {
+            self.buffers.push(self.device.pinned(self.buffer_bytes)?);
+        }
+        Ok(())
+    }
+}
+
+/// What [`load_to_device`] did on this rank.
+#[derive(Debug, Default, Clone)]
+pub struct DeviceLoadReport {
+    /// The storage side, summed over rounds (bytes read, received, sent, loaded: host and
+    /// device targets together).
+    pub load: LoadReport,
+    /// Bytes copied to the device.
+    pub device_bytes: u64,
+    /// Staging rounds (every rank runs the same number).
+    pub rounds: u32,
+    /// Pitched copies enqueued.
+    pub copies: u64,
+    /// Seconds spent in storage reads (and the exchange).
+    pub read_seconds: f64,
+    /// Seconds spent waiting for device copies to free a staging buffer or to finish.
+    pub copy_wait_seconds: f64,
+}
+
+/// One slab of a device target: which target, which box, its bytes.
+struct Slab {
+    target: usize,
+    region: Region,
+    bytes: usize,
+}
+
+/// Loads `host` targets into host buffers and `device` targets into device memory, in one
+/// collective call: every rank calls it, with its own targets, in any topology.
+///
+/// Device targets are read into the staging's pinned buffers a round at a time (a round
+/// fills one buffer; a target larger than a buffer is cut into slabs) and copied to the
+/// device asynchronously, so the reads of the next round overlap the copies of the last.
+/// Returns once every copy has finished. Host targets are loaded in the first round.
+/// Device targets must ask for exactly the stored data type.
+///
+/// # Errors
+/// As [`crate::load()`], plus [`Error::Device`] when a copy fails on any rank (every rank
+/// returns an error; the device memory of targets is then unspecified).
+pub fn load_to_device(
+    host: &mut [LoadTarget<'_>],
+    device: &[DeviceTarget],
+    staging: &mut DeviceStaging,
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<DeviceLoadReport> {
+    let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
+    let cap = staging.buffer_bytes;
+    let mut pieces: Vec<Slab> = Vec::new();
+    // Keys the checkpoint lacks are left to the first round's strict-mode check (below).
+    for (i, t) in device
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| meta.tensors.contains_key(&t.key))
+    {
+        let elem = t.dtype.size();
+        for region in slabs(&t.region, elem, cap) {
+            let bytes =
+                usize::try_from(region.num_elements().unwrap_or(0)).unwrap_or(usize::MAX) * elem;
+            pieces.push(Slab {
+                target: i,
+                region,
+                bytes,
+            });
+        }
+    }
+    // Consecutive slabs packed into rounds of at most one buffer each.
+    let mut rounds: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut used = usize::MAX;
+    for (k, s) in pieces.iter().enumerate() {
+        if used.saturating_add(s.bytes) > cap {
+            rounds.push(k..k);
+            used = 0;
+        }
+        used += s.bytes;
+        if let Some(last) = rounds.last_mut() {
+            last.end = k + 1;
+        }
+    }
+    let mine = rounds.len().max(1) as u64;
+    let n = all_reduce_u64(comm, &[mine], &[u64::max])?[0];
+    let dev = Arc::clone(&staging.device);
+    let ready = if rounds.is_empty() {
+        Ok(())
+    } else {
+        staging.ensure()
+    };
+    agree(comm, ready.map_err(Error::from))?;
+
+    let mut report = DeviceLoadReport {
+        rounds: u32::try_from(n).unwrap_or(u32::MAX),
+        ..DeviceLoadReport::default()
+    };
+    // Rounds after the first read keys already checked.
+    let later = LoadOptions {
+        strict: StrictMode::IgnoreAll,
+        ..opts.clone()
+    };
+    let mut fences: [Option<Fence>; 2] = [None, None];
+    let wait = |fence: Option<Fence>, report: &mut DeviceLoadReport| -> Result<(), DeviceError> {
+        if let Some(f) = fence {
+            let t = Instant::now();
+            dev.wait(f)?;
+            report.copy_wait_seconds += t.elapsed().as_secs_f64();
+        }
+        Ok(())
+    };
+    for r in 0..usize::try_from(n).unwrap_or(usize::MAX) {
+        let b = r % 2;
+        // The buffer is free once the copies out of it two rounds ago have finished.
+        let freed = wait(fences[b].take(), &mut report);
+        agree(comm, freed.map_err(Error::from))?;
+        let mine = rounds.get(r).cloned().unwrap_or(0..0);
+        let t0 = Instant::now();
+        let mut offsets = Vec::with_capacity(mine.len());
+        let step = {
+            let mut targets: Vec<LoadTarget<'_>> = Vec::new();
+            if r == 0 {
+                for t in host.iter_mut() {
+                    targets.extend(t.box_targets());
+                }
+                // Every device target, as an empty box, so that the first round checks
+                // keys, data types and shapes under the caller's strict mode once for all.
+                for t in device {
+                    let empty = Region {
+                        offset: t.region.offset.clone(),
+                        shape: vec![0; t.region.shape.len()],
+                    };
+                    targets.push(LoadTarget::new(
+                        t.key.clone(),
+                        t.dtype,
+                        t.global_shape.clone(),
+                        empty,
+                        &mut [],
+                    )?);
+                }
+            }
+            if !mine.is_empty() {
+                let mut rest: &mut [u8] = &mut staging.buffers[b][..];
+                let mut at = 0usize;
+                for s in &pieces[mine.clone()] {
+                    let t = &device[s.target];
+                    let (head, tail) = rest.split_at_mut(s.bytes);
+                    rest = tail;
+                    targets.push(LoadTarget::new(
+                        t.key.clone(),
+                        t.dtype,
+                        t.global_shape.clone(),
+                        s.region.clone(),
+                        head,
+                    )?);
+                    offsets.push(at);
+                    at += s.bytes;
+                }
+            }
+            if r == 0 {
+                load_from_index(&mut targets, None, dir, &meta, comm, opts)?
+            } else {
+                load_from_index(&mut targets, None, dir, &meta, comm, &later)?
+            }
+        };
+        report.read_seconds += t0.elapsed().as_secs_f64();
+        accumulate(&mut report.load, step);
+        // Copy this round to the device, asynchronously.
+        let mut copies = Vec::new();
+        let enqueued = (|| -> Result<Option<Fence>, DeviceError> {
+            for (s, off) in pieces[mine.clone()].iter().zip(&offsets) {
+                let t = &device[s.target];
+                let elem = t.dtype.size();
+                let rel: Vec<u64> = s
+                    .region
+                    .offset
+                    .iter()
+                    .zip(&t.region.offset)
+                    .map(|(a, b)| a - b)
+                    .collect();
+                let view = t.view.offset_by(&rel, elem);
+                copies.extend(
+                    pitched_copies(&s.region.shape, view.strides(), elem, view.address(), *off)
+                        .map_err(|source| DeviceError::View {
+                            key: t.key.to_string(),
+                            source,
+                        })?,
+                );
+                report.device_bytes += s.bytes as u64;
+            }
+            if copies.is_empty() {
+                return Ok(None);
+            }
+            // SAFETY: the host ranges lie in staging buffer `b`, which nothing touches until
+            // this fence is waited on (two rounds later, or below); the device ranges are
+            // the targets' views (DeviceView::new's contract).
+            unsafe { dev.to_device(staging.buffers[b].as_ptr(), &copies) }.map(Some)
+        })();
+        report.copies += copies.len() as u64;
+        fences[b] = agree(comm, enqueued.map_err(Error::from))?;
+    }
+    let mut done = Ok(());
+    for f in fences.iter_mut() {
+        if let Err(e) = wait(f.take(), &mut report) {
+            done = Err(e);
+        }
+    }
+    agree(comm, done.map_err(Error::from))?;
+    Ok(report)
+}
+
+fn accumulate(total: &mut LoadReport, step: LoadReport) {
+    total.loaded_bytes += step.loaded_bytes;
+    total.bytes_read += step.bytes_read;
+    total.bytes_received += step.bytes_received;
+    total.bytes_sent += step.bytes_sent;
+    total.unexpected.extend(step.unexpected);
+    total.missing.extend(step.missing);
+}
