@@ -20,6 +20,8 @@ pub mod copy;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod load;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod save;
 mod sim;
 
@@ -30,6 +32,8 @@ pub use copy::{Pitched, ViewError};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaDevice;
 pub use load::{DeviceLoadReport, DeviceStaging, DeviceTarget, load_to_device};
+#[cfg(feature = "nccl")]
+pub use nccl::NcclComm;
 pub use save::{DevicePiece, DeviceSaveHandle, DeviceSaver};
 pub use sim::SimDevice;
 

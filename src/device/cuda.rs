@@ -145,6 +145,20 @@ impl CudaDevice {
         self.stream as sys::CUstream
     }
 
+    /// The stream copies go on (a `CUstream`).
+    #[must_use]
+    pub fn raw_stream(&self) -> usize {
+        self.stream
+    }
+
+    /// Makes this device's context current on the calling thread.
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn make_current(&self) -> Result<(), DeviceError> {
+        self.current()
+    }
+
     /// Allocates `len` bytes of device memory (for tests and benchmarks; training code
     /// passes its own tensors' addresses).
     ///

@@ -1,6 +1,8 @@
 //! The `zarrckpt` command-line tool.
 
 mod bench;
+#[cfg(feature = "cuda")]
+mod bench_gpu;
 mod bench_plan;
 mod corrupt;
 mod crash;
@@ -54,6 +56,10 @@ enum Command {
     Bench(bench::Args),
     /// Measure one rank's planning cost (save and load) for very large simulated jobs.
     BenchPlan(bench_plan::Args),
+    /// Load into and save from GPU memory against the pinned copy bandwidth and the disk
+    /// (build with `--features cuda`).
+    #[cfg(feature = "cuda")]
+    BenchGpu(bench_gpu::Args),
     /// Run N local processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
     /// set (as torchrun does), output prefixed by rank; fail fast when one fails.
     Launch(launch::Args),
@@ -104,6 +110,8 @@ fn main() -> std::process::ExitCode {
         Command::Diff(a) => diff::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::BenchPlan(a) => bench_plan::run(&a),
+        #[cfg(feature = "cuda")]
+        Command::BenchGpu(a) => bench_gpu::run(&a),
         Command::Launch(a) => launch::run(&a),
         Command::Worker(a) => worker::run(&a),
         Command::CrashTrials(a) => crash::run(&a),

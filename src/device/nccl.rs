@@ -1,0 +1,347 @@
+//! A communicator whose bulk transfers (the data-parallel exchange of a load: a box read
+//! from storage once per group and sent to the other members) go GPU to GPU over NCCL
+//! (cargo feature `nccl`; NCCL is loaded at run time). Control messages (agreement,
+//! planning, small collectives) go over a bootstrap communicator (TCP, in-process, or the
+//! torch process group through the Python front), which also hands out NCCL's unique id.
+//!
+//! Every exchange first checks, over the bootstrap, that each pair's send and receive sizes
+//! match, so a mismatch is an error instead of an NCCL hang.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::nccl::{result as nccl, sys as nsys};
+
+use super::cuda::CudaDevice;
+use super::{Device, DeviceError, PinnedBuf, Pitched};
+use crate::comm::{CommError, Communicator, Merge, RecvBuf, SendBuf};
+
+/// Device and pinned host buffers an exchange reuses (grown to the largest exchange).
+#[derive(Default)]
+struct Buffers {
+    device: Option<(u64, usize)>,
+    pinned: Option<PinnedBuf>,
+}
+
+/// NCCL for bulk bytes, a bootstrap communicator for the rest.
+pub struct NcclComm {
+    bootstrap: Arc<dyn Communicator>,
+    device: Arc<CudaDevice>,
+    comm: usize,
+    buffers: Mutex<Buffers>,
+}
+
+// SAFETY: the NCCL communicator is used under the buffers' mutex only (one exchange at a
+// time); the handle itself is an opaque pointer.
+unsafe impl Send for NcclComm {}
+// SAFETY: as above.
+unsafe impl Sync for NcclComm {}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm")
+            .field("rank", &self.bootstrap.rank())
+            .field("world", &self.bootstrap.world_size())
+            .field("device", &self.device.ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+fn transport(op: &'static str, rank: usize, detail: impl std::fmt::Display) -> CommError {
+    CommError::Transport {
+        op,
+        rank,
+        detail: detail.to_string(),
+    }
+}
+
+impl NcclComm {
+    /// Creates the NCCL communicator of the bootstrap's ranks, one per GPU (collective over
+    /// `bootstrap`: rank 0 makes the unique id and broadcasts it).
+    ///
+    /// # Errors
+    /// [`CommError::Transport`] when NCCL is missing or fails to initialise on any rank
+    /// (every rank fails).
+    pub fn new(
+        device: Arc<CudaDevice>,
+        bootstrap: Arc<dyn Communicator>,
+    ) -> Result<Self, CommError> {
+        let rank = bootstrap.rank();
+        let id = if rank == 0 {
+            // SAFETY: only tries to load the library.
+            if unsafe { nsys::is_culib_present() } {
+                nccl::get_uniqueid()
+                    .map(|id| id.internal.iter().map(|&c| c as u8).collect::<Vec<u8>>())
+                    .map_err(|e| format!("ncclGetUniqueId: {e:?}"))
+            } else {
+                Err("NCCL (libnccl.so.2) is not installed".to_owned())
+            }
+        } else {
+            Ok(Vec::new())
+        };
+        // A failure on rank 0 travels as an empty id with the message appended.
+        let msg = match &id {
+            Ok(bytes) => [vec![1u8], bytes.clone()].concat(),
+            Err(e) => [vec![0u8], e.as_bytes().to_vec()].concat(),
+        };
+        let got = bootstrap.broadcast(0, &msg)?;
+        if got.first() != Some(&1) || got.len() != 129 {
+            return Err(transport(
+                "nccl init",
+                rank,
+                format!(
+                    "rank 0 could not create the NCCL id: {}",
+                    String::from_utf8_lossy(&got[1.min(got.len())..])
+                ),
+            ));
+        }
+        let mut uid = nsys::ncclUniqueId { internal: [0; 128] };
+        for (d, s) in uid.internal.iter_mut().zip(&got[1..]) {
+            *d = *s as _;
+        }
+        let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
+        let world = i32::try_from(bootstrap.world_size()).unwrap_or(i32::MAX);
+        let me = i32::try_from(rank).unwrap_or(i32::MAX);
+        let local = device
+            .make_current()
+            .map_err(|e| e.to_string())
+            // SAFETY: a valid out-pointer and an id every rank shares.
+            .and_then(|()| {
+                unsafe { nccl::comm_init_rank(&raw mut comm, world, uid, me) }
+                    .map(|_| ())
+                    .map_err(|e| format!("ncclCommInitRank: {e:?}"))
+            });
+        // Every rank learns whether every rank succeeded.
+        let oks = bootstrap.all_gather(&[u8::from(local.is_ok())])?;
+        if let Some(bad) = oks.iter().position(|v| v.first() != Some(&1)) {
+            if !comm.is_null() {
+                // SAFETY: a communicator this rank created; not used afterwards.
+                let _ = unsafe { nccl::comm_destroy(comm) };
+            }
+            let detail = match local {
+                Err(e) => e,
+                Ok(()) => format!("rank {bad} failed to join the NCCL communicator"),
+            };
+            return Err(transport("nccl init", rank, detail));
+        }
+        Ok(NcclComm {
+            bootstrap,
+            device,
+            comm: comm as usize,
+            buffers: Mutex::new(Buffers::default()),
+        })
+    }
+
+    /// Checks over the bootstrap that every pair's sizes match (as the TCP transport does).
+    fn check_sizes(&self, sends: &[SendBuf<'_>], recvs: &[RecvBuf<'_>]) -> Result<(), CommError> {
+        let me = self.rank();
+        let mut out: std::collections::BTreeMap<usize, Vec<u8>> = Default::default();
+        for s in sends {
+            out.entry(s.peer)
+                .or_default()
+                .extend((s.data.len() as u64).to_le_bytes());
+        }
+        let mut want: std::collections::BTreeMap<usize, Vec<u8>> = Default::default();
+        for r in recvs {
+            want.entry(r.peer)
+                .or_default()
+                .extend((r.buf.len() as u64).to_le_bytes());
+        }
+        let mut inbox: Vec<(usize, Vec<u8>)> =
+            want.iter().map(|(p, v)| (*p, vec![0u8; v.len()])).collect();
+        {
+            let sends: Vec<SendBuf<'_>> = out
+                .iter()
+                .map(|(p, v)| SendBuf { peer: *p, data: v })
+                .collect();
+            let mut rb: Vec<RecvBuf<'_>> = inbox
+                .iter_mut()
+                .map(|(p, b)| RecvBuf { peer: *p, buf: b })
+                .collect();
+            self.bootstrap.exchange(&sends, &mut rb)?;
+        }
+        for (peer, got) in &inbox {
+            if want.get(peer) != Some(got) {
+                return Err(CommError::Mismatch {
+                    op: "exchange",
+                    rank: me,
+                    detail: format!(
+                        "the sizes rank {peer} sends differ from the sizes this rank receives from it"
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn nccl_exchange(
+        &self,
+        sends: &[SendBuf<'_>],
+        recvs: &mut [RecvBuf<'_>],
+    ) -> Result<(), String> {
+        let send_total: usize = sends.iter().map(|s| s.data.len()).sum();
+        let recv_total: usize = recvs.iter().map(|r| r.buf.len()).sum();
+        let total = send_total + recv_total;
+        if total == 0 {
+            return Ok(());
+        }
+        let mut g = self
+            .buffers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let dev = &self.device;
+        let err = |e: DeviceError| e.to_string();
+        if g.device.is_none_or(|(_, len)| len < total) {
+            if let Some((a, _)) = g.device.take() {
+                // SAFETY: allocated below by this communicator, not in use.
+                unsafe { dev.free(a) }.map_err(err)?;
+            }
+            g.device = Some((dev.alloc(total).map_err(err)?, total));
+        }
+        if g.pinned.as_ref().is_none_or(|p| p.len() < total) {
+            g.pinned = None;
+            g.pinned = Some(dev.pinned(total).map_err(err)?);
+        }
+        let (base, _) = g.device.unwrap_or((0, 0));
+        let pinned = g.pinned.as_mut().ok_or("no pinned buffer")?;
+        let mut at = 0;
+        for s in sends {
+            pinned[at..at + s.data.len()].copy_from_slice(s.data);
+            at += s.data.len();
+        }
+        let linear = |off: usize, len: usize| Pitched {
+            host_offset: off,
+            host_pitch: len,
+            host_slice_pitch: len,
+            device: base + off as u64,
+            device_pitch: len as u64,
+            device_slice_pitch: len as u64,
+            width: len,
+            height: 1,
+            depth: 1,
+        };
+        if send_total > 0 {
+            // SAFETY: the host range is in `pinned`, kept until the copy is waited on right
+            // after; the device range is this communicator's buffer.
+            let f =
+                unsafe { dev.to_device(pinned.as_ptr(), &[linear(0, send_total)]) }.map_err(err)?;
+            dev.wait(f).map_err(err)?;
+        }
+        let stream = dev.raw_stream() as nsys::cudaStream_t;
+        let comm = self.comm as nsys::ncclComm_t;
+        let ty = nsys::ncclDataType_t::ncclUint8;
+        nccl::group_start().map_err(|e| format!("ncclGroupStart: {e:?}"))?;
+        let issue = || -> Result<(), String> {
+            let mut off = 0usize;
+            for s in sends {
+                let p = (base + off as u64) as *const c_void;
+                // SAFETY: device memory of this communicator, sized above.
+                unsafe {
+                    nccl::send(
+                        p,
+                        s.data.len(),
+                        ty,
+                        i32::try_from(s.peer).unwrap_or(0),
+                        comm,
+                        stream,
+                    )
+                }
+                .map_err(|e| format!("ncclSend to rank {}: {e:?}", s.peer))?;
+                off += s.data.len();
+            }
+            for r in recvs.iter() {
+                let p = (base + off as u64) as *mut c_void;
+                // SAFETY: as above.
+                unsafe {
+                    nccl::recv(
+                        p,
+                        r.buf.len(),
+                        ty,
+                        i32::try_from(r.peer).unwrap_or(0),
+                        comm,
+                        stream,
+                    )
+                }
+                .map_err(|e| format!("ncclRecv from rank {}: {e:?}", r.peer))?;
+                off += r.buf.len();
+            }
+            Ok(())
+        };
+        let issued = issue();
+        let ended = nccl::group_end().map_err(|e| format!("ncclGroupEnd: {e:?}"));
+        issued?;
+        ended?;
+        if recv_total > 0 {
+            // SAFETY: as above; waited on right after.
+            let f = unsafe { dev.to_host(pinned.as_mut_ptr(), &[linear(send_total, recv_total)]) }
+                .map_err(err)?;
+            dev.wait(f).map_err(err)?;
+        } else {
+            dev.synchronize().map_err(err)?;
+        }
+        let mut off = send_total;
+        for r in recvs.iter_mut() {
+            let n = r.buf.len();
+            r.buf.copy_from_slice(&pinned[off..off + n]);
+            off += n;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        let g = self
+            .buffers
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((a, _)) = g.device.take() {
+            // SAFETY: allocated by this communicator, not in use.
+            let _ = unsafe { self.device.free(a) };
+        }
+        // SAFETY: created in `new`; not used afterwards.
+        let _ = unsafe { nccl::comm_destroy(self.comm as nsys::ncclComm_t) };
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.bootstrap.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.bootstrap.world_size()
+    }
+
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        self.bootstrap.all_gather(data)
+    }
+
+    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
+        self.bootstrap.broadcast(root, data)
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        self.bootstrap.barrier()
+    }
+
+    fn all_reduce(&self, data: &[u8], merge: &Merge<'_>) -> Result<Vec<u8>, CommError> {
+        self.bootstrap.all_reduce(data, merge)
+    }
+
+    fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {
+        self.check_sizes(sends, recvs)?;
+        let local = self.nccl_exchange(sends, recvs);
+        // Every rank learns whether every rank's transfer went through.
+        let oks = self.bootstrap.all_gather(&[u8::from(local.is_ok())])?;
+        match (local, oks.iter().position(|v| v.first() != Some(&1))) {
+            (Err(e), _) => Err(transport("exchange", self.rank(), e)),
+            (Ok(()), Some(bad)) => Err(transport(
+                "exchange",
+                self.rank(),
+                format!("rank {bad}'s NCCL transfer failed"),
+            )),
+            (Ok(()), None) => Ok(()),
+        }
+    }
+}
