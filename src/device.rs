@@ -31,7 +31,9 @@ use std::ptr::NonNull;
 pub use copy::{Pitched, ViewError};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaDevice;
-pub use load::{DeviceLoadReport, DeviceStaging, DeviceTarget, load_to_device};
+pub use load::{
+    DeviceLoadReport, DeviceStaging, DeviceTarget, load_to_device, load_to_device_with_objects,
+};
 #[cfg(feature = "nccl")]
 pub use nccl::NcclComm;
 pub use save::{DevicePiece, DeviceSaveHandle, DeviceSaver};

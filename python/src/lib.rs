@@ -11,6 +11,7 @@
 
 mod comm;
 mod convert;
+mod device;
 mod errors;
 
 use std::path::PathBuf;
@@ -33,19 +34,19 @@ use crate::errors::to_py;
 
 /// The communicator of a call: a Python one (several ranks) or a single rank.
 #[derive(Clone)]
-struct Comm {
+pub(crate) struct Comm {
     dynamic: Arc<dyn Communicator>,
     python: Option<Arc<PyComm>>,
 }
 
 impl Comm {
     /// The Python exception for an error of a call on this communicator.
-    fn err(&self, py: Python<'_>, e: &zarrckpt::Error) -> PyErr {
+    pub(crate) fn err(&self, py: Python<'_>, e: &zarrckpt::Error) -> PyErr {
         to_py(py, e, self.python.as_deref())
     }
 }
 
-fn communicator(comm: Option<&Bound<'_, PyAny>>) -> PyResult<Comm> {
+pub(crate) fn communicator(comm: Option<&Bound<'_, PyAny>>) -> PyResult<Comm> {
     Ok(match comm {
         Some(c) if !c.is_none() => {
             let p = Arc::new(PyComm::new(c)?);
@@ -445,6 +446,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Saver>()?;
     m.add_class::<SaveHandle>()?;
     m.add_class::<Checkpoint>()?;
+    m.add_function(wrap_pyfunction!(device::load_device, m)?)?;
+    m.add_class::<device::Device>()?;
+    m.add_class::<device::DeviceSaver>()?;
+    m.add_class::<device::DeviceSaveHandle>()?;
+    m.add("HAS_CUDA", cfg!(feature = "cuda"))?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DTYPES", zarrckpt::DType::ALL.map(|d| d.name()).to_vec())?;
     Ok(())

@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 from . import _native
-from ._errors import InvalidArgumentError
+from ._errors import CommError, InvalidArgumentError
 
 __all__ = [
     "Piece",
@@ -86,7 +86,9 @@ class Piece:
     """One box (or flat range) of one global tensor this rank holds / wants."""
 
     key: str
-    tensor: Any  # torch.Tensor (CPU, contiguous) or numpy.ndarray (C-contiguous)
+    # torch.Tensor (CPU and contiguous, or CUDA with any non-overlapping strides) or
+    # numpy.ndarray (C-contiguous)
+    tensor: Any
     global_shape: tuple[int, ...]
     global_offset: tuple[int, ...] | None = None
     flat_range: tuple[int, int] | None = None
@@ -190,6 +192,79 @@ def _memory(key: str, x: Any, writable: bool) -> tuple[str, tuple[int, ...], int
     raise InvalidArgumentError(
         f"`{key}`: a piece holds a torch.Tensor or a numpy.ndarray, not {type(x).__name__}"
     )
+
+
+def _is_cuda(x: Any) -> bool:
+    """A torch CUDA tensor this build can move through zarrckpt's device path."""
+    return _is_torch(x) and x.device.type == "cuda" and bool(_native.HAS_CUDA)
+
+
+_DEVICES: dict[tuple[int, int], Any] = {}
+
+
+def _device_of(x: Any) -> Any:
+    """The native device of a CUDA tensor, copying on torch's current stream of that device
+    (one handle per device and stream, reused, so its pinned staging is too)."""
+    import torch
+
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    stream = int(torch.cuda.current_stream(index).cuda_stream)
+    d = _DEVICES.get((index, stream))
+    if d is None:
+        d = _DEVICES[(index, stream)] = _native.Device.cuda(index, stream)
+    return d
+
+
+def _device_tuple(p: Piece, load: bool) -> tuple:
+    """The native description of a box held in CUDA memory."""
+    x = p.tensor
+    if p.flat_range is not None:
+        raise InvalidArgumentError(f"`{p.key}`: flat ranges of CUDA tensors are not supported")
+    if getattr(x, "is_quantized", False) or x.layout.__repr__() != "torch.strided":
+        raise InvalidArgumentError(f"`{p.key}`: only dense strided tensors can be pieces")
+    if x.is_conj() or x.is_neg():
+        raise InvalidArgumentError(f"`{p.key}`: tensor has a lazy conjugate/negative bit")
+    if load and p.cast:
+        raise InvalidArgumentError(f"`{p.key}`: CUDA targets load the stored data type only")
+    gshape = tuple(int(d) for d in p.global_shape)
+    offset = (
+        tuple(int(o) for o in p.global_offset)
+        if p.global_offset is not None
+        else (0,) * len(gshape)
+    )
+    if p.replica == "auto":
+        replica = None
+    elif isinstance(p.replica, int) and p.replica >= 0:
+        replica = int(p.replica)
+    else:
+        raise InvalidArgumentError(f"`{p.key}`: replica is an int >= 0 or 'auto'")
+    return (
+        p.key,
+        dtype_name(x),
+        gshape,
+        offset,
+        tuple(int(d) for d in x.shape),
+        int(x.data_ptr()),
+        tuple(int(s) for s in x.stride()),
+        replica,
+    )
+
+
+def _split(pieces: list[Piece], load: bool) -> tuple[list[tuple], list[tuple], Any]:
+    """Host tuples, CUDA tuples and the device of the CUDA ones (one device per call)."""
+    host, device, dev = [], [], None
+    for p in pieces:
+        if _is_cuda(p.tensor):
+            d = _device_of(p.tensor)
+            if dev is not None and d is not dev:
+                raise InvalidArgumentError(
+                    f"`{p.key}`: CUDA pieces of one call live on one device and stream"
+                )
+            dev = d
+            device.append(_device_tuple(p, load))
+        else:
+            host.append(_piece_tuple(p, load))
+    return host, device, dev
 
 
 def _piece_tuple(p: Piece, load: bool) -> tuple:
@@ -541,6 +616,36 @@ def _saver(comm: Any) -> Any:
     return s
 
 
+_device_savers: dict[tuple[int, Any], Any] = {}
+
+
+def _device_saver(comm: Any, dev: Any) -> Any:
+    """The device saver of a communicator and device (reused: its pinned snapshot is)."""
+    k = (id(comm), dev)
+    s = _device_savers.get(k)
+    if s is None or s[0] is not comm:
+        s = _device_savers[k] = (comm, _native.DeviceSaver(dev, comm))
+    return s[1]
+
+
+def _same_path(comm: Any, cuda: bool) -> None:
+    """Saves from CUDA memory and from host memory run different collectives: every rank
+    must take the same one."""
+    if comm is None:
+        return
+    try:
+        kinds = {bytes(k) for k in comm.all_gather(bytes([int(cuda)]))}
+    except CommError:
+        raise
+    except Exception as e:
+        raise CommError(f"rank {comm.rank}: agreeing on the save path: {e}") from e
+    if len(kinds) > 1:
+        raise InvalidArgumentError(
+            "some ranks save CUDA tensors and others only host tensors; every rank must hold "
+            "its pieces on the same kind of device for one save"
+        )
+
+
 def save(
     path: Any,
     pieces: list[Piece],
@@ -555,9 +660,13 @@ def save(
     ``file_bytes``, ``assigned_bytes``, ``write_balance``, ``plan_s``, ``gathered_bytes``,
     ``plan_reused``.
     """
-    tuples = [_piece_tuple(p, load=False) for p in pieces]
+    tuples, device, dev = _split(pieces, load=False)
     objs = _object_tuples(objects)
     _wait_idle(comm)
+    _same_path(comm, dev is not None)
+    if dev is not None:
+        saver = _device_saver(comm, dev)
+        return saver.save(str(path), tuples, device, objs, _options(options, load=False))
     return _saver(comm).save(str(path), tuples, objs, _options(options, load=False))
 
 
@@ -576,13 +685,17 @@ def load(
     strict mode skipped). Pieces sharing the very same memory (tied weights under two keys)
     are loaded once, from the first one's key. Collective: every rank passes ``objects`` (a
     list, possibly empty) or every rank passes ``None``."""
-    tuples = _disjoint([_piece_tuple(p, load=True) for p in pieces])
+    host, device, dev = _split(pieces, load=True)
+    tuples = _disjoint(host)
     rank = comm.rank if comm is not None else 0
     reqs = _request_tuples(objects, rank)
     _wait_idle(comm)
+    staging = int(options.pop("staging_bytes", 1 << 30))
     opts = _options(options, load=True)
     opts["strict"] = strict
-    report = _native.load(str(path), tuples, reqs, comm, opts)
+    # Every load goes through the device path (host targets in its first round), CUDA
+    # targets or not, so that ranks with and without them run the same collectives.
+    report = _native.load_device(str(path), tuples, device, reqs, comm, opts, dev, staging)
     report["objects"] = [_decode(v) for v in report["objects"]]
     return report
 
@@ -599,7 +712,7 @@ class SaveHandle:
         self._settled = False
         self._lock = threading.Lock()
         self.blocked_s: float = native.blocked_s
-        self.staged_bytes: int = native.staged_bytes
+        self.staged_bytes: int = getattr(native, "staged_bytes", None) or native.device_bytes
 
     def _settle(self) -> None:
         with self._lock:
@@ -644,10 +757,15 @@ def async_save(
     pieces are copied into staging memory (the caller may change its tensors then) and the
     objects are taken; writing, fsync and commit go on in a background thread."""
     global _local_inflight
-    tuples = [_piece_tuple(p, load=False) for p in pieces]
+    tuples, device, dev = _split(pieces, load=False)
     objs = _object_tuples(objects)
     _wait_idle(comm)
-    native = _saver(comm).save_async(str(path), tuples, objs, _options(options, load=False))
+    _same_path(comm, dev is not None)
+    opts = _options(options, load=False)
+    if dev is not None:
+        native = _device_saver(comm, dev).save_async(str(path), tuples, device, objs, opts)
+    else:
+        native = _saver(comm).save_async(str(path), tuples, objs, opts)
     handle = SaveHandle(native)
     if comm is None:
         _local_inflight = handle

@@ -291,6 +291,10 @@ class _Flattener:
         t = t.detach()
         if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             return t
+        if _core._is_cuda(t) and not (t.is_conj() or t.is_neg()) and _disjoint_strides(t):
+            # CUDA memory goes through zarrckpt's device path (pinned staging, copies on the
+            # current stream), strided views included: no full host copy by torch.
+            return t
         staged = torch.empty(t.shape, dtype=t.dtype, device="cpu")
         if self.load:
             self.plan.copy_back.append((t, staged))
@@ -396,6 +400,16 @@ def _save_options(overwrite: bool, options: dict) -> dict:
     out = dict(options)
     out["overwrite"] = overwrite
     return out
+
+
+def _disjoint_strides(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` share memory (an expanded view does)."""
+    span = 1
+    for stride, n in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride < span:
+            return False
+        span += stride * (n - 1)
+    return True
 
 
 def save(

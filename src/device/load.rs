@@ -11,7 +11,7 @@ use crate::coord::{agree, all_reduce_u64};
 use crate::error::{Error, Result};
 use crate::load::{LoadOptions, LoadReport, StrictMode, load_from_index};
 use crate::model::tensor::check_piece;
-use crate::model::{DType, LoadTarget, Region, TensorKey};
+use crate::model::{DType, LoadTarget, ObjectRequest, Region, TensorKey};
 use crate::storage::commit;
 
 /// A box of a global tensor to load into a device view.
@@ -159,6 +159,36 @@ pub fn load_to_device(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<DeviceLoadReport> {
+    load_device_impl(host, device, None, staging, dir, comm, opts)
+}
+
+/// [`load_to_device`] with objects, as [`crate::load_with_objects`]: their values come back
+/// in the report's `load.objects`, in order. Every rank calls it (or every rank
+/// [`load_to_device`]).
+///
+/// # Errors
+/// As [`load_to_device`] and [`crate::load_with_objects`].
+pub fn load_to_device_with_objects(
+    host: &mut [LoadTarget<'_>],
+    device: &[DeviceTarget],
+    objects: &[ObjectRequest],
+    staging: &mut DeviceStaging,
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<DeviceLoadReport> {
+    load_device_impl(host, device, Some(objects), staging, dir, comm, opts)
+}
+
+fn load_device_impl(
+    host: &mut [LoadTarget<'_>],
+    device: &[DeviceTarget],
+    objects: Option<&[ObjectRequest]>,
+    staging: &mut DeviceStaging,
+    dir: &Path,
+    comm: &dyn Communicator,
+    opts: &LoadOptions,
+) -> Result<DeviceLoadReport> {
     let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
     let cap = staging.buffer_bytes;
     let mut pieces: Vec<Slab> = Vec::new();
@@ -269,7 +299,7 @@ pub fn load_to_device(
                 }
             }
             if r == 0 {
-                load_from_index(&mut targets, None, dir, &meta, comm, opts)?
+                load_from_index(&mut targets, objects, dir, &meta, comm, opts)?
             } else {
                 load_from_index(&mut targets, None, dir, &meta, comm, &later)?
             }
@@ -327,4 +357,5 @@ fn accumulate(total: &mut LoadReport, step: LoadReport) {
     total.bytes_sent += step.bytes_sent;
     total.unexpected.extend(step.unexpected);
     total.missing.extend(step.missing);
+    total.objects.extend(step.objects);
 }
