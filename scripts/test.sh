@@ -9,6 +9,8 @@ ZARRCKPT_PYTHON="$(scripts/setup-venv.sh | tail -n1)"
 ZARRCKPT_TEST_MODEL="$(scripts/fetch-test-model.sh | tail -n1)"
 export ZARRCKPT_PYTHON ZARRCKPT_TEST_MODEL
 cargo test --release --locked "$@"
+# The GPU code (features cuda, nccl) builds everywhere; its tests skip, saying so, without a GPU.
+cargo test --release --locked --features nccl --test gpu
 # The Python package (python/): built from source into the venv, then its tests (multi-process
 # ones over gloo on loopback included; about 2 minutes).
 PY="$(scripts/build-python.sh | tail -n1)"
@@ -17,8 +19,9 @@ export PYO3_PYTHON="$PY"
 # The code stays formatted, lint-free and documented.
 cargo fmt --check
 cargo clippy --release --locked --workspace --all-targets -- -D warnings
+cargo clippy --release --locked --all-targets --features nccl -- -D warnings
 "$PY" -m ruff check python
 "$PY" -m ruff format --check python
-RUSTDOCFLAGS="-D warnings" cargo doc --release --locked --no-deps
+RUSTDOCFLAGS="-D warnings" cargo doc --release --locked --no-deps --features nccl
 # A fast subset again in a debug build: overflow checks and debug assertions.
 scripts/test-debug.sh
