@@ -52,7 +52,8 @@ impl Device {
 #[pymethods]
 impl Device {
     /// CUDA device `ordinal`, copying on `stream` (a `CUstream` such as
-    /// `torch.cuda.current_stream().cuda_stream`; 0 or None: a stream of its own).
+    /// `torch.cuda.current_stream().cuda_stream`, 0 being the legacy default stream; None:
+    /// a non-blocking stream of its own, unordered with other work).
     #[staticmethod]
     #[pyo3(signature = (ordinal, stream=None))]
     #[allow(unused_variables)]
@@ -60,9 +61,10 @@ impl Device {
         #[cfg(feature = "cuda")]
         {
             let d = match stream {
-                // SAFETY: the caller hands in a live stream of that device (torch's).
-                Some(s) if s != 0 => unsafe { dev::CudaDevice::with_stream(ordinal, s) },
-                _ => dev::CudaDevice::new(ordinal),
+                // SAFETY: the caller hands in a live stream of that device (torch's current
+                // one; 0 is the legacy default stream, which orders with torch's kernels).
+                Some(s) => unsafe { dev::CudaDevice::with_stream(ordinal, s) },
+                None => dev::CudaDevice::new(ordinal),
             }
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
             Ok(Device::new(Arc::new(d), None))

@@ -628,22 +628,27 @@ def _device_saver(comm: Any, dev: Any) -> Any:
     return s[1]
 
 
-def _same_path(comm: Any, cuda: bool) -> None:
-    """Saves from CUDA memory and from host memory run different collectives: every rank
-    must take the same one."""
-    if comm is None:
-        return
-    try:
-        kinds = {bytes(k) for k in comm.all_gather(bytes([int(cuda)]))}
-    except CommError:
-        raise
-    except Exception as e:
-        raise CommError(f"rank {comm.rank}: agreeing on the save path: {e}") from e
-    if len(kinds) > 1:
-        raise InvalidArgumentError(
-            "some ranks save CUDA tensors and others only host tensors; every rank must hold "
-            "its pieces on the same kind of device for one save"
-        )
+_PLACEHOLDER: list[Any] = []
+
+
+def _save_device(comm: Any, dev: Any) -> Any:
+    """The device a save runs through, or ``None`` for the host path. Saves from CUDA memory
+    and from host memory run different collectives, so every rank takes the device path when
+    any rank has CUDA pieces (a rank without them, through a stand-in device it never uses)."""
+    if comm is not None:
+        try:
+            anyone = any(bytes(k) == b"\x01" for k in comm.all_gather(bytes([dev is not None])))
+        except CommError:
+            raise
+        except Exception as e:
+            raise CommError(f"rank {comm.rank}: agreeing on the save path: {e}") from e
+    else:
+        anyone = dev is not None
+    if not anyone or dev is not None:
+        return dev
+    if not _PLACEHOLDER:
+        _PLACEHOLDER.append(_native.Device.simulated())
+    return _PLACEHOLDER[0]
 
 
 def save(
@@ -663,7 +668,7 @@ def save(
     tuples, device, dev = _split(pieces, load=False)
     objs = _object_tuples(objects)
     _wait_idle(comm)
-    _same_path(comm, dev is not None)
+    dev = _save_device(comm, dev)
     if dev is not None:
         saver = _device_saver(comm, dev)
         return saver.save(str(path), tuples, device, objs, _options(options, load=False))
@@ -687,6 +692,15 @@ def load(
     list, possibly empty) or every rank passes ``None``."""
     host, device, dev = _split(pieces, load=True)
     tuples = _disjoint(host)
+    # The same CUDA memory asked for twice (tied weights) is loaded once, from the first key.
+    seen: set[tuple] = set()
+    unique = []
+    for t in device:
+        memory = (t[5], t[4], t[6])  # address, shape, strides
+        if memory not in seen:
+            seen.add(memory)
+            unique.append(t)
+    device = unique
     rank = comm.rank if comm is not None else 0
     reqs = _request_tuples(objects, rank)
     _wait_idle(comm)
@@ -712,7 +726,9 @@ class SaveHandle:
         self._settled = False
         self._lock = threading.Lock()
         self.blocked_s: float = native.blocked_s
-        self.staged_bytes: int = getattr(native, "staged_bytes", None) or native.device_bytes
+        self.staged_bytes: int = (
+            native.staged_bytes if hasattr(native, "staged_bytes") else native.device_bytes
+        )
 
     def _settle(self) -> None:
         with self._lock:
@@ -760,7 +776,7 @@ def async_save(
     tuples, device, dev = _split(pieces, load=False)
     objs = _object_tuples(objects)
     _wait_idle(comm)
-    _same_path(comm, dev is not None)
+    dev = _save_device(comm, dev)
     opts = _options(options, load=False)
     if dev is not None:
         native = _device_saver(comm, dev).save_async(str(path), tuples, device, objs, opts)

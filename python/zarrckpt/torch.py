@@ -291,10 +291,18 @@ class _Flattener:
         t = t.detach()
         if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
             return t
-        if _core._is_cuda(t) and not (t.is_conj() or t.is_neg()) and _disjoint_strides(t):
+        if _core._is_cuda(t) and not (t.is_conj() or t.is_neg()):
             # CUDA memory goes through zarrckpt's device path (pinned staging, copies on the
-            # current stream), strided views included: no full host copy by torch.
-            return t
+            # current stream), strided views included: no full host copy by torch. A view
+            # whose rows are not contiguous (a transpose: element-sized pitched copies) or
+            # that overlaps itself goes through a contiguous copy on the GPU instead.
+            if _disjoint_strides(t) and (t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1):
+                return t
+            if self.load:
+                staged = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                self.plan.copy_back.append((t, staged))
+                return staged
+            return t.contiguous()
         staged = torch.empty(t.shape, dtype=t.dtype, device="cpu")
         if self.load:
             self.plan.copy_back.append((t, staged))
@@ -482,6 +490,11 @@ def load(
     if cast:
         for p in plan.pieces:
             p.cast = True
+            if _core._is_cuda(p.tensor):
+                # Conversions run on the host path: load into host memory, then copy over.
+                staged = torch.empty(p.tensor.shape, dtype=p.tensor.dtype, device="cpu")
+                plan.copy_back.append((p.tensor, staged))
+                p.tensor = staged
     report = _core.load(path, plan.pieces, plan.objects, comm=comm, strict=mode, **options)
     skipped = set(report["unexpected"])
     for (setter, template), obj, value in zip(

@@ -26,6 +26,21 @@ fn check(call: &'static str, r: sys::CUresult) -> Result<(), DeviceError> {
     r.result().map_err(driver(call))
 }
 
+/// Restores the thread's previous context when dropped.
+struct CtxGuard {
+    previous: usize,
+    changed: bool,
+}
+
+impl Drop for CtxGuard {
+    fn drop(&mut self) {
+        if self.changed {
+            // SAFETY: the context that was current before (or none).
+            let _ = unsafe { sys::cuCtxSetCurrent(self.previous as sys::CUcontext) };
+        }
+    }
+}
+
 /// One GPU through the CUDA driver.
 #[derive(Debug)]
 pub struct CudaDevice {
@@ -73,6 +88,7 @@ impl CudaDevice {
     /// [`DeviceError::Unavailable`] without a driver or such a device; driver errors.
     pub fn new(ordinal: usize) -> Result<Self, DeviceError> {
         let mut d = Self::open(ordinal)?;
+        let _ctx = d.enter()?;
         let stream = cudarc::driver::result::stream::create(
             cudarc::driver::result::stream::StreamKind::NonBlocking,
         )
@@ -83,8 +99,8 @@ impl CudaDevice {
     }
 
     /// Device `ordinal`'s primary context, copying on the caller's `stream` (a `CUstream`,
-    /// for example `torch.cuda.current_stream().cuda_stream`), so that copies are ordered
-    /// with the caller's work on that stream.
+    /// for example `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default
+    /// stream), so that copies are ordered with the caller's work on that stream.
     ///
     /// # Errors
     /// As [`CudaDevice::new`].
@@ -124,7 +140,6 @@ impl CudaDevice {
             owns_stream: false,
             events: Mutex::new((0, HashMap::new())),
         };
-        d.current()?;
         Ok(d)
     }
 
@@ -138,6 +153,21 @@ impl CudaDevice {
         // SAFETY: a retained primary context.
         check("cuCtxSetCurrent", unsafe {
             sys::cuCtxSetCurrent(self.ctx as sys::CUcontext)
+        })
+    }
+
+    /// Makes this device's context current for the guard's life, then restores the thread's
+    /// previous one (so that a load into `cuda:1` does not change torch's current device).
+    fn enter(&self) -> Result<CtxGuard, DeviceError> {
+        let previous = cudarc::driver::result::ctx::get_current()
+            .map_err(driver("cuCtxGetCurrent"))?
+            .map_or(0, |c| c as usize);
+        if previous != self.ctx {
+            self.current()?;
+        }
+        Ok(CtxGuard {
+            previous,
+            changed: previous != self.ctx,
         })
     }
 
@@ -165,7 +195,7 @@ impl CudaDevice {
     /// # Errors
     /// Driver errors.
     pub fn alloc(&self, len: usize) -> Result<u64, DeviceError> {
-        self.current()?;
+        let _ctx = self.enter()?;
         // SAFETY: the context is current.
         unsafe { cudarc::driver::result::malloc_sync(len.max(1)) }.map_err(driver("cuMemAlloc"))
     }
@@ -178,7 +208,7 @@ impl CudaDevice {
     /// # Safety
     /// `address` came from `alloc` and is not used afterwards.
     pub unsafe fn free(&self, address: u64) -> Result<(), DeviceError> {
-        self.current()?;
+        let _ctx = self.enter()?;
         // SAFETY: per the contract.
         unsafe { cudarc::driver::result::free_sync(address) }.map_err(driver("cuMemFree"))
     }
@@ -188,7 +218,7 @@ impl CudaDevice {
     /// # Errors
     /// Driver errors.
     pub fn synchronize(&self) -> Result<(), DeviceError> {
-        self.current()?;
+        let _ctx = self.enter()?;
         // SAFETY: a valid stream of the current context.
         unsafe { cudarc::driver::result::stream::synchronize(self.stream()) }
             .map_err(driver("cuStreamSynchronize"))
@@ -299,11 +329,40 @@ impl CudaDevice {
     }
 }
 
+impl CudaDevice {
+    /// Enqueues every copy and records a fence. When any step fails, waits for the copies
+    /// already enqueued before returning the error, so that the caller may free or reuse the
+    /// host memory at once.
+    ///
+    /// # Safety
+    /// As [`Device::to_device`].
+    unsafe fn enqueue_all(
+        &self,
+        host: *mut u8,
+        copies: &[Pitched],
+        to_device: bool,
+    ) -> Result<Fence, DeviceError> {
+        let _ctx = self.enter()?;
+        let mut result = Ok(());
+        for c in copies {
+            // SAFETY: forwarded contract.
+            result = unsafe { self.enqueue(host, c, to_device) };
+            if result.is_err() {
+                break;
+            }
+        }
+        let fence = result.and_then(|()| self.record());
+        if fence.is_err() {
+            // SAFETY: a valid stream of the current context.
+            let _ = unsafe { cudarc::driver::result::stream::synchronize(self.stream()) };
+        }
+        fence
+    }
+}
+
 impl Drop for CudaDevice {
     fn drop(&mut self) {
-        if self.current().is_err() {
-            return;
-        }
+        let Ok(_ctx) = self.enter() else { return };
         let g = self
             .events
             .get_mut()
@@ -323,7 +382,7 @@ impl Drop for CudaDevice {
 
 impl Device for CudaDevice {
     fn pinned(&self, len: usize) -> Result<PinnedBuf, DeviceError> {
-        self.current()?;
+        let _ctx = self.enter()?;
         // SAFETY: the context is current.
         let p = unsafe {
             cudarc::driver::result::malloc_host(len.max(1), sys::CU_MEMHOSTALLOC_PORTABLE)
@@ -333,12 +392,22 @@ impl Device for CudaDevice {
             call: "cuMemHostAlloc",
             detail: "returned a null pointer".into(),
         })?;
-        let ctx = self.ctx;
+        // The buffer keeps the primary context alive (its own retain) until it is freed,
+        // whatever is dropped first.
+        // SAFETY: a valid device handle.
+        let ctx = unsafe { cudarc::driver::result::primary_ctx::retain(self.device) }
+            .map_err(driver("cuDevicePrimaryCtxRetain"))? as usize;
+        let device = self.device;
         let free = Box::new(move |p: NonNull<u8>, _len: usize| {
-            // SAFETY: memory from cuMemHostAlloc in this context, not used afterwards.
+            // SAFETY: memory from cuMemHostAlloc in this context, not used afterwards; the
+            // context retained above is released after it.
             unsafe {
+                let mut previous: sys::CUcontext = std::ptr::null_mut();
+                let _ = sys::cuCtxGetCurrent(&raw mut previous);
                 let _ = sys::cuCtxSetCurrent(ctx as sys::CUcontext);
                 let _ = cudarc::driver::result::free_host(p.as_ptr().cast::<c_void>());
+                let _ = sys::cuCtxSetCurrent(previous);
+                let _ = cudarc::driver::result::primary_ctx::release(device);
             }
         });
         // SAFETY: fresh pinned memory of `len` bytes (at least 1 allocated), owned here.
@@ -346,25 +415,17 @@ impl Device for CudaDevice {
     }
 
     unsafe fn to_device(&self, host: *const u8, copies: &[Pitched]) -> Result<Fence, DeviceError> {
-        self.current()?;
-        for c in copies {
-            // SAFETY: forwarded contract.
-            unsafe { self.enqueue(host.cast_mut(), c, true) }?;
-        }
-        self.record()
+        // SAFETY: forwarded contract.
+        unsafe { self.enqueue_all(host.cast_mut(), copies, true) }
     }
 
     unsafe fn to_host(&self, host: *mut u8, copies: &[Pitched]) -> Result<Fence, DeviceError> {
-        self.current()?;
-        for c in copies {
-            // SAFETY: forwarded contract.
-            unsafe { self.enqueue(host, c, false) }?;
-        }
-        self.record()
+        // SAFETY: forwarded contract.
+        unsafe { self.enqueue_all(host, copies, false) }
     }
 
     fn wait(&self, fence: Fence) -> Result<(), DeviceError> {
-        self.current()?;
+        let _ctx = self.enter()?;
         let event = self
             .events
             .lock()

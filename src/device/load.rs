@@ -77,9 +77,10 @@ impl DeviceTarget {
 /// that is handed the same staging: pinned host memory stays bounded by the cap.
 #[derive(Debug)]
 pub struct DeviceStaging {
+    // Declared (so dropped) before the device: buffers are freed while it is alive.
+    buffers: Vec<PinnedBuf>,
     device: Arc<dyn Device>,
     buffer_bytes: usize,
-    buffers: Vec<PinnedBuf>,
 }
 
 impl DeviceStaging {
@@ -250,102 +251,109 @@ fn load_device_impl(
         }
         Ok(())
     };
-    for r in 0..usize::try_from(n).unwrap_or(usize::MAX) {
-        let b = r % 2;
-        // The buffer is free once the copies out of it two rounds ago have finished.
-        let freed = wait(fences[b].take(), &mut report);
-        agree(comm, freed.map_err(Error::from))?;
-        let mine = rounds.get(r).cloned().unwrap_or(0..0);
-        let t0 = Instant::now();
-        let mut offsets = Vec::with_capacity(mine.len());
-        let step = {
-            let mut targets: Vec<LoadTarget<'_>> = Vec::new();
-            if r == 0 {
-                for t in host.iter_mut() {
-                    targets.extend(t.box_targets());
+    // The rounds; on any error, the copies still in flight are waited for below before
+    // returning, so that no copy outlives the call (staging is reused, targets freed).
+    let mut rounds_run = || -> Result<()> {
+        for r in 0..usize::try_from(n).unwrap_or(usize::MAX) {
+            let b = r % 2;
+            // The buffer is free once the copies out of it two rounds ago have finished.
+            let freed = wait(fences[b].take(), &mut report);
+            agree(comm, freed.map_err(Error::from))?;
+            let mine = rounds.get(r).cloned().unwrap_or(0..0);
+            let t0 = Instant::now();
+            let mut offsets = Vec::with_capacity(mine.len());
+            let step = {
+                let mut targets: Vec<LoadTarget<'_>> = Vec::new();
+                if r == 0 {
+                    for t in host.iter_mut() {
+                        targets.extend(t.box_targets());
+                    }
+                    // Every device target, as an empty box, so that the first round checks
+                    // keys, data types and shapes under the caller's strict mode once for all.
+                    for t in device {
+                        let empty = Region {
+                            offset: t.region.offset.clone(),
+                            shape: vec![0; t.region.shape.len()],
+                        };
+                        targets.push(LoadTarget::new(
+                            t.key.clone(),
+                            t.dtype,
+                            t.global_shape.clone(),
+                            empty,
+                            &mut [],
+                        )?);
+                    }
                 }
-                // Every device target, as an empty box, so that the first round checks
-                // keys, data types and shapes under the caller's strict mode once for all.
-                for t in device {
-                    let empty = Region {
-                        offset: t.region.offset.clone(),
-                        shape: vec![0; t.region.shape.len()],
-                    };
-                    targets.push(LoadTarget::new(
-                        t.key.clone(),
-                        t.dtype,
-                        t.global_shape.clone(),
-                        empty,
-                        &mut [],
-                    )?);
+                if !mine.is_empty() {
+                    let mut rest: &mut [u8] = &mut staging.buffers[b][..];
+                    let mut at = 0usize;
+                    for s in &pieces[mine.clone()] {
+                        let t = &device[s.target];
+                        let (head, tail) = rest.split_at_mut(s.bytes);
+                        rest = tail;
+                        targets.push(LoadTarget::new(
+                            t.key.clone(),
+                            t.dtype,
+                            t.global_shape.clone(),
+                            s.region.clone(),
+                            head,
+                        )?);
+                        offsets.push(at);
+                        at += s.bytes;
+                    }
                 }
-            }
-            if !mine.is_empty() {
-                let mut rest: &mut [u8] = &mut staging.buffers[b][..];
-                let mut at = 0usize;
-                for s in &pieces[mine.clone()] {
+                if r == 0 {
+                    load_from_index(&mut targets, objects, dir, &meta, comm, opts)?
+                } else {
+                    load_from_index(&mut targets, None, dir, &meta, comm, &later)?
+                }
+            };
+            report.read_seconds += t0.elapsed().as_secs_f64();
+            accumulate(&mut report.load, step);
+            // Copy this round to the device, asynchronously.
+            let mut copies = Vec::new();
+            let enqueued = (|| -> Result<Option<Fence>, DeviceError> {
+                for (s, off) in pieces[mine.clone()].iter().zip(&offsets) {
                     let t = &device[s.target];
-                    let (head, tail) = rest.split_at_mut(s.bytes);
-                    rest = tail;
-                    targets.push(LoadTarget::new(
-                        t.key.clone(),
-                        t.dtype,
-                        t.global_shape.clone(),
-                        s.region.clone(),
-                        head,
-                    )?);
-                    offsets.push(at);
-                    at += s.bytes;
+                    let elem = t.dtype.size();
+                    let rel: Vec<u64> = s
+                        .region
+                        .offset
+                        .iter()
+                        .zip(&t.region.offset)
+                        .map(|(a, b)| a - b)
+                        .collect();
+                    let view = t.view.offset_by(&rel, elem);
+                    copies.extend(
+                        pitched_copies(&s.region.shape, view.strides(), elem, view.address(), *off)
+                            .map_err(|source| DeviceError::View {
+                                key: t.key.to_string(),
+                                source,
+                            })?,
+                    );
+                    report.device_bytes += s.bytes as u64;
                 }
-            }
-            if r == 0 {
-                load_from_index(&mut targets, objects, dir, &meta, comm, opts)?
-            } else {
-                load_from_index(&mut targets, None, dir, &meta, comm, &later)?
-            }
-        };
-        report.read_seconds += t0.elapsed().as_secs_f64();
-        accumulate(&mut report.load, step);
-        // Copy this round to the device, asynchronously.
-        let mut copies = Vec::new();
-        let enqueued = (|| -> Result<Option<Fence>, DeviceError> {
-            for (s, off) in pieces[mine.clone()].iter().zip(&offsets) {
-                let t = &device[s.target];
-                let elem = t.dtype.size();
-                let rel: Vec<u64> = s
-                    .region
-                    .offset
-                    .iter()
-                    .zip(&t.region.offset)
-                    .map(|(a, b)| a - b)
-                    .collect();
-                let view = t.view.offset_by(&rel, elem);
-                copies.extend(
-                    pitched_copies(&s.region.shape, view.strides(), elem, view.address(), *off)
-                        .map_err(|source| DeviceError::View {
-                            key: t.key.to_string(),
-                            source,
-                        })?,
-                );
-                report.device_bytes += s.bytes as u64;
-            }
-            if copies.is_empty() {
-                return Ok(None);
-            }
-            // SAFETY: the host ranges lie in staging buffer `b`, which nothing touches until
-            // this fence is waited on (two rounds later, or below); the device ranges are
-            // the targets' views (DeviceView::new's contract).
-            unsafe { dev.to_device(staging.buffers[b].as_ptr(), &copies) }.map(Some)
-        })();
-        report.copies += copies.len() as u64;
-        fences[b] = agree(comm, enqueued.map_err(Error::from))?;
-    }
+                if copies.is_empty() {
+                    return Ok(None);
+                }
+                // SAFETY: the host ranges lie in staging buffer `b`, which nothing touches until
+                // this fence is waited on (two rounds later, or below); the device ranges are
+                // the targets' views (DeviceView::new's contract).
+                unsafe { dev.to_device(staging.buffers[b].as_ptr(), &copies) }.map(Some)
+            })();
+            report.copies += copies.len() as u64;
+            fences[b] = agree(comm, enqueued.map_err(Error::from))?;
+        }
+        Ok(())
+    };
+    let ran = rounds_run();
     let mut done = Ok(());
     for f in fences.iter_mut() {
         if let Err(e) = wait(f.take(), &mut report) {
             done = Err(e);
         }
     }
+    ran?;
     agree(comm, done.map_err(Error::from))?;
     Ok(report)
 }

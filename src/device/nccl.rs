@@ -102,15 +102,19 @@ impl NcclComm {
         let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
         let world = i32::try_from(bootstrap.world_size()).unwrap_or(i32::MAX);
         let me = i32::try_from(rank).unwrap_or(i32::MAX);
-        let local = device
-            .make_current()
-            .map_err(|e| e.to_string())
-            // SAFETY: a valid out-pointer and an id every rank shares.
-            .and_then(|()| {
-                unsafe { nccl::comm_init_rank(&raw mut comm, world, uid, me) }
-                    .map(|_| ())
-                    .map_err(|e| format!("ncclCommInitRank: {e:?}"))
-            });
+        // ncclCommInitRank blocks until every rank joins: agree first that every rank can.
+        let ready = device.make_current().map_err(|e| e.to_string());
+        let oks = bootstrap.all_gather(&[u8::from(ready.is_ok())])?;
+        if let Some(bad) = oks.iter().position(|v| v.first() != Some(&1)) {
+            let detail = ready
+                .err()
+                .unwrap_or_else(|| format!("rank {bad} cannot use its GPU"));
+            return Err(transport("nccl init", rank, detail));
+        }
+        // SAFETY: a valid out-pointer and an id every rank shares.
+        let local = unsafe { nccl::comm_init_rank(&raw mut comm, world, uid, me) }
+            .map(|_| ())
+            .map_err(|e| format!("ncclCommInitRank: {e:?}"));
         // Every rank learns whether every rank succeeded.
         let oks = bootstrap.all_gather(&[u8::from(local.is_ok())])?;
         if let Some(bad) = oks.iter().position(|v| v.first() != Some(&1)) {
@@ -174,11 +178,8 @@ impl NcclComm {
         Ok(())
     }
 
-    fn nccl_exchange(
-        &self,
-        sends: &[SendBuf<'_>],
-        recvs: &mut [RecvBuf<'_>],
-    ) -> Result<(), String> {
+    /// Grows the buffers and uploads what this rank sends.
+    fn prepare(&self, sends: &[SendBuf<'_>], recvs: &[RecvBuf<'_>]) -> Result<(), String> {
         let send_total: usize = sends.iter().map(|s| s.data.len()).sum();
         let recv_total: usize = recvs.iter().map(|r| r.buf.len()).sum();
         let total = send_total + recv_total;
@@ -227,6 +228,39 @@ impl NcclComm {
                 unsafe { dev.to_device(pinned.as_ptr(), &[linear(0, send_total)]) }.map_err(err)?;
             dev.wait(f).map_err(err)?;
         }
+        Ok(())
+    }
+
+    /// The NCCL transfer (buffers prepared) and the download of what was received.
+    fn nccl_exchange(
+        &self,
+        sends: &[SendBuf<'_>],
+        recvs: &mut [RecvBuf<'_>],
+    ) -> Result<(), String> {
+        let send_total: usize = sends.iter().map(|s| s.data.len()).sum();
+        let recv_total: usize = recvs.iter().map(|r| r.buf.len()).sum();
+        if send_total + recv_total == 0 {
+            return Ok(());
+        }
+        let mut g = self
+            .buffers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let dev = &self.device;
+        let err = |e: DeviceError| e.to_string();
+        let (base, _) = g.device.ok_or("no device buffer")?;
+        let pinned = g.pinned.as_mut().ok_or("no pinned buffer")?;
+        let linear = |off: usize, len: usize| Pitched {
+            host_offset: off,
+            host_pitch: len,
+            host_slice_pitch: len,
+            device: base + off as u64,
+            device_pitch: len as u64,
+            device_slice_pitch: len as u64,
+            width: len,
+            height: 1,
+            depth: 1,
+        };
         let stream = dev.raw_stream() as nsys::cudaStream_t;
         let comm = self.comm as nsys::ncclComm_t;
         let ty = nsys::ncclDataType_t::ncclUint8;
@@ -330,7 +364,24 @@ impl Communicator for NcclComm {
     }
 
     fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {
-        self.check_sizes(sends, recvs)?;
+        // Sizes checked and buffers ready on every rank before any NCCL call: a rank that
+        // cannot go on must not leave the others blocked in ncclSend / ncclRecv.
+        let ready = self
+            .check_sizes(sends, recvs)
+            .map_err(|e| e.to_string())
+            .and_then(|()| self.prepare(sends, recvs));
+        let oks = self.bootstrap.all_gather(&[u8::from(ready.is_ok())])?;
+        match (ready, oks.iter().position(|v| v.first() != Some(&1))) {
+            (Err(e), _) => return Err(transport("exchange", self.rank(), e)),
+            (Ok(()), Some(bad)) => {
+                return Err(transport(
+                    "exchange",
+                    self.rank(),
+                    format!("rank {bad} could not set its NCCL transfer up"),
+                ));
+            }
+            (Ok(()), None) => {}
+        }
         let local = self.nccl_exchange(sends, recvs);
         // Every rank learns whether every rank's transfer went through.
         let oks = self.bootstrap.all_gather(&[u8::from(local.is_ok())])?;

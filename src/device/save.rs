@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::copy::{pitched_copies, view_extent};
+use super::copy::{check_disjoint, pitched_copies, view_extent};
 use super::{Device, DeviceError, DeviceView, PinnedBuf};
 use crate::comm::Communicator;
 use crate::coord::agree;
@@ -31,7 +31,7 @@ impl DevicePiece {
     ///
     /// # Errors
     /// [`Error::Tensor`] when the region is malformed or out of bounds; [`Error::Device`]
-    /// when the view's strides do not fit the region.
+    /// when the view's strides do not fit the region or overlap.
     pub fn new(
         key: TensorKey,
         dtype: DType,
@@ -42,12 +42,14 @@ impl DevicePiece {
     ) -> Result<Self> {
         let bytes = piece_bytes(&region, dtype);
         check_piece(&key, dtype, &global_shape, &region, bytes)?;
-        view_extent(&region.shape, view.strides(), dtype.size()).map_err(|source| {
-            DeviceError::View {
-                key: key.to_string(),
-                source,
-            }
-        })?;
+        let wrap = |source| DeviceError::View {
+            key: key.to_string(),
+            source,
+        };
+        view_extent(&region.shape, view.strides(), dtype.size()).map_err(wrap)?;
+        // An expanded (overlapping) view has no pitched-copy form on a GPU: save a
+        // contiguous copy of it instead.
+        check_disjoint(&region.shape, view.strides()).map_err(wrap)?;
         Ok(DevicePiece {
             key,
             dtype,
