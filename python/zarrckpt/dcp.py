@@ -56,12 +56,12 @@ metadata (read them with ``zarrckpt.open``).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -84,18 +84,21 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
     ReadItem,
     SavePlan,
+    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import _core, _native
+from . import _core, _dtensor, _native
 from ._errors import InvalidArgumentError
 from .torch import _is_json, _like
 
@@ -146,16 +149,92 @@ def _is_checkpoint(path: Any) -> bool:
 # planners
 
 
-@dataclass
-class _Value:
-    """A non-tensor value the save planner hands the writer as it is (JSON or bytes)."""
+class _Value(io.BytesIO):
+    """A non-tensor value the save planner hands the writer as it is (JSON or bytes,
+    ``value``). As a BytesIO it holds the ``torch.save`` of the value, which is what another
+    storage writer (DCP's ``FileSystemWriter``, whose format is pickles) stores; zarrckpt's
+    writer takes ``value``."""
 
-    value: Any
+    def __init__(self, value: Any) -> None:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        super().__init__(buf.getvalue())
+        self.value = value
+
+
+_Boxes = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]
+
+
+def _strided_boxes(state_dict: Mapping[str, Any]) -> _Boxes:
+    """The local boxes of each DTensor with a ``_StridedShard`` placement in a flattened state
+    dict (see :mod:`zarrckpt._dtensor`)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return {}
+    out: _Boxes = {}
+    for fqn, obj in state_dict.items():
+        if isinstance(obj, DTensor) and _dtensor.has_strided(obj.placements):
+            out[fqn] = _dtensor.local_boxes(obj)
+    return out
+
+
+def _box_view(state_dict: Mapping[str, Any], boxes: _Boxes, index: MetadataIndex) -> Any:
+    """The view of a strided DTensor's local tensor that DCP item ``index`` names."""
+    offset = tuple(int(o) for o in index.offset or ())
+    for g, start, sizes in boxes[index.fqn]:
+        if g == offset:
+            return _dtensor.view(state_dict[index.fqn].to_local(), start, sizes)
+    raise InvalidArgumentError(f"`{index.fqn}`: no local box at {offset}")
 
 
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planner, except that non-tensor values are stored as JSON (JSON-able
-    values) or bytes (``bytes``), never pickled. Any other value is an error naming its key."""
+    values) or bytes (``bytes``), never pickled. Any other value is an error naming its key.
+
+    DTensors with ``_StridedShard`` placements (FSDP2 + TP) are written as the boxes their
+    local tensors really cover (several interleaved boxes where the global rows a rank holds
+    are not contiguous); DCP's default planner describes them by their first offset only.
+    Works with any storage writer."""
+
+    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        super().set_up_planner(state_dict, *args, **kwargs)
+        self._strided = _strided_boxes(self.state_dict)
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        strided = getattr(self, "_strided", {})
+        if not strided or not plan.items:
+            return plan
+        items: list[WriteItem] = []
+        for item in plan.items:
+            fqn = item.index.fqn
+            if fqn not in strided or item.type != WriteItemType.SHARD:
+                items.append(item)
+                continue
+            td = item.tensor_data
+            for g, _, sizes in strided[fqn]:
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(g)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(torch.Size(g), torch.Size(sizes)),
+                            properties=td.properties,
+                            size=td.size,
+                        ),
+                    )
+                )
+        plan = dataclasses.replace(plan, items=items)
+        self.plan = plan
+        if hasattr(self, "_pending_local_plan"):
+            self._pending_local_plan = plan
+        return plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        if index.fqn in getattr(self, "_strided", {}):
+            return _box_view(self.state_dict, self._strided, index)
+        return super().lookup_object(index)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002
         if write_item.type != WriteItemType.BYTE_IO:
@@ -190,24 +269,54 @@ class LoadPlanner(DefaultLoadPlanner):
     ``pickled``: what to do with an object the checkpoint flags as a ``torch.save`` pickle
     (written through DCP's default save planner): ``"error"`` (default) or
     ``"weights_only"`` (``torch.load(weights_only=True)``: torch's restricted unpickler,
-    tensors and plain containers only, no code runs). Works with
-    :class:`StorageReader` only."""
+    tensors and plain containers only, no code runs). Non-tensor values from another storage
+    reader (DCP's ``FileSystemReader``: pickles) are refused, or read the same way with
+    ``pickled="weights_only"``.
+
+    DTensors with ``_StridedShard`` placements are read into the boxes their local tensors
+    really cover (see :class:`SavePlanner`), with any storage reader."""
 
     def __init__(self, *args: Any, pickled: str = "error", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if pickled not in ("error", "weights_only"):
             raise InvalidArgumentError("pickled is 'error' or 'weights_only'")
         self.pickled = pickled
+        self._strided: _Boxes = {}
+
+    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        super().set_up_planner(state_dict, *args, **kwargs)
+        self._strided = _strided_boxes(self.state_dict)
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        if not self._strided:
+            return plan
+        # DCP's default plan reads a strided DTensor as one box at its first offset: read
+        # each of its real boxes instead.
+        items = [i for i in plan.items if i.dest_index.fqn not in self._strided]
+        for fqn, boxes in self._strided.items():
+            md = self.metadata.state_dict_metadata.get(fqn) if self.metadata else None
+            if md is None:
+                continue  # missing keys: DCP's plan above has already decided
+            chunks = [ChunkStorageMetadata(torch.Size(g), torch.Size(n)) for g, _, n in boxes]
+            items.extend(create_read_items_for_chunk_list(fqn, md, chunks))
+        return dataclasses.replace(plan, items=items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        if index.fqn in self._strided:
+            return _box_view(self.state_dict, self._strided, index)
+        return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         kind = getattr(value, "zarrckpt_kind", None)
-        if kind is None:
+        if kind is None and self.pickled != "weights_only":
             raise InvalidArgumentError(
                 f"`{fqn}`: zarrckpt.dcp.LoadPlanner reads non-tensor values through "
-                "zarrckpt.dcp.StorageReader only (it unpickles nothing)"
+                "zarrckpt.dcp.StorageReader only (it unpickles nothing); with another reader "
+                "LoadPlanner(pickled='weights_only') reads them with torch's restricted unpickler"
             )
-        if kind == "torch_save":
+        if kind in (None, "torch_save"):
             if self.pickled != "weights_only":
                 raise InvalidArgumentError(
                     f"`{fqn}`: the checkpoint stores this value as a torch.save pickle (written "
