@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import uuid
 from collections.abc import Mapping
@@ -109,6 +110,7 @@ __all__ = [
     "LoadPlanner",
     "TORCH_SAVE_FLAG",
     "import_dcp",
+    "import_megatron",
 ]
 
 # The per-rank object, declared by every rank of a save through the writer, listing the keys
@@ -713,45 +715,46 @@ class StorageReader(_DcpStorageReader):
 
 
 class _ImportPlanner(DefaultLoadPlanner):
-    """Loads a DCP checkpoint's non-tensor values with ``torch.load(weights_only=...)``."""
+    """Loads a DCP checkpoint's non-tensor values with ``torch.load(weights_only=...)``,
+    naming the key when torch's restricted unpickler refuses one."""
 
     def __init__(self, weights_only: bool) -> None:
         super().__init__(allow_partial_load=False)
         self.weights_only = weights_only
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=self.weights_only)
         fqn = read_item.dest_index.fqn
+        loaded = _torch_load(value, self.weights_only, f"`{fqn}`")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
 
 
-def import_dcp(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    *,
-    weights_only: bool = True,
-    overwrite: bool = False,
-    **options: Any,
-) -> dict:
-    """Converts the DCP checkpoint directory ``src`` (``FileSystemWriter``'s format: a
-    pickled ``.metadata`` and ``.distcp`` files, as torchtitan writes) into a zarrckpt
-    checkpoint at ``dst``, in this process, then reads every tensor and object back from
-    ``dst`` and compares it with the source's, byte for byte.
+def _torch_load(source: Any, weights_only: bool, what: str) -> Any:
+    try:
+        return torch.load(source, map_location="cpu", weights_only=weights_only)
+    except Exception as e:
+        if not weights_only:
+            raise
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "but got" in ln or "Unsupported" in ln), None)
+        why = why or (lines[0] if lines else type(e).__name__)
+        raise InvalidArgumentError(
+            f"{what}: torch's restricted unpickler (weights_only=True) refused this pickle "
+            f"({why}). If you trust the "
+            "checkpoint, allow its classes with torch.serialization.add_safe_globals, or "
+            "import with weights_only=False (CLI: --trust-pickles), which runs whatever code "
+            "the pickle holds"
+        ) from e
 
-    Trust: the source is read with torch's own DCP reader, which unpickles its ``.metadata``
-    (and, with ``weights_only=False``, its non-tensor values with the unrestricted
-    unpickler): import only checkpoints you trust, with the torch you train with. The
-    result holds no pickle: tensors as tensors (a non-tensor value that is a tensor too),
-    JSON-able values as JSON, ``bytes`` as bytes; any other value is an error naming its
-    key. Keys are the ``/``-joined state-dict paths DCP recorded (as the writer here keys
-    them). The whole state is held in memory. Returns ``tensors``, ``objects``,
-    ``tensor_bytes`` and the save report (``save``)."""
+
+def _read_dcp(src: str, weights_only: bool) -> tuple[Metadata, dict[str, Any], Mapping]:
+    """Every value of the DCP checkpoint directory ``src`` read in this process with torch's
+    own reader: ``(metadata, {fqn: value}, flattening mappings)``."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    reader = FileSystemReader(_path(src))
+    reader = FileSystemReader(src)
     md = reader.read_metadata()
     mappings = md.planner_data if isinstance(md.planner_data, Mapping) else {}
     state: dict[str, Any] = {}
@@ -763,23 +766,119 @@ def import_dcp(
     if state:
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(
-            state,
-            storage_reader=reader,
-            planner=_ImportPlanner(weights_only),
-            no_dist=True,
-        )
+        try:
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=_ImportPlanner(weights_only),
+                no_dist=True,
+            )
+        except BaseException as e:
+            # DCP wraps a failure in a CheckpointException (a BaseException): raise ours as
+            # it is.
+            for failure in (getattr(e, "failures", None) or {}).values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(inner, InvalidArgumentError):
+                    raise inner from e
+            raise
+    return md, state, mappings
+
+
+def _boxes_for(
+    shape: tuple[int, ...], entry: Any, ranks: int | None
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(offset, sizes)`` of the pieces an imported tensor is written as: the chunks the
+    source saved (``ranks=None``), or ``ranks`` parts along the first axis (torch.chunk
+    style, uneven last part)."""
+    if not shape:
+        return [((), ())]
+    if ranks is None:
+        chunks = getattr(entry, "chunks", None) or []
+        boxes = [
+            (tuple(int(o) for o in c.offsets), tuple(int(n) for n in c.sizes))
+            for c in chunks
+            if all(int(n) > 0 for n in c.sizes)
+        ]
+        covered = sum(math.prod(n) for _, n in boxes)
+        if boxes and covered == math.prod(shape):
+            return sorted(boxes)
+        ranks = 1  # no usable chunk list: whole
+    part = -(-shape[0] // ranks)
+    out = []
+    for r in range(ranks):
+        lo = min(r * part, shape[0])
+        hi = min(lo + part, shape[0])
+        if hi > lo:
+            out.append(((lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:])))
+    return out or [((0,) * len(shape), shape)]
+
+
+def _pieces(key: str, t: torch.Tensor, boxes: list) -> list[_core.Piece]:
+    out = []
+    shape = tuple(t.shape)
+    for offset, sizes in boxes:
+        v = t
+        for d, (o, n) in enumerate(zip(offset, sizes, strict=True)):
+            if o != 0 or n != shape[d]:
+                v = v.narrow(d, o, n)
+        out.append(_core.Piece(key, v.contiguous(), shape, offset))
+    return out
+
+
+def _verify_tensors(dst: str, tensors: dict[str, torch.Tensor]) -> None:
+    from .reader import open as _open
+
+    ck = _open(dst, output="torch")
+    for key, want in tensors.items():
+        got = ck[key][...]
+        if not torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
+            raise InvalidArgumentError(f"`{key}`: the imported tensor differs from the source")
+
+
+def import_dcp(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    weights_only: bool = True,
+    ranks: int | None = None,
+    overwrite: bool = False,
+    **options: Any,
+) -> dict:
+    """Converts the DCP checkpoint directory ``src`` (``FileSystemWriter``'s format: a
+    pickled ``.metadata`` and ``.distcp`` files, as torchtitan writes) into a zarrckpt
+    checkpoint at ``dst``, in this process, then reads every tensor and object back from
+    ``dst`` and compares it with the source's, byte for byte.
+
+    Layout: each tensor is written in the chunks the source saved (one piece per saved
+    shard, so a job with the source's sharding reads exactly its own chunks), or, with
+    ``ranks=N``, split ``N`` ways along its first axis as ``N`` ranks would hold it (any
+    layout loads any other; this only picks the chunking).
+
+    Trust: the source is read with torch's own DCP reader, which unpickles its ``.metadata``
+    (and, with ``weights_only=False``, its non-tensor values with the unrestricted
+    unpickler): import only checkpoints you trust, with the torch you train with. The
+    result holds no pickle: tensors as tensors (a non-tensor value that is a tensor too),
+    JSON-able values as JSON, ``bytes`` as bytes; any other value is an error naming its
+    key. Keys are the ``/``-joined state-dict paths DCP recorded (as the writer here keys
+    them). The whole state is held in memory. Returns ``tensors``, ``objects``,
+    ``tensor_bytes`` and the save report (``save``)."""
+    if ranks is not None and ranks < 1:
+        raise InvalidArgumentError("ranks must be at least 1")
+    md, state, mappings = _read_dcp(_path(src), weights_only)
     pieces: list[_core.Piece] = []
     objects: list[_core.Object] = []
+    tensors: dict[str, torch.Tensor] = {}
     keys: dict[str, str] = {}
     for fqn, value in state.items():
         key = _key(fqn, mappings)
-        if key in keys.values():
+        if key in keys:
             raise InvalidArgumentError(f"`{fqn}`: two DCP keys map to the zarrckpt key `{key}`")
-        keys[fqn] = key
+        keys[key] = fqn
         if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            pieces.append(_core.Piece(key, t, tuple(t.shape)))
+            t = value.detach().cpu()
+            tensors[key] = t
+            boxes = _boxes_for(tuple(t.shape), md.state_dict_metadata.get(fqn), ranks)
+            pieces.extend(_pieces(key, t, boxes))
         elif isinstance(value, bytes | bytearray) or _is_json(value):
             objects.append(
                 _core.Object(key, bytes(value) if isinstance(value, bytearray) else value)
@@ -792,15 +891,10 @@ def import_dcp(
     objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": []}, "per_rank"))
     report = _core.save(_path(dst), pieces, objects, comm=None, overwrite=overwrite, **options)
     # Every byte back, compared with the source's.
+    _verify_tensors(_path(dst), tensors)
     from .reader import open as _open
 
     ck = _open(_path(dst), output="torch")
-    for p in pieces:
-        got = ck[p.key][...]
-        if not torch.equal(
-            got.reshape(-1).view(torch.uint8), p.tensor.reshape(-1).view(torch.uint8)
-        ):
-            raise InvalidArgumentError(f"`{p.key}`: the imported tensor differs from the source")
     for o in objects[:-1]:  # the last one is the flag
         got = ck.object(o.key)
         want = (
@@ -809,8 +903,104 @@ def import_dcp(
         if got != want:
             raise InvalidArgumentError(f"`{o.key}`: the imported object differs from the source")
     return {
-        "tensors": len(pieces),
+        "tensors": len(tensors),
         "objects": len(objects) - 1,
-        "tensor_bytes": sum(p.tensor.numel() * p.tensor.element_size() for p in pieces),
+        "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        "save": report,
+    }
+
+
+def import_megatron(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    weights_only: bool = True,
+    ranks: int | None = None,
+    overwrite: bool = False,
+    **options: Any,
+) -> dict:
+    """Converts a Megatron-LM ``torch_dist`` checkpoint directory ``src`` (an ``iter_*``
+    directory: ``metadata.json``, ``common.pt`` and DCP's ``.metadata`` and ``.distcp``
+    files) into a zarrckpt-backed Megatron checkpoint directory ``dst``, as
+    :func:`zarrckpt.megatron.save` writes it (``metadata.json`` naming backend ``zarrckpt``,
+    ``dst/zarrckpt/`` the zarrckpt checkpoint): ``dist_checkpointing.load`` reads it in any
+    topology once :mod:`zarrckpt.megatron` is imported, and ``zarrckpt.open(dst + "/zarrckpt")``
+    without Megatron. Needs megatron-core.
+
+    Tensors keep Megatron's keys and global shapes (layer axes included); ShardedObjects
+    become ``common`` objects named by their unique key, the content of ``common.pt`` the
+    object ``megatron/common``, both encoded by :func:`zarrckpt.megatron.encode_value` (no
+    pickle). Layout (``ranks``) as :func:`import_dcp`. Every tensor is read back and
+    compared byte for byte, every object decoded and re-encoded to the same bytes.
+
+    Trust: ``common.pt`` and the objects are ``torch.save`` pickles and ``.metadata`` is one
+    too; they are read with your torch, ``common.pt`` and the objects with torch's restricted
+    unpickler (``weights_only=True``: no code runs; megatron-core registers its own classes,
+    argparse namespaces and numpy arrays as allowed) unless ``weights_only=False``, which
+    runs whatever code they hold: use it only on checkpoints you trust."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    import zarrckpt.megatron as zm
+
+    if ranks is not None and ranks < 1:
+        raise InvalidArgumentError("ranks must be at least 1")
+    src_p = _path(src)
+    try:
+        with open(os.path.join(src_p, "metadata.json")) as f:
+            config = json.load(f)
+    except FileNotFoundError as e:
+        raise InvalidArgumentError(
+            f"{src_p}: no metadata.json (not a Megatron dist_checkpointing directory)"
+        ) from e
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    if backend != "torch_dist":
+        raise InvalidArgumentError(
+            f"{src_p}: sharded backend {backend!r}; only 'torch_dist' checkpoints are imported"
+        )
+    dst_p = _path(dst)
+    ck_dir = os.path.join(dst_p, zm.SUBDIR)
+    md, state, _ = _read_dcp(src_p, weights_only)
+    pieces: list[_core.Piece] = []
+    objects: list[_core.Object] = []
+    tensors: dict[str, torch.Tensor] = {}
+    sources: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu()
+            tensors[key] = t
+            boxes = _boxes_for(tuple(t.shape), md.state_dict_metadata.get(key), ranks)
+            pieces.extend(_pieces(key, t, boxes))
+        else:
+            # torch_dist stores a ShardedObject as the list of the values the saving rank held
+            # under its unique key (copies of one value); Megatron's loader hands out the first.
+            if not isinstance(value, list) or not value:
+                raise InvalidArgumentError(
+                    f"`{key}`: a torch_dist object is a non-empty list, not {type(value).__name__}"
+                )
+            value = value[0]
+            sources[key] = value
+            objects.append(_core.Object(key, zm._stored(zm.encode_value(value, path=key))))
+    common_path = os.path.join(src_p, "common.pt")
+    if os.path.exists(common_path):
+        common = _torch_load(common_path, weights_only, common_path)
+        sources[zm.COMMON_KEY] = common
+        objects.append(
+            _core.Object(zm.COMMON_KEY, zm._stored(zm.encode_value(common, path="common")))
+        )
+    os.makedirs(dst_p, exist_ok=True)
+    report = _core.save(ck_dir, pieces, objects, comm=None, overwrite=overwrite, **options)
+    _verify_tensors(ck_dir, tensors)
+    from .reader import open as _open
+
+    ck = _open(ck_dir, output="torch")
+    for key, value in sources.items():
+        again = zm.encode_value(zm.decode_value(ck.object(key)), path=key)
+        if again != zm.encode_value(value, path=key):
+            raise InvalidArgumentError(f"`{key}`: the imported object differs from the source")
+    save_config(CheckpointingConfig(zm.BACKEND, zm.VERSION, zm.BACKEND, zm.VERSION), dst_p)
+    return {
+        "tensors": len(tensors),
+        "objects": len(sources),
+        "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
         "save": report,
     }
