@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import distributed
@@ -573,3 +575,62 @@ def test_strided_shard_fsdp2_tp_saved_on_2x2_loads_on_3(tmp_path):
         want = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
         assert torch.equal(ck[f"extra/{name}"][...], want), name
     assert ck.verify()["problems"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI: zarrckpt import --dcp
+
+
+def built_cli() -> str:
+    """The CLI binary scripts/test.sh builds (target/release/zarrckpt); skips without it."""
+    exe = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")) / "release" / "zarrckpt"
+    exe = Path(os.environ.get("ZARRCKPT_BIN", exe))
+    if not exe.is_file():
+        pytest.skip(f"no CLI binary at {exe} (cargo build --release builds it)")
+    return str(exe)
+
+
+def test_cli_import_of_a_dcp_checkpoint(jobs, tmp_path):
+    root, _, _ = jobs
+    exe = built_cli()
+    env = {**os.environ, "ZARRCKPT_PYTHON": sys.executable}
+    out = subprocess.run(
+        [exe, "import", "--dcp", f"{root}/fs", "--out", str(tmp_path / "cli"), "--ranks", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = zarrckpt.open(f"{root}/dcp", output="torch")
+    assert summary["tensors"] == len(ours.tensors)
+    cli = zarrckpt.open(tmp_path / "cli", output="torch")
+    for key, info in ours.tensors.items():
+        a, b = ours[key][...], cli[key][...]
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
+        if len(info.shape) and info.shape[0] >= 3:  # split 3 ways along the first axis
+            assert cli.tensors[key].chunk_shape[0] == -(-info.shape[0] // 3), key
+    assert cli.object("extra/step") == STEPS
+    # The target exists: refused without --overwrite.
+    again = subprocess.run(
+        [exe, "import", "--dcp", f"{root}/fs", "--out", str(tmp_path / "cli")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert again.returncode != 0 and "exist" in again.stderr, again.stderr
+    # A Python without the package: a clear error naming ZARRCKPT_PYTHON.
+    fake = tmp_path / "python-without-zarrckpt"
+    fake.write_text(
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'zarrckpt'\" >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    bad = subprocess.run(
+        [exe, "import", "--dcp", f"{root}/fs", "--out", str(tmp_path / "never")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ZARRCKPT_PYTHON": str(fake)},
+    )
+    assert bad.returncode != 0
+    assert "No module named 'zarrckpt'" in bad.stderr and "ZARRCKPT_PYTHON" in bad.stderr
+    assert not (tmp_path / "never").exists()

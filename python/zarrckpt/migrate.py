@@ -1,7 +1,7 @@
 """Command-line entry of the importers (the Rust CLI's ``zarrckpt import --dcp`` runs it)::
 
     python -m zarrckpt.migrate DIR --out CKPT [--megatron] [--ranks N] [--trust-pickles]
-        [--overwrite]
+        [--overwrite] [--compression none|zstd|blosc]
 
 ``DIR`` is a DCP checkpoint directory (``FileSystemWriter``'s format, e.g. a torchtitan step)
 or, with ``--megatron``, a Megatron-LM ``torch_dist`` checkpoint (an ``iter_*`` directory);
@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         help="unpickle non-tensor values with torch's unrestricted unpickler (runs their code)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
+    p.add_argument("--compression", default="none", choices=("none", "zstd", "blosc"))
     a = p.parse_args(argv)
     from . import dcp
     from ._errors import ZarrckptError
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             weights_only=not a.trust_pickles,
             ranks=a.ranks,
             overwrite=a.overwrite,
+            compression=a.compression,
         )
     except (ZarrckptError, OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
