@@ -24,7 +24,7 @@ Writer
 Reader
     DCP's ``Metadata`` is built from the zarrckpt index of any checkpoint (written through
     DCP, :mod:`zarrckpt.torch` or the Rust CLI): one ``TensorStorageMetadata`` per tensor
-    (dtype, shape, the chunks of its Zarr chunk grid), one ``BytesStorageMetadata`` per common
+    (dtype, shape, one chunk: the whole tensor), one ``BytesStorageMetadata`` per common
     object; a key ``a/b.c`` is DCP's ``a.b.c``. ``read_data`` (called on every rank) loads
     every read item of the rank in one collective zarrckpt load, straight into the targets
     ``planner.resolve_tensor`` gives, reading only the subchunks that intersect them (boxes
@@ -120,10 +120,6 @@ __all__ = [
 # that have objects; DCP gives non-tensor items to one rank).
 TORCH_SAVE_FLAG = "__zarrckpt_dcp__"
 
-# Tensors whose chunk grid has more chunks than this are described to DCP as one chunk (the
-# reader reads any box, so this only keeps DCP's metadata small).
-_MAX_CHUNKS = 4096
-
 
 def _done(value: Any) -> Future:
     f: Future = Future()  # torch.futures.Future: DCP calls .wait() and .value()
@@ -199,8 +195,13 @@ class SavePlanner(DefaultSavePlanner):
     are not contiguous); DCP's default planner describes them by their first offset only.
     Works with any storage writer."""
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        super().set_up_planner(state_dict, *args, **kwargs)
+    def set_up_planner(
+        self,
+        state_dict: Any,
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self._strided = _strided_boxes(self.state_dict)
 
     def create_local_plan(self) -> SavePlan:
@@ -285,8 +286,13 @@ class LoadPlanner(DefaultLoadPlanner):
         self.pickled = pickled
         self._strided: _Boxes = {}
 
-    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
-        super().set_up_planner(state_dict, *args, **kwargs)
+    def set_up_planner(
+        self,
+        state_dict: Any,
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
         self._strided = _strided_boxes(self.state_dict)
 
     def create_local_plan(self) -> LoadPlan:
@@ -474,29 +480,6 @@ def _key(fqn: str, mappings: Mapping[str, Any], extra: Any = None) -> str:
 # reader
 
 
-def _grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> list[ChunkStorageMetadata]:
-    if not shape or any(d == 0 for d in shape) or len(chunk) != len(shape):
-        return [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))]
-    counts = [-(-d // max(c, 1)) for d, c in zip(shape, chunk, strict=True)]
-    total = 1
-    for n in counts:
-        total *= n
-    if total > _MAX_CHUNKS:
-        return [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))]
-    out: list[ChunkStorageMetadata] = []
-    idx = [0] * len(shape)
-    for _ in range(total):
-        off = [i * c for i, c in zip(idx, chunk, strict=True)]
-        size = [min(c, d - o) for c, d, o in zip(chunk, shape, off, strict=True)]
-        out.append(ChunkStorageMetadata(torch.Size(off), torch.Size(size)))
-        for a in reversed(range(len(shape))):
-            idx[a] += 1
-            if idx[a] < counts[a]:
-                break
-            idx[a] = 0
-    return out
-
-
 def _json_terminal(value: list) -> bool:
     """DCP's rule: a list is a leaf unless it holds a dict or a list that is not a leaf."""
     return not any(
@@ -579,7 +562,11 @@ class StorageReader(_DcpStorageReader):
         for t in ck.tensors():
             shape = tuple(int(d) for d in t["shape"])
             props = TensorProperties(dtype=getattr(torch, t["dtype"]))
-            chunks = _grid(shape, tuple(int(c) for c in t["chunk_shape"]))
+            # One chunk, the whole tensor: the reader reads any box, so DCP then plans one
+            # read item per local tensor (its whole box, contiguous memory, read in place)
+            # instead of one per stored chunk it meets (sub-boxes of the local tensor, which
+            # are strided views when the split is not along the first axis).
+            chunks = [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))]
             fqn = add(t["key"], TensorStorageMetadata(props, torch.Size(shape), chunks))
             shapes[fqn] = shape
         pickled: list[Any] = []
