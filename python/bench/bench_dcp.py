@@ -125,13 +125,15 @@ def fill(t: torch.Tensor, shape, off, seed: int) -> None:
         flat[r : r + step] = ((g * 7 + seed) % 251).to(t.dtype)
 
 
-def state(model, rank, world, contents: bool):
+def state(model, rank, world, contents: bool, dotted: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     mesh = init_device_mesh("cpu", (world,))
     sd = {}
     for seed, (key, dt, shape, split) in enumerate(model, start=1):
+        if dotted:  # DCP's own naming (the zarrckpt reader offers `a/b` as `a.b`)
+            key = key.replace("/", ".")
         off, ext = box(shape, split, rank, world)
         local = torch.zeros(ext, dtype=dt)
         if contents:
@@ -151,8 +153,10 @@ def state(model, rank, world, contents: bool):
     return sd
 
 
-def check(model, sd, rank, world) -> bool:
+def check(model, sd, rank, world, dotted: bool = False) -> bool:
     for seed, (key, dt, shape, split) in enumerate(model, start=1):
+        if dotted:
+            key = key.replace("/", ".")
         off, ext = box(shape, split, rank, world)
         want = torch.zeros(ext, dtype=dt)
         fill(want, shape, off, seed)
@@ -312,6 +316,241 @@ def python_and_rust(job, world, args) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
+# --mode dcp: dcp.save / dcp.load through zarrckpt's writer and reader against DCP's own
+
+
+def _evict(paths) -> None:
+    """Drops the page cache of every file under ``paths`` (clean pages: every contender
+    fsyncs what it writes), so that the next read comes from the disk."""
+    for root in paths:
+        files = [Path(root)] if Path(root).is_file() else Path(root).rglob("*")
+        for f in files:
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def _proc_io() -> dict[str, int]:
+    """This process's I/O counters: ``rchar`` (bytes its read calls returned, page cache or
+    not) and ``read_bytes`` (bytes it made the kernel fetch from the block device)."""
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k] = int(v)
+    return out
+
+
+def _local_bytes(sd) -> int:
+    n = 0
+    for v in sd.values():
+        t = v.to_local() if hasattr(v, "to_local") else v
+        n += t.numel() * t.element_size()
+    return n
+
+
+def _dcp_rank_main(rank, world, store, job, args, out):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import zarrckpt.dcp as zd
+    from zarrckpt import _core
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    _core.communicator().group()  # zarrckpt's gloo group, set up before timing
+    model = gpt(args.size)
+    sd = state(model, rank, world, contents=(job == "save"), dotted=True)
+    buf = bytearray(nbytes(model) // world + 1) if job == "load" else None
+    mine = _local_bytes(sd)
+    contenders = ["zarrckpt", "dcp", "raw"]
+    results = []
+    for rnd in range(args.rounds):
+        order = contenders[rnd % 3 :] + contenders[: rnd % 3]
+        for who in order:
+            path = f"{args.dir}/{who}"
+            temps = ("cold", "warm") if job == "load" else ("",)
+            for temp in temps:
+                if rank == 0:
+                    if job == "save" and who != "raw":
+                        shutil.rmtree(path, ignore_errors=True)
+                    os.sync()
+                    if temp == "cold":
+                        files = sorted(Path(args.dir).glob("raw.*")) if who == "raw" else [path]
+                        _evict(files)
+                dist.barrier()
+                io0 = _proc_io()
+                t0 = time.perf_counter()
+                report = None
+                if who == "zarrckpt" and job == "save":
+                    dcp.save(sd, storage_writer=zd.StorageWriter(path), planner=zd.SavePlanner())
+                elif who == "zarrckpt":
+                    reader = zd.StorageReader(path)
+                    dcp.load(sd, storage_reader=reader, planner=zd.LoadPlanner())
+                    report = reader.last_report
+                elif who == "dcp" and job == "save":
+                    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path))
+                elif who == "dcp":
+                    dcp.load(sd, storage_reader=dcp.FileSystemReader(path))
+                elif job == "save":
+                    _raw_write(sd, f"{args.dir}/raw", rank)
+                else:
+                    _raw_read(f"{args.dir}/raw", rank, world, buf)
+                secs = time.perf_counter() - t0
+                io1 = _proc_io()
+                dist.barrier()
+                ok = None
+                if job == "load" and who != "raw" and rnd == 0:
+                    ok = check(model, sd, rank, world, dotted=True)
+                if job == "load" and who != "raw":
+                    for v in sd.values():  # the next load starts from zeros
+                        (v.to_local() if hasattr(v, "to_local") else v).zero_()
+                results.append(
+                    {
+                        "round": rnd,
+                        "who": who,
+                        "temp": temp,
+                        "secs": secs,
+                        "ok": ok,
+                        "rchar": io1["rchar"] - io0["rchar"],
+                        "read_bytes": io1["read_bytes"] - io0["read_bytes"],
+                        "loaded": mine if who != "raw" else len(buf or b"") * 0,
+                        "zarrckpt_bytes_read": (report or {}).get("bytes_read"),
+                    }
+                )
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def dcp_job(job, world, args) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        store, out = f"{d}/store", f"{d}/out"
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=_dcp_rank_main, args=(r, world, store, job, args, out))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode != 0 for p in procs):
+            sys.exit(f"bench: a {job} rank failed")
+        per_rank = [json.load(open(f"{out}.{r}")) for r in range(world)]
+    rows = []
+    for i, first in enumerate(per_rank[0]):
+        rows.append(
+            {
+                "job": job,
+                "round": first["round"],
+                "who": first["who"],
+                "temp": first["temp"],
+                "secs": max(p[i]["secs"] for p in per_rank),
+                "ok": None if first["ok"] is None else all(p[i]["ok"] for p in per_rank),
+                "rchar": sum(p[i]["rchar"] for p in per_rank),
+                "read_bytes": sum(p[i]["read_bytes"] for p in per_rank),
+                "loaded": sum(p[i]["loaded"] for p in per_rank),
+                "zarrckpt_bytes_read": (
+                    None
+                    if first["zarrckpt_bytes_read"] is None
+                    else sum(p[i]["zarrckpt_bytes_read"] for p in per_rank)
+                ),
+            }
+        )
+    return rows
+
+
+def main_dcp(args) -> None:
+    model = gpt(args.size)
+    total = nbytes(model)
+    print(
+        f"bench --mode dcp: GPT-like state of {total / 1e9:.2f} GB ({len(model)} tensors) as "
+        f"DTensors; dcp.save on {SAVE_WORLD} processes, dcp.load on {LOAD_WORLD} (another "
+        f"sharding), cold (page cache evicted) and warm; {args.rounds} rounds, "
+        f"{os.cpu_count()} cores, torch {torch.__version__}",
+        flush=True,
+    )
+    rows = dcp_job("save", SAVE_WORLD, args) + dcp_job("load", LOAD_WORLD, args)
+    for r in rows:
+        r["gbps"] = total / r["secs"] / 1e9
+        if any(x["ok"] is False for x in rows):
+            sys.exit(f"bench: {r['who']} loaded wrong data")
+    kinds = [("save", ""), ("load", "cold"), ("load", "warm")]
+    names = {
+        "zarrckpt": "dcp + zarrckpt writer/reader",
+        "dcp": "dcp + FileSystemWriter/Reader",
+        "raw": "raw limit",
+    }
+    summary: dict = {}
+    for job, temp in kinds:
+        by = {
+            w: {r["round"]: r for r in rows if (r["job"], r["temp"], r["who"]) == (job, temp, w)}
+            for w in names
+        }
+        tag = f"{job}{'/' + temp if temp else ''}"
+        for w in names:
+            summary[f"{tag}/{w}"] = statistics.median(r["gbps"] for r in by[w].values())
+        for a, b in (("zarrckpt", "dcp"), ("zarrckpt", "raw"), ("dcp", "raw")):
+            summary[f"{tag}/{a}:{b}"] = statistics.median(
+                by[a][n]["gbps"] / by[b][n]["gbps"] for n in range(args.rounds)
+            )
+        if job == "load":
+            for w in ("zarrckpt", "dcp"):
+                rs = list(by[w].values())
+                summary[f"{tag}/{w}/amplification_rchar"] = statistics.median(
+                    r["rchar"] / r["loaded"] for r in rs
+                )
+                summary[f"{tag}/{w}/amplification_disk"] = statistics.median(
+                    r["read_bytes"] / r["loaded"] for r in rs
+                )
+            summary[f"{tag}/zarrckpt/amplification_counted"] = statistics.median(
+                r["zarrckpt_bytes_read"] / r["loaded"] for r in by["zarrckpt"].values()
+            )
+            summary[f"{tag}/raw/disk_fraction"] = statistics.median(
+                r["read_bytes"] / total for r in by["raw"].values()
+            )
+    if args.json:
+        print(json.dumps({"bytes": total, "rows": rows, "summary": summary}, indent=1))
+    for job, temp in kinds:
+        tag = f"{job}{'/' + temp if temp else ''}"
+        what = "write + fsync" if job == "save" else f"{temp} read"
+        print(
+            f"\n{tag}, {SAVE_WORLD if job == 'save' else LOAD_WORLD} processes "
+            f"(GB/s, median of {args.rounds} rounds; raw limit = {what} of the same bytes)"
+        )
+        for w in names:
+            rounds = ", ".join(
+                f"{r['gbps']:.2f}"
+                for r in sorted(
+                    (r for r in rows if (r["job"], r["temp"], r["who"]) == (job, temp, w)),
+                    key=lambda r: r["round"],
+                )
+            )
+            print(f"  {names[w]:<32} {summary[f'{tag}/{w}']:6.2f}   (rounds: {rounds})")
+        print(
+            "  medians of per-round ratios: "
+            f"zarrckpt / DCP {summary[f'{tag}/zarrckpt:dcp']:.2f}x, "
+            f"zarrckpt / raw {summary[f'{tag}/zarrckpt:raw']:.2f}, "
+            f"DCP / raw {summary[f'{tag}/dcp:raw']:.2f}"
+        )
+        if job == "load":
+            print(
+                "  bytes read / bytes loaded: "
+                f"zarrckpt {summary[f'{tag}/zarrckpt/amplification_rchar']:.3f} (read calls), "
+                f"{summary[f'{tag}/zarrckpt/amplification_counted']:.3f} (counted by zarrckpt), "
+                f"{summary[f'{tag}/zarrckpt/amplification_disk']:.3f} (from the device); "
+                f"DCP {summary[f'{tag}/dcp/amplification_rchar']:.3f} (read calls), "
+                f"{summary[f'{tag}/dcp/amplification_disk']:.3f} (from the device); "
+                f"raw read from the device: {summary[f'{tag}/raw/disk_fraction']:.3f} of its bytes"
+            )
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
 # the Rust ranks
 
 
@@ -357,7 +596,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/zarrckpt-pybench")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--mode",
+        choices=("dcp", "torch"),
+        default="dcp",
+        help="dcp: dcp.save/load through zarrckpt's writer/reader against DCP's FileSystemWriter/"
+        "Reader, cold and warm (default); torch: zarrckpt.torch against DCP and the Rust API",
+    )
     args = ap.parse_args()
+    if args.mode == "dcp":
+        shutil.rmtree(args.dir, ignore_errors=True)
+        os.makedirs(args.dir)
+        main_dcp(args)
+        return
     exe = REPO / "target" / "release" / "zarrckpt"
     if not exe.exists():
         sys.exit(f"bench: build the CLI first (cargo build --release): {exe} is missing")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import distributed
@@ -436,3 +438,199 @@ def test_rust_cli_checkpoint_through_dcp_load(tmp_path):
     # save): no rank read the whole checkpoint, and the ranks' reads add up to about its size.
     total = results[0]["total"]
     assert all(0 < r["read"] < total for r in results)
+
+
+# ---------------------------------------------------------------------------------------------
+# _StridedShard: FSDP2 over a tensor-parallel model, and interleaved local tensors
+
+
+def _bits(t):
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).tolist()
+
+
+# Tensors built directly with _StridedShard placements whose local tensors are not one box:
+# on the 2 x 2 save mesh, and on the 1-D load mesh of 3 (uneven everywhere).
+def _strided_placements(world):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if world == 4:
+        return {
+            "rows": [Shard(0), _StridedShard(0, split_factor=2)],
+            "cols": [Replicate(), _StridedShard(1, split_factor=3)],
+            "both": [_StridedShard(1, split_factor=2), _StridedShard(0, split_factor=3)],
+        }
+    return {
+        "rows": [_StridedShard(0, split_factor=2)],
+        "cols": [Shard(0)],
+        "both": [_StridedShard(1, split_factor=2)],
+    }
+
+
+STRIDED_SHAPES = {"rows": (11, 6), "cols": (5, 14), "both": (13, 9)}
+
+
+def _tp_fsdp_model(world):
+    """A tensor-parallel MLP sharded by FSDP2 over data parallelism (dp 2 x tp 2 on 4 ranks;
+    FSDP2 alone on 3)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0 if world == 4 else 1)
+    model = nn.Sequential(nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 7))
+    if world == 4:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        dp = mesh["dp"]
+    else:
+        dp = init_device_mesh("cpu", (world,))
+    fully_shard(model, mesh=dp)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1, foreach=False)
+    return model, opt
+
+
+def strided_job(rank, world, root, mode):
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    import zarrckpt.torch as zc
+
+    model, opt = _tp_fsdp_model(world)
+    mesh = init_device_mesh("cpu", (2, 2) if world == 4 else (world,))
+    place = _strided_placements(world)
+    out = {}
+    if mode == "save":
+        g = torch.Generator().manual_seed(5)
+        x, y = torch.randn(8, 10, generator=g), torch.randn(8, 7, generator=g)
+        for _ in range(2):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        extra = {}
+        for name, shape in STRIDED_SHAPES.items():
+            full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+            # src_data_rank=None: each rank cuts its own part (torch's rules; uneven too).
+            extra[name] = distribute_tensor(full, mesh, place[name], src_data_rank=None)
+            # torch itself agrees on what the strided DTensor holds.
+            assert torch.equal(extra[name].full_tensor(), full), name
+        msd, osd = get_state_dict(model, opt)
+        out["strided"] = sorted(k for k, v in msd.items() if zd._dtensor.has_strided(v.placements))
+        out["pieces"] = {k: len(zd._dtensor.local_boxes(v)) for k, v in extra.items()}
+        state = {"model": msd, "optim": osd, "extra": extra}
+        dcp.save(state, storage_writer=zd.StorageWriter(f"{root}/zc"), planner=zd.SavePlanner())
+        # zd.SavePlanner fixes the plan for any storage writer, DCP's own too.
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(f"{root}/fs"), planner=zd.SavePlanner())
+        zc.save(state, f"{root}/torch")
+    else:
+        extra = {}
+        for name, shape in STRIDED_SHAPES.items():
+            extra[name] = distribute_tensor(
+                torch.zeros(shape), mesh, place[name], src_data_rank=None
+            )
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd, "extra": extra}
+        if mode == "torch":  # zarrckpt.torch's own save and load
+            zc.load(state, f"{root}/torch")
+        else:
+            if mode == "fs":
+                reader = dcp.FileSystemReader(f"{root}/fs")
+            else:
+                reader = zd.StorageReader(f"{root}/{mode}")
+            # DCP's own format holds the param groups as pickles: torch's restricted unpickler.
+            planner = zd.LoadPlanner(pickled="weights_only" if mode == "fs" else "error")
+            dcp.load(state, storage_reader=reader, planner=planner)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    msd, osd = get_state_dict(model, opt)
+    out["model"] = {k: _bits(v) for k, v in msd.items()}
+    out["optim"] = {f"{p}.{k}": _bits(v) for p, st in osd["state"].items() for k, v in st.items()}
+    out["extra"] = {k: _bits(v) for k, v in extra.items()}
+    return out
+
+
+def test_strided_shard_fsdp2_tp_saved_on_2x2_loads_on_3(tmp_path):
+    root = str(tmp_path)
+    saved = distributed.run(SAVE_WORLD, strided_job, root, "save")
+    # FSDP2 over the colwise-parallel layer makes _StridedShard placements.
+    assert saved[0]["strided"] == ["0.bias", "0.weight"], saved[0]["strided"]
+    # Some local tensors are several boxes (DCP's default planner describes them by their
+    # first offset: "Failed to validate global plan: ... overlapping chunks").
+    assert max(n for s in saved for n in s["pieces"].values()) > 1
+    for mode in ("zc", "fs", "torch"):
+        loaded = distributed.run(LOAD_WORLD, strided_job, root, mode)
+        for r in loaded:
+            for part in ("model", "optim", "extra"):
+                assert r[part] == saved[0][part], (mode, part)
+    ck = zarrckpt.open(f"{root}/zc", output="torch")
+    for name, shape in STRIDED_SHAPES.items():
+        want = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+        assert torch.equal(ck[f"extra/{name}"][...], want), name
+    assert ck.verify()["problems"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI: zarrckpt import --dcp
+
+
+def built_cli() -> str:
+    """The CLI binary scripts/test.sh builds (target/release/zarrckpt); skips without it."""
+    exe = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target")) / "release" / "zarrckpt"
+    exe = Path(os.environ.get("ZARRCKPT_BIN", exe))
+    if not exe.is_file():
+        pytest.skip(f"no CLI binary at {exe} (cargo build --release builds it)")
+    return str(exe)
+
+
+def test_cli_import_of_a_dcp_checkpoint(jobs, tmp_path):
+    root, _, _ = jobs
+    exe = built_cli()
+    env = {**os.environ, "ZARRCKPT_PYTHON": sys.executable}
+    out = subprocess.run(
+        [exe, "import", "--dcp", f"{root}/fs", "--out", str(tmp_path / "cli"), "--ranks", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = zarrckpt.open(f"{root}/dcp", output="torch")
+    assert summary["tensors"] == len(ours.tensors)
+    cli = zarrckpt.open(tmp_path / "cli", output="torch")
+    for key, info in ours.tensors.items():
+        a, b = ours[key][...], cli[key][...]
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
+        if len(info.shape) and info.shape[0] >= 3:  # split 3 ways along the first axis
+            assert cli.tensors[key].chunk_shape[0] == -(-info.shape[0] // 3), key
+    assert cli.object("extra/step") == STEPS
+    # The target exists: refused without --overwrite.
+    again = subprocess.run(
+        [exe, "import", "--dcp", f"{root}/fs", "--out", str(tmp_path / "cli")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert again.returncode != 0 and "exist" in again.stderr, again.stderr
+    # A Python without the package: a clear error naming ZARRCKPT_PYTHON.
+    fake = tmp_path / "python-without-zarrckpt"
+    fake.write_text(
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'zarrckpt'\" >&2\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    bad = subprocess.run(
+        [exe, "import", "--dcp", f"{root}/fs", "--out", str(tmp_path / "never")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ZARRCKPT_PYTHON": str(fake)},
+    )
+    assert bad.returncode != 0
+    assert "No module named 'zarrckpt'" in bad.stderr and "ZARRCKPT_PYTHON" in bad.stderr
+    assert not (tmp_path / "never").exists()

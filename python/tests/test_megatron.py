@@ -21,8 +21,11 @@ from __future__ import annotations
 import argparse
 import enum
 import io
+import json
 import math
 import os
+import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -118,9 +121,15 @@ class Phase(enum.Enum):
     STABLE = 2
 
 
-def object_value(layer: int):
-    """What a per-layer ShardedObject holds: the value types Megatron-LM's state carries."""
+def object_value(layer: int, portable: bool = False):
+    """What a per-layer ShardedObject holds: the value types Megatron-LM's state carries.
+    `portable`: without the test's own enum class, which torch's restricted unpickler (and so
+    Megatron's torch_dist format, read with it) does not know."""
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3) + layer
+    if portable:
+        value = object_value(layer)
+        del value["phase"]
+        return value
     return {
         "layer": layer,
         "weights": t.to(torch.bfloat16),
@@ -387,7 +396,7 @@ def build_gpt(tp: int, pp: int, seed: int):
     )
 
 
-def layer_objects(model, tp_rank: int, dp_rank: int) -> dict:
+def layer_objects(model, tp_rank: int, dp_rank: int, portable: bool = False) -> dict:
     """One ShardedObject per layer of this pipeline stage (grid: all layers), replicated on the
     tensor-parallel ranks: Megatron's per-layer extra state shape."""
     from megatron.core import parallel_state as ps
@@ -399,7 +408,7 @@ def layer_objects(model, tp_rank: int, dp_rank: int) -> dict:
     return {
         f"layer_obj.{i}": ShardedObject(
             "test.layer_objects",
-            object_value(first + i),
+            object_value(first + i, portable),
             (NUM_LAYERS,),
             (first + i,),
             replica_id=(tp_rank, dp_rank),
@@ -415,14 +424,20 @@ def ps_dp_rank() -> int:
 
 
 def full_state(
-    model, tp_rank: int, dp_rank: int, dp_size: int, allocate: bool, factories: bool
+    model,
+    tp_rank: int,
+    dp_rank: int,
+    dp_size: int,
+    allocate: bool,
+    factories: bool,
+    portable: bool = False,
 ) -> dict:
     """The state dict a training job saves: the model's, with its factories applied (to fill
     the parameters through them) or not (for loading: Megatron applies and merges them)."""
     sd = {"model": model.sharded_state_dict()}
     if factories:
         apply_factories(sd)
-    sd["objects"] = layer_objects(model, tp_rank, ps_dp_rank())
+    sd["objects"] = layer_objects(model, tp_rank, ps_dp_rank(), portable)
     sd["optimizer"] = {"param_state": dp_reshardable_state(dp_rank, dp_size, allocate)}
     return sd
 
@@ -431,12 +446,24 @@ def gpt_save(rank: int, world: int, tp: int, pp: int, ckpt: str, saver: str, asy
     from megatron.core import parallel_state as ps
 
     model = build_gpt(tp, pp, seed=1)
+    portable = saver == "torch_dist"
     sd = full_state(
-        model, ps.get_tensor_model_parallel_rank(), rank, world, allocate=True, factories=True
+        model,
+        ps.get_tensor_model_parallel_rank(),
+        rank,
+        world,
+        allocate=True,
+        factories=True,
+        portable=portable,
     )
     fill(sd)
     add_common(sd, torch_loadable=(saver != "zarrckpt"))
-    if saver == "zarrckpt":  # everything in zarrckpt, no pickle
+    if saver == "torch_dist":  # Megatron's own format (DCP files, common.pt)
+        if rank == 0:
+            Path(ckpt).mkdir(parents=True, exist_ok=True)
+        torch.distributed.barrier()
+        req = dist_checkpointing.save(sd, ckpt)
+    elif saver == "zarrckpt":  # everything in zarrckpt, no pickle
         req = zm.save(sd, ckpt, async_sharded_save=async_save, content_metadata={"format": "test"})
     else:  # one argument: Megatron's own save with the zarrckpt strategy
         if rank == 0:  # Megatron-LM creates the directory before saving
@@ -461,6 +488,7 @@ def gpt_load(rank: int, world: int, tp: int, pp: int, ckpt: str, saved_by: str, 
         world,
         allocate=(rank % 2 == 0),
         factories=False,
+        portable=saved_by == "torch_dist",
     )
     before = {id(sh): sh.data for sh in nested_values(sd) if isinstance(sh, ShardedTensor)}
     load = zm.load if loader == "zarrckpt" else dist_checkpointing.load
@@ -490,7 +518,7 @@ def gpt_load(rank: int, world: int, tp: int, pp: int, ckpt: str, saved_by: str, 
         first = ps.get_pipeline_model_parallel_rank() * (
             NUM_LAYERS // ps.get_pipeline_model_parallel_world_size()
         )
-        assert_same(object_value(first + layer), obj, name)
+        assert_same(object_value(first + layer, saved_by == "torch_dist"), obj, name)
     for k, v in common_state(torch_loadable=(saved_by != "zarrckpt")).items():
         if k == "optimizer":
             assert_same(v["param_groups"], loaded[k]["param_groups"], k)
@@ -525,6 +553,72 @@ def test_one_argument_switch_tp2_to_pp2_with_async_save(tmp_path):
     cfg = dist_checkpointing.core.maybe_load_config(str(ckpt))
     assert (cfg.sharded_backend, cfg.common_backend) == ("zarrckpt", "torch")
     run(2, "gpt_load", tmp_path, tp=1, pp=2, ckpt=str(ckpt), saved_by="megatron", loader="zarrckpt")
+
+
+def test_import_of_a_megatron_torch_dist_checkpoint(tmp_path):
+    """A checkpoint megatron-core wrote in its own torch_dist format (TP2 x PP2 on 4 ranks:
+    DCP files, .metadata, common.pt) imported into zarrckpt (every byte compared), then loaded
+    by dist_checkpointing.load at TP1 x PP1 on 3 ranks, bit for bit."""
+    import zarrckpt
+    import zarrckpt.dcp as zd
+    from zarrckpt import InvalidArgumentError
+
+    src = tmp_path / "iter_0000300"
+    run(4, "gpt_save", tmp_path, tp=2, pp=2, ckpt=str(src), saver="torch_dist", async_save=False)
+    cfg = dist_checkpointing.core.maybe_load_config(str(src))
+    assert cfg.sharded_backend == "torch_dist"
+    assert (src / "common.pt").exists() and (src / ".metadata").exists()
+    assert list(src.glob("*.distcp"))
+    dst = tmp_path / "imported" / "iter_0000300"
+    # The objects hold an int64 numpy array, a class megatron-core does not allow torch's
+    # restricted unpickler to build: refused, naming the object, until the user allows it.
+    with pytest.raises(InvalidArgumentError, match=r"test\.layer_objects/shard_.*Int64DType"):
+        zd.import_megatron(src, tmp_path / "refused")
+    allow = torch.serialization.safe_globals([np.dtypes.Int64DType])
+    with allow:
+        rep = zd.import_megatron(src, dst)
+    assert rep["tensors"] > 10 and rep["objects"] >= NUM_LAYERS + 1
+    cfg = dist_checkpointing.core.maybe_load_config(str(dst))
+    assert (cfg.sharded_backend, cfg.common_backend) == ("zarrckpt", "zarrckpt")
+    assert not list(dst.rglob("*.pt")) and not list(dst.rglob(".metadata"))
+    ck = zarrckpt.open(dst / "zarrckpt")
+    assert ck.verify()["problems"] == []
+    # The layer axis of the pipeline stages is kept: [layers, ...].
+    qkv = ck.tensors["decoder.layers.self_attention.linear_qkv.weight"]
+    assert qkv.shape[0] == NUM_LAYERS
+    # Saved in the source's chunks (TP2: two column or row blocks per layer at least).
+    assert qkv.num_chunks > 1
+    run(
+        3, "gpt_load", tmp_path, tp=1, pp=1, ckpt=str(dst), saved_by="torch_dist", loader="megatron"
+    )
+    # Another layout on the way (3 parts along the first axis), same content.
+    again = tmp_path / "imported3" / "iter_0000300"
+    with allow:
+        zd.import_megatron(src, again, ranks=3)
+    ck3 = zarrckpt.open(again / "zarrckpt", output="torch")
+    assert ck3.tensors["decoder.layers.self_attention.linear_qkv.weight"].chunk_shape[0] == 2
+    ck = zarrckpt.open(dst / "zarrckpt", output="torch")
+    for key in ck.tensors:
+        a, b = ck[key][...], ck3[key][...]
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
+    # The CLI, trusting the pickles (the unrestricted unpickler needs no allow-list).
+    exe = HERE.parents[1] / "target" / "release" / "zarrckpt"
+    if not exe.is_file():
+        pytest.skip(f"no CLI binary at {exe} (cargo build --release builds it)")
+    cli = tmp_path / "cli" / "iter_0000300"
+    out = subprocess.run(
+        [exe, "import", "--dcp", src, "--megatron", "--trust-pickles", "--out", cli],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ZARRCKPT_PYTHON": sys.executable},
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["tensors"] == rep["tensors"]
+    ckc = zarrckpt.open(cli / "zarrckpt", output="torch")
+    assert set(ckc.tensors) == set(ck.tensors) and set(ckc.objects) == set(ck.objects)
+    for key in ck.tensors:
+        a, b = ck[key][...], ckc[key][...]
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
 
 
 # --- edge cases on 2 ranks: dtypes, legacy flattened_range, views, duplicates, shape mismatch,

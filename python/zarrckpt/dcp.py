@@ -24,7 +24,7 @@ Writer
 Reader
     DCP's ``Metadata`` is built from the zarrckpt index of any checkpoint (written through
     DCP, :mod:`zarrckpt.torch` or the Rust CLI): one ``TensorStorageMetadata`` per tensor
-    (dtype, shape, the chunks of its Zarr chunk grid), one ``BytesStorageMetadata`` per common
+    (dtype, shape, one chunk: the whole tensor), one ``BytesStorageMetadata`` per common
     object; a key ``a/b.c`` is DCP's ``a.b.c``. ``read_data`` (called on every rank) loads
     every read item of the rank in one collective zarrckpt load, straight into the targets
     ``planner.resolve_tensor`` gives, reading only the subchunks that intersect them (boxes
@@ -56,12 +56,13 @@ metadata (read them with ``zarrckpt.open``).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import math
 import os
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,6 +81,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
@@ -89,13 +91,15 @@ from torch.distributed.checkpoint.planner import (
     LoadPlan,
     ReadItem,
     SavePlan,
+    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import _core, _native
+from . import _core, _dtensor, _native
 from ._errors import InvalidArgumentError
 from .torch import _is_json, _like
 
@@ -106,6 +110,7 @@ __all__ = [
     "LoadPlanner",
     "TORCH_SAVE_FLAG",
     "import_dcp",
+    "import_megatron",
 ]
 
 # The per-rank object, declared by every rank of a save through the writer, listing the keys
@@ -114,10 +119,6 @@ __all__ = [
 # so that every rank saves objects (the Python ``Saver`` takes the objects path only on ranks
 # that have objects; DCP gives non-tensor items to one rank).
 TORCH_SAVE_FLAG = "__zarrckpt_dcp__"
-
-# Tensors whose chunk grid has more chunks than this are described to DCP as one chunk (the
-# reader reads any box, so this only keeps DCP's metadata small).
-_MAX_CHUNKS = 4096
 
 
 def _done(value: Any) -> Future:
@@ -146,16 +147,97 @@ def _is_checkpoint(path: Any) -> bool:
 # planners
 
 
-@dataclass
-class _Value:
-    """A non-tensor value the save planner hands the writer as it is (JSON or bytes)."""
+class _Value(io.BytesIO):
+    """A non-tensor value the save planner hands the writer as it is (JSON or bytes,
+    ``value``). As a BytesIO it holds the ``torch.save`` of the value, which is what another
+    storage writer (DCP's ``FileSystemWriter``, whose format is pickles) stores; zarrckpt's
+    writer takes ``value``."""
 
-    value: Any
+    def __init__(self, value: Any) -> None:
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        super().__init__(buf.getvalue())
+        self.value = value
+
+
+_Boxes = dict[str, list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]
+
+
+def _strided_boxes(state_dict: Mapping[str, Any]) -> _Boxes:
+    """The local boxes of each DTensor with a ``_StridedShard`` placement in a flattened state
+    dict (see :mod:`zarrckpt._dtensor`)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return {}
+    out: _Boxes = {}
+    for fqn, obj in state_dict.items():
+        if isinstance(obj, DTensor) and _dtensor.has_strided(obj.placements):
+            out[fqn] = _dtensor.local_boxes(obj)
+    return out
+
+
+def _box_view(state_dict: Mapping[str, Any], boxes: _Boxes, index: MetadataIndex) -> Any:
+    """The view of a strided DTensor's local tensor that DCP item ``index`` names."""
+    offset = tuple(int(o) for o in index.offset or ())
+    for g, start, sizes in boxes[index.fqn]:
+        if g == offset:
+            return _dtensor.view(state_dict[index.fqn].to_local(), start, sizes)
+    raise InvalidArgumentError(f"`{index.fqn}`: no local box at {offset}")
 
 
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planner, except that non-tensor values are stored as JSON (JSON-able
-    values) or bytes (``bytes``), never pickled. Any other value is an error naming its key."""
+    values) or bytes (``bytes``), never pickled. Any other value is an error naming its key.
+
+    DTensors with ``_StridedShard`` placements (FSDP2 + TP) are written as the boxes their
+    local tensors really cover (several interleaved boxes where the global rows a rank holds
+    are not contiguous); DCP's default planner describes them by their first offset only.
+    Works with any storage writer."""
+
+    def set_up_planner(
+        self,
+        state_dict: Any,
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self._strided = _strided_boxes(self.state_dict)
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        strided = getattr(self, "_strided", {})
+        if not strided or not plan.items:
+            return plan
+        items: list[WriteItem] = []
+        for item in plan.items:
+            fqn = item.index.fqn
+            if fqn not in strided or item.type != WriteItemType.SHARD:
+                items.append(item)
+                continue
+            td = item.tensor_data
+            for g, _, sizes in strided[fqn]:
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(g)),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(torch.Size(g), torch.Size(sizes)),
+                            properties=td.properties,
+                            size=td.size,
+                        ),
+                    )
+                )
+        plan = dataclasses.replace(plan, items=items)
+        self.plan = plan
+        if hasattr(self, "_pending_local_plan"):
+            self._pending_local_plan = plan
+        return plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        if index.fqn in getattr(self, "_strided", {}):
+            return _box_view(self.state_dict, self._strided, index)
+        return super().lookup_object(index)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002
         if write_item.type != WriteItemType.BYTE_IO:
@@ -190,24 +272,59 @@ class LoadPlanner(DefaultLoadPlanner):
     ``pickled``: what to do with an object the checkpoint flags as a ``torch.save`` pickle
     (written through DCP's default save planner): ``"error"`` (default) or
     ``"weights_only"`` (``torch.load(weights_only=True)``: torch's restricted unpickler,
-    tensors and plain containers only, no code runs). Works with
-    :class:`StorageReader` only."""
+    tensors and plain containers only, no code runs). Non-tensor values from another storage
+    reader (DCP's ``FileSystemReader``: pickles) are refused, or read the same way with
+    ``pickled="weights_only"``.
+
+    DTensors with ``_StridedShard`` placements are read into the boxes their local tensors
+    really cover (see :class:`SavePlanner`), with any storage reader."""
 
     def __init__(self, *args: Any, pickled: str = "error", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if pickled not in ("error", "weights_only"):
             raise InvalidArgumentError("pickled is 'error' or 'weights_only'")
         self.pickled = pickled
+        self._strided: _Boxes = {}
+
+    def set_up_planner(
+        self,
+        state_dict: Any,
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self._strided = _strided_boxes(self.state_dict)
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        if not self._strided:
+            return plan
+        # DCP's default plan reads a strided DTensor as one box at its first offset: read
+        # each of its real boxes instead.
+        items = [i for i in plan.items if i.dest_index.fqn not in self._strided]
+        for fqn, boxes in self._strided.items():
+            md = self.metadata.state_dict_metadata.get(fqn) if self.metadata else None
+            if md is None:
+                continue  # missing keys: DCP's plan above has already decided
+            chunks = [ChunkStorageMetadata(torch.Size(g), torch.Size(n)) for g, _, n in boxes]
+            items.extend(create_read_items_for_chunk_list(fqn, md, chunks))
+        return dataclasses.replace(plan, items=items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        if index.fqn in self._strided:
+            return _box_view(self.state_dict, self._strided, index)
+        return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         kind = getattr(value, "zarrckpt_kind", None)
-        if kind is None:
+        if kind is None and self.pickled != "weights_only":
             raise InvalidArgumentError(
                 f"`{fqn}`: zarrckpt.dcp.LoadPlanner reads non-tensor values through "
-                "zarrckpt.dcp.StorageReader only (it unpickles nothing)"
+                "zarrckpt.dcp.StorageReader only (it unpickles nothing); with another reader "
+                "LoadPlanner(pickled='weights_only') reads them with torch's restricted unpickler"
             )
-        if kind == "torch_save":
+        if kind in (None, "torch_save"):
             if self.pickled != "weights_only":
                 raise InvalidArgumentError(
                     f"`{fqn}`: the checkpoint stores this value as a torch.save pickle (written "
@@ -363,29 +480,6 @@ def _key(fqn: str, mappings: Mapping[str, Any], extra: Any = None) -> str:
 # reader
 
 
-def _grid(shape: tuple[int, ...], chunk: tuple[int, ...]) -> list[ChunkStorageMetadata]:
-    if not shape or any(d == 0 for d in shape) or len(chunk) != len(shape):
-        return [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))]
-    counts = [-(-d // max(c, 1)) for d, c in zip(shape, chunk, strict=True)]
-    total = 1
-    for n in counts:
-        total *= n
-    if total > _MAX_CHUNKS:
-        return [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))]
-    out: list[ChunkStorageMetadata] = []
-    idx = [0] * len(shape)
-    for _ in range(total):
-        off = [i * c for i, c in zip(idx, chunk, strict=True)]
-        size = [min(c, d - o) for c, d, o in zip(chunk, shape, off, strict=True)]
-        out.append(ChunkStorageMetadata(torch.Size(off), torch.Size(size)))
-        for a in reversed(range(len(shape))):
-            idx[a] += 1
-            if idx[a] < counts[a]:
-                break
-            idx[a] = 0
-    return out
-
-
 def _json_terminal(value: list) -> bool:
     """DCP's rule: a list is a leaf unless it holds a dict or a list that is not a leaf."""
     return not any(
@@ -468,7 +562,11 @@ class StorageReader(_DcpStorageReader):
         for t in ck.tensors():
             shape = tuple(int(d) for d in t["shape"])
             props = TensorProperties(dtype=getattr(torch, t["dtype"]))
-            chunks = _grid(shape, tuple(int(c) for c in t["chunk_shape"]))
+            # One chunk, the whole tensor: the reader reads any box, so DCP then plans one
+            # read item per local tensor (its whole box, contiguous memory, read in place)
+            # instead of one per stored chunk it meets (sub-boxes of the local tensor, which
+            # are strided views when the split is not along the first axis).
+            chunks = [ChunkStorageMetadata(torch.Size([0] * len(shape)), torch.Size(shape))]
             fqn = add(t["key"], TensorStorageMetadata(props, torch.Size(shape), chunks))
             shapes[fqn] = shape
         pickled: list[Any] = []
@@ -604,45 +702,46 @@ class StorageReader(_DcpStorageReader):
 
 
 class _ImportPlanner(DefaultLoadPlanner):
-    """Loads a DCP checkpoint's non-tensor values with ``torch.load(weights_only=...)``."""
+    """Loads a DCP checkpoint's non-tensor values with ``torch.load(weights_only=...)``,
+    naming the key when torch's restricted unpickler refuses one."""
 
     def __init__(self, weights_only: bool) -> None:
         super().__init__(allow_partial_load=False)
         self.weights_only = weights_only
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=self.weights_only)
         fqn = read_item.dest_index.fqn
+        loaded = _torch_load(value, self.weights_only, f"`{fqn}`")
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
 
 
-def import_dcp(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    *,
-    weights_only: bool = True,
-    overwrite: bool = False,
-    **options: Any,
-) -> dict:
-    """Converts the DCP checkpoint directory ``src`` (``FileSystemWriter``'s format: a
-    pickled ``.metadata`` and ``.distcp`` files, as torchtitan writes) into a zarrckpt
-    checkpoint at ``dst``, in this process, then reads every tensor and object back from
-    ``dst`` and compares it with the source's, byte for byte.
+def _torch_load(source: Any, weights_only: bool, what: str) -> Any:
+    try:
+        return torch.load(source, map_location="cpu", weights_only=weights_only)
+    except Exception as e:
+        if not weights_only:
+            raise
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "but got" in ln or "Unsupported" in ln), None)
+        why = why or (lines[0] if lines else type(e).__name__)
+        raise InvalidArgumentError(
+            f"{what}: torch's restricted unpickler (weights_only=True) refused this pickle "
+            f"({why}). If you trust the "
+            "checkpoint, allow its classes with torch.serialization.add_safe_globals, or "
+            "import with weights_only=False (CLI: --trust-pickles), which runs whatever code "
+            "the pickle holds"
+        ) from e
 
-    Trust: the source is read with torch's own DCP reader, which unpickles its ``.metadata``
-    (and, with ``weights_only=False``, its non-tensor values with the unrestricted
-    unpickler): import only checkpoints you trust, with the torch you train with. The
-    result holds no pickle: tensors as tensors (a non-tensor value that is a tensor too),
-    JSON-able values as JSON, ``bytes`` as bytes; any other value is an error naming its
-    key. Keys are the ``/``-joined state-dict paths DCP recorded (as the writer here keys
-    them). The whole state is held in memory. Returns ``tensors``, ``objects``,
-    ``tensor_bytes`` and the save report (``save``)."""
+
+def _read_dcp(src: str, weights_only: bool) -> tuple[Metadata, dict[str, Any], Mapping]:
+    """Every value of the DCP checkpoint directory ``src`` read in this process with torch's
+    own reader: ``(metadata, {fqn: value}, flattening mappings)``."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    reader = FileSystemReader(_path(src))
+    reader = FileSystemReader(src)
     md = reader.read_metadata()
     mappings = md.planner_data if isinstance(md.planner_data, Mapping) else {}
     state: dict[str, Any] = {}
@@ -654,23 +753,119 @@ def import_dcp(
     if state:
         import torch.distributed.checkpoint as dcp
 
-        dcp.load(
-            state,
-            storage_reader=reader,
-            planner=_ImportPlanner(weights_only),
-            no_dist=True,
-        )
+        try:
+            dcp.load(
+                state,
+                storage_reader=reader,
+                planner=_ImportPlanner(weights_only),
+                no_dist=True,
+            )
+        except BaseException as e:
+            # DCP wraps a failure in a CheckpointException (a BaseException): raise ours as
+            # it is.
+            for failure in (getattr(e, "failures", None) or {}).values():
+                inner = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(inner, InvalidArgumentError):
+                    raise inner from e
+            raise
+    return md, state, mappings
+
+
+def _boxes_for(
+    shape: tuple[int, ...], entry: Any, ranks: int | None
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(offset, sizes)`` of the pieces an imported tensor is written as: the chunks the
+    source saved (``ranks=None``), or ``ranks`` parts along the first axis (torch.chunk
+    style, uneven last part)."""
+    if not shape:
+        return [((), ())]
+    if ranks is None:
+        chunks = getattr(entry, "chunks", None) or []
+        boxes = [
+            (tuple(int(o) for o in c.offsets), tuple(int(n) for n in c.sizes))
+            for c in chunks
+            if all(int(n) > 0 for n in c.sizes)
+        ]
+        covered = sum(math.prod(n) for _, n in boxes)
+        if boxes and covered == math.prod(shape):
+            return sorted(boxes)
+        ranks = 1  # no usable chunk list: whole
+    part = -(-shape[0] // ranks)
+    out = []
+    for r in range(ranks):
+        lo = min(r * part, shape[0])
+        hi = min(lo + part, shape[0])
+        if hi > lo:
+            out.append(((lo, *(0,) * (len(shape) - 1)), (hi - lo, *shape[1:])))
+    return out or [((0,) * len(shape), shape)]
+
+
+def _pieces(key: str, t: torch.Tensor, boxes: list) -> list[_core.Piece]:
+    out = []
+    shape = tuple(t.shape)
+    for offset, sizes in boxes:
+        v = t
+        for d, (o, n) in enumerate(zip(offset, sizes, strict=True)):
+            if o != 0 or n != shape[d]:
+                v = v.narrow(d, o, n)
+        out.append(_core.Piece(key, v.contiguous(), shape, offset))
+    return out
+
+
+def _verify_tensors(dst: str, tensors: dict[str, torch.Tensor]) -> None:
+    from .reader import open as _open
+
+    ck = _open(dst, output="torch")
+    for key, want in tensors.items():
+        got = ck[key][...]
+        if not torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
+            raise InvalidArgumentError(f"`{key}`: the imported tensor differs from the source")
+
+
+def import_dcp(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    weights_only: bool = True,
+    ranks: int | None = None,
+    overwrite: bool = False,
+    **options: Any,
+) -> dict:
+    """Converts the DCP checkpoint directory ``src`` (``FileSystemWriter``'s format: a
+    pickled ``.metadata`` and ``.distcp`` files, as torchtitan writes) into a zarrckpt
+    checkpoint at ``dst``, in this process, then reads every tensor and object back from
+    ``dst`` and compares it with the source's, byte for byte.
+
+    Layout: each tensor is written in the chunks the source saved (one piece per saved
+    shard, so a job with the source's sharding reads exactly its own chunks), or, with
+    ``ranks=N``, split ``N`` ways along its first axis as ``N`` ranks would hold it (any
+    layout loads any other; this only picks the chunking).
+
+    Trust: the source is read with torch's own DCP reader, which unpickles its ``.metadata``
+    (and, with ``weights_only=False``, its non-tensor values with the unrestricted
+    unpickler): import only checkpoints you trust, with the torch you train with. The
+    result holds no pickle: tensors as tensors (a non-tensor value that is a tensor too),
+    JSON-able values as JSON, ``bytes`` as bytes; any other value is an error naming its
+    key. Keys are the ``/``-joined state-dict paths DCP recorded (as the writer here keys
+    them). The whole state is held in memory. Returns ``tensors``, ``objects``,
+    ``tensor_bytes`` and the save report (``save``)."""
+    if ranks is not None and ranks < 1:
+        raise InvalidArgumentError("ranks must be at least 1")
+    md, state, mappings = _read_dcp(_path(src), weights_only)
     pieces: list[_core.Piece] = []
     objects: list[_core.Object] = []
+    tensors: dict[str, torch.Tensor] = {}
     keys: dict[str, str] = {}
     for fqn, value in state.items():
         key = _key(fqn, mappings)
-        if key in keys.values():
+        if key in keys:
             raise InvalidArgumentError(f"`{fqn}`: two DCP keys map to the zarrckpt key `{key}`")
-        keys[fqn] = key
+        keys[key] = fqn
         if isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            pieces.append(_core.Piece(key, t, tuple(t.shape)))
+            t = value.detach().cpu()
+            tensors[key] = t
+            boxes = _boxes_for(tuple(t.shape), md.state_dict_metadata.get(fqn), ranks)
+            pieces.extend(_pieces(key, t, boxes))
         elif isinstance(value, bytes | bytearray) or _is_json(value):
             objects.append(
                 _core.Object(key, bytes(value) if isinstance(value, bytearray) else value)
@@ -683,15 +878,10 @@ def import_dcp(
     objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": []}, "per_rank"))
     report = _core.save(_path(dst), pieces, objects, comm=None, overwrite=overwrite, **options)
     # Every byte back, compared with the source's.
+    _verify_tensors(_path(dst), tensors)
     from .reader import open as _open
 
     ck = _open(_path(dst), output="torch")
-    for p in pieces:
-        got = ck[p.key][...]
-        if not torch.equal(
-            got.reshape(-1).view(torch.uint8), p.tensor.reshape(-1).view(torch.uint8)
-        ):
-            raise InvalidArgumentError(f"`{p.key}`: the imported tensor differs from the source")
     for o in objects[:-1]:  # the last one is the flag
         got = ck.object(o.key)
         want = (
@@ -700,8 +890,104 @@ def import_dcp(
         if got != want:
             raise InvalidArgumentError(f"`{o.key}`: the imported object differs from the source")
     return {
-        "tensors": len(pieces),
+        "tensors": len(tensors),
         "objects": len(objects) - 1,
-        "tensor_bytes": sum(p.tensor.numel() * p.tensor.element_size() for p in pieces),
+        "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+        "save": report,
+    }
+
+
+def import_megatron(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    weights_only: bool = True,
+    ranks: int | None = None,
+    overwrite: bool = False,
+    **options: Any,
+) -> dict:
+    """Converts a Megatron-LM ``torch_dist`` checkpoint directory ``src`` (an ``iter_*``
+    directory: ``metadata.json``, ``common.pt`` and DCP's ``.metadata`` and ``.distcp``
+    files) into a zarrckpt-backed Megatron checkpoint directory ``dst``, as
+    :func:`zarrckpt.megatron.save` writes it (``metadata.json`` naming backend ``zarrckpt``,
+    ``dst/zarrckpt/`` the zarrckpt checkpoint): ``dist_checkpointing.load`` reads it in any
+    topology once :mod:`zarrckpt.megatron` is imported, and ``zarrckpt.open(dst + "/zarrckpt")``
+    without Megatron. Needs megatron-core.
+
+    Tensors keep Megatron's keys and global shapes (layer axes included); ShardedObjects
+    become ``common`` objects named by their unique key, the content of ``common.pt`` the
+    object ``megatron/common``, both encoded by :func:`zarrckpt.megatron.encode_value` (no
+    pickle). Layout (``ranks``) as :func:`import_dcp`. Every tensor is read back and
+    compared byte for byte, every object decoded and re-encoded to the same bytes.
+
+    Trust: ``common.pt`` and the objects are ``torch.save`` pickles and ``.metadata`` is one
+    too; they are read with your torch, ``common.pt`` and the objects with torch's restricted
+    unpickler (``weights_only=True``: no code runs; megatron-core registers its own classes,
+    argparse namespaces and numpy arrays as allowed) unless ``weights_only=False``, which
+    runs whatever code they hold: use it only on checkpoints you trust."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    import zarrckpt.megatron as zm
+
+    if ranks is not None and ranks < 1:
+        raise InvalidArgumentError("ranks must be at least 1")
+    src_p = _path(src)
+    try:
+        with open(os.path.join(src_p, "metadata.json")) as f:
+            config = json.load(f)
+    except FileNotFoundError as e:
+        raise InvalidArgumentError(
+            f"{src_p}: no metadata.json (not a Megatron dist_checkpointing directory)"
+        ) from e
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    if backend != "torch_dist":
+        raise InvalidArgumentError(
+            f"{src_p}: sharded backend {backend!r}; only 'torch_dist' checkpoints are imported"
+        )
+    dst_p = _path(dst)
+    ck_dir = os.path.join(dst_p, zm.SUBDIR)
+    md, state, _ = _read_dcp(src_p, weights_only)
+    pieces: list[_core.Piece] = []
+    objects: list[_core.Object] = []
+    tensors: dict[str, torch.Tensor] = {}
+    sources: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu()
+            tensors[key] = t
+            boxes = _boxes_for(tuple(t.shape), md.state_dict_metadata.get(key), ranks)
+            pieces.extend(_pieces(key, t, boxes))
+        else:
+            # torch_dist stores a ShardedObject as the list of the values the saving rank held
+            # under its unique key (copies of one value); Megatron's loader hands out the first.
+            if not isinstance(value, list) or not value:
+                raise InvalidArgumentError(
+                    f"`{key}`: a torch_dist object is a non-empty list, not {type(value).__name__}"
+                )
+            value = value[0]
+            sources[key] = value
+            objects.append(_core.Object(key, zm._stored(zm.encode_value(value, path=key))))
+    common_path = os.path.join(src_p, "common.pt")
+    if os.path.exists(common_path):
+        common = _torch_load(common_path, weights_only, common_path)
+        sources[zm.COMMON_KEY] = common
+        objects.append(
+            _core.Object(zm.COMMON_KEY, zm._stored(zm.encode_value(common, path="common")))
+        )
+    os.makedirs(dst_p, exist_ok=True)
+    report = _core.save(ck_dir, pieces, objects, comm=None, overwrite=overwrite, **options)
+    _verify_tensors(ck_dir, tensors)
+    from .reader import open as _open
+
+    ck = _open(ck_dir, output="torch")
+    for key, value in sources.items():
+        again = zm.encode_value(zm.decode_value(ck.object(key)), path=key)
+        if again != zm.encode_value(value, path=key):
+            raise InvalidArgumentError(f"`{key}`: the imported object differs from the source")
+    save_config(CheckpointingConfig(zm.BACKEND, zm.VERSION, zm.BACKEND, zm.VERSION), dst_p)
+    return {
+        "tensors": len(tensors),
+        "objects": len(sources),
+        "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
         "save": report,
     }

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from . import _core
+from . import _core, _dtensor
 from ._errors import InvalidArgumentError
 
 __all__ = ["save", "load", "async_save", "PerRank", "SaveHandle"]
@@ -327,11 +327,7 @@ class _Flattener:
                     f"`{key}`: a DTensor with a Partial placement holds unreduced values; "
                     "redistribute it to Shard or Replicate first"
                 )
-            if type(p).__name__ == "_StridedShard":
-                raise InvalidArgumentError(
-                    f"`{key}`: _StridedShard placements (FSDP2 + TP) are not supported yet"
-                )
-            if not isinstance(p, Shard | Replicate):
+            if not (isinstance(p, Shard | Replicate) or _dtensor.has_strided([p])):
                 raise InvalidArgumentError(f"`{key}`: unsupported placement {p}")
         mesh = dt.device_mesh
         if mesh.get_coordinate() is None:
@@ -340,8 +336,25 @@ class _Flattener:
             if isinstance(p, Replicate) and mesh.size(d) > 1:
                 replicated = True
         gshape = tuple(dt.shape)
-        local_shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
         local = dt.to_local()
+        if _dtensor.has_strided(dt.placements):
+            # FSDP2 + TP: the local tensor may be several interleaved boxes of the global one.
+            boxes = _dtensor.local_boxes(dt)
+            local_shape = [
+                max((b[1][d] + b[2][d] for b in boxes), default=0) for d in range(dt.ndim)
+            ]
+            if tuple(local.shape) != tuple(local_shape) and boxes:
+                raise InvalidArgumentError(
+                    f"`{key}`: the local tensor's shape {tuple(local.shape)} is not the shape "
+                    f"{tuple(local_shape)} its placements give"
+                )
+            for g, start, sizes in boxes:
+                mem = self._memory(key, _dtensor.view(local, start, sizes))
+                self.plan.pieces.append(
+                    _core.Piece(key, mem, gshape, g, replica="auto" if replicated else 0)
+                )
+            return
+        local_shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
         if tuple(local.shape) != tuple(local_shape):
             raise InvalidArgumentError(
                 f"`{key}`: the local tensor's shape {tuple(local.shape)} is not the shape "

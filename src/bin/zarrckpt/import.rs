@@ -18,14 +18,28 @@ use crate::progress;
 #[derive(clap::Args)]
 pub struct Args {
     /// safetensors files (a multi-file model: all its shards).
-    #[arg(required = true)]
+    #[arg(required_unless_present = "dcp", conflicts_with = "dcp")]
     files: Vec<PathBuf>,
+    /// Import a PyTorch DCP checkpoint directory instead (`FileSystemWriter`'s format, e.g. a
+    /// torchtitan step), through the Python package: `$ZARRCKPT_PYTHON` (else `python3`) must
+    /// import `zarrckpt` and torch. Every byte is compared with the source.
+    #[arg(long, value_name = "DIR")]
+    dcp: Option<PathBuf>,
+    /// With `--dcp`: DIR is a Megatron-LM `torch_dist` checkpoint (an `iter_*` directory with
+    /// `metadata.json` and `common.pt`); `--out` becomes a zarrckpt-backed Megatron checkpoint.
+    #[arg(long, requires = "dcp")]
+    megatron: bool,
+    /// With `--dcp`: unpickle non-tensor values (and `common.pt`) with torch's unrestricted
+    /// unpickler, which runs whatever code they hold (default: torch's restricted one).
+    #[arg(long, requires = "dcp")]
+    trust_pickles: bool,
     /// The checkpoint directory to write.
     #[arg(long)]
     out: PathBuf,
-    /// Number of in-process ranks; each tensor is split this many ways along its first axis.
-    #[arg(long, default_value_t = 1)]
-    ranks: u64,
+    /// Number of in-process ranks; each tensor is split this many ways along its first axis
+    /// (default 1; with `--dcp`, default: the chunks the source saved).
+    #[arg(long)]
+    ranks: Option<u64>,
     /// Replace an existing checkpoint at `--out`.
     #[arg(long)]
     overwrite: bool,
@@ -110,7 +124,19 @@ fn split_first_axis(shape: &[u64], r: u64, n: u64) -> Region {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
-    if a.ranks == 0 {
+    if let Some(dir) = &a.dcp {
+        return crate::import_dcp::run(&crate::import_dcp::Request {
+            dir,
+            out: &a.out,
+            megatron: a.megatron,
+            ranks: a.ranks,
+            trust_pickles: a.trust_pickles,
+            overwrite: a.overwrite,
+            compression: &a.compression,
+        });
+    }
+    let ranks = a.ranks.unwrap_or(1);
+    if ranks == 0 {
         bail!("--ranks must be at least 1");
     }
     let compression = parse_compression(&a.compression)?;
@@ -198,7 +224,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             .insert("safetensors_metadata".into(), st_meta.into());
     }
     let t0 = Instant::now();
-    let n = a.ranks;
+    let n = ranks;
     let reports = run_local(n as usize, Duration::from_secs(300), |comm| {
         let r = comm.rank() as u64;
         let mut pieces = Vec::with_capacity(sources.len());

@@ -10,6 +10,7 @@ mod demo;
 mod diff;
 mod export;
 mod import;
+mod import_dcp;
 mod inspect;
 mod launch;
 mod ls;
@@ -37,7 +38,8 @@ enum Command {
     /// another split, check every byte and show what was written.
     Demo(demo::Args),
     /// Write a checkpoint from safetensors files, as N ranks would (each tensor split N ways
-    /// along its first axis).
+    /// along its first axis), or from a PyTorch DCP or Megatron `torch_dist` checkpoint
+    /// (`--dcp DIR [--megatron]`, through the Python package).
     Import(import::Args),
     /// Write a checkpoint's full tensors into one safetensors file.
     Export(export::Args),
