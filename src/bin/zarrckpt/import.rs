@@ -18,8 +18,24 @@ use crate::progress;
 #[derive(clap::Args)]
 pub struct Args {
     /// safetensors files (a multi-file model: all its shards).
-    #[arg(required = true)]
+    #[arg(required_unless_present = "hf")]
     files: Vec<PathBuf>,
+    /// Import a Hugging Face model directory (config.json and safetensors) into a Megatron
+    /// layout (`--megatron`) through a conversion table (`--map`).
+    #[arg(long, requires_all = ["map", "megatron"], conflicts_with = "files")]
+    hf: Option<PathBuf>,
+    /// Conversion table: a built-in name or a JSON file.
+    #[arg(long)]
+    map: Option<String>,
+    /// The Megatron layout to write: `tp=T,pp=P[,ep=E]`.
+    #[arg(long)]
+    megatron: Option<String>,
+    /// Writer threads (0: one per CPU, at most 8).
+    #[arg(long, default_value_t = 0)]
+    procs: usize,
+    /// Print the plan and write nothing.
+    #[arg(long)]
+    dry_run: bool,
     /// The checkpoint directory to write.
     #[arg(long)]
     out: PathBuf,
@@ -110,6 +126,17 @@ fn split_first_axis(shape: &[u64], r: u64, n: u64) -> Region {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
+    if let Some(hf) = &a.hf {
+        return crate::hf::import_hf(
+            hf,
+            a.map.as_deref().unwrap_or_default(),
+            a.megatron.as_deref().unwrap_or_default(),
+            &a.out,
+            a.overwrite,
+            a.procs,
+            a.dry_run,
+        );
+    }
     if a.ranks == 0 {
         bail!("--ranks must be at least 1");
     }

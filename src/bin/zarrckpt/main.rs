@@ -7,6 +7,7 @@ mod crash;
 mod demo;
 mod diff;
 mod export;
+mod hf;
 mod import;
 mod inspect;
 mod launch;
@@ -35,9 +36,12 @@ enum Command {
     /// another split, check every byte and show what was written.
     Demo(demo::Args),
     /// Write a checkpoint from safetensors files, as N ranks would (each tensor split N ways
-    /// along its first axis).
+    /// along its first axis); or, with `--hf DIR --map TABLE --megatron tp=T,pp=P`, a Hugging
+    /// Face model into a Megatron layout.
     Import(import::Args),
-    /// Write a checkpoint's full tensors into one safetensors file.
+    /// Write a checkpoint's full tensors into one safetensors file; or, with `--hf --map
+    /// TABLE`, a Megatron-layout checkpoint as a Hugging Face model; or, with `--vllm --tp K`,
+    /// vLLM per-rank files.
     Export(export::Args),
     /// List a checkpoint's tensors: data types, shapes, chunking, sizes.
     Inspect(inspect::Args),
