@@ -886,12 +886,16 @@ def export_hf(
     config: str | os.PathLike | None = None,
     copy_from: str | os.PathLike | None = None,
     max_shard_size: str | int | None = None,
+    megatron: str | None = None,
     procs: int | None = None,
     dry_run: bool = False,
 ) -> str:
     """Megatron-layout checkpoint -> Hugging Face safetensors files + index; returns the
-    tool's output (the plan with ``dry_run``)."""
+    tool's output (the plan with ``dry_run``). ``megatron`` (``"tp=T,pp=P"``): the layout the
+    checkpoint was saved at when its metadata does not say (it fixes the vocab padding)."""
     args = ["export", "--hf", *_common(map, procs, dry_run), str(ckpt), "--out", str(out)]
+    if megatron is not None:
+        args += ["--megatron", megatron]
     if config is not None:
         args += ["--config", str(config)]
     if copy_from is not None:
@@ -926,11 +930,14 @@ def export_vllm(
     *,
     tp: int,
     config: str | os.PathLike | None = None,
+    megatron: str | None = None,
     procs: int | None = None,
     dry_run: bool = False,
 ) -> str:
     """Megatron-layout checkpoint -> vLLM ``sharded_state`` per-rank files for TP ``tp``."""
     args = ["export", "--vllm", "--tp", str(tp), *_common(map, procs, dry_run), str(ckpt)]
+    if megatron is not None:
+        args += ["--megatron", megatron]
     if config is not None:
         args += ["--config", str(config)]
     return _run([*args, "--out", str(out)])
