@@ -533,6 +533,9 @@ def _forward_pp(model, ids: list[int], vocab: int):
     from megatron.core import parallel_state as ps
 
     model = model.float().eval()
+    for m in model.modules():  # softmax modules built for bf16 inputs: now fp32
+        if hasattr(m, "input_in_float16"):
+            m.input_in_fp16 = m.input_in_bf16 = m.input_in_float16 = False
     s = len(ids)
     tokens = torch.tensor([ids])
     pos = torch.arange(s)[None]
