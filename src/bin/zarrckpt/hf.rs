@@ -141,7 +141,7 @@ pub fn print_plan(plan: &Plan, what: &str, group_name: &str) {
 }
 
 /// Writes one safetensors file, tensor after tensor in `order`, each produced by `fill`.
-fn write_safetensors(
+pub fn write_safetensors(
     path: &Path,
     tensors: &[(String, safetensors::Dtype, Vec<u64>, u64)],
     mut fill: impl FnMut(usize, &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> anyhow::Result<()>,
