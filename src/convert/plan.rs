@@ -495,7 +495,9 @@ pub fn plan_vllm(
                 .iter()
                 .map(|s| {
                     let size = env.eval_u64(&s.size, &[])?;
-                    Ok((s.capture.clone(), size, 0, size))
+                    let start = s.start.as_ref().map(|e| env.eval_u64(e, &[])).transpose()?.unwrap_or(0);
+                    let stop = s.stop.as_ref().map(|e| env.eval_u64(e, &[])).transpose()?.unwrap_or(size);
+                    Ok((s.capture.clone(), size, start, stop.min(size)))
                 })
                 .collect::<Result<_, ConvertError>>()
                 .map_err(|e: ConvertError| e.in_rule(&rname))?;
