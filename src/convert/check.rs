@@ -41,8 +41,32 @@ fn cover(
     shape: &[u64],
     group_axes: usize,
     boxes: &[(usize, Bx)],
+    npads: usize,
 ) -> (u64, String, u64, Vec<usize>, String) {
-    let mut groups: BTreeMap<Vec<u64>, Vec<&(usize, Bx)>> = BTreeMap::new();
+    // The last `npads` boxes are padding: padding overlapping padding is not a conflict
+    // (two rules may pad the same rows); counted once.
+    let first_pad = boxes.len() - npads;
+    let boxes: Vec<(usize, Bx, bool)> = boxes
+        .iter()
+        .enumerate()
+        .map(|(i, (r, b))| (*r, b.clone(), i >= first_pad))
+        .collect();
+    let mut seen_pads: Vec<Bx> = Vec::new();
+    let boxes: Vec<(usize, Bx, bool)> = boxes
+        .into_iter()
+        .filter(|(_, b, pad)| {
+            if !*pad {
+                return true;
+            }
+            if seen_pads.contains(b) {
+                return false;
+            }
+            seen_pads.push(b.clone());
+            true
+        })
+        .collect();
+    let boxes = &boxes;
+    let mut groups: BTreeMap<Vec<u64>, Vec<&(usize, Bx, bool)>> = BTreeMap::new();
     for b in boxes {
         groups
             .entry(b.1.off[..group_axes].to_vec())
@@ -149,7 +173,8 @@ pub fn check_structure(ex: &Expanded, dir: Direction) -> Result<(), ConvertError
     for (mi, m) in ex.m.iter().enumerate() {
         let mut all = mboxes[mi].clone();
         all.extend(pads[mi].iter().cloned());
-        let (gap, gap_at, over, over_rules, over_at) = cover(&m.shape, m.stack_axes, &all);
+        let (gap, gap_at, over, over_rules, over_at) =
+            cover(&m.shape, m.stack_axes, &all, pads[mi].len());
         if over > 0 {
             return Err(match dir {
                 Direction::Import => ConvertError::Coverage {
@@ -198,7 +223,7 @@ pub fn check_structure(ex: &Expanded, dir: Direction) -> Result<(), ConvertError
         hboxes[*h].push((*r, Bx::full(&ex.h[*h].shape)));
     }
     for (hi, h) in ex.h.iter().enumerate() {
-        let (gap, gap_at, over, over_rules, over_at) = cover(&h.shape, 0, &hboxes[hi]);
+        let (gap, gap_at, over, over_rules, over_at) = cover(&h.shape, 0, &hboxes[hi], 0);
         if over > 0 {
             return Err(match dir {
                 Direction::Export => ConvertError::Coverage {

@@ -22,12 +22,12 @@ pub enum ConvertError {
         msg: String,
     },
     /// An error inside one rule (wraps the cause).
-    #[error("rule `{rule}`: {source}")]
+    #[error("rule `{rule}`: {cause}")]
     InRule {
         /// The rule's name.
         rule: String,
         /// The cause.
-        source: Box<ConvertError>,
+        cause: Box<ConvertError>,
     },
     /// A name pattern is invalid (a substitution inside a name component, bad braces).
     #[error("pattern `{pattern}`: {msg}")]
@@ -193,6 +193,22 @@ pub enum ConvertError {
         /// The rules.
         rules: String,
     },
+    /// An HF shape that depends on the Megatron layout (padding rows kept in an HF tensor).
+    #[error("rule `{rule}`: hf tensor `{key}` has shape {shape:?} at {layout} but {other:?} at {other_layout}: HF shapes are fixed by config.json alone; Megatron's padding rows (vocabulary padded for the saving TP) must not be kept in HF tensors")]
+    LayoutDependentShape {
+        /// The rule.
+        rule: String,
+        /// The HF tensor.
+        key: String,
+        /// Its shape at the layout of the conversion.
+        shape: Vec<u64>,
+        /// The layout.
+        layout: String,
+        /// Its shape at a probe layout.
+        other: Vec<u64>,
+        /// The probe layout.
+        other_layout: String,
+    },
     /// Something the conversion does not support (e.g. export through an import-only value op).
     #[error("rule `{rule}`: {msg}")]
     Unsupported {
@@ -215,10 +231,11 @@ impl ConvertError {
             | ConvertError::Dtype { .. }
             | ConvertError::Divisibility { .. }
             | ConvertError::Structure { .. }
+            | ConvertError::LayoutDependentShape { .. }
             | ConvertError::Unsupported { .. }) => e,
             e => ConvertError::InRule {
                 rule: rule.to_owned(),
-                source: Box::new(e),
+                cause: Box::new(e),
             },
         }
     }

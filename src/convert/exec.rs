@@ -101,6 +101,57 @@ pub fn copy_piece(
     Ok(())
 }
 
+/// fp8 block dequantisation of one piece: `dst = src * scale_inv[i / b0, j / b1]`, rounded
+/// once to the destination type.
+#[allow(clippy::too_many_arguments)]
+fn dequant_piece(
+    p: &Piece,
+    src: &super::plan::Source,
+    data: &[u8],
+    scale: &super::plan::Source,
+    sdata: &[u8],
+    block: [u64; 2],
+    dst: &mut [u8],
+    d: &Dest,
+) -> std::result::Result<(), ConvertError> {
+    let unsupported = |msg: String| ConvertError::Unsupported {
+        rule: String::new(),
+        msg,
+    };
+    if p.sbox.len.len() != 2 || p.transpose {
+        return Err(unsupported("fp8 dequantisation of a non-2-D or transposed piece".into()));
+    }
+    if scale.dtype != DType::Float32 {
+        return Err(unsupported(format!("scale `{}` is {}, not float32", scale.name, scale.dtype)));
+    }
+    let mut tmp = vec![0u8; usize::try_from(p.sbox.volume()).unwrap_or(0) * src.dtype.size()];
+    copy_box(data, &src.shape, &p.sbox, &mut tmp, &p.sbox.len, &Bx::full(&p.sbox.len), src.dtype.size(), false);
+    let mut vals = to_f64(src.dtype, &tmp)?;
+    let scales: &[f32] = bytemuck_f32(sdata);
+    let cols = scale.shape[1];
+    let (r0, c0) = (p.sbox.off[0], p.sbox.off[1]);
+    let w = p.sbox.len[1];
+    for (k, v) in vals.iter_mut().enumerate() {
+        let (i, j) = (r0 + k as u64 / w, c0 + k as u64 % w);
+        let s = scales[usize::try_from((i / block[0]) * cols + j / block[1]).unwrap_or(0)];
+        *v *= f64::from(s);
+    }
+    let out = from_f64(&vals, d.dtype)?;
+    let n = p.sbox.len.len().max(p.dbox.len.len());
+    let sb = Bx::full(&p.sbox.len);
+    let (sshape, sb) = pad_axes(&p.sbox.len, &sb, n);
+    let (dshape, db) = pad_axes(&d.region.len, &p.dbox, n);
+    copy_box(&out, &sshape, &sb, dst, &dshape, &db, d.dtype.size(), false);
+    Ok(())
+}
+
+fn bytemuck_f32(b: &[u8]) -> &[f32] {
+    // SAFETY: f32 has no invalid bit patterns; the length is rounded down to whole elements
+    // and the pointer alignment is checked.
+    assert!((b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>()), "scale data aligned");
+    unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), b.len() / 4) }
+}
+
 /// Fills the destinations `batch` of `plan` from `ckpt` (a Megatron-layout checkpoint: HF
 /// export and vLLM plans) into `bufs` (one per destination, [`Dest::nbytes`] each, zeroed by
 /// the caller: padding stays zero). Each merged source box is read once.
@@ -161,8 +212,11 @@ pub fn fill_from_sources<'s>(
     let d = &plan.dests[dest];
     for p in &d.pieces {
         let src = &plan.sources[p.src];
-        copy_piece(p, source(p.src), &Bx::full(&src.shape), src.dtype, buf, d, &d.value)
-            .map_err(|e| e.in_rule(&plan.expanded.rules[p.rule].name))?;
+        let r = match p.scale {
+            Some((si, block)) => dequant_piece(p, src, source(p.src), &plan.sources[si], source(si), block, buf, d),
+            None => copy_piece(p, source(p.src), &Bx::full(&src.shape), src.dtype, buf, d, &d.value),
+        };
+        r.map_err(|e| e.in_rule(&plan.expanded.rules[p.rule].name))?;
     }
     Ok(())
 }

@@ -272,7 +272,23 @@ impl Scope for Caps<'_, '_> {
             "ep" => return lay(l.ep),
             _ => {}
         }
-        self.env.param(name)
+        match self.env.param(name)? {
+            Some(v) => Ok(Some(v)),
+            None => match self.env.table.params.get(name) {
+                // A param whose config value is missing: say which.
+                Some(e) => Err(ConvertError::Expr {
+                    expr: e.text(),
+                    msg: format!(
+                        "param `{name}`: config.json lacks a value it needs ({})",
+                        match self.env.eval(e, &[]) {
+                            Err(ConvertError::Expr { msg, .. }) => msg,
+                            _ => "missing".into(),
+                        }
+                    ),
+                }),
+                None => Ok(None),
+            },
+        }
     }
 
     fn config(&self, name: &str) -> Result<Option<Value>, ConvertError> {
@@ -288,10 +304,16 @@ impl Scope for Caps<'_, '_> {
                     });
                 }
             },
+            // An object counts as `true` (present: `config.quantization_config ?? false`), a
+            // list as its length (`config.mlp_only_layers == 0`).
+            Some(serde_json::Value::Object(_)) => Some(Value::Bool(true)),
+            Some(serde_json::Value::Array(a)) => {
+                Some(Value::Int(i64::try_from(a.len()).unwrap_or(i64::MAX)))
+            }
             Some(v) => {
                 return Err(ConvertError::Expr {
                     expr: format!("config.{name}"),
-                    msg: format!("config.json's `{name}` = {v} is not an integer or boolean"),
+                    msg: format!("config.json's `{name}` = {v} is not an integer, boolean, object or list"),
                 });
             }
         })
@@ -363,6 +385,8 @@ pub struct Link {
     pub hbox: Bx,
     /// Transposed.
     pub transpose: bool,
+    /// fp8 block dequantisation on import: the HF scale tensor and the block shape.
+    pub scale: Option<(usize, [u64; 2])>,
 }
 
 /// A rule after expansion (what execution needs beyond links).
@@ -684,10 +708,11 @@ fn expand_rule(
     h_index: &mut BTreeMap<String, usize>,
 ) -> Result<(), ConvertError> {
     let mpat = Pattern::parse(&rule.megatron)?;
-    if !mpat.is_literal() {
+    let has_name_caps = rule.stack.iter().any(|s| s.in_name);
+    if !mpat.is_literal() && !has_name_caps {
         return Err(ConvertError::Pattern {
             pattern: rule.megatron.clone(),
-            msg: "a Megatron key has no substitutions: stack captures are leading axes".into(),
+            msg: "a Megatron key takes substitutions of `in_name` captures only (other stack captures are leading axes)".into(),
         });
     }
     let hpats: Vec<Pattern> = rule
@@ -700,6 +725,28 @@ fn expand_rule(
         .iter()
         .map(|h| h.shape.iter().map(|e| env.eval_u64(e, &[])).collect())
         .collect::<Result<_, _>>()?;
+    // HF shapes come from config.json alone: the same at any Megatron layout.
+    let probe_layout = Layout {
+        tp: 1009,
+        pp: 1,
+        ep: 1,
+    };
+    let probe = Env::new(env.table, env.config, probe_layout);
+    for (k, h) in rule.hf.iter().enumerate() {
+        let other: Result<Vec<u64>, _> = h.shape.iter().map(|e| probe.eval_u64(e, &[])).collect();
+        if let Ok(other) = other
+            && other != hshapes[k]
+        {
+            return Err(ConvertError::LayoutDependentShape {
+                rule: rule.name.clone(),
+                key: h.name.clone(),
+                shape: hshapes[k].clone(),
+                layout: env.layout.to_string(),
+                other,
+                other_layout: probe_layout.to_string(),
+            });
+        }
+    }
     let (mut body, blinks, mut bpads) = body_links(rule, env, &hshapes)?;
     let mut blinks = blinks;
     if let Some(p) = &rule.place {
@@ -722,12 +769,22 @@ fn expand_rule(
         }
         body[p.axis] = size;
     }
-    let ranges = stack_ranges(&rule.stack, env)?;
+    let all_ranges = stack_ranges(&rule.stack, env)?;
+    let name_ranges: Vec<_> = all_ranges
+        .iter()
+        .zip(&rule.stack)
+        .filter(|(_, s)| s.in_name)
+        .map(|(r, _)| r.clone())
+        .collect();
+    let ranges: Vec<_> = all_ranges
+        .iter()
+        .zip(&rule.stack)
+        .filter(|(_, s)| !s.in_name)
+        .map(|(r, _)| r.clone())
+        .collect();
     let ns = ranges.len();
     let mut shape: Vec<u64> = ranges.iter().map(|r| r.1).collect();
     shape.extend(&body);
-    // The Megatron tensor (shared by rules that place into it).
-    let mkey = rule.megatron.clone();
     let tp = match &rule.tp {
         Some(t) => {
             if t.axis >= body.len() {
@@ -762,115 +819,140 @@ fn expand_rule(
         None => None,
     };
     let ep_axis = match &rule.ep {
-        Some(e) => Some(
-            ranges
-                .iter()
-                .position(|r| r.0 == e.capture)
-                .ok_or_else(|| op_err(rule, format!("ep capture `{}` is not a stack capture", e.capture)))?,
-        ),
+        Some(e) => Some(ranges.iter().position(|r| r.0 == e.capture).ok_or_else(|| {
+            op_err(
+                rule,
+                format!("ep capture `{}` is not an axis stack capture", e.capture),
+            )
+        })?),
         None => None,
     };
-    let mi = match m_index.get(&mkey) {
-        Some(&mi) => {
-            let m = &mut ex.m[mi];
-            if m.shape != shape {
-                return Err(ConvertError::Duplicate {
-                    what: "megatron tensor",
-                    name: format!("{mkey} (shapes {:?} and {shape:?})", m.shape),
-                    rules: format!(
-                        "`{}` and `{}`",
-                        ex.rules[m.rules[0]].name, rule.name
-                    ),
-                });
-            }
-            m.rules.push(ri);
-            mi
-        }
-        None => {
-            ex.m.push(MTensor {
-                key: mkey.clone(),
-                aliases: rule.megatron_aliases.clone(),
-                shape: shape.clone(),
-                stack_axes: ns,
-                captures: ranges.iter().map(|r| r.0.clone()).collect(),
-                dtype: rule.dtype.clone(),
-                tp,
-                ep_axis,
-                rules: vec![ri],
-            });
-            m_index.insert(mkey.clone(), ex.m.len() - 1);
-            ex.m.len() - 1
-        }
+    let dequant = match rule.value.iter().find_map(|v| match v {
+        ValueOp::DequantFp8Block(d) => Some(d),
+        ValueOp::Add(_) => None,
+    }) {
+        Some(d) => match &d.when {
+            Some(w) => env.eval_bool(w, &[])?.then(|| (d.scale.clone(), d.block)),
+            None => Some((d.scale.clone(), d.block)),
+        },
+        None => None,
     };
-    let scale_pats: Vec<(Pattern, [u64; 2])> = rule
-        .value
-        .iter()
-        .filter_map(|v| match v {
-            ValueOp::DequantFp8Block(d) => Some((d.scale.clone(), d.block)),
-            ValueOp::Add(_) => None,
-        })
-        .map(|(s, b)| Pattern::parse(&s).map(|p| (p, b)))
-        .collect::<Result<_, _>>()?;
-    for idx in stack_indices(&ranges) {
-        let caps = caps_of(&ranges, &idx);
-        let scope = CapScope { env, caps: &caps };
-        let mut his = Vec::new();
-        for (k, p) in hpats.iter().enumerate() {
-            let name = p.render(&scope)?;
-            let hi = match h_index.get(&name) {
-                Some(&hi) => {
-                    if ex.h[hi].shape != hshapes[k] {
-                        return Err(ConvertError::Duplicate {
-                            what: "hf tensor",
-                            name: format!("{name} (shapes {:?} and {:?})", ex.h[hi].shape, hshapes[k]),
-                            rules: format!("`{}` and `{}`", ex.rules[ex.h[hi].order.1].name, rule.name),
-                        });
-                    }
-                    hi
-                }
-                None => {
-                    ex.h.push(HTensor {
-                        name: name.clone(),
-                        shape: hshapes[k].clone(),
-                        dtype: rule.hf[k].dtype.clone(),
-                        order: (idx.clone(), ri, k),
+    for nidx in stack_indices(&name_ranges) {
+        let ncaps = caps_of(&name_ranges, &nidx);
+        let mkey = mpat.render(&CapScope { env, caps: &ncaps })?;
+        let aliases: Vec<String> = rule
+            .megatron_aliases
+            .iter()
+            .map(|a| Pattern::parse(a)?.render(&CapScope { env, caps: &ncaps }))
+            .collect::<Result<_, _>>()?;
+        let mi = match m_index.get(&mkey) {
+            Some(&mi) => {
+                let m = &mut ex.m[mi];
+                if m.shape != shape {
+                    return Err(ConvertError::Duplicate {
+                        what: "megatron tensor",
+                        name: format!("{mkey} (shapes {:?} and {shape:?})", m.shape),
+                        rules: format!("`{}` and `{}`", ex.rules[m.rules[0]].name, rule.name),
                     });
-                    h_index.insert(name, ex.h.len() - 1);
-                    ex.h.len() - 1
                 }
-            };
-            his.push(hi);
-        }
-        for (hk, hb, mb, tr) in &blinks {
-            ex.links.push(Link {
-                rule: ri,
-                m: mi,
-                mbox: mb.prepend(&idx),
-                h: his[*hk],
-                hbox: hb.clone(),
-                transpose: *tr,
-            });
-        }
-        for pb in &bpads {
-            ex.pads.push((ri, mi, pb.prepend(&idx)));
-        }
-        for (p, block) in &scale_pats {
-            let name = p.render(&scope)?;
-            let s = &hshapes[0];
-            if s.len() != 2 {
-                return Err(op_err(rule, "fp8 block dequantisation needs 2-D tensors".into()));
+                m.rules.push(ri);
+                mi
             }
-            let sshape = vec![s[0].div_ceil(block[0]), s[1].div_ceil(block[1])];
-            let hi = *h_index.entry(name.clone()).or_insert_with(|| {
-                ex.h.push(HTensor {
-                    name,
-                    shape: sshape,
-                    dtype: Some("float32".into()),
-                    order: (idx.clone(), ri, usize::MAX),
+            None => {
+                ex.m.push(MTensor {
+                    key: mkey.clone(),
+                    aliases,
+                    shape: shape.clone(),
+                    stack_axes: ns,
+                    captures: ranges.iter().map(|r| r.0.clone()).collect(),
+                    dtype: rule.dtype.clone(),
+                    tp,
+                    ep_axis,
+                    rules: vec![ri],
                 });
-                ex.h.len() - 1
-            });
-            ex.aux.push((ri, hi));
+                m_index.insert(mkey.clone(), ex.m.len() - 1);
+                ex.m.len() - 1
+            }
+        };
+        for idx in stack_indices(&ranges) {
+            let mut caps = ncaps.clone();
+            caps.extend(caps_of(&ranges, &idx));
+            let scope = CapScope { env, caps: &caps };
+            let mut order_idx = nidx.clone();
+            order_idx.extend(&idx);
+            let mut his = Vec::new();
+            for (k, p) in hpats.iter().enumerate() {
+                let name = p.render(&scope)?;
+                let hi = match h_index.get(&name) {
+                    Some(&hi) => {
+                        if ex.h[hi].shape != hshapes[k] {
+                            return Err(ConvertError::Duplicate {
+                                what: "hf tensor",
+                                name: format!(
+                                    "{name} (shapes {:?} and {:?})",
+                                    ex.h[hi].shape, hshapes[k]
+                                ),
+                                rules: format!(
+                                    "`{}` and `{}`",
+                                    ex.rules[ex.h[hi].order.1].name, rule.name
+                                ),
+                            });
+                        }
+                        hi
+                    }
+                    None => {
+                        ex.h.push(HTensor {
+                            name: name.clone(),
+                            shape: hshapes[k].clone(),
+                            dtype: rule.hf[k].dtype.clone(),
+                            order: (order_idx.clone(), ri, k),
+                        });
+                        h_index.insert(name, ex.h.len() - 1);
+                        ex.h.len() - 1
+                    }
+                };
+                his.push(hi);
+            }
+            // fp8 scales: one per HF tensor, named by the tensor's name plus the suffix.
+            let mut scales: Vec<Option<(usize, [u64; 2])>> = vec![None; his.len()];
+            if let Some((suffix, block)) = &dequant {
+                for (k, &h) in his.iter().enumerate() {
+                    let name = format!("{}{suffix}", ex.h[h].name);
+                    let s = &hshapes[k];
+                    if s.len() != 2 {
+                        return Err(op_err(
+                            rule,
+                            "fp8 block dequantisation needs 2-D tensors".into(),
+                        ));
+                    }
+                    let sshape = vec![s[0].div_ceil(block[0]), s[1].div_ceil(block[1])];
+                    let hi = *h_index.entry(name.clone()).or_insert_with(|| {
+                        ex.h.push(HTensor {
+                            name,
+                            shape: sshape,
+                            dtype: Some("float32".into()),
+                            order: (order_idx.clone(), ri, usize::MAX),
+                        });
+                        ex.h.len() - 1
+                    });
+                    ex.aux.push((ri, hi));
+                    scales[k] = Some((hi, *block));
+                }
+            }
+            for (hk, hb, mb, tr) in &blinks {
+                ex.links.push(Link {
+                    rule: ri,
+                    m: mi,
+                    mbox: mb.prepend(&idx),
+                    h: his[*hk],
+                    hbox: hb.clone(),
+                    transpose: *tr,
+                    scale: scales[*hk],
+                });
+            }
+            for pb in &bpads {
+                ex.pads.push((ri, mi, pb.prepend(&idx)));
+            }
         }
     }
     Ok(())

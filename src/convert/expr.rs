@@ -253,7 +253,7 @@ pub fn eval(src: &str, e: &Expr, scope: &dyn Scope) -> Result<Value, ConvertErro
         Expr::Binary("??", a, b) => {
             let missing = match a.as_ref() {
                 Expr::Config(n) => scope.config(n)?.is_none(),
-                Expr::Name(n) => scope.name(n)?.is_none(),
+                Expr::Name(n) => scope.name(n).map_or(true, |v| v.is_none()),
                 _ => false,
             };
             if missing {

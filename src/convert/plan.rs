@@ -28,6 +28,8 @@ pub struct Piece {
     pub src_stack: usize,
     /// Stack axes of the destination box.
     pub dst_stack: usize,
+    /// fp8 block dequantisation (import): the scale source and the block shape.
+    pub scale: Option<(usize, [u64; 2])>,
 }
 
 /// One destination: a tensor (HF, vLLM) or a rank's box of one (Megatron).
@@ -258,6 +260,7 @@ pub fn plan_hf_export(
                 rule: l.rule,
                 src_stack: ex.m[l.m].stack_axes,
                 dst_stack: 0,
+                scale: None,
             })
             .collect();
         dests.push(Dest {
@@ -407,6 +410,7 @@ pub fn plan_megatron_import(
                             rule: l.rule,
                             src_stack: 0,
                             dst_stack: st,
+                            scale: l.scale,
                         });
                     }
                 }
@@ -491,7 +495,9 @@ pub fn plan_vllm(
                 .iter()
                 .map(|s| {
                     let size = env.eval_u64(&s.size, &[])?;
-                    Ok((s.capture.clone(), size, 0, size))
+                    let start = s.start.as_ref().map(|e| env.eval_u64(e, &[])).transpose()?.unwrap_or(0);
+                    let stop = s.stop.as_ref().map(|e| env.eval_u64(e, &[])).transpose()?.unwrap_or(size);
+                    Ok((s.capture.clone(), size, start, stop.min(size)))
                 })
                 .collect::<Result<_, ConvertError>>()
                 .map_err(|e: ConvertError| e.in_rule(&rname))?;
@@ -520,110 +526,146 @@ pub fn plan_vllm(
                         });
                     }
                 }
-                let mut shape: Option<Vec<u64>> = None;
-                let mut pieces = Vec::new();
+                let inner: Vec<Option<u64>> = match &vt.inner {
+                    Some(st) => (0..env.eval_u64(&st.size, &caps).map_err(|e| e.in_rule(&rname))?)
+                        .map(Some)
+                        .collect(),
+                    None => vec![None],
+                };
+                let mut all_pieces = Vec::new();
+                let mut inner_shape: Option<Vec<u64>> = None;
                 let mut dtype = None;
                 let mut value = Vec::new();
-                for (part, pp) in vt.parts.iter().zip(&ppats) {
-                    let hname = pp.render(&scope)?;
-                    let hi = *h_index.get(hname.as_str()).ok_or_else(|| ConvertError::Missing {
-                        rule: rname.clone(),
-                        side: "hf",
-                        key: hname.clone(),
-                        hint: " (the vLLM tensor's part names an HF tensor no rule produces)".into(),
-                    })?;
-                    let hd = hdest[hname.as_str()];
-                    dtype.get_or_insert(hd.dtype);
-                    value.clone_from(&hd.value);
-                    let hs = &ex.h[hi].shape;
-                    // This rank's box of the (padded) HF tensor.
-                    let mut pbox = Bx::full(hs);
-                    if let Some(a) = part.axis {
-                        let ext = match &part.pad_to {
-                            Some(e) => env.eval_u64(e, &caps).map_err(|e| e.in_rule(&rname))?,
-                            None => hs[a],
-                        };
-                        if ext < hs[a] {
+                let outer_caps = caps.clone();
+                for ie in &inner {
+                    let mut caps = outer_caps.clone();
+                    if let (Some(e), Some(st)) = (ie, &vt.inner) {
+                        caps.push((st.capture.clone(), i64::try_from(*e).unwrap_or(0)));
+                    }
+                    let scope = CapScope { env: &env, caps: &caps };
+                    let mut shape: Option<Vec<u64>> = None;
+                    let mut pieces = Vec::new();
+                    for (part, pp) in vt.parts.iter().zip(&ppats) {
+                        let hname = pp.render(&scope)?;
+                        let hi = *h_index.get(hname.as_str()).ok_or_else(|| ConvertError::Missing {
+                            rule: rname.clone(),
+                            side: "hf",
+                            key: hname.clone(),
+                            hint: " (the vLLM tensor's part names an HF tensor no rule produces)".into(),
+                        })?;
+                        let hd = hdest[hname.as_str()];
+                        dtype.get_or_insert(hd.dtype);
+                        value.clone_from(&hd.value);
+                        let hs = &ex.h[hi].shape;
+                        // This rank's box of the (padded) HF tensor.
+                        let mut pbox = Bx::full(hs);
+                        if let Some(a) = part.axis {
+                            let ext = match &part.pad_to {
+                                Some(e) => env.eval_u64(e, &caps).map_err(|e| e.in_rule(&rname))?,
+                                None => hs[a],
+                            };
+                            if ext < hs[a] {
+                                return Err(ConvertError::Op {
+                                    rule: rname.clone(),
+                                    op: "pad_to".into(),
+                                    msg: format!("pad_to {ext} is less than {hname}'s extent {}", hs[a]),
+                                });
+                            }
+                            let units = match &part.units {
+                                Some(e) => env.eval_u64(e, &caps).map_err(|e| e.in_rule(&rname))?,
+                                None => ext,
+                            };
+                            let div = |what: String, value: u64| ConvertError::Divisibility {
+                                rule: rname.clone(),
+                                key: hname.clone(),
+                                what,
+                                value,
+                                by_name: "vLLM tp".into(),
+                                by: k,
+                                layout: format!("vLLM TP {k}"),
+                            };
+                            if units == 0 || ext % units != 0 {
+                                return Err(div(format!("extent {ext} in units of {units}"), ext));
+                            }
+                            let us = ext / units;
+                            let (a0, n) = if units % k == 0 {
+                                (r * (units / k), units / k)
+                            } else if part.replicate && k % units == 0 {
+                                (r / (k / units), 1)
+                            } else {
+                                return Err(div(
+                                    format!(
+                                        "units along axis {a}{}",
+                                        if part.replicate { " (nor does it divide the TP size, for replication)" } else { "" }
+                                    ),
+                                    units,
+                                ));
+                            };
+                            pbox.off[a] = a0 * us;
+                            pbox.len[a] = n * us;
+                        }
+                        // Position of this part in the destination.
+                        let mut at = vec![0u64; hs.len()];
+                        let s = shape.get_or_insert_with(|| {
+                            let mut z = pbox.len.clone();
+                            z[cat] = 0;
+                            z
+                        });
+                        at[cat] = s[cat];
+                        let mut other = pbox.len.clone();
+                        other[cat] = s[cat];
+                        if *s != other {
                             return Err(ConvertError::Op {
                                 rule: rname.clone(),
-                                op: "pad_to".into(),
-                                msg: format!("pad_to {ext} is less than {hname}'s extent {}", hs[a]),
+                                op: "concat".into(),
+                                msg: format!("part {hname} has box {pbox}, other parts {s:?}"),
                             });
                         }
-                        let units = match &part.units {
-                            Some(e) => env.eval_u64(e, &caps).map_err(|e| e.in_rule(&rname))?,
-                            None => ext,
-                        };
-                        let div = |what: String, value: u64| ConvertError::Divisibility {
-                            rule: rname.clone(),
-                            key: hname.clone(),
-                            what,
-                            value,
-                            by_name: "vLLM tp".into(),
-                            by: k,
-                            layout: format!("vLLM TP {k}"),
-                        };
-                        if units == 0 || ext % units != 0 {
-                            return Err(div(format!("extent {ext} in units of {units}"), ext));
-                        }
-                        let us = ext / units;
-                        let (a0, n) = if units % k == 0 {
-                            (r * (units / k), units / k)
-                        } else if part.replicate && k % units == 0 {
-                            (r / (k / units), 1)
-                        } else {
-                            return Err(div(
-                                format!(
-                                    "units along axis {a}{}",
-                                    if part.replicate { " (nor does it divide the TP size, for replication)" } else { "" }
-                                ),
-                                units,
-                            ));
-                        };
-                        pbox.off[a] = a0 * us;
-                        pbox.len[a] = n * us;
-                    }
-                    // Position of this part in the destination.
-                    let mut at = vec![0u64; hs.len()];
-                    let s = shape.get_or_insert_with(|| {
-                        let mut z = pbox.len.clone();
-                        z[cat] = 0;
-                        z
-                    });
-                    at[cat] = s[cat];
-                    let mut other = pbox.len.clone();
-                    other[cat] = s[cat];
-                    if *s != other {
-                        return Err(ConvertError::Op {
-                            rule: rname.clone(),
-                            op: "concat".into(),
-                            msg: format!("part {hname} has box {pbox}, other parts {s:?}"),
-                        });
-                    }
-                    s[cat] += pbox.len[cat];
-                    // Pieces: the real (unpadded) part of the box, through the links.
-                    if let Some(real) = pbox.intersect(&Bx::full(hs)) {
-                        for l in &by_h[hi] {
-                            if let Some(x) = l.hbox.intersect(&real) {
-                                let st = ex.m[l.m].stack_axes;
-                                let mut dbox = x.relative_to(&pbox);
-                                for (d, o) in dbox.off.iter_mut().enumerate() {
-                                    *o += at[d];
+                        s[cat] += pbox.len[cat];
+                        // Pieces: the real (unpadded) part of the box, through the links.
+                        if let Some(real) = pbox.intersect(&Bx::full(hs)) {
+                            for l in &by_h[hi] {
+                                if let Some(x) = l.hbox.intersect(&real) {
+                                    let st = ex.m[l.m].stack_axes;
+                                    let mut dbox = x.relative_to(&pbox);
+                                    for (d, o) in dbox.off.iter_mut().enumerate() {
+                                        *o += at[d];
+                                    }
+                                    pieces.push(Piece {
+                                        src: l.m,
+                                        sbox: map_h_to_m(l, st, &x),
+                                        dbox,
+                                        transpose: l.transpose,
+                                        rule: l.rule,
+                                        src_stack: st,
+                                        dst_stack: 0,
+                                        scale: None,
+                                    });
                                 }
-                                pieces.push(Piece {
-                                    src: l.m,
-                                    sbox: map_h_to_m(l, st, &x),
-                                    dbox,
-                                    transpose: l.transpose,
-                                    rule: l.rule,
-                                    src_stack: st,
-                                    dst_stack: 0,
-                                });
                             }
                         }
                     }
+                    let shape = shape.unwrap_or_default();
+                    if let Some(e) = ie {
+                        for p in &mut pieces {
+                            p.dbox = p.dbox.prepend(&[*e]);
+                        }
+                    }
+                    if inner_shape.as_ref().is_some_and(|s| *s != shape) {
+                        return Err(ConvertError::Op {
+                            rule: rname.clone(),
+                            op: "inner".into(),
+                            msg: format!("stacked parts differ in shape: {inner_shape:?} and {shape:?}"),
+                        });
+                    }
+                    inner_shape = Some(shape);
+                    all_pieces.extend(pieces);
                 }
-                let shape = shape.unwrap_or_default();
+                let mut shape = inner_shape.unwrap_or_default();
+                if vt.inner.is_some() {
+                    shape.insert(0, inner.len() as u64);
+                }
+                let pieces = all_pieces;
                 dests.push(Dest {
                     name,
                     region: Bx::full(&shape),

@@ -45,6 +45,10 @@ pub struct StackSpec {
     /// One past the last index this rule covers (default `size`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop: Option<ExprText>,
+    /// The capture is substituted into the Megatron key (per-layer keys of non-homogeneous
+    /// models, `decoder.layers.{layer}.…`) instead of being a leading axis.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_name: bool,
 }
 
 /// One HF tensor of a rule.
@@ -76,10 +80,15 @@ pub struct Place {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Dequant {
-    /// Name pattern of the fp32 `scale_inv` tensor.
+    /// Suffix appended to each HF tensor's name to name its fp32 `scale_inv` tensor
+    /// (`_scale_inv`: `…weight` -> `…weight_scale_inv`).
     pub scale: String,
     /// Block shape.
     pub block: [u64; 2],
+    /// Whether the HF tensors are quantised (e.g. `fp8` = `config.quantization_config ?? false`);
+    /// when false the rule copies them as they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub when: Option<ExprText>,
 }
 
 /// A value op.
@@ -224,6 +233,10 @@ pub struct VllmTensor {
     /// Concatenation axis of the parts (default 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub axis: Option<usize>,
+    /// A capture stacked as a new leading axis of the tensor (vLLM's fused-MoE `w13_weight`
+    /// [experts, ...]): the parts are evaluated per index and stacked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inner: Option<StackSpec>,
     /// Parts.
     pub parts: Vec<VllmPart>,
 }

@@ -141,7 +141,7 @@ pub fn print_plan(plan: &Plan, what: &str, group_name: &str) {
 }
 
 /// Writes one safetensors file, tensor after tensor in `order`, each produced by `fill`.
-fn write_safetensors(
+pub fn write_safetensors(
     path: &Path,
     tensors: &[(String, safetensors::Dtype, Vec<u64>, u64)],
     mut fill: impl FnMut(usize, &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> anyhow::Result<()>,
@@ -490,18 +490,40 @@ pub fn import_hf(
         {
             continue;
         }
-        let sizes: Vec<u64> = o.stack.iter().map(|s| env.eval_u64(&s.size, &[])).collect::<Result<_, _>>()?;
-        let ranges: Vec<(String, u64, u64, u64)> = sizes.iter().map(|&s| (String::new(), s, 0, s)).collect();
+        let pat = convert::expand::Pattern::parse(&o.name)?;
+        let ranges: Vec<(String, u64, u64, u64)> = o
+            .stack
+            .iter()
+            .map(|s| {
+                let size = env.eval_u64(&s.size, &[])?;
+                let start = s.start.as_ref().map(|e| env.eval_u64(e, &[])).transpose()?.unwrap_or(0);
+                let stop = s.stop.as_ref().map(|e| env.eval_u64(e, &[])).transpose()?.unwrap_or(size);
+                Ok((s.capture.clone(), size, start, stop))
+            })
+            .collect::<Result<_, convert::ConvertError>>()?;
         for idx in convert::expand::stack_indices(&ranges) {
-            let (off, shape) = if idx.is_empty() {
+            let caps: Vec<(String, i64)> = ranges
+                .iter()
+                .zip(&idx)
+                .map(|((n, ..), &i)| (n.clone(), i64::try_from(i).unwrap_or(0)))
+                .collect();
+            let name = pat.render(&convert::expand::CapScope { env: &env, caps: &caps })?;
+            let axes: Vec<(u64, u64)> = o
+                .stack
+                .iter()
+                .zip(ranges.iter().zip(&idx))
+                .filter(|(s, _)| !s.in_name)
+                .map(|(_, ((_, size, ..), &i))| (i, *size))
+                .collect();
+            let (off, shape) = if axes.is_empty() {
                 ("0".to_string(), "1".to_string())
             } else {
                 (
-                    idx.iter().map(u64::to_string).collect::<Vec<_>>().join("."),
-                    sizes.iter().map(u64::to_string).collect::<Vec<_>>().join("."),
+                    axes.iter().map(|a| a.0.to_string()).collect::<Vec<_>>().join("."),
+                    axes.iter().map(|a| a.1.to_string()).collect::<Vec<_>>().join("."),
                 )
             };
-            objects.push(StateObject::common(&format!("{}/shard_{off}_{shape}", o.name), serde_json::Value::Null)?);
+            objects.push(StateObject::common(&format!("{name}/shard_{off}_{shape}"), serde_json::Value::Null)?);
         }
     }
     let mut opts = SaveOptions {

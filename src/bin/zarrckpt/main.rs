@@ -1,6 +1,7 @@
 //! The `zarrckpt` command-line tool.
 
 mod bench;
+mod bench_convert;
 mod bench_plan;
 mod corrupt;
 mod crash;
@@ -56,6 +57,9 @@ enum Command {
     Diff(diff::Args),
     /// Measure save and load against the machine's own limits, measured in the same run.
     Bench(bench::Args),
+    /// Measure conversion (HF export, vLLM reshard) against the machine's own limits, and
+    /// planning alone for a DeepSeek-V3-shaped checkpoint.
+    BenchConvert(bench_convert::Args),
     /// Measure one rank's planning cost (save and load) for very large simulated jobs.
     BenchPlan(bench_plan::Args),
     /// Run N local processes with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT
@@ -108,6 +112,7 @@ fn main() -> std::process::ExitCode {
         Command::Diff(a) => diff::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::BenchPlan(a) => bench_plan::run(&a),
+        Command::BenchConvert(a) => bench_convert::run(&a),
         Command::Launch(a) => launch::run(&a),
         Command::Worker(a) => worker::run(&a),
         Command::CrashTrials(a) => crash::run(&a),
