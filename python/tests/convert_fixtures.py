@@ -234,7 +234,7 @@ def _fp8_quantised(name: str) -> bool:
     if not name.startswith("model.layers.") or not name.endswith(".weight"):
         return False
     leaf = name.split(".")[-2]
-    return leaf.endswith("_proj") or leaf == "eh_proj"
+    return leaf.endswith("_proj") or leaf == "kv_a_proj_with_mqa"
 
 
 def quantise_fp8_block(w, block):
@@ -605,3 +605,80 @@ def tensor_getter(state: dict):
         return cache[name]
 
     return get
+
+
+def deepseek_reference(hf: dict, cfg: dict, tp: int = 1) -> dict:
+    """The global Megatron tensors of a DeepSeek-V3 import: per-layer keys (the dense/MoE
+    layer split makes the model non-homogeneous), MLA projections renamed, MoE experts stacked
+    on an expert axis with fc1 = [gate; up], shared experts, router and its expert bias, MTP
+    layers under `mtp.layers.{k}.`; fp8 weights dequantised (float32 * scale_inv per block, then
+    rounded to bfloat16)."""
+    import torch
+
+    block = tuple(cfg.get("quantization_config", {}).get("weight_block_size", FP8_BLOCK))
+
+    def w(name):
+        t = hf[name]
+        if t.dtype == torch.float8_e4m3fn:
+            return dequantise_fp8_block(t, hf[name + "_scale_inv"], block).to(torch.bfloat16)
+        return t
+
+    n = cfg["num_hidden_layers"]
+    dense = cfg.get("first_k_dense_replace", 0)
+    e = cfg["n_routed_experts"]
+    vp = padded_vocab(cfg["vocab_size"], tp)
+    out = {
+        "embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], vp),
+        "output_layer.weight": _pad_rows(hf["lm_head.weight"], vp),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
+
+    def layer(m: str, H: str, moe: bool) -> None:
+        out[m + "input_layernorm.weight"] = hf[H + "input_layernorm.weight"]
+        a = {
+            "linear_q_down_proj.weight": "q_a_proj.weight",
+            "q_layernorm.weight": "q_a_layernorm.weight",
+            "linear_q_up_proj.weight": "q_b_proj.weight",
+            "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight",
+            "kv_layernorm.weight": "kv_a_layernorm.weight",
+            "linear_kv_up_proj.weight": "kv_b_proj.weight",
+            "linear_proj.weight": "o_proj.weight",
+        }
+        for mk, hk in a.items():
+            out[m + "self_attention." + mk] = w(H + "self_attn." + hk)
+        out[m + "pre_mlp_layernorm.weight"] = hf[H + "post_attention_layernorm.weight"]
+        if not moe:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat(
+                [w(H + "mlp.gate_proj.weight"), w(H + "mlp.up_proj.weight")], 0
+            )
+            out[m + "mlp.linear_fc2.weight"] = w(H + "mlp.down_proj.weight")
+            return
+        out[m + "mlp.router.weight"] = hf[H + "mlp.gate.weight"]
+        out[m + "mlp.router.expert_bias"] = hf[H + "mlp.gate.e_score_correction_bias"]
+        X = H + "mlp.experts."
+        out[m + "mlp.experts.experts.linear_fc1.weight"] = torch.stack(
+            [
+                torch.cat([w(f"{X}{x}.gate_proj.weight"), w(f"{X}{x}.up_proj.weight")], 0)
+                for x in range(e)
+            ]
+        )
+        out[m + "mlp.experts.experts.linear_fc2.weight"] = torch.stack(
+            [w(f"{X}{x}.down_proj.weight") for x in range(e)]
+        )
+        S = H + "mlp.shared_experts."
+        out[m + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [w(S + "gate_proj.weight"), w(S + "up_proj.weight")], 0
+        )
+        out[m + "mlp.shared_experts.linear_fc2.weight"] = w(S + "down_proj.weight")
+
+    for i in range(n):
+        layer(f"decoder.layers.{i}.", f"model.layers.{i}.", i >= dense)
+    for k in range(cfg.get("num_nextn_predict_layers", 0) or 0):
+        H = f"model.layers.{n + k}."
+        m = f"mtp.layers.{k}."
+        out[m + "enorm.weight"] = hf[H + "enorm.weight"]
+        out[m + "hnorm.weight"] = hf[H + "hnorm.weight"]
+        out[m + "eh_proj.weight"] = w(H + "eh_proj.weight")
+        out[m + "final_layernorm.weight"] = hf[H + "shared_head.norm.weight"]
+        layer(m + "transformer_layer.", H, True)
+    return out

@@ -481,6 +481,10 @@ def _eval(node: tuple, env: Mapping[str, Any], config: Mapping[str, Any], text: 
         v = config[node[1]]
         if isinstance(v, float) and v.is_integer():
             v = int(v)
+        elif isinstance(v, dict):
+            v = True  # an object: present
+        elif isinstance(v, list):
+            v = len(v)
         if not isinstance(v, int | bool):
             raise TableError(f"expression {text!r}: config.{node[1]} is {v!r}, not an integer")
         return v
@@ -751,6 +755,14 @@ def expand(
                         f"{units} % {tp} = {units % tp}"
                     )
                 tp_spec = {"axis": axis, "parts": parts, "units": units}
+            for vop in rule.get("value", []):
+                dq = vop.get("dequant_fp8_block")
+                if dq is not None and evaluate(dq.get("when", True), cenv, config):
+                    b0, b1 = dq["block"]
+                    hf = hf + [
+                        (n + dq["scale"], (_ceil_div(sh[0], b0), _ceil_div(sh[1], b1)))
+                        for n, sh in hf
+                    ]
             ep_capture = rule.get("ep", {}).get("capture")
             if ep_capture is not None:
                 pos = [s["capture"] for s in stack].index(ep_capture)
@@ -765,7 +777,10 @@ def expand(
                     rule=rule["name"],
                     op=rule["op"],
                     megatron=key,
-                    megatron_shape=(*sizes, *body),
+                    megatron_shape=(
+                        *(n for s, n in zip(stack, sizes, strict=True) if not s.get("in_name")),
+                        *body,
+                    ),
                     index=tuple(index),
                     hf=hf,
                     body_shape=body,
@@ -797,12 +812,18 @@ def expand(
         stack = obj.get("stack", [])
         sizes, indices = _stack_indices(stack, env, config)
         for index in indices:
-            if stack:
-                off = ".".join(str(i) for i in index)
-                shp = ".".join(str(s) for s in sizes)
-                objects.append(f"{obj['name']}/shard_{off}_{shp}")
+            cenv = dict(env)
+            cenv.update({s["capture"]: i for s, i in zip(stack, index, strict=True)})
+            grid = [
+                (i, n) for s, i, n in zip(stack, index, sizes, strict=True) if not s.get("in_name")
+            ]
+            key = _subst(obj["name"], cenv, config)
+            if grid:
+                off = ".".join(str(i) for i, _ in grid)
+                shp = ".".join(str(n) for _, n in grid)
+                objects.append(f"{key}/shard_{off}_{shp}")
             else:
-                objects.append(f"{obj['name']}/shard_0_1")
+                objects.append(f"{key}/shard_0_1")
     vllm = []
     for t in table.get("vllm", {}).get("tensors", []):
         if "when" in t and not evaluate(t["when"], env, config):
@@ -812,19 +833,32 @@ def expand(
         for index in indices:
             cenv = dict(env)
             cenv.update({s["capture"]: i for s, i in zip(stack, index, strict=True)})
-            parts = []
-            for p in t["parts"]:
-                part = {"hf": _subst(p["hf"], cenv, config)}
-                for k in ("axis", "replicate"):
-                    if k in p:
-                        part[k] = p[k]
-                for k in ("units", "pad_to"):
-                    if k in p:
-                        part[k] = evaluate(p[k], cenv, config)
-                parts.append(part)
-            vllm.append(
-                {"name": _subst(t["name"], cenv, config), "axis": t.get("axis", 0), "parts": parts}
-            )
+            inner = t.get("inner")
+            inner_range = [None]
+            if inner is not None:
+                inner_range = list(range(evaluate(inner["size"], cenv, config)))
+            stacked = []
+            for j in inner_range:
+                ienv = dict(cenv)
+                if inner is not None:
+                    ienv[inner["capture"]] = j
+                parts = []
+                for p in t["parts"]:
+                    part = {"hf": _subst(p["hf"], ienv, config)}
+                    for k in ("axis", "replicate"):
+                        if k in p:
+                            part[k] = p[k]
+                    for k in ("units", "pad_to"):
+                        if k in p:
+                            part[k] = evaluate(p[k], ienv, config)
+                    parts.append(part)
+                stacked.append(parts)
+            entry = {"name": _subst(t["name"], cenv, config), "axis": t.get("axis", 0)}
+            if inner is None:
+                entry["parts"] = stacked[0]
+            else:
+                entry["inner"] = stacked  # one list of parts per index of the new leading axis
+            vllm.append(entry)
     return Expansion(
         table=name,
         params=dict(env),
