@@ -358,7 +358,7 @@ def megatron_reference(arch: str, hf: dict, cfg: dict, tp: int = 1) -> dict:
         lambda L: hf[L + "post_attention_layernorm.weight"]
     )
     if arch == "qwen3_moe":
-        e = cfg["num_experts"]
+        e = cfg.get("num_experts") or cfg["num_local_experts"]
         out[p + "mlp.router.weight"] = stack(lambda L: hf[L + "mlp.gate.weight"])
         out[p + "mlp.experts.experts.linear_fc1.weight"] = stack(
             lambda L: torch.stack(

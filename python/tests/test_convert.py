@@ -450,6 +450,11 @@ def _no_rng_tracker() -> None:
     mr.CudaRNGStatesTracker.fork = lambda self, *a, **k: contextlib.nullcontext()
 
 
+def _experts(cfg: dict) -> int:
+    # transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`
+    return cfg.get("num_experts") or cfg["num_local_experts"]
+
+
 def megatron_config(cfg: dict, tp: int, pp: int, ep: int = 1, moe: bool = False):
     from megatron.core.transformer import TransformerConfig
 
@@ -480,7 +485,7 @@ def megatron_config(cfg: dict, tp: int, pp: int, ep: int = 1, moe: bool = False)
     )
     if moe:
         kw.update(
-            num_moe_experts=cfg["num_experts"],
+            num_moe_experts=_experts(cfg),
             moe_ffn_hidden_size=cfg["moe_intermediate_size"],
             moe_router_topk=cfg["num_experts_per_tok"],
             moe_grouped_gemm=False,
@@ -498,7 +503,7 @@ def build_megatron(cfg: dict, tp: int, pp: int, ep: int = 1, moe: bool = False):
     _no_rng_tracker()
     mcfg = megatron_config(cfg, tp, pp, ep, moe)
     spec = get_gpt_layer_local_spec(
-        num_experts=cfg["num_experts"] if moe else None,
+        num_experts=_experts(cfg) if moe else None,
         qk_layernorm=mcfg.qk_layernorm,
         normalization="RMSNorm",
     )
@@ -575,7 +580,7 @@ def scenario_moe_params(rank, world, tp, pp, ep, ckpt, cfg, hf_dir):
     _load(model, ckpt)
     hf = cf.read_hf(Path(hf_dir))
     ep_rank = ps.get_expert_model_parallel_rank()
-    local_e = cfg["num_experts"] // ep
+    local_e = _experts(cfg) // ep
     groups = cfg["num_key_value_heads"]
     checked = 0
     for name, p in model.named_parameters():
