@@ -222,8 +222,10 @@ def test_negative_tp9_smollm2(smol, work):
     if _cli_has("import"):
         _refused(
             lambda: zc.import_hf(smol, work / "tp9", "llama", tp=9, pp=1, dry_run=True),
-            "9",
-            "linear_qkv",
+            "qkv",
+            "decoder.layers.self_attention.linear_qkv.weight",
+            "tp = 9",
+            "3",
         )
         assert not (work / "tp9" / "metadata.json").exists()
 
@@ -256,6 +258,9 @@ def test_negative_plain_concat_qkv(tmp_path, smol, work):
         lambda: zc.import_hf(smol, work / "plain-qkv", table, tp=1, pp=1, dry_run=True),
         "qkv",
         "linear_qkv",
+        "units = 3",
+        "q_proj",
+        "k_proj",
     )
 
 
@@ -324,6 +329,8 @@ def test_negative_lm_head_twice_for_tied(tmp_path, smol, smol_megatron):
     _refused(
         lambda: zc.export_hf(smol_megatron, tmp_path / "twice", table, dry_run=True),
         "embedding.word_embeddings.weight",
+        "tied_head",
+        "twice",
     )
 
 
@@ -338,11 +345,15 @@ def test_negative_split_tensor_with_no_target(tmp_path, smol, smol_megatron):
         pytest.skip("no import in the CLI")
     _refused(
         lambda: zc.import_hf(smol, tmp_path / "no-up", table, tp=3, pp=2, dry_run=True),
-        "up_proj",
+        "model.layers.0.mlp.up_proj.weight",
+        "1536",
     )
     _refused(
         lambda: zc.export_hf(smol_megatron, tmp_path / "no-up-hf", table, dry_run=True),
-        "linear_fc1",
+        "fc1",
+        "decoder.layers.mlp.linear_fc1.weight",
+        "3072",
+        "1536",
     )
 
 
