@@ -175,6 +175,9 @@ def make_tiny(
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     model = model.to(getattr(torch, dtype))
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith("e_score_correction_bias"):  # fp32 in DeepSeek's published checkpoint
+            t.data = t.data.float()
     model.save_pretrained(out)
     if arch == "deepseek_v3":
         _deepseek_extras(out, cfg, seed, getattr(torch, dtype), fp8)
