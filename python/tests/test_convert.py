@@ -574,9 +574,19 @@ def _forward_pp(model, ids: list[int], vocab: int):
     return torch.cat(parts, -1)[0, :, :vocab].numpy()
 
 
-def scenario_llama_forward(rank, world, tp, pp, ckpt, cfg, out):
+def _resave(model, path: str) -> None:
+    """Megatron's own save of the loaded model (zarrckpt strategy): a checkpoint written by
+    megatron-core, not by the importer, for the export tests."""
+    import zarrckpt.megatron as zm
+
+    zm.save(model.sharded_state_dict(), path)
+
+
+def scenario_llama_forward(rank, world, tp, pp, ckpt, cfg, out, resave=None):
     model = build_megatron(cfg, tp, pp)
     _load(model, ckpt)
+    if resave:
+        _resave(model, resave)
     logits = _forward_pp(model, PROMPT, cfg["vocab_size"])
     if logits is not None:
         np.save(out, logits)
@@ -676,12 +686,15 @@ def run(world: int, scenario: str, tmp_path: Path, **kwargs) -> None:
 
 @needs_cli
 @pytest.mark.parametrize("tp,pp", [(3, 2), (1, 1)])
-def test_smollm2_megatron_forward(tp, pp, smol_megatron, smol_hf, smol_logits, tmp_path):
+def test_smollm2_megatron_forward(tp, pp, smol, smol_megatron, smol_hf, smol_logits, tmp_path):
     """The imported checkpoint (saved layout TP3 x PP2) loads into megatron-core's GPTModel at
-    TP3 x PP2 and, resharded, at TP1 x PP1; the forward matches transformers' logits."""
+    TP3 x PP2 and, resharded, at TP1 x PP1; the forward matches transformers' logits. The
+    loaded model saved again by megatron-core (zarrckpt.megatron.save) exports to HF
+    bit-exact."""
     pytest.importorskip("megatron.core")
-    _, cfg = smol_hf
+    hf, cfg = smol_hf
     out = tmp_path / "logits.npy"
+    resaved = tmp_path / "saved-by-megatron"
     run(
         tp * pp,
         "scenario_llama_forward",
@@ -691,7 +704,15 @@ def test_smollm2_megatron_forward(tp, pp, smol_megatron, smol_hf, smol_logits, t
         ckpt=str(smol_megatron),
         cfg=cfg,
         out=str(out),
+        resave=str(resaved),
     )
+    # a checkpoint megatron-core itself wrote (at this TP x PP) exports to the same HF tensors
+    exported = tmp_path / "hf-from-megatron"
+    zc.export_hf(resaved, exported, "llama", config=smol / "config.json")
+    got = cf.read_hf(exported)
+    assert set(got) == set(hf)
+    for name, t in hf.items():
+        assert cf.same_bits(got[name], t), name
     logits = np.load(out)
     scale = np.abs(smol_logits).max()
     # megatron's fp32 forward on the same bf16 weights; op order differs from transformers'
@@ -1005,11 +1026,12 @@ def check_against_reference(model, ref: dict) -> int:
     return n
 
 
-def scenario_deepseek_params(rank, world, tp, pp, ep, ckpt, cfg, hf_dir):
+def scenario_deepseek_params(rank, world, tp, pp, ep, ckpt, cfg, hf_dir, resave):
     model = build_megatron_deepseek(cfg, tp, pp, ep)
     _load(model, ckpt)
     ref = cf.deepseek_reference(cf.read_hf(Path(hf_dir)), cfg, tp=tp)
     assert check_against_reference(model, ref) > 0
+    _resave(model, resave)
 
 
 @needs_cli
@@ -1023,6 +1045,7 @@ def test_deepseek_v3_megatron_load(deepseek, work, tmp_path):
     if not (ckpt / "metadata.json").exists():
         zc.import_hf(deepseek, ckpt, "deepseek_v3", tp=1, pp=1, ep=4)
     cfg = cf.hf_config(deepseek)
+    resaved = tmp_path / "saved-by-megatron"
     run(
         2,
         "scenario_deepseek_params",
@@ -1033,7 +1056,17 @@ def test_deepseek_v3_megatron_load(deepseek, work, tmp_path):
         ckpt=str(ckpt),
         cfg=cfg,
         hf_dir=str(deepseek),
+        resave=str(resaved),
     )
+    # megatron-core's own save of that model (per-layer keys, experts, MTP) exports to HF
+    hf = cf.read_hf(deepseek)
+    exported = tmp_path / "hf-from-megatron"
+    zc.export_hf(resaved, exported, "deepseek_v3", config=deepseek / "config.json")
+    got = cf.read_hf(exported)
+    copies = {k for k in hf if k.endswith(MTP_COPIES) and k.startswith("model.layers.")}
+    assert set(got) - copies == set(hf) - copies
+    for name in got:
+        assert cf.same_bits(got[name], hf[name]), name
 
 
 # ---------------------------------------------------------------------------------------------
