@@ -148,6 +148,7 @@ pub struct Env<'a> {
     layout: Layout,
     cache: RefCell<BTreeMap<String, Option<Value>>>,
     active: RefCell<Vec<String>>,
+    parsed: RefCell<std::collections::HashMap<String, std::rc::Rc<Expr>>>,
 }
 
 impl<'a> Env<'a> {
@@ -160,6 +161,7 @@ impl<'a> Env<'a> {
             layout,
             cache: RefCell::new(BTreeMap::new()),
             active: RefCell::new(Vec::new()),
+            parsed: RefCell::new(std::collections::HashMap::new()),
         }
     }
 
@@ -178,7 +180,18 @@ impl<'a> Env<'a> {
         match e {
             ExprText::Int(i) => Ok(Value::Int(*i)),
             ExprText::Bool(b) => Ok(Value::Bool(*b)),
-            ExprText::Text(t) => expr::eval(t, &expr::parse(t)?, &scope),
+            ExprText::Text(t) => {
+                let cached = self.parsed.borrow().get(t).cloned();
+                let e = match cached {
+                    Some(e) => e,
+                    None => {
+                        let e = std::rc::Rc::new(expr::parse(t)?);
+                        self.parsed.borrow_mut().insert(t.clone(), e.clone());
+                        e
+                    }
+                };
+                expr::eval(t, &e, &scope)
+            }
         }
     }
 

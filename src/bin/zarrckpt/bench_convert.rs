@@ -303,7 +303,9 @@ fn plan_deepseek() -> anyhow::Result<()> {
     let (plan, peak) = peak_of(|| convert::plan_vllm(&table, &cfg, saved, &inv, 32));
     let plan = plan?;
     let secs = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
     let per = plan.bytes_per_group();
+    let per_secs = t1.elapsed().as_secs_f64();
     let reads: Vec<u64> = per.values().map(|v| v.0).collect();
     println!(
         "DeepSeek-V3 planning (no data): {:.1}B parameters in {} Megatron tensors saved at PP16 x EP16, resharded to vLLM TP32: {} destination tensors, planned and checked in {secs:.2} s (target < 10 s), peak heap {:.1} MiB",
@@ -313,7 +315,7 @@ fn plan_deepseek() -> anyhow::Result<()> {
         peak as f64 / (1 << 20) as f64
     );
     println!(
-        "  bytes per destination rank (bf16): min {:.2} GB, max {:.2} GB, total {:.1} GB; rank 0 reads {} bytes",
+        "  bytes per destination rank (bf16, the merged boxes each rank reads, counted in {per_secs:.2} s): min {:.2} GB, max {:.2} GB, total {:.1} GB; rank 0 reads {} bytes",
         *reads.iter().min().unwrap_or(&0) as f64 / 1e9,
         *reads.iter().max().unwrap_or(&0) as f64 / 1e9,
         reads.iter().sum::<u64>() as f64 / 1e9,
