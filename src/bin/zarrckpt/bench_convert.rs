@@ -152,19 +152,15 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         total as f64 / 1e9
     );
     let t0 = Instant::now();
-    hf::import_hf(
-        &hfdir,
-        "llama",
-        &format!("tp={}", a.save_tp),
-        &mg,
-        true,
-        0,
-        false,
-    )?;
+    let (r, peak) = peak_of(|| {
+        hf::import_hf(&hfdir, "llama", &format!("tp={}", a.save_tp), &mg, true, 0, false)
+    });
+    r?;
     println!(
-        "import HF -> Megatron tp={}: {:.2} s",
+        "import HF -> Megatron tp={}: {:.2} s, peak heap {:.1} MiB (the HF files and the scratch file are mapped, not on the heap)",
         a.save_tp,
-        t0.elapsed().as_secs_f64()
+        t0.elapsed().as_secs_f64(),
+        peak as f64 / (1 << 20) as f64
     );
     let ck = Checkpoint::open(mg.join("zarrckpt"))?;
     let table = Table::builtin("llama")?;

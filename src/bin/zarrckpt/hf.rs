@@ -543,39 +543,62 @@ pub fn import_hf(
     let planned = t0.elapsed().as_secs_f64();
     // Source bytes, by source index.
     let src: Vec<&[u8]> = plan.sources.iter().map(|s| dir.data(&s.name)).collect();
-    // Destination boxes: borrowed from the mapped files where they are one contiguous run,
-    // else assembled.
-    let mut owned: Vec<Option<Vec<u8>>> = Vec::with_capacity(plan.dests.len());
+    // Destination boxes: borrowed from the mapped HF files where they are one contiguous run;
+    // the others are assembled one at a time into a scratch file next to the output, mapped
+    // back read-only, so that the heap holds one box at a time and the page cache the rest.
+    let nonempty = std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_some());
+    if nonempty && !overwrite {
+        bail!("{} exists and is not empty (pass --overwrite to replace it)", out.display());
+    }
+    std::fs::create_dir_all(out)?;
+    let scratch_path = out.join(".zarrckpt-import-scratch");
+    let mut at: Vec<Option<(usize, usize)>> = vec![None; plan.dests.len()];
     let mut borrowed = 0u64;
-    for i in 0..plan.dests.len() {
-        if let Some((s, range)) = convert::exec::borrowable(&plan, i) {
-            let _ = (s, range);
-            owned.push(None);
+    let mut assembled = 0usize;
+    for (i, slot) in at.iter_mut().enumerate() {
+        if convert::exec::borrowable(&plan, i).is_some() {
             borrowed += plan.dests[i].nbytes();
         } else {
-            let mut buf = vec![0u8; plan.dests[i].nbytes() as usize];
-            convert::fill_from_sources(&plan, i, &|k| src[k], &mut buf)?;
-            owned.push(Some(buf));
+            let n = plan.dests[i].nbytes() as usize;
+            *slot = Some((assembled, n));
+            assembled += n.next_multiple_of(8);
         }
     }
+    let scratch_map = {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&scratch_path)
+            .with_context(|| format!("create {}", scratch_path.display()))?;
+        f.set_len(assembled as u64)?;
+        for (i, slot) in at.iter().enumerate() {
+            if let Some((off, n)) = slot {
+                let mut buf = vec![0u8; *n];
+                convert::fill_from_sources(&plan, i, &|k| src[k], &mut buf)?;
+                f.write_all_at(&buf, *off as u64)?;
+            }
+        }
+        if assembled == 0 {
+            None
+        } else {
+            // SAFETY: a private scratch file this process created and no longer writes.
+            Some(unsafe { Mmap::map(&f) }.with_context(|| format!("map {}", scratch_path.display()))?)
+        }
+    };
     let mut pieces = Vec::with_capacity(plan.dests.len());
     for (i, d) in plan.dests.iter().enumerate() {
-        let data: &[u8] = match &owned[i] {
-            Some(b) => b,
-            None => {
+        let data: &[u8] = match (&at[i], &scratch_map) {
+            (Some((off, n)), Some(m)) => &m[*off..*off + *n],
+            _ => {
                 let (s, r) = convert::exec::borrowable(&plan, i).expect("borrowable");
                 &src[s][r]
             }
         };
         let region = zarrckpt::Region::new(d.region.off.clone(), d.region.len.clone())?;
-        pieces.push(ShardedTensor::new(
-            TensorKey::new(&d.name)?,
-            d.dtype,
-            d.shape.clone(),
-            region,
-            0,
-            data,
-        )?);
+        pieces.push(ShardedTensor::new(TensorKey::new(&d.name)?, d.dtype, d.shape.clone(), region, 0, data)?);
     }
     // Megatron's objects: the common state and the extra state of linear layers.
     let env = convert::expand::Env::new(&table, &cfg, layout);
@@ -657,10 +680,6 @@ pub fn import_hf(
         serde_json::json!({"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "table": table.name, "source": "zarrckpt import --hf"}),
     );
     opts.user_metadata.insert("hf_config".into(), cfg.clone());
-    if out.exists() && !overwrite {
-        bail!("{} exists (pass --overwrite to replace it)", out.display());
-    }
-    std::fs::create_dir_all(out)?;
     let _ = std::fs::remove_file(out.join("metadata.json"));
     let rep = zarrckpt::save_with_objects(
         &pieces,
@@ -668,13 +687,17 @@ pub fn import_hf(
         &out.join("zarrckpt"),
         &LocalComm::single(),
         &opts,
-    )?;
+    );
+    drop(pieces);
+    drop(scratch_map);
+    let _ = std::fs::remove_file(&scratch_path);
+    let rep = rep?;
     let cfgm = serde_json::json!({"sharded_backend": "zarrckpt", "sharded_backend_version": 1, "common_backend": "zarrckpt", "common_backend_version": 1});
     std::fs::write(out.join("metadata.json"), serde_json::to_string(&cfgm)?)?;
     let total: u64 = plan.dests.iter().map(|d| d.nbytes()).sum();
     let secs = t0.elapsed().as_secs_f64();
     println!(
-        "imported {} HF tensors into {} Megatron tensors ({} rank boxes, {:.3} GB, {:.3} GB borrowed from the mapped files without a copy) at {layout} into {} in {secs:.2} s (planning {planned:.3} s); {} shard files",
+        "imported {} HF tensors into {} Megatron tensors ({} rank boxes, {:.3} GB: {:.3} GB saved straight from the mapped HF files, the rest assembled through a scratch file one box at a time) at {layout} into {} in {secs:.2} s (planning {planned:.3} s); {} shard files",
         plan.sources.len(),
         plan.expanded.m.len(),
         plan.dests.len(),
