@@ -462,3 +462,201 @@ fn vllm_tp_that_does_not_divide_is_refused() {
         "{e}"
     );
 }
+
+fn ds_cfg(fp8: bool) -> serde_json::Value {
+    let mut c = json!({"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_attention_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8, "v_head_dim": 16, "vocab_size": 1000, "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": false});
+    if fp8 {
+        c["quantization_config"] = json!({"quant_method": "fp8", "weight_block_size": [128, 128]});
+    }
+    c
+}
+
+/// The HF inventory a table implies (what a conforming HF directory holds).
+fn implied_hf(t: &Table, c: &serde_json::Value, fp8: bool) -> Inventory {
+    let ex = convert::expand(t, c, lay(1, 1)).unwrap();
+    ex.h.iter()
+        .map(|h| {
+            let dt = match &h.dtype {
+                Some(d) => d.clone(),
+                None if fp8
+                    && ex.links.iter().any(|l| {
+                        l.h == ex.h.iter().position(|x| x.name == h.name).unwrap()
+                            && l.scale.is_some()
+                    }) =>
+                {
+                    "float8_e4m3fn".into()
+                }
+                None => "bfloat16".into(),
+            };
+            (h.name.clone(), (dt, h.shape.clone()))
+        })
+        .collect()
+}
+
+#[test]
+fn deepseek_v3_per_layer_keys_experts_and_mtp() {
+    let c = ds_cfg(false);
+    let t = Table::builtin("deepseek_v3").unwrap();
+    let ex = convert::expand(&t, &c, lay(1, 1)).unwrap();
+    let m = |k: &str| ex.m.iter().find(|m| m.key == k).map(|m| m.shape.clone());
+    assert_eq!(
+        m("decoder.layers.0.mlp.linear_fc1.weight"),
+        Some(vec![192, 64])
+    );
+    assert_eq!(m("decoder.layers.1.mlp.linear_fc1.weight"), None);
+    assert_eq!(
+        m("decoder.layers.2.mlp.experts.experts.linear_fc1.weight"),
+        Some(vec![8, 64, 64])
+    );
+    assert_eq!(
+        m("decoder.layers.1.self_attention.linear_q_up_proj.weight"),
+        Some(vec![96, 48])
+    );
+    assert_eq!(m("decoder.layers.1.mlp.router.expert_bias"), Some(vec![8]));
+    assert_eq!(m("mtp.layers.0.eh_proj.weight"), Some(vec![64, 128]));
+    assert_eq!(
+        m("mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc2.weight"),
+        Some(vec![8, 64, 32])
+    );
+    assert!(
+        ex.h.iter()
+            .any(|h| h.name == "model.layers.3.mlp.experts.7.down_proj.weight")
+    );
+    let inv = implied_hf(&t, &c, false);
+    let p = import(
+        &t,
+        &c,
+        Layout {
+            tp: 2,
+            pp: 1,
+            ep: 4,
+        },
+        &inv,
+    )
+    .unwrap();
+    // Experts: one box per (expert, TP piece of each half).
+    let n = p
+        .dests
+        .iter()
+        .filter(|d| d.name == "decoder.layers.1.mlp.experts.experts.linear_fc1.weight")
+        .count();
+    assert_eq!(n, 8 * 2 * 2);
+    let e = msg(import(
+        &t,
+        &c,
+        Layout {
+            tp: 1,
+            pp: 1,
+            ep: 3,
+        },
+        &inv,
+    )
+    .unwrap_err());
+    assert!(
+        e.contains("experts") && e.contains("= 8 is not divisible by ep = 3"),
+        "{e}"
+    );
+    // The MTP layer's copies of the embedding and head are dropped deliberately.
+    let mut inv2 = inv.clone();
+    inv2.insert(
+        "model.layers.3.shared_head.head.weight".into(),
+        ("bfloat16".into(), vec![1000, 64]),
+    );
+    import(&t, &c, lay(1, 1), &inv2).unwrap();
+}
+
+#[test]
+fn fp8_block_dequantisation_on_import() {
+    let c = ds_cfg(true);
+    let t = Table::builtin("deepseek_v3").unwrap();
+    let inv = implied_hf(&t, &c, true);
+    assert_eq!(
+        inv["model.layers.0.self_attn.q_b_proj.weight_scale_inv"],
+        ("float32".to_string(), vec![1, 1])
+    );
+    let p = import(&t, &c, lay(1, 1), &inv).unwrap();
+    let data: Vec<Vec<u8>> = p
+        .sources
+        .iter()
+        .map(|s| {
+            let n: u64 = s.shape.iter().product();
+            if s.dtype == zarrckpt::DType::Float32 {
+                (0..n)
+                    .flat_map(|i| (0.5f32 + i as f32).to_le_bytes())
+                    .collect()
+            } else {
+                (0..n * s.dtype.size() as u64)
+                    .map(|i| (i * 7 % 120) as u8)
+                    .collect()
+            }
+        })
+        .collect();
+    let i = p
+        .dests
+        .iter()
+        .position(|d| d.name == "decoder.layers.0.self_attention.linear_q_up_proj.weight")
+        .unwrap();
+    let d = &p.dests[i];
+    assert_eq!(d.dtype, zarrckpt::DType::BFloat16);
+    let mut buf = vec![0u8; d.nbytes() as usize];
+    convert::fill_from_sources(&p, i, &|k| data[k].as_slice(), &mut buf).unwrap();
+    let s = p
+        .sources
+        .iter()
+        .position(|s| s.name == "model.layers.0.self_attn.q_b_proj.weight")
+        .unwrap();
+    let want: Vec<f64> = data[s]
+        .iter()
+        .map(|&b| {
+            zarrckpt::model::dtype::float8_value(zarrckpt::DType::Float8E4M3FN, b).unwrap() * 0.5
+        })
+        .collect();
+    let mut wb = vec![0u8; want.len() * 2];
+    zarrckpt::model::convert::convert(
+        zarrckpt::DType::Float64,
+        zarrckpt::model::dtype::as_bytes(&want),
+        zarrckpt::DType::BFloat16,
+        &mut wb,
+    )
+    .unwrap();
+    assert_eq!(buf, wb);
+}
+
+#[test]
+fn qwen3_moe_experts_on_an_expert_axis() {
+    let c = json!({"num_hidden_layers": 2, "hidden_size": 16, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "intermediate_size": 24, "moe_intermediate_size": 8, "num_local_experts": 4,
+        "vocab_size": 100, "tie_word_embeddings": false, "decoder_sparse_step": 1});
+    let t = Table::builtin("qwen3_moe").unwrap();
+    let inv = implied_hf(&t, &c, false);
+    let ex = convert::expand(&t, &c, lay(1, 1)).unwrap();
+    let fc1 =
+        ex.m.iter()
+            .find(|m| m.key == "decoder.layers.mlp.experts.experts.linear_fc1.weight")
+            .unwrap();
+    assert_eq!(fc1.shape, vec![2, 4, 16, 16]);
+    assert!(
+        !ex.m
+            .iter()
+            .any(|m| m.key == "decoder.layers.mlp.linear_fc1.weight")
+    );
+    import(
+        &t,
+        &c,
+        Layout {
+            tp: 1,
+            pp: 2,
+            ep: 4,
+        },
+        &inv,
+    )
+    .unwrap();
+    let mut c2 = c.clone();
+    c2["decoder_sparse_step"] = json!(2);
+    let e = msg(import(&t, &c2, lay(1, 1), &inv).unwrap_err());
+    assert!(e.contains("every layer is an MoE layer"), "{e}");
+}

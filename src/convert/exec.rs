@@ -246,7 +246,9 @@ pub fn fill_from_checkpoint(
             p.sbox == *b
                 && !p.transpose
                 && plan.sources[*s].dtype == d.dtype
-                && d.value.iter().all(|v| matches!(v, ValueOp::Add(c) if *c == 0.0))
+                && d.value
+                    .iter()
+                    .all(|v| matches!(v, ValueOp::Add(c) if *c == 0.0))
                 && p.dbox.volume() == d.region.volume()
         })
         .collect();

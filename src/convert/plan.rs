@@ -579,8 +579,11 @@ pub fn plan_vllm(
                     let mut pieces = Vec::new();
                     for (part, pp) in vt.parts.iter().zip(&ppats) {
                         let hname = pp.render(&scope)?;
-                        let hi = *h_index.get(hname.as_str()).ok_or_else(|| {
-                            ConvertError::Missing {
+                        let hi =
+                            *h_index
+                                .get(hname.as_str())
+                                .ok_or_else(|| {
+                                    ConvertError::Missing {
                                 rule: rname.clone(),
                                 side: "hf",
                                 key: hname.clone(),
@@ -588,7 +591,7 @@ pub fn plan_vllm(
                                     " (the vLLM tensor's part names an HF tensor no rule produces)"
                                         .into(),
                             }
-                        })?;
+                                })?;
                         let hd = hdest[hname.as_str()];
                         dtype.get_or_insert(hd.dtype);
                         value.clone_from(&hd.value);

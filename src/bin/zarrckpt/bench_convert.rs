@@ -153,7 +153,15 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     );
     let t0 = Instant::now();
     let (r, peak) = peak_of(|| {
-        hf::import_hf(&hfdir, "llama", &format!("tp={}", a.save_tp), &mg, true, 0, false)
+        hf::import_hf(
+            &hfdir,
+            "llama",
+            &format!("tp={}", a.save_tp),
+            &mg,
+            true,
+            0,
+            false,
+        )
     });
     r?;
     println!(

@@ -548,7 +548,10 @@ pub fn import_hf(
     // back read-only, so that the heap holds one box at a time and the page cache the rest.
     let nonempty = std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_some());
     if nonempty && !overwrite {
-        bail!("{} exists and is not empty (pass --overwrite to replace it)", out.display());
+        bail!(
+            "{} exists and is not empty (pass --overwrite to replace it)",
+            out.display()
+        );
     }
     std::fs::create_dir_all(out)?;
     let scratch_path = out.join(".zarrckpt-import-scratch");
@@ -585,7 +588,10 @@ pub fn import_hf(
             None
         } else {
             // SAFETY: a private scratch file this process created and no longer writes.
-            Some(unsafe { Mmap::map(&f) }.with_context(|| format!("map {}", scratch_path.display()))?)
+            Some(
+                unsafe { Mmap::map(&f) }
+                    .with_context(|| format!("map {}", scratch_path.display()))?,
+            )
         }
     };
     let mut pieces = Vec::with_capacity(plan.dests.len());
@@ -598,7 +604,14 @@ pub fn import_hf(
             }
         };
         let region = zarrckpt::Region::new(d.region.off.clone(), d.region.len.clone())?;
-        pieces.push(ShardedTensor::new(TensorKey::new(&d.name)?, d.dtype, d.shape.clone(), region, 0, data)?);
+        pieces.push(ShardedTensor::new(
+            TensorKey::new(&d.name)?,
+            d.dtype,
+            d.shape.clone(),
+            region,
+            0,
+            data,
+        )?);
     }
     // Megatron's objects: the common state and the extra state of linear layers.
     let env = convert::expand::Env::new(&table, &cfg, layout);
