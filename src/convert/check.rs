@@ -271,6 +271,9 @@ pub fn check_structure(ex: &Expanded, dir: Direction) -> Result<(), ConvertError
     Ok(())
 }
 
+/// Elements per source slot (rule, position of the HF tensor in the rule).
+type Composition = BTreeMap<(usize, usize), u64>;
+
 /// Tensor-parallel units of fused tensors hold equal shares of every source: a fused QKV
 /// stored as plain [Q; K; V] puts only query rows in the first query group's unit.
 fn check_units(ex: &Expanded) -> Result<(), ConvertError> {
@@ -298,7 +301,7 @@ fn check_units(ex: &Expanded) -> Result<(), ConvertError> {
             .collect();
         // Per part, per unit: elements of each source slot (rule, hf position in rule).
         for p in 0..parts {
-            let mut reference: Option<(u64, BTreeMap<(usize, usize), u64>)> = None;
+            let mut reference: Option<(u64, Composition)> = None;
             for u in 0..per_part_units {
                 let a = p * seg + u * usize_;
                 let b = a + usize_;
@@ -318,11 +321,10 @@ fn check_units(ex: &Expanded) -> Result<(), ConvertError> {
                         let show = |c: &BTreeMap<(usize, usize), u64>| {
                             c.iter()
                                 .map(|((r, k), n)| {
-                                    let name = ex
-                                        .h
-                                        .iter()
-                                        .find(|h| h.order.1 == *r && h.order.2 == *k)
-                                        .map_or("?", |h| h.name.as_str());
+                                    let name =
+                                        ex.h.iter()
+                                            .find(|h| h.order.1 == *r && h.order.2 == *k)
+                                            .map_or("?", |h| h.name.as_str());
                                     format!("{n} from `{name}`")
                                 })
                                 .collect::<Vec<_>>()
@@ -368,7 +370,13 @@ pub fn check_layout(ex: &Expanded, layout: Layout) -> Result<(), ConvertError> {
                     ),
                     per_part_units,
                 ),
-                (format!("extent of each of {parts} part(s) along axis {}", axis - m.stack_axes), seg),
+                (
+                    format!(
+                        "extent of each of {parts} part(s) along axis {}",
+                        axis - m.stack_axes
+                    ),
+                    seg,
+                ),
             ] {
                 if v % layout.tp != 0 {
                     return Err(ConvertError::Divisibility {
@@ -508,7 +516,9 @@ pub fn check_megatron_input(ex: &Expanded, inv: &Inventory) -> Result<Vec<String
             })?;
         let (_, shape) = &inv[key];
         if *shape != m.shape {
-            let hint = if ex.pads.iter().any(|(_, pm, _)| ex.m[*pm].key == m.key) || shape.len() == m.shape.len() {
+            let hint = if ex.pads.iter().any(|(_, pm, _)| ex.m[*pm].key == m.key)
+                || shape.len() == m.shape.len()
+            {
                 format!(
                     " at {} (a padded vocabulary depends on the saving TP: pass it with --megatron tp=T; padding rows are never written to HF)",
                     ex.layout

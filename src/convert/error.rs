@@ -73,7 +73,9 @@ pub enum ConvertError {
         rules: String,
     },
     /// Source elements consumed more than once (e.g. tied embeddings written twice).
-    #[error("{side} tensor `{key}`{at}: {elements} elements consumed twice, by rules {rules} (a source is converted once; tied embeddings are written once)")]
+    #[error(
+        "{side} tensor `{key}`{at}: {elements} elements consumed twice, by rules {rules} (a source is converted once; tied embeddings are written once)"
+    )]
     ConsumedTwice {
         /// `megatron` or `hf`.
         side: &'static str,
@@ -87,7 +89,9 @@ pub enum ConvertError {
         rules: String,
     },
     /// A source tensor of the input that no rule consumes and no `drop` glob lists.
-    #[error("{side} tensor `{key}` (shape {shape:?}) is consumed by no rule and not listed in the table's `drop.{side}`{hint}")]
+    #[error(
+        "{side} tensor `{key}` (shape {shape:?}) is consumed by no rule and not listed in the table's `drop.{side}`{hint}"
+    )]
     Unconsumed {
         /// `megatron` or `hf`.
         side: &'static str,
@@ -99,7 +103,9 @@ pub enum ConvertError {
         hint: String,
     },
     /// Source elements no rule consumes (a split part with no target).
-    #[error("{side} tensor `{key}`{at}: {elements} of its elements are consumed by no rule (rules {rules}): a split part without a target")]
+    #[error(
+        "{side} tensor `{key}`{at}: {elements} of its elements are consumed by no rule (rules {rules}): a split part without a target"
+    )]
     PartlyConsumed {
         /// `megatron` or `hf`.
         side: &'static str,
@@ -125,7 +131,9 @@ pub enum ConvertError {
         hint: String,
     },
     /// A stored shape differs from the one the table implies from config.json.
-    #[error("rule `{rule}`: {side} tensor `{key}` is stored with shape {stored:?}, config.json implies {expected:?}{hint}")]
+    #[error(
+        "rule `{rule}`: {side} tensor `{key}` is stored with shape {stored:?}, config.json implies {expected:?}{hint}"
+    )]
     Shape {
         /// The rule.
         rule: String,
@@ -155,7 +163,9 @@ pub enum ConvertError {
         expected: String,
     },
     /// The requested layout does not divide the model.
-    #[error("rule `{rule}`: {key}: {what} = {value} is not divisible by {by_name} = {by} ({layout})")]
+    #[error(
+        "rule `{rule}`: {key}: {what} = {value} is not divisible by {by_name} = {by} ({layout})"
+    )]
     Divisibility {
         /// The rule.
         rule: String,
@@ -194,7 +204,9 @@ pub enum ConvertError {
         rules: String,
     },
     /// An HF shape that depends on the Megatron layout (padding rows kept in an HF tensor).
-    #[error("rule `{rule}`: hf tensor `{key}` has shape {shape:?} at {layout} but {other:?} at {other_layout}: HF shapes are fixed by config.json alone; Megatron's padding rows (vocabulary padded for the saving TP) must not be kept in HF tensors")]
+    #[error(
+        "rule `{rule}`: hf tensor `{key}` has shape {shape:?} at {layout} but {other:?} at {other_layout}: HF shapes are fixed by config.json alone; Megatron's padding rows (vocabulary padded for the saving TP) must not be kept in HF tensors"
+    )]
     LayoutDependentShape {
         /// The rule.
         rule: String,

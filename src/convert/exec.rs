@@ -53,11 +53,16 @@ fn to_f64(dtype: DType, src: &[u8]) -> std::result::Result<Vec<f64>, ConvertErro
 
 fn from_f64(v: &[f64], dtype: DType) -> std::result::Result<Vec<u8>, ConvertError> {
     let mut out = vec![0u8; v.len() * dtype.size()];
-    crate::model::convert::convert(DType::Float64, crate::model::dtype::as_bytes(v), dtype, &mut out)
-        .map_err(|e| ConvertError::Unsupported {
-            rule: String::new(),
-            msg: e.to_string(),
-        })?;
+    crate::model::convert::convert(
+        DType::Float64,
+        crate::model::dtype::as_bytes(v),
+        dtype,
+        &mut out,
+    )
+    .map_err(|e| ConvertError::Unsupported {
+        rule: String::new(),
+        msg: e.to_string(),
+    })?;
     Ok(out)
 }
 
@@ -80,14 +85,35 @@ pub fn copy_piece(
     let n = sb.len.len().max(p.dbox.len.len());
     let (sshape, sb) = pad_axes(&src_box.len, &sb, n);
     let (dshape, db) = pad_axes(&d.region.len, &p.dbox, n);
-    let plain = src_dtype == d.dtype && value.iter().all(|v| matches!(v, ValueOp::Add(c) if *c == 0.0));
+    let plain = src_dtype == d.dtype
+        && value
+            .iter()
+            .all(|v| matches!(v, ValueOp::Add(c) if *c == 0.0));
     if plain {
-        copy_box(src, &sshape, &sb, dst, &dshape, &db, src_dtype.size(), p.transpose);
+        copy_box(
+            src,
+            &sshape,
+            &sb,
+            dst,
+            &dshape,
+            &db,
+            src_dtype.size(),
+            p.transpose,
+        );
         return Ok(());
     }
     // Through a box-shaped temporary: gather, convert, apply, scatter.
     let mut tmp = vec![0u8; usize::try_from(sb.volume()).unwrap_or(0) * src_dtype.size()];
-    copy_box(src, &sshape, &sb, &mut tmp, &sb.len, &Bx::full(&sb.len), src_dtype.size(), false);
+    copy_box(
+        src,
+        &sshape,
+        &sb,
+        &mut tmp,
+        &sb.len,
+        &Bx::full(&sb.len),
+        src_dtype.size(),
+        false,
+    );
     let mut vals = to_f64(src_dtype, &tmp)?;
     for v in value {
         if let ValueOp::Add(c) = v {
@@ -97,7 +123,16 @@ pub fn copy_piece(
         }
     }
     let out = from_f64(&vals, d.dtype)?;
-    copy_box(&out, &sb.len, &Bx::full(&sb.len), dst, &dshape, &db, d.dtype.size(), p.transpose);
+    copy_box(
+        &out,
+        &sb.len,
+        &Bx::full(&sb.len),
+        dst,
+        &dshape,
+        &db,
+        d.dtype.size(),
+        p.transpose,
+    );
     Ok(())
 }
 
@@ -119,13 +154,27 @@ fn dequant_piece(
         msg,
     };
     if p.sbox.len.len() != 2 || p.transpose {
-        return Err(unsupported("fp8 dequantisation of a non-2-D or transposed piece".into()));
+        return Err(unsupported(
+            "fp8 dequantisation of a non-2-D or transposed piece".into(),
+        ));
     }
     if scale.dtype != DType::Float32 {
-        return Err(unsupported(format!("scale `{}` is {}, not float32", scale.name, scale.dtype)));
+        return Err(unsupported(format!(
+            "scale `{}` is {}, not float32",
+            scale.name, scale.dtype
+        )));
     }
     let mut tmp = vec![0u8; usize::try_from(p.sbox.volume()).unwrap_or(0) * src.dtype.size()];
-    copy_box(data, &src.shape, &p.sbox, &mut tmp, &p.sbox.len, &Bx::full(&p.sbox.len), src.dtype.size(), false);
+    copy_box(
+        data,
+        &src.shape,
+        &p.sbox,
+        &mut tmp,
+        &p.sbox.len,
+        &Bx::full(&p.sbox.len),
+        src.dtype.size(),
+        false,
+    );
     let mut vals = to_f64(src.dtype, &tmp)?;
     let scales: &[f32] = bytemuck_f32(sdata);
     let cols = scale.shape[1];
@@ -148,7 +197,10 @@ fn dequant_piece(
 fn bytemuck_f32(b: &[u8]) -> &[f32] {
     // SAFETY: f32 has no invalid bit patterns; the length is rounded down to whole elements
     // and the pointer alignment is checked.
-    assert!((b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>()), "scale data aligned");
+    assert!(
+        (b.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>()),
+        "scale data aligned"
+    );
     unsafe { std::slice::from_raw_parts(b.as_ptr().cast::<f32>(), b.len() / 4) }
 }
 
@@ -165,12 +217,46 @@ pub fn fill_from_checkpoint(
     bufs: &mut [&mut [u8]],
 ) -> Result<FillStats> {
     let reads = plan.reads(batch.clone());
+    let dests = &plan.dests[batch];
+    // Which (destination, piece) pieces use each read box.
+    let mut users: Vec<Vec<(usize, usize)>> = vec![Vec::new(); reads.len()];
+    let mut piece_read: Vec<Vec<usize>> = Vec::with_capacity(dests.len());
+    for (i, d) in dests.iter().enumerate() {
+        let mut v = Vec::with_capacity(d.pieces.len());
+        for (j, p) in d.pieces.iter().enumerate() {
+            let ri = reads
+                .iter()
+                .position(|(s, b)| *s == p.src && b.contains(&p.sbox))
+                .expect("a merged read box holds every piece");
+            users[ri].push((i, j));
+            v.push(ri);
+        }
+        piece_read.push(v);
+    }
+    // A read box that is exactly one whole destination with nothing to convert is read
+    // straight into the destination's buffer (no intermediate copy).
+    let direct: Vec<bool> = reads
+        .iter()
+        .zip(&users)
+        .map(|((s, b), u)| {
+            let [(i, j)] = u.as_slice() else {
+                return false;
+            };
+            let (d, p) = (&dests[*i], &dests[*i].pieces[*j]);
+            p.sbox == *b
+                && !p.transpose
+                && plan.sources[*s].dtype == d.dtype
+                && d.value
+                    .iter()
+                    .all(|v| matches!(v, ValueOp::Add(c) if *c == 0.0))
+                && p.dbox.volume() == d.region.volume()
+        })
+        .collect();
     let mut stats = FillStats::default();
     let mut data: Vec<Vec<u8>> = Vec::with_capacity(reads.len());
-    for (s, b) in &reads {
+    for (ri, (s, b)) in reads.iter().enumerate() {
         let src = &plan.sources[*s];
         let n = usize::try_from(b.volume()).unwrap_or(usize::MAX) * src.dtype.size();
-        let mut buf = vec![0u8; n];
         let key = TensorKey::new(&src.name)?;
         let region = Region::new(b.off.clone(), b.len.clone()).map_err(|source| {
             crate::Error::Tensor(crate::model::TensorError::Region {
@@ -178,20 +264,36 @@ pub fn fill_from_checkpoint(
                 source,
             })
         })?;
-        let rep = ckpt.read_region(&key, &region, &mut buf)?;
+        let rep = if direct[ri] {
+            let (i, _) = users[ri][0];
+            data.push(Vec::new());
+            ckpt.read_region(&key, &region, bufs[i])?
+        } else {
+            let mut buf = vec![0u8; n];
+            let rep = ckpt.read_region(&key, &region, &mut buf)?;
+            data.push(buf);
+            rep
+        };
         stats.bytes_read += rep.bytes_read;
         stats.bytes_needed += n as u64;
-        data.push(buf);
     }
-    for (i, d) in plan.dests[batch].iter().enumerate() {
-        for p in &d.pieces {
-            let (ri, (s, rb)) = reads
-                .iter()
-                .enumerate()
-                .find(|(_, (s, b))| *s == p.src && b.contains(&p.sbox))
-                .expect("a merged read box holds every piece");
-            copy_piece(p, &data[ri], rb, plan.sources[*s].dtype, bufs[i], d, &d.value)
-                .map_err(|e| e.in_rule(&plan.expanded.rules[p.rule].name))?;
+    for (i, d) in dests.iter().enumerate() {
+        for (j, p) in d.pieces.iter().enumerate() {
+            let ri = piece_read[i][j];
+            if direct[ri] {
+                continue;
+            }
+            let (s, rb) = &reads[ri];
+            copy_piece(
+                p,
+                &data[ri],
+                rb,
+                plan.sources[*s].dtype,
+                bufs[i],
+                d,
+                &d.value,
+            )
+            .map_err(|e| e.in_rule(&plan.expanded.rules[p.rule].name))?;
         }
         stats.bytes_filled += d.nbytes();
     }
@@ -213,8 +315,25 @@ pub fn fill_from_sources<'s>(
     for p in &d.pieces {
         let src = &plan.sources[p.src];
         let r = match p.scale {
-            Some((si, block)) => dequant_piece(p, src, source(p.src), &plan.sources[si], source(si), block, buf, d),
-            None => copy_piece(p, source(p.src), &Bx::full(&src.shape), src.dtype, buf, d, &d.value),
+            Some((si, block)) => dequant_piece(
+                p,
+                src,
+                source(p.src),
+                &plan.sources[si],
+                source(si),
+                block,
+                buf,
+                d,
+            ),
+            None => copy_piece(
+                p,
+                source(p.src),
+                &Bx::full(&src.shape),
+                src.dtype,
+                buf,
+                d,
+                &d.value,
+            ),
         };
         r.map_err(|e| e.in_rule(&plan.expanded.rules[p.rule].name))?;
     }
@@ -231,7 +350,10 @@ pub fn borrowable(plan: &Plan, dest: usize) -> Option<(usize, Range<usize>)> {
     }
     let p = &d.pieces[0];
     let src = &plan.sources[p.src];
-    let plain = src.dtype == d.dtype && d.value.iter().all(|v| matches!(v, ValueOp::Add(c) if *c == 0.0));
+    let plain = src.dtype == d.dtype
+        && d.value
+            .iter()
+            .all(|v| matches!(v, ValueOp::Add(c) if *c == 0.0));
     if !plain || p.transpose || p.sbox.volume() != d.region.volume() {
         return None;
     }
@@ -241,5 +363,8 @@ pub fn borrowable(plan: &Plan, dest: usize) -> Option<(usize, Range<usize>)> {
     let es = src.dtype.size() as u64;
     let start = super::geom::byte_offset(&p.sbox, &src.shape, es);
     let end = start + p.sbox.volume() * es;
-    Some((p.src, usize::try_from(start).ok()?..usize::try_from(end).ok()?))
+    Some((
+        p.src,
+        usize::try_from(start).ok()?..usize::try_from(end).ok()?,
+    ))
 }

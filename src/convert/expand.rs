@@ -22,7 +22,11 @@ pub struct Layout {
 
 impl Default for Layout {
     fn default() -> Self {
-        Layout { tp: 1, pp: 1, ep: 1 }
+        Layout {
+            tp: 1,
+            pp: 1,
+            ep: 1,
+        }
     }
 }
 
@@ -144,6 +148,7 @@ pub struct Env<'a> {
     layout: Layout,
     cache: RefCell<BTreeMap<String, Option<Value>>>,
     active: RefCell<Vec<String>>,
+    parsed: RefCell<std::collections::HashMap<String, std::rc::Rc<Expr>>>,
 }
 
 impl<'a> Env<'a> {
@@ -156,6 +161,7 @@ impl<'a> Env<'a> {
             layout,
             cache: RefCell::new(BTreeMap::new()),
             active: RefCell::new(Vec::new()),
+            parsed: RefCell::new(std::collections::HashMap::new()),
         }
     }
 
@@ -174,7 +180,18 @@ impl<'a> Env<'a> {
         match e {
             ExprText::Int(i) => Ok(Value::Int(*i)),
             ExprText::Bool(b) => Ok(Value::Bool(*b)),
-            ExprText::Text(t) => expr::eval(t, &expr::parse(t)?, &scope),
+            ExprText::Text(t) => {
+                let cached = self.parsed.borrow().get(t).cloned();
+                let e = match cached {
+                    Some(e) => e,
+                    None => {
+                        let e = std::rc::Rc::new(expr::parse(t)?);
+                        self.parsed.borrow_mut().insert(t.clone(), e.clone());
+                        e
+                    }
+                };
+                expr::eval(t, &e, &scope)
+            }
         }
     }
 
@@ -313,7 +330,9 @@ impl Scope for Caps<'_, '_> {
             Some(v) => {
                 return Err(ConvertError::Expr {
                     expr: format!("config.{name}"),
-                    msg: format!("config.json's `{name}` = {v} is not an integer, boolean, object or list"),
+                    msg: format!(
+                        "config.json's `{name}` = {v} is not an integer, boolean, object or list"
+                    ),
                 });
             }
         })
@@ -445,7 +464,10 @@ fn body_links(rule: &Rule, env: &Env, hshapes: &[Vec<u64>]) -> Result<BodyLinks,
         if hshapes.len() != 1 {
             return Err(op_err(
                 rule,
-                format!("{what} takes exactly one hf tensor, {} given", hshapes.len()),
+                format!(
+                    "{what} takes exactly one hf tensor, {} given",
+                    hshapes.len()
+                ),
             ));
         }
         Ok(&hshapes[0])
@@ -453,7 +475,10 @@ fn body_links(rule: &Rule, env: &Env, hshapes: &[Vec<u64>]) -> Result<BodyLinks,
     let axis_of = |ndim: usize| -> Result<usize, ConvertError> {
         let a = rule.axis.unwrap_or(0);
         if a >= ndim {
-            return Err(op_err(rule, format!("axis {a} out of range for {ndim} dimensions")));
+            return Err(op_err(
+                rule,
+                format!("axis {a} out of range for {ndim} dimensions"),
+            ));
         }
         Ok(a)
     };
@@ -472,7 +497,10 @@ fn body_links(rule: &Rule, env: &Env, hshapes: &[Vec<u64>]) -> Result<BodyLinks,
         "transpose" => {
             let s = one("transpose")?;
             if s.len() != 2 {
-                return Err(op_err(rule, format!("transpose needs 2 dimensions, not {s:?}")));
+                return Err(op_err(
+                    rule,
+                    format!("transpose needs 2 dimensions, not {s:?}"),
+                ));
             }
             let t = vec![s[1], s[0]];
             (t.clone(), vec![(0, full(s), full(&t), true)], vec![])
@@ -503,14 +531,19 @@ fn body_links(rule: &Rule, env: &Env, hshapes: &[Vec<u64>]) -> Result<BodyLinks,
                 let mut x = s.clone();
                 let mut y = first.clone();
                 if x.len() != y.len() {
-                    return Err(op_err(rule, format!("hf[{i}] has shape {s:?}, hf[0] {first:?}")));
+                    return Err(op_err(
+                        rule,
+                        format!("hf[{i}] has shape {s:?}, hf[0] {first:?}"),
+                    ));
                 }
                 x[a] = 0;
                 y[a] = 0;
                 if x != y {
                     return Err(op_err(
                         rule,
-                        format!("hf[{i}] shape {s:?} and hf[0] shape {first:?} differ off axis {a}"),
+                        format!(
+                            "hf[{i}] shape {s:?} and hf[0] shape {first:?} differ off axis {a}"
+                        ),
                     ));
                 }
             }
@@ -558,7 +591,10 @@ fn body_links(rule: &Rule, env: &Env, hshapes: &[Vec<u64>]) -> Result<BodyLinks,
             let s = one("pad")?;
             let to = ev(&rule.to, "to")?;
             if s.is_empty() || to < s[0] {
-                return Err(op_err(rule, format!("pad to {to} rows, hf has shape {s:?}")));
+                return Err(op_err(
+                    rule,
+                    format!("pad to {to} rows, hf has shape {s:?}"),
+                ));
             }
             let mut body = s.clone();
             body[0] = to;
@@ -819,12 +855,17 @@ fn expand_rule(
         None => None,
     };
     let ep_axis = match &rule.ep {
-        Some(e) => Some(ranges.iter().position(|r| r.0 == e.capture).ok_or_else(|| {
-            op_err(
-                rule,
-                format!("ep capture `{}` is not an axis stack capture", e.capture),
-            )
-        })?),
+        Some(e) => Some(
+            ranges
+                .iter()
+                .position(|r| r.0 == e.capture)
+                .ok_or_else(|| {
+                    op_err(
+                        rule,
+                        format!("ep capture `{}` is not an axis stack capture", e.capture),
+                    )
+                })?,
+        ),
         None => None,
     };
     let dequant = match rule.value.iter().find_map(|v| match v {

@@ -325,7 +325,9 @@ fn binop(op: &str, x: Value, y: Value) -> Result<Value, String> {
         ("*", Int(a), Int(b)) => Int(a.checked_mul(b).ok_or_else(over)?),
         ("/", Int(a), Int(b)) => {
             if b == 0 || a % b != 0 {
-                return Err(format!("{a} / {b} is not exact ({a} is not a multiple of {b})"));
+                return Err(format!(
+                    "{a} / {b} is not exact ({a} is not a multiple of {b})"
+                ));
             }
             Int(a / b)
         }
@@ -373,7 +375,10 @@ mod tests {
         assert_eq!(ev("heads / groups * 2 + 1").unwrap(), Value::Int(7));
         assert_eq!(ev("round_up(49153, 128 * 3)").unwrap(), Value::Int(49536));
         assert_eq!(ev("config.head_dim ?? 64").unwrap(), Value::Int(64));
-        assert_eq!(ev("!(heads % groups == 0) || false").unwrap(), Value::Bool(false));
+        assert_eq!(
+            ev("!(heads % groups == 0) || false").unwrap(),
+            Value::Bool(false)
+        );
         assert_eq!(ev("7 // 2 - -1").unwrap(), Value::Int(4));
     }
 

@@ -77,7 +77,12 @@ impl Bx {
     #[must_use]
     pub fn relative_to(&self, origin: &Bx) -> Bx {
         Bx {
-            off: self.off.iter().zip(&origin.off).map(|(a, b)| a - b).collect(),
+            off: self
+                .off
+                .iter()
+                .zip(&origin.off)
+                .map(|(a, b)| a - b)
+                .collect(),
             len: self.len.clone(),
         }
     }
@@ -123,9 +128,7 @@ impl Bx {
         }
         match diff {
             None => true,
-            Some(d) => {
-                self.off[d] <= o.off[d] + o.len[d] && o.off[d] <= self.off[d] + self.len[d]
-            }
+            Some(d) => self.off[d] <= o.off[d] + o.len[d] && o.off[d] <= self.off[d] + self.len[d],
         }
     }
 }
@@ -187,6 +190,7 @@ pub fn byte_offset(b: &Bx, shape: &[u64], esize: u64) -> u64 {
 ///
 /// # Panics
 /// When a box does not fit its buffer (callers plan boxes inside their tensors).
+#[allow(clippy::too_many_arguments)]
 pub fn copy_box(
     src: &[u8],
     sshape: &[u64],
@@ -210,8 +214,14 @@ pub fn copy_box(
         let rb = (run * e) as usize;
         let mut idx = vec![0u64; n - 1];
         loop {
-            let so: u64 = (0..n - 1).map(|d| (sb.off[d] + idx[d]) * ss[d]).sum::<u64>() + sb.off[n - 1];
-            let dof: u64 = (0..n - 1).map(|d| (db.off[d] + idx[d]) * ds[d]).sum::<u64>() + db.off[n - 1];
+            let so: u64 = (0..n - 1)
+                .map(|d| (sb.off[d] + idx[d]) * ss[d])
+                .sum::<u64>()
+                + sb.off[n - 1];
+            let dof: u64 = (0..n - 1)
+                .map(|d| (db.off[d] + idx[d]) * ds[d])
+                .sum::<u64>()
+                + db.off[n - 1];
             let (so, dof) = ((so * e) as usize, (dof * e) as usize);
             dst[dof..dof + rb].copy_from_slice(&src[so..so + rb]);
             // Next index (C order over the leading axes).
@@ -258,22 +268,73 @@ mod tests {
 
     #[test]
     fn merge_and_copy() {
-        let a = Bx { off: vec![0, 0], len: vec![2, 4] };
-        let b = Bx { off: vec![2, 0], len: vec![3, 4] };
-        let c = Bx { off: vec![6, 0], len: vec![1, 4] };
+        let a = Bx {
+            off: vec![0, 0],
+            len: vec![2, 4],
+        };
+        let b = Bx {
+            off: vec![2, 0],
+            len: vec![3, 4],
+        };
+        let c = Bx {
+            off: vec![6, 0],
+            len: vec![1, 4],
+        };
         let m = merge_boxes(vec![c.clone(), b, a]);
-        assert_eq!(m, vec![Bx { off: vec![0, 0], len: vec![5, 4] }, c]);
+        assert_eq!(
+            m,
+            vec![
+                Bx {
+                    off: vec![0, 0],
+                    len: vec![5, 4]
+                },
+                c
+            ]
+        );
         // copy rows 1..3 of a 4x3 into rows 0..2 of a 2x3
         let src: Vec<u8> = (0..12).collect();
         let mut dst = vec![0u8; 6];
-        copy_box(&src, &[4, 3], &Bx { off: vec![1, 0], len: vec![2, 3] }, &mut dst, &[2, 3], &Bx::full(&[2, 3]), 1, false);
+        copy_box(
+            &src,
+            &[4, 3],
+            &Bx {
+                off: vec![1, 0],
+                len: vec![2, 3],
+            },
+            &mut dst,
+            &[2, 3],
+            &Bx::full(&[2, 3]),
+            1,
+            false,
+        );
         assert_eq!(dst, vec![3, 4, 5, 6, 7, 8]);
         // transpose a 2x3 into a 3x2
         let src: Vec<u8> = (0..6).collect();
         let mut dst = vec![0u8; 6];
-        copy_box(&src, &[2, 3], &Bx::full(&[2, 3]), &mut dst, &[3, 2], &Bx::full(&[3, 2]), 1, true);
+        copy_box(
+            &src,
+            &[2, 3],
+            &Bx::full(&[2, 3]),
+            &mut dst,
+            &[3, 2],
+            &Bx::full(&[3, 2]),
+            1,
+            true,
+        );
         assert_eq!(dst, vec![0, 3, 1, 4, 2, 5]);
-        assert!(is_contiguous(&Bx { off: vec![3, 1, 0], len: vec![1, 2, 5] }, &[4, 4, 5]));
-        assert!(!is_contiguous(&Bx { off: vec![0, 1], len: vec![2, 2] }, &[4, 4]));
+        assert!(is_contiguous(
+            &Bx {
+                off: vec![3, 1, 0],
+                len: vec![1, 2, 5]
+            },
+            &[4, 4, 5]
+        ));
+        assert!(!is_contiguous(
+            &Bx {
+                off: vec![0, 1],
+                len: vec![2, 2]
+            },
+            &[4, 4]
+        ));
     }
 }

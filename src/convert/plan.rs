@@ -168,7 +168,12 @@ fn map_m_to_h(l: &Link, stack: usize, msub: &Bx) -> Bx {
 }
 
 fn map_h_to_m(l: &Link, stack: usize, hsub: &Bx) -> Bx {
-    let mut rel: Vec<u64> = hsub.off.iter().zip(&l.hbox.off).map(|(a, b)| a - b).collect();
+    let mut rel: Vec<u64> = hsub
+        .off
+        .iter()
+        .zip(&l.hbox.off)
+        .map(|(a, b)| a - b)
+        .collect();
     let mut len = hsub.len.clone();
     if l.transpose {
         let n = rel.len();
@@ -245,7 +250,12 @@ pub fn plan_hf_export(
         }
         let rule = &ex.rules[first.rule];
         let dtype = match &h.dtype {
-            Some(d) if !rule.value.iter().any(|v| matches!(v, ValueOp::DequantFp8Block(_))) => {
+            Some(d)
+                if !rule
+                    .value
+                    .iter()
+                    .any(|v| matches!(v, ValueOp::DequantFp8Block(_))) =>
+            {
                 dtype_of(d, &h.name)?
             }
             _ => dtype,
@@ -286,7 +296,10 @@ pub fn plan_hf_export(
         size += n;
     }
     let checks = vec![
-        format!("every HF tensor produced exactly once ({} tensors)", dests.len()),
+        format!(
+            "every HF tensor produced exactly once ({} tensors)",
+            dests.len()
+        ),
         format!(
             "every Megatron element consumed exactly once, padding aside ({} tensors)",
             sources.len()
@@ -318,18 +331,17 @@ pub fn plan_megatron_import(
     let ex = super::expand::expand(table, config, layout)?;
     check::check_structure(&ex, Direction::Import)?;
     check::check_hf_input(&ex, inv)?;
-    let sources: Vec<Source> = ex
-        .h
-        .iter()
-        .map(|h| {
-            let (dt, shape) = &inv[&h.name];
-            Ok(Source {
-                name: h.name.clone(),
-                shape: shape.clone(),
-                dtype: dtype_of(dt, &h.name)?,
+    let sources: Vec<Source> =
+        ex.h.iter()
+            .map(|h| {
+                let (dt, shape) = &inv[&h.name];
+                Ok(Source {
+                    name: h.name.clone(),
+                    shape: shape.clone(),
+                    dtype: dtype_of(dt, &h.name)?,
+                })
             })
-        })
-        .collect::<Result<_, ConvertError>>()?;
+            .collect::<Result<_, ConvertError>>()?;
     let mut by_unit: BTreeMap<(usize, Vec<u64>), Vec<&Link>> = BTreeMap::new();
     for l in &ex.links {
         let st = ex.m[l.m].stack_axes;
@@ -432,7 +444,10 @@ pub fn plan_megatron_import(
             ex.m.len(),
             dests.len()
         ),
-        format!("every HF element consumed exactly once ({} tensors)", sources.len()),
+        format!(
+            "every HF element consumed exactly once ({} tensors)",
+            sources.len()
+        ),
         "every HF tensor consumed or listed in drop.hf".into(),
         "HF shapes equal config-implied shapes".into(),
         "fused tensors interleaved per unit".into(),
@@ -469,12 +484,11 @@ pub fn plan_vllm(
         });
     }
     let env = Env::new(table, config, saved);
-    let h_index: BTreeMap<&str, usize> = ex
-        .h
-        .iter()
-        .enumerate()
-        .map(|(i, h)| (h.name.as_str(), i))
-        .collect();
+    let h_index: BTreeMap<&str, usize> =
+        ex.h.iter()
+            .enumerate()
+            .map(|(i, h)| (h.name.as_str(), i))
+            .collect();
     let mut by_h: Vec<Vec<&Link>> = vec![Vec::new(); ex.h.len()];
     for l in &ex.links {
         by_h[l.h].push(l);
@@ -495,8 +509,18 @@ pub fn plan_vllm(
                 .iter()
                 .map(|s| {
                     let size = env.eval_u64(&s.size, &[])?;
-                    let start = s.start.as_ref().map(|e| env.eval_u64(e, &[])).transpose()?.unwrap_or(0);
-                    let stop = s.stop.as_ref().map(|e| env.eval_u64(e, &[])).transpose()?.unwrap_or(size);
+                    let start = s
+                        .start
+                        .as_ref()
+                        .map(|e| env.eval_u64(e, &[]))
+                        .transpose()?
+                        .unwrap_or(0);
+                    let stop = s
+                        .stop
+                        .as_ref()
+                        .map(|e| env.eval_u64(e, &[]))
+                        .transpose()?
+                        .unwrap_or(size);
                     Ok((s.capture.clone(), size, start, stop.min(size)))
                 })
                 .collect::<Result<_, ConvertError>>()
@@ -514,7 +538,10 @@ pub fn plan_vllm(
                     .zip(&idx)
                     .map(|((n, ..), &i)| (n.clone(), i64::try_from(i).unwrap_or(0)))
                     .collect();
-                let scope = CapScope { env: &env, caps: &caps };
+                let scope = CapScope {
+                    env: &env,
+                    caps: &caps,
+                };
                 let name = npat.render(&scope)?;
                 if r == 0 {
                     *names.entry(name.clone()).or_default() += 1;
@@ -527,7 +554,9 @@ pub fn plan_vllm(
                     }
                 }
                 let inner: Vec<Option<u64>> = match &vt.inner {
-                    Some(st) => (0..env.eval_u64(&st.size, &caps).map_err(|e| e.in_rule(&rname))?)
+                    Some(st) => (0..env
+                        .eval_u64(&st.size, &caps)
+                        .map_err(|e| e.in_rule(&rname))?)
                         .map(Some)
                         .collect(),
                     None => vec![None],
@@ -542,17 +571,27 @@ pub fn plan_vllm(
                     if let (Some(e), Some(st)) = (ie, &vt.inner) {
                         caps.push((st.capture.clone(), i64::try_from(*e).unwrap_or(0)));
                     }
-                    let scope = CapScope { env: &env, caps: &caps };
+                    let scope = CapScope {
+                        env: &env,
+                        caps: &caps,
+                    };
                     let mut shape: Option<Vec<u64>> = None;
                     let mut pieces = Vec::new();
                     for (part, pp) in vt.parts.iter().zip(&ppats) {
                         let hname = pp.render(&scope)?;
-                        let hi = *h_index.get(hname.as_str()).ok_or_else(|| ConvertError::Missing {
-                            rule: rname.clone(),
-                            side: "hf",
-                            key: hname.clone(),
-                            hint: " (the vLLM tensor's part names an HF tensor no rule produces)".into(),
-                        })?;
+                        let hi =
+                            *h_index
+                                .get(hname.as_str())
+                                .ok_or_else(|| {
+                                    ConvertError::Missing {
+                                rule: rname.clone(),
+                                side: "hf",
+                                key: hname.clone(),
+                                hint:
+                                    " (the vLLM tensor's part names an HF tensor no rule produces)"
+                                        .into(),
+                            }
+                                })?;
                         let hd = hdest[hname.as_str()];
                         dtype.get_or_insert(hd.dtype);
                         value.clone_from(&hd.value);
@@ -568,7 +607,10 @@ pub fn plan_vllm(
                                 return Err(ConvertError::Op {
                                     rule: rname.clone(),
                                     op: "pad_to".into(),
-                                    msg: format!("pad_to {ext} is less than {hname}'s extent {}", hs[a]),
+                                    msg: format!(
+                                        "pad_to {ext} is less than {hname}'s extent {}",
+                                        hs[a]
+                                    ),
                                 });
                             }
                             let units = match &part.units {
@@ -590,13 +632,17 @@ pub fn plan_vllm(
                             let us = ext / units;
                             let (a0, n) = if units % k == 0 {
                                 (r * (units / k), units / k)
-                            } else if part.replicate && k % units == 0 {
+                            } else if part.replicate && k.is_multiple_of(units) {
                                 (r / (k / units), 1)
                             } else {
                                 return Err(div(
                                     format!(
                                         "units along axis {a}{}",
-                                        if part.replicate { " (nor does it divide the TP size, for replication)" } else { "" }
+                                        if part.replicate {
+                                            " (nor does it divide the TP size, for replication)"
+                                        } else {
+                                            ""
+                                        }
                                     ),
                                     units,
                                 ));
@@ -655,7 +701,9 @@ pub fn plan_vllm(
                         return Err(ConvertError::Op {
                             rule: rname.clone(),
                             op: "inner".into(),
-                            msg: format!("stacked parts differ in shape: {inner_shape:?} and {shape:?}"),
+                            msg: format!(
+                                "stacked parts differ in shape: {inner_shape:?} and {shape:?}"
+                            ),
                         });
                     }
                     inner_shape = Some(shape);
@@ -679,7 +727,9 @@ pub fn plan_vllm(
         }
     }
     let mut checks = hf.checks.clone();
-    checks.push(format!("vLLM TP {k} divides every split (heads, kv heads or replication, ffn, padded vocab)"));
+    checks.push(format!(
+        "vLLM TP {k} divides every split (heads, kv heads or replication, ffn, padded vocab)"
+    ));
     Ok(Plan {
         sources: hf.sources,
         dests,

@@ -326,7 +326,14 @@ pub fn builtin_names() -> Vec<&'static str> {
     BUILTIN.iter().map(|(n, _)| *n).collect()
 }
 
-const OPS: [&str; 6] = ["rename", "transpose", "slice", "concat", "interleave", "pad"];
+const OPS: [&str; 6] = [
+    "rename",
+    "transpose",
+    "slice",
+    "concat",
+    "interleave",
+    "pad",
+];
 
 impl Table {
     /// Parses one document (no `extends` resolution).
@@ -344,7 +351,10 @@ impl Table {
             msg,
         };
         if t.format != "zarrckpt-mapping" {
-            return Err(bad(format!("format is {:?}, not \"zarrckpt-mapping\"", t.format)));
+            return Err(bad(format!(
+                "format is {:?}, not \"zarrckpt-mapping\"",
+                t.format
+            )));
         }
         if t.version != 1 {
             return Err(bad(format!("version {} is not 1", t.version)));
@@ -367,15 +377,17 @@ impl Table {
     /// # Errors
     /// [`ConvertError::Table`] for an unknown name.
     pub fn builtin(name: &str) -> Result<Table, ConvertError> {
-        let (_, text) = BUILTIN.iter().find(|(n, _)| *n == name).ok_or_else(|| {
-            ConvertError::Table {
-                table: name.to_owned(),
-                msg: format!(
-                    "no built-in table of this name (built-in: {})",
-                    builtin_names().join(", ")
-                ),
-            }
-        })?;
+        let (_, text) =
+            BUILTIN
+                .iter()
+                .find(|(n, _)| *n == name)
+                .ok_or_else(|| ConvertError::Table {
+                    table: name.to_owned(),
+                    msg: format!(
+                        "no built-in table of this name (built-in: {})",
+                        builtin_names().join(", ")
+                    ),
+                })?;
         Table::parse(text, name)?.resolve(0)
     }
 
@@ -431,13 +443,14 @@ impl Table {
                 msg: "`extends` nests deeper than 8 tables".into(),
             });
         }
-        let (_, text) = BUILTIN
-            .iter()
-            .find(|(n, _)| *n == base)
-            .ok_or_else(|| ConvertError::Table {
-                table: self.name.clone(),
-                msg: format!("extends `{base}`, which is not a built-in table"),
-            })?;
+        let (_, text) =
+            BUILTIN
+                .iter()
+                .find(|(n, _)| *n == base)
+                .ok_or_else(|| ConvertError::Table {
+                    table: self.name.clone(),
+                    msg: format!("extends `{base}`, which is not a built-in table"),
+                })?;
         let b = Table::parse(text, &base)?.resolve(depth + 1)?;
         Ok(b.extend_with(self))
     }

@@ -43,6 +43,9 @@ pub struct Args {
     plan_only: bool,
 }
 
+/// A benchmark job: its name, its plan, and the name of its output file `g`.
+type Job = (String, convert::Plan, Box<dyn Fn(usize) -> String>);
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     if v.is_empty() { 0.0 } else { v[v.len() / 2] }
@@ -58,11 +61,17 @@ fn synth_hf(dir: &Path, hidden: u64, layers: u64) -> anyhow::Result<u64> {
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
     let t = Table::builtin("llama")?;
     let ex = convert::expand(&t, &cfg, Layout::default())?;
-    let tensors: Vec<(String, safetensors::Dtype, Vec<u64>, u64)> = ex
-        .h
-        .iter()
-        .map(|h| (h.name.clone(), safetensors::Dtype::BF16, h.shape.clone(), h.shape.iter().product::<u64>() * 2))
-        .collect();
+    let tensors: Vec<(String, safetensors::Dtype, Vec<u64>, u64)> =
+        ex.h.iter()
+            .map(|h| {
+                (
+                    h.name.clone(),
+                    safetensors::Dtype::BF16,
+                    h.shape.clone(),
+                    h.shape.iter().product::<u64>() * 2,
+                )
+            })
+            .collect();
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let written = hf::write_safetensors(&dir.join("model.safetensors"), &tensors, |i, sink| {
         let n = tensors[i].3 as usize;
@@ -136,22 +145,54 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let hfdir = root.join("hf");
     let mg = root.join("megatron");
     let total = synth_hf(&hfdir, a.hidden, a.layers)?;
-    println!("synthetic Llama: hidden {}, {} layers: {:.3} GB of bf16 HF tensors", a.hidden, a.layers, total as f64 / 1e9);
+    println!(
+        "synthetic Llama: hidden {}, {} layers: {:.3} GB of bf16 HF tensors",
+        a.hidden,
+        a.layers,
+        total as f64 / 1e9
+    );
     let t0 = Instant::now();
-    hf::import_hf(&hfdir, "llama", &format!("tp={}", a.save_tp), &mg, true, 0, false)?;
-    println!("import HF -> Megatron tp={}: {:.2} s", a.save_tp, t0.elapsed().as_secs_f64());
+    let (r, peak) = peak_of(|| {
+        hf::import_hf(
+            &hfdir,
+            "llama",
+            &format!("tp={}", a.save_tp),
+            &mg,
+            true,
+            0,
+            false,
+        )
+    });
+    r?;
+    println!(
+        "import HF -> Megatron tp={}: {:.2} s, peak heap {:.1} MiB (the HF files and the scratch file are mapped, not on the heap)",
+        a.save_tp,
+        t0.elapsed().as_secs_f64(),
+        peak as f64 / (1 << 20) as f64
+    );
     let ck = Checkpoint::open(mg.join("zarrckpt"))?;
     let table = Table::builtin("llama")?;
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(hfdir.join("config.json"))?)?;
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(hfdir.join("config.json"))?)?;
     let inv = hf::ckpt_inventory(&ck);
-    let saved = Layout { tp: a.save_tp, pp: 1, ep: 1 };
-    let mut jobs: Vec<(String, convert::Plan, Box<dyn Fn(usize) -> String>)> = Vec::new();
+    let saved = Layout {
+        tp: a.save_tp,
+        pp: 1,
+        ep: 1,
+    };
+    let mut jobs: Vec<Job> = Vec::new();
     let hp = convert::plan_hf_export(&table, &cfg, saved, &inv, 5_000_000_000)?;
     let n = hp.dests.last().map_or(0, |d| d.group + 1);
     jobs.push((
         "HF export".into(),
         hp,
-        Box::new(move |g| if n == 1 { "model.safetensors".into() } else { format!("model-{:05}-of-{n:05}.safetensors", g + 1) }),
+        Box::new(move |g| {
+            if n == 1 {
+                "model.safetensors".into()
+            } else {
+                format!("model-{:05}-of-{n:05}.safetensors", g + 1)
+            }
+        }),
     ));
     for &k in &a.vllm_tp {
         jobs.push((
@@ -160,7 +201,9 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             Box::new(|r| format!("model-rank-{r}-part-0.safetensors")),
         ));
     }
-    println!("| job | bytes written | read amplification | largest output tensor | peak heap | bound 2x largest + 64 MiB | job GB/s | raw read+write GB/s | ratio |");
+    println!(
+        "| job | bytes written | read amplification | largest output tensor | peak heap | bound 2x largest + 64 MiB | job GB/s | raw read+write GB/s | ratio |"
+    );
     println!("|---|---|---|---|---|---|---|---|---|");
     for (name, plan, names) in &jobs {
         let out = root.join("out");
@@ -180,9 +223,18 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             ampl = read as f64 / w.max(1) as f64;
             peak = peak.max(p);
             let _ = std::fs::remove_dir_all(&out);
-            raw_s.push(raw_read_write(&mg.join("zarrckpt").join("tensors"), &out, w)?);
+            raw_s.push(raw_read_write(
+                &mg.join("zarrckpt").join("tensors"),
+                &out,
+                w,
+            )?);
         }
-        let largest = plan.dests.iter().map(convert::Dest::nbytes).max().unwrap_or(0);
+        let largest = plan
+            .dests
+            .iter()
+            .map(convert::Dest::nbytes)
+            .max()
+            .unwrap_or(0);
         let (j, r) = (median(job_s.clone()), median(raw_s.clone()));
         let ratios: Vec<f64> = job_s.iter().zip(&raw_s).map(|(a, b)| b / a).collect();
         println!(
@@ -199,7 +251,10 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             let per = plan.bytes_per_group();
             println!(
                 "  per rank (reads / writes, bytes): {}",
-                per.iter().map(|(g, (r, w))| format!("{g}: {r} / {w}")).collect::<Vec<_>>().join(", ")
+                per.iter()
+                    .map(|(g, (r, w))| format!("{g}: {r} / {w}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             );
         }
     }
@@ -223,22 +278,38 @@ fn plan_deepseek() -> anyhow::Result<()> {
         "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
         "v_head_dim": 128, "vocab_size": 129280, "num_nextn_predict_layers": 1, "tie_word_embeddings": false});
     let table = match Table::builtin("deepseek_v3") {
-        Ok(t) if !t.rules.is_empty() && t.rules.iter().any(|r| r.megatron.contains("linear_q_down_proj")) => t,
+        Ok(t)
+            if !t.rules.is_empty()
+                && t.rules
+                    .iter()
+                    .any(|r| r.megatron.contains("linear_q_down_proj")) =>
+        {
+            t
+        }
         _ => {
             println!("DeepSeek-V3 planning: no deepseek_v3 table in this build; skipped");
             return Ok(());
         }
     };
-    let saved = Layout { tp: 1, pp: 16, ep: 16 };
+    let saved = Layout {
+        tp: 1,
+        pp: 16,
+        ep: 16,
+    };
     // The checkpoint's metadata: the Megatron tensors the table implies at the saved layout.
     let ex = convert::expand(&table, &cfg, saved)?;
-    let inv: convert::Inventory = ex.m.iter().map(|m| (m.key.clone(), ("bfloat16".to_string(), m.shape.clone()))).collect();
+    let inv: convert::Inventory =
+        ex.m.iter()
+            .map(|m| (m.key.clone(), ("bfloat16".to_string(), m.shape.clone())))
+            .collect();
     let params: u64 = ex.m.iter().map(|m| m.shape.iter().product::<u64>()).sum();
     let t0 = Instant::now();
     let (plan, peak) = peak_of(|| convert::plan_vllm(&table, &cfg, saved, &inv, 32));
     let plan = plan?;
     let secs = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
     let per = plan.bytes_per_group();
+    let per_secs = t1.elapsed().as_secs_f64();
     let reads: Vec<u64> = per.values().map(|v| v.0).collect();
     println!(
         "DeepSeek-V3 planning (no data): {:.1}B parameters in {} Megatron tensors saved at PP16 x EP16, resharded to vLLM TP32: {} destination tensors, planned and checked in {secs:.2} s (target < 10 s), peak heap {:.1} MiB",
@@ -248,7 +319,7 @@ fn plan_deepseek() -> anyhow::Result<()> {
         peak as f64 / (1 << 20) as f64
     );
     println!(
-        "  bytes per destination rank (bf16): min {:.2} GB, max {:.2} GB, total {:.1} GB; rank 0 reads {} bytes",
+        "  bytes per destination rank (bf16, the merged boxes each rank reads, counted in {per_secs:.2} s): min {:.2} GB, max {:.2} GB, total {:.1} GB; rank 0 reads {} bytes",
         *reads.iter().min().unwrap_or(&0) as f64 / 1e9,
         *reads.iter().max().unwrap_or(&0) as f64 / 1e9,
         reads.iter().sum::<u64>() as f64 / 1e9,

@@ -67,7 +67,11 @@ fn saved_layout(ck: &Checkpoint, given: Option<&str>) -> anyhow::Result<Layout> 
         return g.parse::<Layout>().map_err(anyhow::Error::msg);
     }
     let m = ck.meta().user.get("megatron");
-    let get = |k: &str| m.and_then(|m| m.get(k)).and_then(serde_json::Value::as_u64).unwrap_or(1);
+    let get = |k: &str| {
+        m.and_then(|m| m.get(k))
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(1)
+    };
     Ok(Layout {
         tp: get("tp"),
         pp: get("pp"),
@@ -94,7 +98,9 @@ fn hf_config(
     if let Some(v) = ck.and_then(|c| c.meta().user.get("hf_config")) {
         return Ok(v.clone());
     }
-    bail!("no config.json: pass --config FILE or --copy-from HFDIR (a checkpoint written by `import --hf` holds its own)")
+    bail!(
+        "no config.json: pass --config FILE or --copy-from HFDIR (a checkpoint written by `import --hf` holds its own)"
+    )
 }
 
 /// Prints a plan (dry run, inspect).
@@ -109,7 +115,14 @@ pub fn print_plan(plan: &Plan, what: &str, group_name: &str) {
         let srcs: Vec<String> = d
             .pieces
             .iter()
-            .map(|p| format!("{}{}{}", plan.sources[p.src].name, p.sbox, if p.transpose { "^T" } else { "" }))
+            .map(|p| {
+                format!(
+                    "{}{}{}",
+                    plan.sources[p.src].name,
+                    p.sbox,
+                    if p.transpose { "^T" } else { "" }
+                )
+            })
             .collect();
         let shown = if srcs.len() > 6 {
             format!("{} ... ({} pieces)", srcs[..6].join(" + "), srcs.len())
@@ -127,7 +140,11 @@ pub fn print_plan(plan: &Plan, what: &str, group_name: &str) {
             } else {
                 format!("box {}", d.region)
             },
-            if shown.is_empty() { "zeros".into() } else { shown }
+            if shown.is_empty() {
+                "zeros".into()
+            } else {
+                shown
+            }
         );
     }
     println!("bytes per {group_name}:");
@@ -196,12 +213,19 @@ pub fn write_files(
     let mut written = 0;
     let mut peak = 0u64;
     for g in groups.into_iter().filter(|g| mine(*g)) {
-        let idx: Vec<usize> = (0..plan.dests.len()).filter(|&i| plan.dests[i].group == g).collect();
+        let idx: Vec<usize> = (0..plan.dests.len())
+            .filter(|&i| plan.dests[i].group == g)
+            .collect();
         let tensors: Vec<(String, safetensors::Dtype, Vec<u64>, u64)> = idx
             .iter()
             .map(|&i| {
                 let d = &plan.dests[i];
-                (d.name.clone(), safetensors_dtype(d.dtype), d.shape.clone(), d.nbytes())
+                (
+                    d.name.clone(),
+                    safetensors_dtype(d.dtype),
+                    d.shape.clone(),
+                    d.nbytes(),
+                )
             })
             .collect();
         let my_batches: Vec<std::ops::Range<usize>> = batches
@@ -218,7 +242,10 @@ pub fn write_files(
             if cur.as_ref().is_none_or(|c| !c.contains(&di)) {
                 let b = my_batches[bi].clone();
                 bi += 1;
-                bufs = b.clone().map(|i| vec![0u8; plan.dests[i].nbytes() as usize]).collect();
+                bufs = b
+                    .clone()
+                    .map(|i| vec![0u8; plan.dests[i].nbytes() as usize])
+                    .collect();
                 let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
                 let st = convert::fill_from_checkpoint(ck, plan, b.clone(), &mut views)?;
                 read += st.bytes_read;
@@ -254,7 +281,13 @@ pub fn export_hf(
     let table = Table::load(map)?;
     let cfg = hf_config(Some(&ck), config, copy_from)?;
     let saved = saved_layout(&ck, megatron)?;
-    let plan = convert::plan_hf_export(&table, &cfg, saved, &ckpt_inventory(&ck), parse_size(max_shard)?)?;
+    let plan = convert::plan_hf_export(
+        &table,
+        &cfg,
+        saved,
+        &ckpt_inventory(&ck),
+        parse_size(max_shard)?,
+    )?;
     let nfiles = plan.dests.last().map_or(0, |d| d.group + 1);
     let name = |g: usize| {
         if nfiles == 1 {
@@ -264,7 +297,16 @@ pub fn export_hf(
         }
     };
     if dry_run {
-        print_plan(&plan, &format!("export {} -> HF ({} files) with table `{}`", ckpt.display(), nfiles, table.name), "file");
+        print_plan(
+            &plan,
+            &format!(
+                "export {} -> HF ({} files) with table `{}`",
+                ckpt.display(),
+                nfiles,
+                table.name
+            ),
+            "file",
+        );
         return Ok(ExitCode::SUCCESS);
     }
     let planned = t0.elapsed().as_secs_f64();
@@ -305,21 +347,35 @@ pub fn export_hf(
     };
     let total: u64 = plan.dests.iter().map(|d| d.nbytes()).sum();
     if nfiles > 1 {
-        let weight_map: BTreeMap<&str, String> = plan.dests.iter().map(|d| (d.name.as_str(), name(d.group))).collect();
-        let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
-        std::fs::write(out.join("model.safetensors.index.json"), serde_json::to_string_pretty(&index)? + "\n")?;
+        let weight_map: BTreeMap<&str, String> = plan
+            .dests
+            .iter()
+            .map(|d| (d.name.as_str(), name(d.group)))
+            .collect();
+        let index =
+            serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        std::fs::write(
+            out.join("model.safetensors.index.json"),
+            serde_json::to_string_pretty(&index)? + "\n",
+        )?;
     }
     // Config and tokenizer files.
     if let Some(d) = copy_from {
         for e in std::fs::read_dir(d).with_context(|| format!("read {}", d.display()))? {
             let e = e?;
             let n = e.file_name().to_string_lossy().into_owned();
-            if e.file_type()?.is_file() && !n.ends_with(".safetensors") && n != "model.safetensors.index.json" {
+            if e.file_type()?.is_file()
+                && !n.ends_with(".safetensors")
+                && n != "model.safetensors.index.json"
+            {
                 std::fs::copy(e.path(), out.join(&n))?;
             }
         }
     } else {
-        std::fs::write(out.join("config.json"), serde_json::to_string_pretty(&cfg)? + "\n")?;
+        std::fs::write(
+            out.join("config.json"),
+            serde_json::to_string_pretty(&cfg)? + "\n",
+        )?;
     }
     let secs = t0.elapsed().as_secs_f64();
     println!(
@@ -329,7 +385,11 @@ pub fn export_hf(
         nfiles,
         out.display(),
         if read > 0 {
-            format!("; read {:.3} GB (amplification {:.3})", read as f64 / 1e9, read as f64 / written.max(1) as f64)
+            format!(
+                "; read {:.3} GB (amplification {:.3})",
+                read as f64 / 1e9,
+                read as f64 / written.max(1) as f64
+            )
         } else {
             String::new()
         }
@@ -353,9 +413,21 @@ pub fn export_vllm(
     let cfg = hf_config(Some(&ck), config, None)?;
     let saved = saved_layout(&ck, megatron)?;
     let plan = convert::plan_vllm(&table, &cfg, saved, &ckpt_inventory(&ck), tp)?;
-    let version = table.vllm.as_ref().and_then(|v| v.version.clone()).unwrap_or_default();
+    let version = table
+        .vllm
+        .as_ref()
+        .and_then(|v| v.version.clone())
+        .unwrap_or_default();
     if dry_run {
-        print_plan(&plan, &format!("export {} -> vLLM TP {tp} ({version}) with table `{}`", ckpt.display(), table.name), "rank");
+        print_plan(
+            &plan,
+            &format!(
+                "export {} -> vLLM TP {tp} ({version}) with table `{}`",
+                ckpt.display(),
+                table.name
+            ),
+            "rank",
+        );
         return Ok(ExitCode::SUCCESS);
     }
     std::fs::create_dir_all(out)?;
@@ -369,7 +441,10 @@ pub fn export_vllm(
         written as f64 / 1e9,
         read as f64 / 1e9,
         read as f64 / written.max(1) as f64,
-        per.iter().map(|(r, (a, b))| format!("{r}: {a}/{b}")).collect::<Vec<_>>().join(", ")
+        per.iter()
+            .map(|(r, (a, b))| format!("{r}: {a}/{b}"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -399,9 +474,12 @@ impl HfDir {
             let f = File::open(p).with_context(|| format!("open {}", p.display()))?;
             // SAFETY: read-only mapping of a file we do not modify (as every safetensors reader).
             let m = unsafe { Mmap::map(&f) }.with_context(|| format!("map {}", p.display()))?;
-            let st = SafeTensors::deserialize(&m).with_context(|| format!("parse {}", p.display()))?;
+            let st =
+                SafeTensors::deserialize(&m).with_context(|| format!("parse {}", p.display()))?;
             for (name, v) in st.tensors() {
-                let dt = dtype_of(v.dtype()).with_context(|| format!("{}: `{name}` has dtype {:?}", p.display(), v.dtype()))?;
+                let dt = dtype_of(v.dtype()).with_context(|| {
+                    format!("{}: `{name}` has dtype {:?}", p.display(), v.dtype())
+                })?;
                 let shape = v.shape().iter().map(|&d| d as u64).collect();
                 if tensors.insert(name.clone(), (fi, dt, shape)).is_some() {
                     bail!("tensor `{name}` appears in two files of {}", dir.display());
@@ -414,7 +492,10 @@ impl HfDir {
 
     /// The inventory.
     pub fn inventory(&self) -> Inventory {
-        self.tensors.iter().map(|(k, (_, d, s))| (k.clone(), (d.to_string(), s.clone()))).collect()
+        self.tensors
+            .iter()
+            .map(|(k, (_, d, s))| (k.clone(), (d.to_string(), s.clone())))
+            .collect()
     }
 
     /// A tensor's bytes.
@@ -448,42 +529,96 @@ pub fn import_hf(
     let dir = HfDir::open(hf)?;
     let plan = convert::plan_megatron_import(&table, &cfg, layout, &dir.inventory())?;
     if dry_run {
-        print_plan(&plan, &format!("import {} -> Megatron {layout} with table `{}`", hf.display(), table.name), "tp rank");
+        print_plan(
+            &plan,
+            &format!(
+                "import {} -> Megatron {layout} with table `{}`",
+                hf.display(),
+                table.name
+            ),
+            "tp rank",
+        );
         return Ok(ExitCode::SUCCESS);
     }
     let planned = t0.elapsed().as_secs_f64();
     // Source bytes, by source index.
     let src: Vec<&[u8]> = plan.sources.iter().map(|s| dir.data(&s.name)).collect();
-    // Destination boxes: borrowed from the mapped files where they are one contiguous run,
-    // else assembled.
-    let mut owned: Vec<Option<Vec<u8>>> = Vec::with_capacity(plan.dests.len());
+    // Destination boxes: borrowed from the mapped HF files where they are one contiguous run;
+    // the others are assembled one at a time into a scratch file next to the output, mapped
+    // back read-only, so that the heap holds one box at a time and the page cache the rest.
+    let nonempty = std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_some());
+    if nonempty && !overwrite {
+        bail!(
+            "{} exists and is not empty (pass --overwrite to replace it)",
+            out.display()
+        );
+    }
+    std::fs::create_dir_all(out)?;
+    let scratch_path = out.join(".zarrckpt-import-scratch");
+    let mut at: Vec<Option<(usize, usize)>> = vec![None; plan.dests.len()];
     let mut borrowed = 0u64;
-    for i in 0..plan.dests.len() {
-        if let Some((s, range)) = convert::exec::borrowable(&plan, i) {
-            let _ = (s, range);
-            owned.push(None);
+    let mut assembled = 0usize;
+    for (i, slot) in at.iter_mut().enumerate() {
+        if convert::exec::borrowable(&plan, i).is_some() {
             borrowed += plan.dests[i].nbytes();
         } else {
-            let mut buf = vec![0u8; plan.dests[i].nbytes() as usize];
-            convert::fill_from_sources(&plan, i, &|k| src[k], &mut buf)?;
-            owned.push(Some(buf));
+            let n = plan.dests[i].nbytes() as usize;
+            *slot = Some((assembled, n));
+            assembled += n.next_multiple_of(8);
         }
     }
+    let scratch_map = {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&scratch_path)
+            .with_context(|| format!("create {}", scratch_path.display()))?;
+        f.set_len(assembled as u64)?;
+        for (i, slot) in at.iter().enumerate() {
+            if let Some((off, n)) = slot {
+                let mut buf = vec![0u8; *n];
+                convert::fill_from_sources(&plan, i, &|k| src[k], &mut buf)?;
+                f.write_all_at(&buf, *off as u64)?;
+            }
+        }
+        if assembled == 0 {
+            None
+        } else {
+            // SAFETY: a private scratch file this process created and no longer writes.
+            Some(
+                unsafe { Mmap::map(&f) }
+                    .with_context(|| format!("map {}", scratch_path.display()))?,
+            )
+        }
+    };
     let mut pieces = Vec::with_capacity(plan.dests.len());
     for (i, d) in plan.dests.iter().enumerate() {
-        let data: &[u8] = match &owned[i] {
-            Some(b) => b,
-            None => {
+        let data: &[u8] = match (&at[i], &scratch_map) {
+            (Some((off, n)), Some(m)) => &m[*off..*off + *n],
+            _ => {
                 let (s, r) = convert::exec::borrowable(&plan, i).expect("borrowable");
                 &src[s][r]
             }
         };
         let region = zarrckpt::Region::new(d.region.off.clone(), d.region.len.clone())?;
-        pieces.push(ShardedTensor::new(TensorKey::new(&d.name)?, d.dtype, d.shape.clone(), region, 0, data)?);
+        pieces.push(ShardedTensor::new(
+            TensorKey::new(&d.name)?,
+            d.dtype,
+            d.shape.clone(),
+            region,
+            0,
+            data,
+        )?);
     }
     // Megatron's objects: the common state and the extra state of linear layers.
     let env = convert::expand::Env::new(&table, &cfg, layout);
-    let mut objects = vec![StateObject::common("megatron/common", serde_json::json!({}))?];
+    let mut objects = vec![StateObject::common(
+        "megatron/common",
+        serde_json::json!({}),
+    )?];
     for o in &table.objects {
         if let Some(w) = &o.when
             && !env.eval_bool(w, &[])?
@@ -496,8 +631,18 @@ pub fn import_hf(
             .iter()
             .map(|s| {
                 let size = env.eval_u64(&s.size, &[])?;
-                let start = s.start.as_ref().map(|e| env.eval_u64(e, &[])).transpose()?.unwrap_or(0);
-                let stop = s.stop.as_ref().map(|e| env.eval_u64(e, &[])).transpose()?.unwrap_or(size);
+                let start = s
+                    .start
+                    .as_ref()
+                    .map(|e| env.eval_u64(e, &[]))
+                    .transpose()?
+                    .unwrap_or(0);
+                let stop = s
+                    .stop
+                    .as_ref()
+                    .map(|e| env.eval_u64(e, &[]))
+                    .transpose()?
+                    .unwrap_or(size);
                 Ok((s.capture.clone(), size, start, stop))
             })
             .collect::<Result<_, convert::ConvertError>>()?;
@@ -507,7 +652,10 @@ pub fn import_hf(
                 .zip(&idx)
                 .map(|((n, ..), &i)| (n.clone(), i64::try_from(i).unwrap_or(0)))
                 .collect();
-            let name = pat.render(&convert::expand::CapScope { env: &env, caps: &caps })?;
+            let name = pat.render(&convert::expand::CapScope {
+                env: &env,
+                caps: &caps,
+            })?;
             let axes: Vec<(u64, u64)> = o
                 .stack
                 .iter()
@@ -519,11 +667,20 @@ pub fn import_hf(
                 ("0".to_string(), "1".to_string())
             } else {
                 (
-                    axes.iter().map(|a| a.0.to_string()).collect::<Vec<_>>().join("."),
-                    axes.iter().map(|a| a.1.to_string()).collect::<Vec<_>>().join("."),
+                    axes.iter()
+                        .map(|a| a.0.to_string())
+                        .collect::<Vec<_>>()
+                        .join("."),
+                    axes.iter()
+                        .map(|a| a.1.to_string())
+                        .collect::<Vec<_>>()
+                        .join("."),
                 )
             };
-            objects.push(StateObject::common(&format!("{name}/shard_{off}_{shape}"), serde_json::Value::Null)?);
+            objects.push(StateObject::common(
+                &format!("{name}/shard_{off}_{shape}"),
+                serde_json::Value::Null,
+            )?);
         }
     }
     let mut opts = SaveOptions {
@@ -536,18 +693,24 @@ pub fn import_hf(
         serde_json::json!({"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "table": table.name, "source": "zarrckpt import --hf"}),
     );
     opts.user_metadata.insert("hf_config".into(), cfg.clone());
-    if out.exists() && !overwrite {
-        bail!("{} exists (pass --overwrite to replace it)", out.display());
-    }
-    std::fs::create_dir_all(out)?;
     let _ = std::fs::remove_file(out.join("metadata.json"));
-    let rep = zarrckpt::save_with_objects(&pieces, &objects, &out.join("zarrckpt"), &LocalComm::single(), &opts)?;
+    let rep = zarrckpt::save_with_objects(
+        &pieces,
+        &objects,
+        &out.join("zarrckpt"),
+        &LocalComm::single(),
+        &opts,
+    );
+    drop(pieces);
+    drop(scratch_map);
+    let _ = std::fs::remove_file(&scratch_path);
+    let rep = rep?;
     let cfgm = serde_json::json!({"sharded_backend": "zarrckpt", "sharded_backend_version": 1, "common_backend": "zarrckpt", "common_backend_version": 1});
     std::fs::write(out.join("metadata.json"), serde_json::to_string(&cfgm)?)?;
     let total: u64 = plan.dests.iter().map(|d| d.nbytes()).sum();
     let secs = t0.elapsed().as_secs_f64();
     println!(
-        "imported {} HF tensors into {} Megatron tensors ({} rank boxes, {:.3} GB, {:.3} GB borrowed from the mapped files without a copy) at {layout} into {} in {secs:.2} s (planning {planned:.3} s); {} shard files",
+        "imported {} HF tensors into {} Megatron tensors ({} rank boxes, {:.3} GB: {:.3} GB saved straight from the mapped HF files, the rest assembled through a scratch file one box at a time) at {layout} into {} in {secs:.2} s (planning {planned:.3} s); {} shard files",
         plan.sources.len(),
         plan.expanded.m.len(),
         plan.dests.len(),
@@ -560,12 +723,25 @@ pub fn import_hf(
 }
 
 /// `inspect --map`: the HF export plan of a checkpoint.
-pub fn inspect_map(ckpt: &Path, map: &str, config: Option<&Path>, megatron: Option<&str>) -> anyhow::Result<ExitCode> {
+pub fn inspect_map(
+    ckpt: &Path,
+    map: &str,
+    config: Option<&Path>,
+    megatron: Option<&str>,
+) -> anyhow::Result<ExitCode> {
     let ck = Checkpoint::open(ckpt_dir(ckpt))?;
     let table = Table::load(map)?;
     let cfg = hf_config(Some(&ck), config, None)?;
     let saved = saved_layout(&ck, megatron)?;
     let plan = convert::plan_hf_export(&table, &cfg, saved, &ckpt_inventory(&ck), u64::MAX)?;
-    print_plan(&plan, &format!("{} as HF with table `{}` (saved at {saved})", ckpt.display(), table.name), "file");
+    print_plan(
+        &plan,
+        &format!(
+            "{} as HF with table `{}` (saved at {saved})",
+            ckpt.display(),
+            table.name
+        ),
+        "file",
+    );
     Ok(ExitCode::SUCCESS)
 }
