@@ -117,6 +117,9 @@ pub enum Error {
         /// What is stored.
         stored: Vec<u64>,
     },
+    /// A conversion was refused (spec § 19.5: rule, key and numbers named).
+    #[error(transparent)]
+    Convert(#[from] crate::convert::ConvertError),
     /// The I/O thread pool could not be created.
     #[error("could not start the I/O thread pool: {0}")]
     ThreadPool(String),

@@ -59,6 +59,7 @@
 pub mod async_save;
 pub mod checkpoint;
 pub mod comm;
+pub mod convert;
 mod coord;
 pub mod device;
 pub mod error;

@@ -89,7 +89,7 @@ unsafe impl std::alloc::GlobalAlloc for Counting {
 }
 
 /// Peak bytes allocated above the level at the start, while `f` runs.
-fn peak_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
+pub fn peak_of<T>(f: impl FnOnce() -> T) -> (T, usize) {
     let base = ALLOCATED.load(Ordering::Relaxed);
     PEAK.store(base, Ordering::Relaxed);
     let out = f();

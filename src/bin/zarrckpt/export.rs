@@ -19,9 +19,45 @@ use crate::progress;
 pub struct Args {
     /// The checkpoint directory.
     ckpt: PathBuf,
-    /// The safetensors file to write.
+    /// The safetensors file to write (a directory with `--hf` / `--vllm`).
     #[arg(long)]
     out: PathBuf,
+    /// Export a Megatron-layout checkpoint as a Hugging Face model (sharded safetensors and
+    /// `model.safetensors.index.json`) through a conversion table (`--map`).
+    #[arg(long, requires = "map", conflicts_with = "vllm")]
+    hf: bool,
+    /// Export per-rank files of vLLM's `sharded_state` layout for tensor parallelism `--tp`.
+    #[arg(long, requires_all = ["map", "tp"])]
+    vllm: bool,
+    /// Conversion table: a built-in name (llama, qwen2, qwen3, qwen3_moe, deepseek_v3) or a
+    /// JSON file (which may extend a built-in one).
+    #[arg(long)]
+    map: Option<String>,
+    /// HF config.json (default: `--copy-from`'s, else the one the checkpoint holds).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Copy config, tokenizer and other non-weight files from this HF directory.
+    #[arg(long)]
+    copy_from: Option<PathBuf>,
+    /// Largest output file (HF's `max_shard_size`): 5GB, 500MB, 2GiB, ...
+    #[arg(long, default_value = "5GB")]
+    max_shard_size: String,
+    /// The layout the checkpoint was saved at, `tp=T,pp=P,ep=E` (default: its metadata),
+    /// which fixes the vocabulary padding.
+    #[arg(long)]
+    megatron: Option<String>,
+    /// vLLM tensor parallel size.
+    #[arg(long)]
+    tp: Option<u64>,
+    /// Writer processes, each writing whole files.
+    #[arg(long, default_value_t = 1)]
+    procs: usize,
+    /// Print the plan (per destination: sources, bytes, checks passed) and write nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// One writer process of `--procs` (internal).
+    #[arg(long, hide = true)]
+    part: Option<String>,
 }
 
 /// A tensor read from the checkpoint only when the writer asks for its bytes, so the export
@@ -67,6 +103,31 @@ impl View for Lazy<'_> {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
+    if a.hf {
+        return crate::hf::export_hf(
+            &a.ckpt,
+            a.map.as_deref().unwrap_or_default(),
+            &a.out,
+            a.config.as_deref(),
+            a.copy_from.as_deref(),
+            &a.max_shard_size,
+            a.megatron.as_deref(),
+            a.procs,
+            a.part.as_deref(),
+            a.dry_run,
+        );
+    }
+    if a.vllm {
+        return crate::hf::export_vllm(
+            &a.ckpt,
+            a.map.as_deref().unwrap_or_default(),
+            &a.out,
+            a.config.as_deref(),
+            a.tp.unwrap_or(1),
+            a.megatron.as_deref(),
+            a.dry_run,
+        );
+    }
     let ckpt = Checkpoint::open(&a.ckpt)?;
     let infos = ckpt.tensors();
     let total: u64 = infos.iter().map(|t| t.nbytes).sum();

@@ -18,21 +18,35 @@ use crate::progress;
 #[derive(clap::Args)]
 pub struct Args {
     /// safetensors files (a multi-file model: all its shards).
-    #[arg(required_unless_present = "dcp", conflicts_with = "dcp")]
+    #[arg(required_unless_present_any = ["dcp", "hf"], conflicts_with_all = ["dcp", "hf"])]
     files: Vec<PathBuf>,
     /// Import a PyTorch DCP checkpoint directory instead (`FileSystemWriter`'s format, e.g. a
     /// torchtitan step), through the Python package: `$ZARRCKPT_PYTHON` (else `python3`) must
     /// import `zarrckpt` and torch. Every byte is compared with the source.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", conflicts_with = "hf")]
     dcp: Option<PathBuf>,
-    /// With `--dcp`: DIR is a Megatron-LM `torch_dist` checkpoint (an `iter_*` directory with
-    /// `metadata.json` and `common.pt`); `--out` becomes a zarrckpt-backed Megatron checkpoint.
-    #[arg(long, requires = "dcp")]
-    megatron: bool,
+    /// With `--dcp`, bare: DIR is a Megatron-LM `torch_dist` checkpoint (an `iter_*` directory
+    /// with `metadata.json` and `common.pt`); `--out` becomes a zarrckpt-backed Megatron
+    /// checkpoint. With `--hf`: the Megatron layout to write, `tp=T,pp=P[,ep=E]`.
+    #[arg(long, num_args = 0..=1, default_missing_value = "", value_name = "LAYOUT")]
+    megatron: Option<String>,
     /// With `--dcp`: unpickle non-tensor values (and `common.pt`) with torch's unrestricted
     /// unpickler, which runs whatever code they hold (default: torch's restricted one).
     #[arg(long, requires = "dcp")]
     trust_pickles: bool,
+    /// Import a Hugging Face model directory (config.json and safetensors) into a Megatron
+    /// layout (`--megatron tp=T,pp=P`) through a conversion table (`--map`).
+    #[arg(long, requires_all = ["map", "megatron"])]
+    hf: Option<PathBuf>,
+    /// Conversion table: a built-in name or a JSON file.
+    #[arg(long)]
+    map: Option<String>,
+    /// Writer threads (0: one per CPU, at most 8).
+    #[arg(long, default_value_t = 0)]
+    procs: usize,
+    /// Print the plan and write nothing.
+    #[arg(long)]
+    dry_run: bool,
     /// The checkpoint directory to write.
     #[arg(long)]
     out: PathBuf,
@@ -128,12 +142,23 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         return crate::import_dcp::run(&crate::import_dcp::Request {
             dir,
             out: &a.out,
-            megatron: a.megatron,
+            megatron: a.megatron.is_some(),
             ranks: a.ranks,
             trust_pickles: a.trust_pickles,
             overwrite: a.overwrite,
             compression: &a.compression,
         });
+    }
+    if let Some(hf) = &a.hf {
+        return crate::hf::import_hf(
+            hf,
+            a.map.as_deref().unwrap_or_default(),
+            a.megatron.as_deref().unwrap_or_default(),
+            &a.out,
+            a.overwrite,
+            a.procs,
+            a.dry_run,
+        );
     }
     let ranks = a.ranks.unwrap_or(1);
     if ranks == 0 {

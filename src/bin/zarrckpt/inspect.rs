@@ -15,6 +15,16 @@ pub struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Show the HF export plan of a Megatron-layout checkpoint under this conversion table
+    /// (built-in name or JSON file): per destination its sources, bytes, checks passed.
+    #[arg(long)]
+    map: Option<String>,
+    /// HF config.json for `--map` (default: the one the checkpoint holds).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The layout the checkpoint was saved at, for `--map` (default: its metadata).
+    #[arg(long)]
+    megatron: Option<String>,
 }
 
 fn dir_bytes(p: &Path) -> u64 {
@@ -54,7 +64,10 @@ pub fn human(b: u64) -> String {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
-    let ckpt = Checkpoint::open(&a.ckpt)?;
+    if let Some(map) = &a.map {
+        return crate::hf::inspect_map(&a.ckpt, map, a.config.as_deref(), a.megatron.as_deref());
+    }
+    let ckpt = Checkpoint::open(crate::hf::ckpt_dir(&a.ckpt))?;
     let tensors = ckpt.tensors();
     let total: u64 = tensors.iter().map(|t| t.nbytes).sum();
     let chunks: u64 = tensors.iter().map(|t| t.num_chunks).sum();

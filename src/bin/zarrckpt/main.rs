@@ -1,6 +1,7 @@
 //! The `zarrckpt` command-line tool.
 
 mod bench;
+mod bench_convert;
 #[cfg(feature = "cuda")]
 mod bench_gpu;
 mod bench_plan;
@@ -9,6 +10,7 @@ mod crash;
 mod demo;
 mod diff;
 mod export;
+mod hf;
 mod import;
 mod import_dcp;
 mod inspect;
@@ -38,10 +40,13 @@ enum Command {
     /// another split, check every byte and show what was written.
     Demo(demo::Args),
     /// Write a checkpoint from safetensors files, as N ranks would (each tensor split N ways
-    /// along its first axis), or from a PyTorch DCP or Megatron `torch_dist` checkpoint
-    /// (`--dcp DIR [--megatron]`, through the Python package).
+    /// along its first axis); from a PyTorch DCP or Megatron `torch_dist` checkpoint
+    /// (`--dcp DIR [--megatron]`, through the Python package); or, with `--hf DIR --map TABLE
+    /// --megatron tp=T,pp=P`, a Hugging Face model into a Megatron layout.
     Import(import::Args),
-    /// Write a checkpoint's full tensors into one safetensors file.
+    /// Write a checkpoint's full tensors into one safetensors file; or, with `--hf --map
+    /// TABLE`, a Megatron-layout checkpoint as a Hugging Face model; or, with `--vllm --tp K`,
+    /// vLLM per-rank files.
     Export(export::Args),
     /// List a checkpoint's tensors: data types, shapes, chunking, sizes.
     Inspect(inspect::Args),
@@ -56,6 +61,9 @@ enum Command {
     Diff(diff::Args),
     /// Measure save and load against the machine's own limits, measured in the same run.
     Bench(bench::Args),
+    /// Measure conversion (HF export, vLLM reshard) against the machine's own limits, and
+    /// planning alone for a DeepSeek-V3-shaped checkpoint.
+    BenchConvert(bench_convert::Args),
     /// Measure one rank's planning cost (save and load) for very large simulated jobs.
     BenchPlan(bench_plan::Args),
     /// Load into and save from GPU memory against the pinned copy bandwidth and the disk
@@ -112,6 +120,7 @@ fn main() -> std::process::ExitCode {
         Command::Diff(a) => diff::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::BenchPlan(a) => bench_plan::run(&a),
+        Command::BenchConvert(a) => bench_convert::run(&a),
         #[cfg(feature = "cuda")]
         Command::BenchGpu(a) => bench_gpu::run(&a),
         Command::Launch(a) => launch::run(&a),

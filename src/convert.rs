@@ -1,0 +1,27 @@
+//! Megatron-Core <-> Hugging Face <-> vLLM conversion as data (spec § 19).
+//!
+//! A conversion table (JSON, `tables/*.json` built in) maps Megatron tensors, as
+//! `dist_checkpointing` stores them, to HF names through a closed set of index ops (rename,
+//! transpose, slice, concat / split, interleave / de-interleave, stack / unstack, pad /
+//! unpad) and a few value ops. Planning is pure: [`expand`](expand::expand) a table for a
+//! `config.json` and a layout, check it ([`check`]: every destination exactly once, every
+//! source consumed or dropped, shapes, divisibility, fused-tensor structure), and
+//! [`plan`] per destination the source boxes; then [`exec`] fills destination buffers
+//! through [`Checkpoint::read_region`](crate::Checkpoint::read_region) (each merged source
+//! box read once) or from caller-provided source bytes.
+
+pub mod check;
+pub mod error;
+pub mod exec;
+pub mod expand;
+pub mod expr;
+pub mod geom;
+pub mod plan;
+pub mod table;
+
+pub use check::{Direction, Inventory};
+pub use error::ConvertError;
+pub use exec::{FillStats, fill_from_checkpoint, fill_from_sources};
+pub use expand::{Expanded, Layout, expand};
+pub use plan::{Dest, Piece, Plan, Source, plan_hf_export, plan_megatron_import, plan_vllm};
+pub use table::Table;

@@ -1,0 +1,740 @@
+//! Conversion plans: per destination tensor (or per rank box), the source boxes that fill
+//! it. Built from an expansion and the source's inventory after every check passed. Pure.
+
+use std::collections::BTreeMap;
+
+use super::check::{self, Direction, Inventory};
+use super::error::ConvertError;
+use super::expand::{CapScope, Env, Expanded, Layout, Link, Pattern, stack_indices};
+use super::geom::{Bx, merge_boxes};
+use super::table::{Table, ValueOp};
+use crate::model::DType;
+
+/// A box of a source tensor copied into a box of a destination buffer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Piece {
+    /// Index into [`Plan::sources`].
+    pub src: usize,
+    /// Box in the source tensor.
+    pub sbox: Bx,
+    /// Box in the destination buffer (relative to [`Dest::region`]).
+    pub dbox: Bx,
+    /// Last two axes swapped.
+    pub transpose: bool,
+    /// The rule (index into the expansion's rules).
+    pub rule: usize,
+    /// Stack axes of the source (leading axes of extent 1 in `sbox` to drop when copying
+    /// into a destination of fewer axes).
+    pub src_stack: usize,
+    /// Stack axes of the destination box.
+    pub dst_stack: usize,
+    /// fp8 block dequantisation (import): the scale source and the block shape.
+    pub scale: Option<(usize, [u64; 2])>,
+}
+
+/// One destination: a tensor (HF, vLLM) or a rank's box of one (Megatron).
+#[derive(Debug, Clone)]
+pub struct Dest {
+    /// Tensor name.
+    pub name: String,
+    /// Global shape.
+    pub shape: Vec<u64>,
+    /// The part of the tensor this destination fills (the whole tensor for HF and vLLM).
+    pub region: Bx,
+    /// Data type.
+    pub dtype: DType,
+    /// Pieces; elements no piece covers are zero (padding).
+    pub pieces: Vec<Piece>,
+    /// Output file (HF export), or TP rank (vLLM, Megatron).
+    pub group: usize,
+    /// Value ops to apply (export: inverted; import: as written).
+    pub value: Vec<ValueOp>,
+}
+
+impl Dest {
+    /// Bytes of the destination buffer.
+    #[must_use]
+    pub fn nbytes(&self) -> u64 {
+        self.region.volume() * self.dtype.size() as u64
+    }
+}
+
+/// A source tensor.
+#[derive(Debug, Clone)]
+pub struct Source {
+    /// Name (stored key or HF name).
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Data type.
+    pub dtype: DType,
+}
+
+/// A conversion plan.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Sources.
+    pub sources: Vec<Source>,
+    /// Destinations in write order.
+    pub dests: Vec<Dest>,
+    /// Checks passed (for dry runs).
+    pub checks: Vec<String>,
+    /// The expansion's params (for dry runs).
+    pub params: BTreeMap<String, String>,
+    /// The expansion (rules, links).
+    pub expanded: Expanded,
+}
+
+impl Plan {
+    /// Batches of consecutive destinations sharing source units (a source tensor at one
+    /// stack index): each batch's source boxes are read once, merged.
+    #[must_use]
+    pub fn batches(&self) -> Vec<std::ops::Range<usize>> {
+        let unit = |p: &Piece| (p.src, p.sbox.off[..p.src_stack].to_vec());
+        let mut out = Vec::new();
+        let mut start = 0;
+        let mut units: Vec<(usize, Vec<u64>)> = Vec::new();
+        for (i, d) in self.dests.iter().enumerate() {
+            let mine: Vec<_> = d.pieces.iter().map(unit).collect();
+            let shares = mine.iter().any(|u| units.contains(u));
+            if i > start && (!shares || d.group != self.dests[start].group) {
+                out.push(start..i);
+                start = i;
+                units.clear();
+            }
+            units.extend(mine);
+        }
+        if start < self.dests.len() {
+            out.push(start..self.dests.len());
+        }
+        out
+    }
+
+    /// The merged source boxes a batch reads, per source.
+    #[must_use]
+    pub fn reads(&self, batch: std::ops::Range<usize>) -> Vec<(usize, Bx)> {
+        let mut per: BTreeMap<usize, Vec<Bx>> = BTreeMap::new();
+        for d in &self.dests[batch] {
+            for p in &d.pieces {
+                per.entry(p.src).or_default().push(p.sbox.clone());
+            }
+        }
+        per.into_iter()
+            .flat_map(|(s, bs)| merge_boxes(bs).into_iter().map(move |b| (s, b)))
+            .collect()
+    }
+
+    /// Bytes read from sources and written to destinations, per group (file or rank).
+    #[must_use]
+    pub fn bytes_per_group(&self) -> BTreeMap<usize, (u64, u64)> {
+        let mut out: BTreeMap<usize, (u64, u64)> = BTreeMap::new();
+        for b in self.batches() {
+            let g = self.dests[b.start].group;
+            let read: u64 = self
+                .reads(b.clone())
+                .iter()
+                .map(|(s, bx)| bx.volume() * self.sources[*s].dtype.size() as u64)
+                .sum();
+            let written: u64 = self.dests[b].iter().map(Dest::nbytes).sum();
+            let e = out.entry(g).or_default();
+            e.0 += read;
+            e.1 += written;
+        }
+        out
+    }
+}
+
+fn dtype_of(name: &str, what: &str) -> Result<DType, ConvertError> {
+    DType::from_name(name).ok_or_else(|| ConvertError::Table {
+        table: what.to_owned(),
+        msg: format!("unknown data type `{name}`"),
+    })
+}
+
+fn map_m_to_h(l: &Link, stack: usize, msub: &Bx) -> Bx {
+    let mut rel: Vec<u64> = (stack..msub.off.len())
+        .map(|d| msub.off[d] - l.mbox.off[d])
+        .collect();
+    let mut len: Vec<u64> = msub.len[stack..].to_vec();
+    if l.transpose {
+        let n = rel.len();
+        rel.swap(n - 2, n - 1);
+        len.swap(n - 2, n - 1);
+    }
+    Bx {
+        off: l.hbox.off.iter().zip(&rel).map(|(a, b)| a + b).collect(),
+        len,
+    }
+}
+
+fn map_h_to_m(l: &Link, stack: usize, hsub: &Bx) -> Bx {
+    let mut rel: Vec<u64> = hsub
+        .off
+        .iter()
+        .zip(&l.hbox.off)
+        .map(|(a, b)| a - b)
+        .collect();
+    let mut len = hsub.len.clone();
+    if l.transpose {
+        let n = rel.len();
+        rel.swap(n - 2, n - 1);
+        len.swap(n - 2, n - 1);
+    }
+    let mut off = l.mbox.off[..stack].to_vec();
+    off.extend(l.mbox.off[stack..].iter().zip(&rel).map(|(a, b)| a + b));
+    let mut ln = vec![1; stack];
+    ln.extend(len);
+    Bx { off, len: ln }
+}
+
+fn invert(value: &[ValueOp], rule: &str) -> Result<Vec<ValueOp>, ConvertError> {
+    value
+        .iter()
+        .map(|v| match v {
+            ValueOp::Add(c) => Ok(ValueOp::Add(-c)),
+            ValueOp::DequantFp8Block(_) => Ok(ValueOp::Add(0.0)),
+        })
+        .collect::<Result<Vec<_>, ConvertError>>()
+        .map_err(|e: ConvertError| e.in_rule(rule))
+}
+
+/// Plans an HF export of a Megatron-layout checkpoint whose tensors are `inv` (stored key ->
+/// (dtype, shape)). `max_shard_bytes` splits the output into files as HF does.
+///
+/// # Errors
+/// Any check of spec § 19.5.
+pub fn plan_hf_export(
+    table: &Table,
+    config: &serde_json::Value,
+    saved: Layout,
+    inv: &Inventory,
+    max_shard_bytes: u64,
+) -> Result<Plan, ConvertError> {
+    let ex = super::expand::expand(table, config, saved)?;
+    check::check_structure(&ex, Direction::Export)?;
+    let stored = check::check_megatron_input(&ex, inv)?;
+    let sources: Vec<Source> = stored
+        .iter()
+        .map(|k| {
+            let (dt, shape) = &inv[k];
+            Ok(Source {
+                name: k.clone(),
+                shape: shape.clone(),
+                dtype: dtype_of(dt, k)?,
+            })
+        })
+        .collect::<Result<_, ConvertError>>()?;
+    let aux: Vec<usize> = ex.aux.iter().map(|a| a.1).collect();
+    let mut by_h: Vec<Vec<&Link>> = vec![Vec::new(); ex.h.len()];
+    for l in &ex.links {
+        by_h[l.h].push(l);
+    }
+    let mut order: Vec<usize> = (0..ex.h.len()).filter(|h| !aux.contains(h)).collect();
+    order.sort_by(|a, b| ex.h[*a].order.cmp(&ex.h[*b].order));
+    let mut dests = Vec::new();
+    for hi in order {
+        let h = &ex.h[hi];
+        let links = &by_h[hi];
+        let first = links[0];
+        let dtype = sources[first.m].dtype;
+        for l in links {
+            if sources[l.m].dtype != dtype {
+                return Err(ConvertError::Dtype {
+                    rule: ex.rules[l.rule].name.clone(),
+                    side: "megatron",
+                    key: sources[l.m].name.clone(),
+                    stored: sources[l.m].dtype.to_string(),
+                    expected: dtype.to_string(),
+                });
+            }
+        }
+        let rule = &ex.rules[first.rule];
+        let dtype = match &h.dtype {
+            Some(d)
+                if !rule
+                    .value
+                    .iter()
+                    .any(|v| matches!(v, ValueOp::DequantFp8Block(_))) =>
+            {
+                dtype_of(d, &h.name)?
+            }
+            _ => dtype,
+        };
+        let pieces = links
+            .iter()
+            .map(|l| Piece {
+                src: l.m,
+                sbox: l.mbox.clone(),
+                dbox: l.hbox.clone(),
+                transpose: l.transpose,
+                rule: l.rule,
+                src_stack: ex.m[l.m].stack_axes,
+                dst_stack: 0,
+                scale: None,
+            })
+            .collect();
+        dests.push(Dest {
+            name: h.name.clone(),
+            shape: h.shape.clone(),
+            region: Bx::full(&h.shape),
+            dtype,
+            pieces,
+            group: 0,
+            value: invert(&rule.value, &rule.name)?,
+        });
+    }
+    // Files, in order, at most `max_shard_bytes` each (a larger tensor alone).
+    let mut file = 0;
+    let mut size = 0u64;
+    for d in &mut dests {
+        let n = d.nbytes();
+        if size > 0 && size + n > max_shard_bytes {
+            file += 1;
+            size = 0;
+        }
+        d.group = file;
+        size += n;
+    }
+    let checks = vec![
+        format!(
+            "every HF tensor produced exactly once ({} tensors)",
+            dests.len()
+        ),
+        format!(
+            "every Megatron element consumed exactly once, padding aside ({} tensors)",
+            sources.len()
+        ),
+        "every checkpoint tensor consumed or listed in drop.megatron".into(),
+        format!("stored shapes equal config-implied shapes at {saved}"),
+        "fused tensors interleaved per unit".into(),
+    ];
+    Ok(Plan {
+        sources,
+        dests,
+        checks,
+        params: ex.params.clone(),
+        expanded: ex,
+    })
+}
+
+/// Plans an import of HF tensors `inv` (name -> (dtype, shape)) into a Megatron layout:
+/// one destination per rank box (a stack index, a TP piece), as Megatron's ranks hold them.
+///
+/// # Errors
+/// Any check of spec § 19.5.
+pub fn plan_megatron_import(
+    table: &Table,
+    config: &serde_json::Value,
+    layout: Layout,
+    inv: &Inventory,
+) -> Result<Plan, ConvertError> {
+    let ex = super::expand::expand(table, config, layout)?;
+    check::check_structure(&ex, Direction::Import)?;
+    check::check_hf_input(&ex, inv)?;
+    let sources: Vec<Source> =
+        ex.h.iter()
+            .map(|h| {
+                let (dt, shape) = &inv[&h.name];
+                Ok(Source {
+                    name: h.name.clone(),
+                    shape: shape.clone(),
+                    dtype: dtype_of(dt, &h.name)?,
+                })
+            })
+            .collect::<Result<_, ConvertError>>()?;
+    let mut by_unit: BTreeMap<(usize, Vec<u64>), Vec<&Link>> = BTreeMap::new();
+    for l in &ex.links {
+        let st = ex.m[l.m].stack_axes;
+        by_unit
+            .entry((l.m, l.mbox.off[..st].to_vec()))
+            .or_default()
+            .push(l);
+    }
+    let mut dests = Vec::new();
+    for (mi, m) in ex.m.iter().enumerate() {
+        let st = m.stack_axes;
+        let body = &m.shape[st..];
+        let rule = &ex.rules[m.rules[0]];
+        // Data type: the rule's cast, else the HF tensors' (which must agree).
+        let src_dtypes: Vec<DType> = ex
+            .links
+            .iter()
+            .filter(|l| l.m == mi)
+            .map(|l| sources[l.h].dtype)
+            .collect();
+        let dtype = match &m.dtype {
+            Some(d) => dtype_of(d, &m.key)?,
+            None => {
+                let d0 = src_dtypes[0];
+                if let Some(bad) = src_dtypes.iter().find(|d| **d != d0) {
+                    return Err(ConvertError::Dtype {
+                        rule: rule.name.clone(),
+                        side: "hf",
+                        key: m.key.clone(),
+                        stored: bad.to_string(),
+                        expected: d0.to_string(),
+                    });
+                }
+                if rule
+                    .value
+                    .iter()
+                    .any(|v| matches!(v, ValueOp::DequantFp8Block(_)))
+                {
+                    DType::BFloat16
+                } else {
+                    d0
+                }
+            }
+        };
+        let shape_idx: Vec<(String, u64, u64, u64)> = (0..st)
+            .map(|d| (String::new(), m.shape[d], 0, m.shape[d]))
+            .collect();
+        // TP pieces of the body.
+        let mut tboxes: Vec<(u64, Bx)> = Vec::new();
+        match m.tp {
+            Some(tp) => {
+                let a = tp.axis - st;
+                let seg = body[a] / tp.parts;
+                let piece = seg / layout.tp;
+                for t in 0..layout.tp {
+                    for p in 0..tp.parts {
+                        let mut b = Bx::full(body);
+                        b.off[a] = p * seg + t * piece;
+                        b.len[a] = piece;
+                        tboxes.push((t, b));
+                    }
+                }
+            }
+            None => tboxes.push((0, Bx::full(body))),
+        }
+        for idx in stack_indices(&shape_idx) {
+            let links = by_unit.get(&(mi, idx.clone()));
+            for (t, tb) in &tboxes {
+                let region = tb.prepend(&idx);
+                let mut pieces = Vec::new();
+                for l in links.into_iter().flatten() {
+                    if let Some(x) = l.mbox.intersect(&region) {
+                        pieces.push(Piece {
+                            src: l.h,
+                            sbox: map_m_to_h(l, st, &x),
+                            dbox: x.relative_to(&region),
+                            transpose: l.transpose,
+                            rule: l.rule,
+                            src_stack: 0,
+                            dst_stack: st,
+                            scale: l.scale,
+                        });
+                    }
+                }
+                dests.push(Dest {
+                    name: m.key.clone(),
+                    shape: m.shape.clone(),
+                    region,
+                    dtype,
+                    pieces,
+                    group: usize::try_from(*t).unwrap_or(usize::MAX),
+                    value: ex.rules[m.rules[0]].value.clone(),
+                });
+            }
+        }
+    }
+    let checks = vec![
+        format!(
+            "every Megatron element produced exactly once, padding zero ({} tensors, {} rank boxes)",
+            ex.m.len(),
+            dests.len()
+        ),
+        format!(
+            "every HF element consumed exactly once ({} tensors)",
+            sources.len()
+        ),
+        "every HF tensor consumed or listed in drop.hf".into(),
+        "HF shapes equal config-implied shapes".into(),
+        "fused tensors interleaved per unit".into(),
+        format!("{layout} divides every split (units, experts, layers)"),
+    ];
+    Ok(Plan {
+        sources: sources.clone(),
+        dests,
+        checks,
+        params: ex.params.clone(),
+        expanded: ex,
+    })
+}
+
+/// Plans vLLM per-rank tensors for TP size `k` straight from a Megatron-layout checkpoint
+/// (spec § 19.6): each destination's pieces are boxes of the stored Megatron tensors.
+///
+/// # Errors
+/// Any check of spec § 19.5, and a TP size that does not divide.
+pub fn plan_vllm(
+    table: &Table,
+    config: &serde_json::Value,
+    saved: Layout,
+    inv: &Inventory,
+    k: u64,
+) -> Result<Plan, ConvertError> {
+    let hf = plan_hf_export(table, config, saved, inv, u64::MAX)?;
+    let ex = &hf.expanded;
+    let vllm = table.vllm.clone().unwrap_or_default();
+    if vllm.tensors.is_empty() {
+        return Err(ConvertError::Table {
+            table: table.name.clone(),
+            msg: "has no `vllm` section".into(),
+        });
+    }
+    let env = Env::new(table, config, saved);
+    let h_index: BTreeMap<&str, usize> =
+        ex.h.iter()
+            .enumerate()
+            .map(|(i, h)| (h.name.as_str(), i))
+            .collect();
+    let mut by_h: Vec<Vec<&Link>> = vec![Vec::new(); ex.h.len()];
+    for l in &ex.links {
+        by_h[l.h].push(l);
+    }
+    let hdest: BTreeMap<&str, &Dest> = hf.dests.iter().map(|d| (d.name.as_str(), d)).collect();
+    let mut dests = Vec::new();
+    let mut names: BTreeMap<String, usize> = BTreeMap::new();
+    for r in 0..k {
+        for vt in &vllm.tensors {
+            let rname = format!("vllm:{}", vt.name);
+            if let Some(w) = &vt.when
+                && !env.eval_bool(w, &[]).map_err(|e| e.in_rule(&rname))?
+            {
+                continue;
+            }
+            let ranges: Vec<(String, u64, u64, u64)> = vt
+                .stack
+                .iter()
+                .map(|s| {
+                    let size = env.eval_u64(&s.size, &[])?;
+                    let start = s
+                        .start
+                        .as_ref()
+                        .map(|e| env.eval_u64(e, &[]))
+                        .transpose()?
+                        .unwrap_or(0);
+                    let stop = s
+                        .stop
+                        .as_ref()
+                        .map(|e| env.eval_u64(e, &[]))
+                        .transpose()?
+                        .unwrap_or(size);
+                    Ok((s.capture.clone(), size, start, stop.min(size)))
+                })
+                .collect::<Result<_, ConvertError>>()
+                .map_err(|e: ConvertError| e.in_rule(&rname))?;
+            let npat = Pattern::parse(&vt.name)?;
+            let ppats: Vec<Pattern> = vt
+                .parts
+                .iter()
+                .map(|p| Pattern::parse(&p.hf))
+                .collect::<Result<_, _>>()?;
+            let cat = vt.axis.unwrap_or(0);
+            for idx in stack_indices(&ranges) {
+                let caps: Vec<(String, i64)> = ranges
+                    .iter()
+                    .zip(&idx)
+                    .map(|((n, ..), &i)| (n.clone(), i64::try_from(i).unwrap_or(0)))
+                    .collect();
+                let scope = CapScope {
+                    env: &env,
+                    caps: &caps,
+                };
+                let name = npat.render(&scope)?;
+                if r == 0 {
+                    *names.entry(name.clone()).or_default() += 1;
+                    if names[&name] > 1 {
+                        return Err(ConvertError::Duplicate {
+                            what: "vllm tensor",
+                            name,
+                            rules: "two `vllm.tensors` entries".into(),
+                        });
+                    }
+                }
+                let inner: Vec<Option<u64>> = match &vt.inner {
+                    Some(st) => (0..env
+                        .eval_u64(&st.size, &caps)
+                        .map_err(|e| e.in_rule(&rname))?)
+                        .map(Some)
+                        .collect(),
+                    None => vec![None],
+                };
+                let mut all_pieces = Vec::new();
+                let mut inner_shape: Option<Vec<u64>> = None;
+                let mut dtype = None;
+                let mut value = Vec::new();
+                let outer_caps = caps.clone();
+                for ie in &inner {
+                    let mut caps = outer_caps.clone();
+                    if let (Some(e), Some(st)) = (ie, &vt.inner) {
+                        caps.push((st.capture.clone(), i64::try_from(*e).unwrap_or(0)));
+                    }
+                    let scope = CapScope {
+                        env: &env,
+                        caps: &caps,
+                    };
+                    let mut shape: Option<Vec<u64>> = None;
+                    let mut pieces = Vec::new();
+                    for (part, pp) in vt.parts.iter().zip(&ppats) {
+                        let hname = pp.render(&scope)?;
+                        let hi =
+                            *h_index
+                                .get(hname.as_str())
+                                .ok_or_else(|| {
+                                    ConvertError::Missing {
+                                rule: rname.clone(),
+                                side: "hf",
+                                key: hname.clone(),
+                                hint:
+                                    " (the vLLM tensor's part names an HF tensor no rule produces)"
+                                        .into(),
+                            }
+                                })?;
+                        let hd = hdest[hname.as_str()];
+                        dtype.get_or_insert(hd.dtype);
+                        value.clone_from(&hd.value);
+                        let hs = &ex.h[hi].shape;
+                        // This rank's box of the (padded) HF tensor.
+                        let mut pbox = Bx::full(hs);
+                        if let Some(a) = part.axis {
+                            let ext = match &part.pad_to {
+                                Some(e) => env.eval_u64(e, &caps).map_err(|e| e.in_rule(&rname))?,
+                                None => hs[a],
+                            };
+                            if ext < hs[a] {
+                                return Err(ConvertError::Op {
+                                    rule: rname.clone(),
+                                    op: "pad_to".into(),
+                                    msg: format!(
+                                        "pad_to {ext} is less than {hname}'s extent {}",
+                                        hs[a]
+                                    ),
+                                });
+                            }
+                            let units = match &part.units {
+                                Some(e) => env.eval_u64(e, &caps).map_err(|e| e.in_rule(&rname))?,
+                                None => ext,
+                            };
+                            let div = |what: String, value: u64| ConvertError::Divisibility {
+                                rule: rname.clone(),
+                                key: hname.clone(),
+                                what,
+                                value,
+                                by_name: "vLLM tp".into(),
+                                by: k,
+                                layout: format!("vLLM TP {k}"),
+                            };
+                            if units == 0 || ext % units != 0 {
+                                return Err(div(format!("extent {ext} in units of {units}"), ext));
+                            }
+                            let us = ext / units;
+                            let (a0, n) = if units % k == 0 {
+                                (r * (units / k), units / k)
+                            } else if part.replicate && k.is_multiple_of(units) {
+                                (r / (k / units), 1)
+                            } else {
+                                return Err(div(
+                                    format!(
+                                        "units along axis {a}{}",
+                                        if part.replicate {
+                                            " (nor does it divide the TP size, for replication)"
+                                        } else {
+                                            ""
+                                        }
+                                    ),
+                                    units,
+                                ));
+                            };
+                            pbox.off[a] = a0 * us;
+                            pbox.len[a] = n * us;
+                        }
+                        // Position of this part in the destination.
+                        let mut at = vec![0u64; hs.len()];
+                        let s = shape.get_or_insert_with(|| {
+                            let mut z = pbox.len.clone();
+                            z[cat] = 0;
+                            z
+                        });
+                        at[cat] = s[cat];
+                        let mut other = pbox.len.clone();
+                        other[cat] = s[cat];
+                        if *s != other {
+                            return Err(ConvertError::Op {
+                                rule: rname.clone(),
+                                op: "concat".into(),
+                                msg: format!("part {hname} has box {pbox}, other parts {s:?}"),
+                            });
+                        }
+                        s[cat] += pbox.len[cat];
+                        // Pieces: the real (unpadded) part of the box, through the links.
+                        if let Some(real) = pbox.intersect(&Bx::full(hs)) {
+                            for l in &by_h[hi] {
+                                if let Some(x) = l.hbox.intersect(&real) {
+                                    let st = ex.m[l.m].stack_axes;
+                                    let mut dbox = x.relative_to(&pbox);
+                                    for (d, o) in dbox.off.iter_mut().enumerate() {
+                                        *o += at[d];
+                                    }
+                                    pieces.push(Piece {
+                                        src: l.m,
+                                        sbox: map_h_to_m(l, st, &x),
+                                        dbox,
+                                        transpose: l.transpose,
+                                        rule: l.rule,
+                                        src_stack: st,
+                                        dst_stack: 0,
+                                        scale: None,
+                                    });
+                                }
+                            }
+                        }
+                    }
+                    let shape = shape.unwrap_or_default();
+                    if let Some(e) = ie {
+                        for p in &mut pieces {
+                            p.dbox = p.dbox.prepend(&[*e]);
+                        }
+                    }
+                    if inner_shape.as_ref().is_some_and(|s| *s != shape) {
+                        return Err(ConvertError::Op {
+                            rule: rname.clone(),
+                            op: "inner".into(),
+                            msg: format!(
+                                "stacked parts differ in shape: {inner_shape:?} and {shape:?}"
+                            ),
+                        });
+                    }
+                    inner_shape = Some(shape);
+                    all_pieces.extend(pieces);
+                }
+                let mut shape = inner_shape.unwrap_or_default();
+                if vt.inner.is_some() {
+                    shape.insert(0, inner.len() as u64);
+                }
+                let pieces = all_pieces;
+                dests.push(Dest {
+                    name,
+                    region: Bx::full(&shape),
+                    shape,
+                    dtype: dtype.unwrap_or(DType::BFloat16),
+                    pieces,
+                    group: usize::try_from(r).unwrap_or(usize::MAX),
+                    value,
+                });
+            }
+        }
+    }
+    let mut checks = hf.checks.clone();
+    checks.push(format!(
+        "vLLM TP {k} divides every split (heads, kv heads or replication, ffn, padded vocab)"
+    ));
+    Ok(Plan {
+        sources: hf.sources,
+        dests,
+        checks,
+        params: hf.params,
+        expanded: hf.expanded,
+    })
+}
