@@ -372,6 +372,14 @@ impl Table {
         Ok(t)
     }
 
+    /// A table from JSON text, with `extends` resolved against the built-in tables.
+    ///
+    /// # Errors
+    /// [`ConvertError::Table`] for invalid text or an unknown base.
+    pub fn from_json(text: &str) -> Result<Table, ConvertError> {
+        Table::parse(text, "<json>")?.resolve(0)
+    }
+
     /// A built-in table by name, with `extends` resolved.
     ///
     /// # Errors
