@@ -300,6 +300,9 @@ pub struct Table {
     /// Inherited rules removed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_rules: Vec<String>,
+    /// Inherited vLLM tensors removed (by name pattern).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_vllm: Vec<String>,
     /// Drop lists.
     #[serde(default)]
     pub drop: Drop,
@@ -488,6 +491,9 @@ impl Table {
         }
         self.drop.megatron.extend(ext.drop.megatron);
         self.drop.hf.extend(ext.drop.hf);
+        if let Some(mine) = &mut self.vllm {
+            mine.tensors.retain(|t| !ext.remove_vllm.contains(&t.name));
+        }
         if let Some(v) = ext.vllm {
             let mine = self.vllm.get_or_insert_with(VllmSection::default);
             if v.version.is_some() {
