@@ -1,5 +1,19 @@
-"""Save and load GB/s: zarrckpt.torch against torch.distributed.checkpoint (DCP) with its
-FileSystemWriter / FileSystemReader, and against zarrckpt's Rust API, on the same work.
+"""Save and load GB/s against torch.distributed.checkpoint (DCP), two modes.
+
+``--mode dcp`` (the default): ``dcp.save`` / ``dcp.load`` through zarrckpt's
+``StorageWriter`` / ``StorageReader`` (with ``zd.SavePlanner`` / ``zd.LoadPlanner``) against
+the same calls through DCP's ``FileSystemWriter`` / ``FileSystemReader``, on the state below
+(4 processes save, 3 load it sharded over 3). Loads are timed cold (every file of the
+contender evicted from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)``; the
+writers fsync'd them) and then warm. The raw limits are measured by the same processes in
+the same rounds: write + fsync of each save rank's bytes to one file, and cold and warm reads
+of a third of them per load rank. Bytes read per byte loaded come from ``/proc/self/io``
+(``rchar``: what read calls returned; ``read_bytes``: what came from the device) and from
+zarrckpt's own report. The contenders rotate from round to round; every load of the first
+round is checked.
+
+``--mode torch``: zarrckpt.torch against DCP with its FileSystemWriter / FileSystemReader, and
+against zarrckpt's Rust API, on the same work (described below).
 
 The work (one run, one machine, warm page cache): a GPT-like state of about ``--size``
 bytes (by default 2 GB: bf16 weights with fp32 Adam moments, split by tensor parallelism
@@ -23,8 +37,8 @@ before each. Medians over rounds are printed with every round, and the medians o
 ratios within a round (the disk here swings between rounds). The first three loads of each
 kind are checked against the saved contents.
 
-    "$(scripts/build-python.sh | tail -n1)" python/bench/bench_dcp.py [--size 2000000000]
-        [--rounds 3] [--dir /tmp/zarrckpt-pybench] [--json]
+    "$(scripts/build-python.sh | tail -n1)" python/bench/bench_dcp.py [--mode dcp|torch]
+        [--size 2000000000] [--rounds 3] [--dir /tmp/zarrckpt-pybench] [--json]
 
 Not part of the test run (it takes a few minutes and needs ~4x --size of free disk).
 """

@@ -15,8 +15,9 @@ A state dict is nested dicts, lists and tuples whose leaves are
 - ``torch.Tensor``: the same on every rank (replicated), stored once; wrap it in
   :class:`PerRank` when every rank holds its own value (stored as one tensor with a leading
   rank axis, loaded back by rank);
-- ``DTensor``: any device mesh, ``Shard`` / ``Replicate`` placements, uneven shards; each
-  rank saves its local shard (replicas once) and loads whatever its new sharding needs;
+- ``DTensor``: any device mesh, ``Shard`` / ``Replicate`` / ``_StridedShard`` (FSDP2 + TP)
+  placements, uneven shards; each rank saves its local shard (replicas once; a strided one as
+  the boxes it covers) and loads whatever its new sharding needs;
 - objects with ``state_dict()`` / ``load_state_dict()`` (``nn.Module``, ``torch.optim``
   optimizers, schedulers, ...): their state dicts are saved, and loaded back through
   ``load_state_dict``. An optimizer whose module is in the same state dict goes through
