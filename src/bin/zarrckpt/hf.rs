@@ -429,6 +429,7 @@ pub fn export_hf(
             let e = e?;
             let n = e.file_name().to_string_lossy().into_owned();
             if e.file_type()?.is_file()
+                && !n.starts_with('.')
                 && !n.ends_with(".safetensors")
                 && n != "model.safetensors.index.json"
             {
