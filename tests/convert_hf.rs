@@ -814,3 +814,36 @@ fn cli_import_export_vllm_and_refusals() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("by vLLM tp = 3"));
 }
+
+/// The spec's example table (§ 19.2) parses, validates against the schema and extends `llama`.
+#[test]
+fn the_spec_example_table_works() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let spec = std::fs::read_to_string(root.join("spec/format.md")).unwrap();
+    let sec = &spec[spec.find("## 19. Conversion tables").unwrap()..];
+    let start = sec.find("```json\n").unwrap() + 8;
+    let text = &sec[start..start + sec[start..].find("```").unwrap()];
+    let doc: serde_json::Value = serde_json::from_str(text).unwrap();
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("spec/schema/mapping.schema.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(jsonschema::validator_for(&schema).unwrap().is_valid(&doc));
+    let t = Table::from_json(text).unwrap();
+    assert_eq!(t.name, "my-llama-with-bias");
+    assert!(
+        t.rules.iter().any(|r| r.name == "qkv") && t.rules.iter().any(|r| r.name == "qkv_bias")
+    );
+    let c = cfg(false);
+    let mut hf = llama_hf(&c);
+    for i in 0..2 {
+        hf.insert(format!("model.layers.{i}.self_attn.q_proj.bias"), vec![16]);
+        hf.insert(format!("model.layers.{i}.self_attn.k_proj.bias"), vec![8]);
+        hf.insert(format!("model.layers.{i}.self_attn.v_proj.bias"), vec![8]);
+        hf.insert(format!("model.layers.{i}.self_attn.extra_scale"), vec![1]);
+    }
+    let p = import(&t, &c, lay(2, 1), &inv(&hf)).unwrap();
+    assert!(p.dests.iter().any(
+        |d| d.name == "decoder.layers.self_attention.linear_qkv.bias" && d.shape == vec![2, 32]
+    ));
+}
