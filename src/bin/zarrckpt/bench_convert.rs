@@ -95,7 +95,6 @@ fn raw_read_write(src: &Path, dst: &Path, bytes: u64) -> anyhow::Result<f64> {
     let t0 = Instant::now();
     let mut buf = vec![0u8; 16 << 20];
     let mut stack = vec![src.to_owned()];
-    let mut read = 0u64;
     while let Some(d) = stack.pop() {
         for e in std::fs::read_dir(&d)? {
             let e = e?;
@@ -108,7 +107,6 @@ fn raw_read_write(src: &Path, dst: &Path, bytes: u64) -> anyhow::Result<f64> {
                     if n == 0 {
                         break;
                     }
-                    read += n as u64;
                 }
             }
         }
@@ -125,7 +123,6 @@ fn raw_read_write(src: &Path, dst: &Path, bytes: u64) -> anyhow::Result<f64> {
     f.sync_all()?;
     drop(f);
     std::fs::remove_file(&p)?;
-    let _ = read;
     Ok(t0.elapsed().as_secs_f64())
 }
 
