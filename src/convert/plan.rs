@@ -210,15 +210,16 @@ fn map_h_to_m(l: &Link, stack: usize, hsub: &Bx) -> Bx {
     Bx { off, len: ln }
 }
 
-fn invert(value: &[ValueOp], rule: &str) -> Result<Vec<ValueOp>, ConvertError> {
+/// The value ops of the export direction: `add` negated; fp8 dequantisation has no inverse
+/// (export writes the Megatron values).
+fn invert(value: &[ValueOp]) -> Vec<ValueOp> {
     value
         .iter()
         .map(|v| match v {
-            ValueOp::Add(c) => Ok(ValueOp::Add(-c)),
-            ValueOp::DequantFp8Block(_) => Ok(ValueOp::Add(0.0)),
+            ValueOp::Add(c) => ValueOp::Add(-c),
+            ValueOp::DequantFp8Block(_) => ValueOp::Add(0.0),
         })
-        .collect::<Result<Vec<_>, ConvertError>>()
-        .map_err(|e: ConvertError| e.in_rule(rule))
+        .collect()
 }
 
 /// Plans an HF export of a Megatron-layout checkpoint whose tensors are `inv` (stored key ->
@@ -303,7 +304,7 @@ pub fn plan_hf_export(
             dtype,
             pieces,
             group: 0,
-            value: invert(&rule.value, &rule.name)?,
+            value: invert(&rule.value),
         });
     }
     // Files, in order, at most `max_shard_bytes` each (a larger tensor alone).
