@@ -24,6 +24,8 @@
 //!   states; JSON or bytes, common, per-rank or sharded) with [`save_with_objects`] /
 //!   [`load_with_objects`], and nested state dicts ([`StateDict`]) with [`save_state`] /
 //!   [`load_state`].
+//! - [`convert`]: Megatron-Core <-> Hugging Face <-> vLLM conversion as data (JSON tables,
+//!   every check from metadata alone, plans that fill caller buffers from a checkpoint).
 //! - Every failure is an [`Error`] that names the tensor key, chunk, rank and path involved.
 //!
 //! ```no_run
