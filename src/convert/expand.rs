@@ -613,7 +613,11 @@ fn body_links(rule: &Rule, env: &Env, hshapes: &[Vec<u64>]) -> Result<BodyLinks,
     })
 }
 
-fn stack_ranges(
+/// The `(capture, size, start, stop)` of each stack axis, evaluated and checked.
+///
+/// # Errors
+/// [`ConvertError::Expr`] when an expression fails or a range lies outside its size.
+pub fn stack_ranges(
     stack: &[StackSpec],
     env: &Env,
 ) -> Result<Vec<(String, u64, u64, u64)>, ConvertError> {

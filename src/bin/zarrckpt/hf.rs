@@ -691,26 +691,7 @@ pub fn import_hf(
             continue;
         }
         let pat = convert::expand::Pattern::parse(&o.name)?;
-        let ranges: Vec<(String, u64, u64, u64)> = o
-            .stack
-            .iter()
-            .map(|s| {
-                let size = env.eval_u64(&s.size, &[])?;
-                let start = s
-                    .start
-                    .as_ref()
-                    .map(|e| env.eval_u64(e, &[]))
-                    .transpose()?
-                    .unwrap_or(0);
-                let stop = s
-                    .stop
-                    .as_ref()
-                    .map(|e| env.eval_u64(e, &[]))
-                    .transpose()?
-                    .unwrap_or(size);
-                Ok((s.capture.clone(), size, start, stop))
-            })
-            .collect::<Result<_, convert::ConvertError>>()?;
+        let ranges = convert::expand::stack_ranges(&o.stack, &env)?;
         for idx in convert::expand::stack_indices(&ranges) {
             let caps: Vec<(String, i64)> = ranges
                 .iter()
