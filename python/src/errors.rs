@@ -38,6 +38,7 @@ fn class_and_kind(e: &Error) -> (&'static str, &'static str) {
         Error::SaveInFlight { .. } => ("SaveError", "SaveInFlight"),
         Error::Background { .. } => ("SaveError", "Background"),
         Error::ThreadPool(_) => ("SaveError", "ThreadPool"),
+        Error::Convert(_) => ("PlanError", "Convert"),
         _ => ("ZarrckptError", "Other"),
     }
 }

@@ -438,10 +438,67 @@ impl Checkpoint {
     }
 }
 
+/// Plans a conversion (spec § 19) from metadata alone and returns the plan as JSON text.
+///
+/// `kind`: `"hf"` (export of a Megatron-layout checkpoint to HF names), `"megatron"` (import of
+/// HF tensors into a Megatron layout) or `"vllm"` (per-rank tensors for TP `tp`). `table`: a
+/// built-in name, a file path, or the JSON text of a table. `config`: the HF config.json text.
+/// `inventory`: JSON `{name: [dtype, shape]}` of the source tensors. `layout`: `tp=T,pp=P,ep=E`
+/// (the layout to write for `"megatron"`, the saved one otherwise). Refusals raise
+/// `PlanError` (kind `Convert`) naming rule, key and numbers.
+#[pyfunction]
+#[pyo3(signature = (kind, table, config, inventory, layout, tp = 1, max_shard_bytes = 5_000_000_000))]
+#[allow(clippy::too_many_arguments)]
+fn convert_plan(
+    py: Python<'_>,
+    kind: &str,
+    table: &str,
+    config: &str,
+    inventory: &str,
+    layout: &str,
+    tp: u64,
+    max_shard_bytes: u64,
+) -> PyResult<String> {
+    use pyo3::exceptions::PyValueError;
+    use zarrckpt::convert::{self, Inventory, Layout, Table};
+    let to_py =
+        |e: zarrckpt::convert::ConvertError| errors::to_py(py, &zarrckpt::Error::Convert(e), None);
+    let t = if table.trim_start().starts_with('{') {
+        Table::from_json(table)
+    } else {
+        Table::load(table)
+    }
+    .map_err(to_py)?;
+    let cfg: serde_json::Value =
+        serde_json::from_str(config).map_err(|e| PyValueError::new_err(format!("config: {e}")))?;
+    let inv: Inventory = serde_json::from_str(inventory)
+        .map_err(|e| PyValueError::new_err(format!("inventory: {e}")))?;
+    let lay: Layout = layout.parse().map_err(PyValueError::new_err)?;
+    let plan = py
+        .detach(|| match kind {
+            "hf" => Ok(convert::plan_hf_export(
+                &t,
+                &cfg,
+                lay,
+                &inv,
+                max_shard_bytes,
+            )),
+            "megatron" => Ok(convert::plan_megatron_import(&t, &cfg, lay, &inv)),
+            "vllm" => Ok(convert::plan_vllm(&t, &cfg, lay, &inv, tp)),
+            other => Err(other.to_owned()),
+        })
+        .map_err(|k| PyValueError::new_err(format!("kind `{k}`: expected hf, megatron or vllm")))?
+        .map_err(to_py)?;
+    let mut j = plan.to_json();
+    j["vllm_version"] = t.vllm.as_ref().and_then(|v| v.version.clone()).into();
+    Ok(j.to_string())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(convert_plan, m)?)?;
     m.add_class::<Saver>()?;
     m.add_class::<SaveHandle>()?;
     m.add_class::<Checkpoint>()?;

@@ -124,6 +124,28 @@ impl Plan {
             .collect()
     }
 
+    /// The plan as JSON: sources (name, dtype, shape), destinations (name, dtype, shape,
+    /// region `[offset, shape]`, group, pieces with `src` index, `sbox` / `dbox` as
+    /// `[offset, shape]`, `transpose`), bytes per group, checks passed, params.
+    #[must_use]
+    pub fn to_json(&self) -> serde_json::Value {
+        let bx = |b: &Bx| serde_json::json!([b.off, b.len]);
+        serde_json::json!({
+            "sources": self.sources.iter().map(|s| serde_json::json!({
+                "name": s.name, "dtype": s.dtype.to_string(), "shape": s.shape})).collect::<Vec<_>>(),
+            "dests": self.dests.iter().map(|d| serde_json::json!({
+                "name": d.name, "dtype": d.dtype.to_string(), "shape": d.shape, "region": bx(&d.region),
+                "group": d.group,
+                "pieces": d.pieces.iter().map(|p| serde_json::json!({
+                    "src": p.src, "sbox": bx(&p.sbox), "dbox": bx(&p.dbox), "transpose": p.transpose,
+                    "rule": self.expanded.rules[p.rule].name})).collect::<Vec<_>>()})).collect::<Vec<_>>(),
+            "bytes_per_group": self.bytes_per_group().into_iter()
+                .map(|(g, (r, w))| serde_json::json!({"group": g, "read": r, "written": w})).collect::<Vec<_>>(),
+            "checks": self.checks,
+            "params": self.params,
+        })
+    }
+
     /// Bytes read from sources and written to destinations, per group (file or rank).
     #[must_use]
     pub fn bytes_per_group(&self) -> BTreeMap<usize, (u64, u64)> {

@@ -300,6 +300,9 @@ pub struct Table {
     /// Inherited rules removed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub remove_rules: Vec<String>,
+    /// Inherited vLLM tensors removed (by name pattern).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub remove_vllm: Vec<String>,
     /// Drop lists.
     #[serde(default)]
     pub drop: Drop,
@@ -370,6 +373,14 @@ impl Table {
             }
         }
         Ok(t)
+    }
+
+    /// A table from JSON text, with `extends` resolved against the built-in tables.
+    ///
+    /// # Errors
+    /// [`ConvertError::Table`] for invalid text or an unknown base.
+    pub fn from_json(text: &str) -> Result<Table, ConvertError> {
+        Table::parse(text, "<json>")?.resolve(0)
     }
 
     /// A built-in table by name, with `extends` resolved.
@@ -480,6 +491,9 @@ impl Table {
         }
         self.drop.megatron.extend(ext.drop.megatron);
         self.drop.hf.extend(ext.drop.hf);
+        if let Some(mine) = &mut self.vllm {
+            mine.tensors.retain(|t| !ext.remove_vllm.contains(&t.name));
+        }
         if let Some(v) = ext.vllm {
             let mine = self.vllm.get_or_insert_with(VllmSection::default);
             if v.version.is_some() {

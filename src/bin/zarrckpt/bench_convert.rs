@@ -206,47 +206,52 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for (name, plan, names) in &jobs {
-        let out = root.join("out");
-        let mut job_s = Vec::new();
-        let mut raw_s = Vec::new();
-        let mut ampl = 0.0;
-        let mut peak = 0usize;
-        let mut written = 0;
-        for _ in 0..a.rounds {
-            let _ = std::fs::remove_dir_all(&out);
-            std::fs::create_dir_all(&out)?;
-            let t = Instant::now();
-            let (r, p) = peak_of(|| hf::write_files(&ck, plan, names.as_ref(), &out, &|_| true));
-            let (read, w, _) = r?;
-            job_s.push(t.elapsed().as_secs_f64());
-            written = w;
-            ampl = read as f64 / w.max(1) as f64;
-            peak = peak.max(p);
-            let _ = std::fs::remove_dir_all(&out);
-            raw_s.push(raw_read_write(
-                &mg.join("zarrckpt").join("tensors"),
-                &out,
-                w,
-            )?);
+        for pipeline in [true, false] {
+            let out = root.join("out");
+            let mut job_s = Vec::new();
+            let mut raw_s = Vec::new();
+            let mut ampl = 0.0;
+            let mut peak = 0usize;
+            let mut written = 0;
+            for _ in 0..a.rounds {
+                let _ = std::fs::remove_dir_all(&out);
+                std::fs::create_dir_all(&out)?;
+                let t = Instant::now();
+                let (r, p) = peak_of(|| {
+                    hf::write_files_with(&ck, plan, names.as_ref(), &out, &|_| true, pipeline)
+                });
+                let (read, w, _) = r?;
+                job_s.push(t.elapsed().as_secs_f64());
+                written = w;
+                ampl = read as f64 / w.max(1) as f64;
+                peak = peak.max(p);
+                let _ = std::fs::remove_dir_all(&out);
+                raw_s.push(raw_read_write(
+                    &mg.join("zarrckpt").join("tensors"),
+                    &out,
+                    w,
+                )?);
+            }
+            let largest = plan
+                .dests
+                .iter()
+                .map(convert::Dest::nbytes)
+                .max()
+                .unwrap_or(0);
+            let (j, r) = (median(job_s.clone()), median(raw_s.clone()));
+            let ratios: Vec<f64> = job_s.iter().zip(&raw_s).map(|(a, b)| b / a).collect();
+            println!(
+                "| {name}{} | {:.3} GB | {ampl:.4} | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.2} | {:.2} | {:.2} |",
+                if pipeline { "" } else { " (no overlap)" },
+                written as f64 / 1e9,
+                largest as f64 / (1 << 20) as f64,
+                peak as f64 / (1 << 20) as f64,
+                (2 * largest + (64 << 20)) as f64 / (1 << 20) as f64,
+                written as f64 / 1e9 / j,
+                written as f64 / 1e9 / r,
+                median(ratios)
+            );
         }
-        let largest = plan
-            .dests
-            .iter()
-            .map(convert::Dest::nbytes)
-            .max()
-            .unwrap_or(0);
-        let (j, r) = (median(job_s.clone()), median(raw_s.clone()));
-        let ratios: Vec<f64> = job_s.iter().zip(&raw_s).map(|(a, b)| b / a).collect();
-        println!(
-            "| {name} | {:.3} GB | {ampl:.4} | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.2} | {:.2} | {:.2} |",
-            written as f64 / 1e9,
-            largest as f64 / (1 << 20) as f64,
-            peak as f64 / (1 << 20) as f64,
-            (2 * largest + (64 << 20)) as f64 / (1 << 20) as f64,
-            written as f64 / 1e9 / j,
-            written as f64 / 1e9 / r,
-            median(ratios)
-        );
         if name.starts_with("vLLM") {
             let per = plan.bytes_per_group();
             println!(

@@ -203,16 +203,87 @@ pub fn write_files(
     out: &Path,
     mine: &dyn Fn(usize) -> bool,
 ) -> anyhow::Result<(u64, u64, u64)> {
+    let pipeline = std::env::var("ZARRCKPT_CONVERT_PIPELINE").map_or(true, |v| v != "0");
+    write_files_with(ck, plan, names, out, mine, pipeline)
+}
+
+type Filled = anyhow::Result<(std::ops::Range<usize>, Vec<Vec<u8>>, convert::FillStats)>;
+
+fn fill_batch(ck: &Checkpoint, plan: &Plan, b: std::ops::Range<usize>) -> Filled {
+    let mut bufs: Vec<Vec<u8>> = b
+        .clone()
+        .map(|i| vec![0u8; plan.dests[i].nbytes() as usize])
+        .collect();
+    let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
+    let st = convert::fill_from_checkpoint(ck, plan, b.clone(), &mut views)?;
+    Ok((b, bufs, st))
+}
+
+/// [`write_files`], with the reading of the next batch overlapping the writing of the current
+/// one (`pipeline`: a reader thread and a rendezvous channel, at most two batches in memory)
+/// or not.
+pub fn write_files_with(
+    ck: &Checkpoint,
+    plan: &Plan,
+    names: &dyn Fn(usize) -> String,
+    out: &Path,
+    mine: &dyn Fn(usize) -> bool,
+    pipeline: bool,
+) -> anyhow::Result<(u64, u64, u64)> {
     let batches = plan.batches();
     let groups: Vec<usize> = {
         let mut g: Vec<usize> = plan.dests.iter().map(|d| d.group).collect();
         g.dedup();
+        g.retain(|g| mine(*g));
         g
     };
+    let order: Vec<std::ops::Range<usize>> = groups
+        .iter()
+        .flat_map(|g| {
+            batches
+                .iter()
+                .filter(move |b| plan.dests[b.start].group == *g)
+                .cloned()
+        })
+        .collect();
+    if !pipeline {
+        let mut it = order.into_iter();
+        let mut next = || match it.next() {
+            Some(b) => fill_batch(ck, plan, b),
+            None => anyhow::bail!("no batch left"),
+        };
+        return consume(plan, names, out, &groups, &mut next, false);
+    }
+    std::thread::scope(|sc| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Filled>(0);
+        sc.spawn(move || {
+            for b in order {
+                let r = fill_batch(ck, plan, b);
+                let failed = r.is_err();
+                if tx.send(r).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        let mut next = || rx.recv().context("the reader thread stopped")?;
+        consume(plan, names, out, &groups, &mut next, true)
+    })
+}
+
+/// Writes the files of `groups`, taking filled batches in order from `next`.
+fn consume(
+    plan: &Plan,
+    names: &dyn Fn(usize) -> String,
+    out: &Path,
+    groups: &[usize],
+    next: &mut dyn FnMut() -> Filled,
+    pipeline: bool,
+) -> anyhow::Result<(u64, u64, u64)> {
     let mut read = 0;
     let mut written = 0;
     let mut peak = 0u64;
-    for g in groups.into_iter().filter(|g| mine(*g)) {
+    let mut prev_held = 0u64;
+    for &g in groups {
         let idx: Vec<usize> = (0..plan.dests.len())
             .filter(|&i| plan.dests[i].group == g)
             .collect();
@@ -228,29 +299,20 @@ pub fn write_files(
                 )
             })
             .collect();
-        let my_batches: Vec<std::ops::Range<usize>> = batches
-            .iter()
-            .filter(|b| plan.dests[b.start].group == g)
-            .cloned()
-            .collect();
-        let mut bi = 0;
         let mut bufs: Vec<Vec<u8>> = Vec::new();
         let mut cur: Option<std::ops::Range<usize>> = None;
         let path = out.join(names(g));
         written += write_safetensors(&path, &tensors, |k, sink| {
             let di = idx[k];
             if cur.as_ref().is_none_or(|c| !c.contains(&di)) {
-                let b = my_batches[bi].clone();
-                bi += 1;
-                bufs = b
-                    .clone()
-                    .map(|i| vec![0u8; plan.dests[i].nbytes() as usize])
-                    .collect();
-                let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
-                let st = convert::fill_from_checkpoint(ck, plan, b.clone(), &mut views)?;
+                let (b, filled, st) = next()?;
                 read += st.bytes_read;
-                let held: u64 = st.bytes_needed + bufs.iter().map(|b| b.len() as u64).sum::<u64>();
-                peak = peak.max(held);
+                let held: u64 =
+                    st.bytes_needed + filled.iter().map(|b| b.len() as u64).sum::<u64>();
+                // With the pipeline, this batch and the one the reader fills meanwhile.
+                peak = peak.max(held + if pipeline { prev_held } else { 0 });
+                prev_held = held;
+                bufs = filled;
                 cur = Some(b);
             }
             let c = cur.as_ref().expect("current batch");
