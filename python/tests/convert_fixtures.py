@@ -448,10 +448,33 @@ def vllm_reference(hf: dict, cfg: dict, k: int) -> list[dict]:
                     0,
                 )
             sd[L + "self_attn.o_proj.weight"] = hf[L + "self_attn.o_proj.weight"].chunk(k, 1)[r]
-            sd[L + "mlp.gate_up_proj.weight"] = torch.cat(
-                [rows(hf[L + "mlp.gate_proj.weight"]), rows(hf[L + "mlp.up_proj.weight"])], 0
-            )
-            sd[L + "mlp.down_proj.weight"] = hf[L + "mlp.down_proj.weight"].chunk(k, 1)[r]
+            for norm in ("q_norm", "k_norm"):  # Qwen3: per head_dim, replicated
+                if f"{L}self_attn.{norm}.weight" in hf:
+                    sd[f"{L}self_attn.{norm}.weight"] = hf[f"{L}self_attn.{norm}.weight"]
+            if L + "mlp.gate_proj.weight" in hf:
+                sd[L + "mlp.gate_up_proj.weight"] = torch.cat(
+                    [rows(hf[L + "mlp.gate_proj.weight"]), rows(hf[L + "mlp.up_proj.weight"])], 0
+                )
+                sd[L + "mlp.down_proj.weight"] = hf[L + "mlp.down_proj.weight"].chunk(k, 1)[r]
+            else:  # vLLM FusedMoE: w13 = per expert [gate_r; up_r], w2 split on its last dim
+                n_exp = cfg.get("num_experts") or cfg["num_local_experts"]
+                X = L + "mlp.experts."
+                sd[L + "mlp.gate.weight"] = hf[L + "mlp.gate.weight"]
+                sd[X + "w13_weight"] = torch.stack(
+                    [
+                        torch.cat(
+                            [
+                                rows(hf[f"{X}{e}.gate_proj.weight"]),
+                                rows(hf[f"{X}{e}.up_proj.weight"]),
+                            ],
+                            0,
+                        )
+                        for e in range(n_exp)
+                    ]
+                )
+                sd[X + "w2_weight"] = torch.stack(
+                    [hf[f"{X}{e}.down_proj.weight"].chunk(k, 1)[r] for e in range(n_exp)]
+                )
         ranks.append(sd)
     return ranks
 

@@ -1173,3 +1173,25 @@ def test_python_fills_vllm_rank_buffers(smol_megatron, smol_hf, qwen2, work):
         assert id(got[name]) == ids[name]  # the caller's own buffer, filled
         np.testing.assert_array_equal(got[name].view(np.int16), _np_bits(t), name)
     assert not got["lm_head.weight"][1000 - 512 :].astype(np.float32).any()
+
+
+@needs_cli
+def test_qwen3_moe_vllm_tp2(moe, work):
+    """Qwen3-MoE in vLLM 0.11's layout at TP 2 (fused-MoE w13_weight / w2_weight per expert,
+    router replicated, q/k norms replicated) from the EP-4 checkpoint, as written out by hand."""
+    hf, cfg = cf.read_hf(moe), cf.hf_config(moe)
+    ckpt = work / "moe-ep4"
+    if not (ckpt / "metadata.json").exists():
+        zc.import_hf(moe, ckpt, "qwen3_moe", tp=1, pp=1, ep=4)
+    out = work / "moe-vllm"
+    zc.export_vllm(ckpt, out, "qwen3_moe", tp=2)
+    want = cf.vllm_reference(hf, cfg, 2)
+    from safetensors.torch import load_file
+
+    for r in range(2):
+        state = {}
+        for f in sorted(out.glob(f"model-rank-{r}-part-*.safetensors")):
+            state.update(load_file(f))
+        assert set(state) == set(want[r]), set(state) ^ set(want[r])
+        for name, t in want[r].items():
+            assert cf.same_bits(state[name], t), (r, name)
