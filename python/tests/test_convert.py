@@ -744,23 +744,40 @@ def test_qwen3_moe_ep4_round_trip(moe, work):
     assert files == ["model.safetensors"] or (out / "model.safetensors.index.json").exists()
 
 
+def scenario_moe_boxes(rank, world, tp, pp, ep, ckpt, cfg, hf_dir):
+    """Loads the MoE checkpoint at TP x EP and checks every box of the model's sharded state
+    (experts' fc1 split per TP rank inside [gate; up] included) against the reference."""
+    model = build_megatron(cfg, tp, pp, ep, moe=True)
+    _load(model, ckpt)
+    ref = cf.megatron_reference("qwen3_moe", cf.read_hf(Path(hf_dir)), cfg, tp=tp)
+    assert check_against_reference(model, ref) > 0
+
+
 @needs_cli
-def test_qwen3_moe_megatron_load(moe, work, tmp_path):
-    """The EP-4 checkpoint loads into a GPTModel with SequentialMLP experts at EP 4 (4
-    processes) and every parameter equals its HF source. No forward comparison: top-k routing
-    on bf16 router logits makes tiny numeric differences pick other experts."""
+@pytest.mark.parametrize("tp,ep", [(1, 4), (2, 2)])
+def test_qwen3_moe_megatron_load(tp, ep, moe, work, tmp_path):
+    """The EP-4 checkpoint loads into a GPTModel with SequentialMLP experts at EP 4 (and,
+    resharded, at TP 2 x EP 2), 4 processes; every parameter equals its HF source. No forward
+    comparison: top-k routing on bf16 router logits makes tiny numeric differences pick other
+    experts."""
     pytest.importorskip("megatron.core")
     ckpt = work / "moe-ep4"
     if not (ckpt / "metadata.json").exists():
         zc.import_hf(moe, ckpt, "qwen3_moe", tp=1, pp=1, ep=4)
     cfg = cf.hf_config(moe)
+    if tp == 1:
+        scenario = "scenario_moe_params"
+    else:
+        # TP 2 pads the vocabulary to 256 * ceil(1000 / 256) = 1024 as TP 1 does (128 * 8)
+        assert cf.padded_vocab(cfg["vocab_size"], 2) == cf.padded_vocab(cfg["vocab_size"], 1)
+        scenario = "scenario_moe_boxes"
     run(
-        4,
-        "scenario_moe_params",
+        tp * ep,
+        scenario,
         tmp_path,
-        tp=1,
+        tp=tp,
         pp=1,
-        ep=4,
+        ep=ep,
         ckpt=str(ckpt),
         cfg=cfg,
         hf_dir=str(moe),
