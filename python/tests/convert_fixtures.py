@@ -708,3 +708,74 @@ def deepseek_reference(hf: dict, cfg: dict, tp: int = 1) -> dict:
         out[m + "final_layernorm.weight"] = hf[H + "shared_head.norm.weight"]
         layer(m + "transformer_layer.", H, True)
     return out
+
+
+def vllm_reference_deepseek(hf: dict, cfg: dict, k: int) -> list[dict]:
+    """Per-rank tensors of vLLM 0.11's DeepseekV3ForCausalLM at TP `k`, experts TP-sharded (no
+    expert parallelism), MTP layers left out (vLLM loads them as a separate draft model):
+    fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa] replicated, q_b_proj / kv_b_proj split
+    by heads (rows), o_proj by columns, dense MLP gate_up_proj = [gate_r; up_r], MoE
+    w13_weight = per expert [gate_r; up_r] and w2_weight split on its last dim, shared experts
+    like a dense MLP, router weight and bias replicated, embedding and head padded to 64 rows
+    and split by rows."""
+    import torch
+
+    n = cfg["num_hidden_layers"]
+    dense = cfg.get("first_k_dense_replace", 0)
+    e = cfg["n_routed_experts"]
+    vp = round_up(cfg["vocab_size"], 64)
+    ranks = []
+    for r in range(k):
+
+        def rows(t, r=r):
+            return t.chunk(k, 0)[r]
+
+        def cols(t, r=r):
+            return t.chunk(k, 1)[r]
+
+        sd = {
+            "model.embed_tokens.weight": rows(_pad_rows(hf["model.embed_tokens.weight"], vp)),
+            "lm_head.weight": rows(_pad_rows(hf["lm_head.weight"], vp)),
+            "model.norm.weight": hf["model.norm.weight"],
+        }
+        for i in range(n):
+            L = f"model.layers.{i}."
+            A = L + "self_attn."
+            for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                sd[L + name] = hf[L + name]
+            sd[A + "fused_qkv_a_proj.weight"] = torch.cat(
+                [hf[A + "q_a_proj.weight"], hf[A + "kv_a_proj_with_mqa.weight"]], 0
+            )
+            sd[A + "q_a_layernorm.weight"] = hf[A + "q_a_layernorm.weight"]
+            sd[A + "kv_a_layernorm.weight"] = hf[A + "kv_a_layernorm.weight"]
+            sd[A + "q_b_proj.weight"] = rows(hf[A + "q_b_proj.weight"])
+            sd[A + "kv_b_proj.weight"] = rows(hf[A + "kv_b_proj.weight"])
+            sd[A + "o_proj.weight"] = cols(hf[A + "o_proj.weight"])
+
+            def mlp(dst, src, sd=sd):
+                sd[dst + "gate_up_proj.weight"] = torch.cat(
+                    [rows(hf[src + "gate_proj.weight"]), rows(hf[src + "up_proj.weight"])], 0
+                )
+                sd[dst + "down_proj.weight"] = cols(hf[src + "down_proj.weight"])
+
+            if i < dense:
+                mlp(L + "mlp.", L + "mlp.")
+                continue
+            sd[L + "mlp.gate.weight"] = hf[L + "mlp.gate.weight"]
+            sd[L + "mlp.gate.e_score_correction_bias"] = hf[L + "mlp.gate.e_score_correction_bias"]
+            X = L + "mlp.experts."
+            sd[X + "w13_weight"] = torch.stack(
+                [
+                    torch.cat(
+                        [rows(hf[f"{X}{x}.gate_proj.weight"]), rows(hf[f"{X}{x}.up_proj.weight"])],
+                        0,
+                    )
+                    for x in range(e)
+                ]
+            )
+            sd[X + "w2_weight"] = torch.stack(
+                [cols(hf[f"{X}{x}.down_proj.weight"]) for x in range(e)]
+            )
+            mlp(L + "mlp.shared_experts.", L + "mlp.shared_experts.")
+        ranks.append(sd)
+    return ranks

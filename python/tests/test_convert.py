@@ -1212,3 +1212,26 @@ def test_qwen3_moe_vllm_tp2(moe, work):
         assert set(state) == set(want[r]), set(state) ^ set(want[r])
         for name, t in want[r].items():
             assert cf.same_bits(state[name], t), (r, name)
+
+
+@needs_cli
+def test_deepseek_v3_vllm_tp2(deepseek, work):
+    """DeepSeek-V3 in vLLM 0.11's layout at TP 2 from the EP-4 checkpoint (MLA's fused
+    q_a/kv_a projection, heads split, fused-MoE experts, shared experts, router), as written
+    out by hand."""
+    hf, cfg = cf.read_hf(deepseek), cf.hf_config(deepseek)
+    ckpt = work / "deepseek-ep4"
+    if not (ckpt / "metadata.json").exists():
+        zc.import_hf(deepseek, ckpt, "deepseek_v3", tp=1, pp=1, ep=4)
+    out = work / "deepseek-vllm"
+    zc.export_vllm(ckpt, out, "deepseek_v3", tp=2)
+    want = cf.vllm_reference_deepseek(hf, cfg, 2)
+    from safetensors.torch import load_file
+
+    for r in range(2):
+        state = {}
+        for f in sorted(out.glob(f"model-rank-{r}-part-*.safetensors")):
+            state.update(load_file(f))
+        assert set(state) == set(want[r]), set(state) ^ set(want[r])
+        for name, t in want[r].items():
+            assert cf.same_bits(state[name], t), (r, name)
