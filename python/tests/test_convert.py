@@ -1235,3 +1235,25 @@ def test_deepseek_v3_vllm_tp2(deepseek, work):
         assert set(state) == set(want[r]), set(state) ^ set(want[r])
         for name, t in want[r].items():
             assert cf.same_bits(state[name], t), (r, name)
+
+
+@needs_cli
+def test_dry_runs_and_inspect_show_the_plan(smol_megatron, smol_hf, tmp_path):
+    """`export --vllm --dry-run` and `inspect --map` print per destination its sources, the
+    bytes each rank (file) reads, and the checks passed, and write nothing; the Python plan
+    (same planner) agrees on the bytes per rank."""
+    hf, _ = smol_hf
+    total = sum(t.numel() * t.element_size() for t in hf.values())
+    text = zc.export_vllm(smol_megatron, tmp_path / "v", "llama", tp=3, dry_run=True)
+    assert not (tmp_path / "v").exists()
+    reads = [int(x) for x in __import__("re").findall(r"rank \d+: reads (\d+) bytes", text)]
+    assert len(reads) == 3 and all(r < 0.35 * total for r in reads)
+    assert "checks passed:" in text and "vLLM TP 3 divides" in text
+    the_plan = zc.plan("vllm", "llama", smol_megatron, tp=3)
+    assert [
+        g["read"] for g in sorted(the_plan["bytes_per_group"], key=lambda g: g["group"])
+    ] == reads
+    assert "0.11" in the_plan["vllm_version"]
+    text = zc.inspect(smol_megatron, "llama")
+    assert "checks passed:" in text and "bytes per file:" in text
+    assert f"destinations ({len(hf)})" in text
