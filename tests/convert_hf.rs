@@ -660,3 +660,190 @@ fn qwen3_moe_experts_on_an_expert_axis() {
     let e = msg(import(&t, &c2, lay(1, 1), &inv).unwrap_err());
     assert!(e.contains("every layer is an MoE layer"), "{e}");
 }
+
+fn bin() -> std::process::Command {
+    std::process::Command::new(env!("CARGO_BIN_EXE_zarrckpt"))
+}
+
+/// Writes a tiny HF model directory (config.json, model.safetensors) and returns its tensors.
+fn write_hf(dir: &std::path::Path, c: &serde_json::Value) -> BTreeMap<String, Vec<u8>> {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.json"), c.to_string()).unwrap();
+    let hf = llama_hf(c);
+    let data: BTreeMap<String, Vec<u8>> =
+        hf.iter().map(|(k, s)| (k.clone(), data_of(k, s))).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = hf
+        .iter()
+        .map(|(k, s)| {
+            let shape: Vec<usize> = s.iter().map(|&d| d as usize).collect();
+            (
+                k.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape, &data[k])
+                    .unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    data
+}
+
+fn read_hf(dir: &std::path::Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            let bytes = std::fs::read(&p).unwrap();
+            let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            for (k, v) in st.tensors() {
+                assert!(
+                    out.insert(k.clone(), v.data().to_vec()).is_none(),
+                    "{k} twice"
+                );
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn cli_import_export_vllm_and_refusals() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = cfg(false);
+    let hf = tmp.path().join("hf");
+    let data = write_hf(&hf, &c);
+    let mg = tmp.path().join("mg");
+    // Dry run: the plan, nothing written.
+    let o = bin()
+        .args(["import", "--hf"])
+        .arg(&hf)
+        .args([
+            "--map",
+            "llama",
+            "--megatron",
+            "tp=2,pp=2",
+            "--dry-run",
+            "--out",
+        ])
+        .arg(&mg)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("checks passed")
+            && text.contains("decoder.layers.self_attention.linear_qkv.weight"),
+        "{text}"
+    );
+    assert!(!mg.exists());
+    // Import, then export in several files.
+    let o = bin()
+        .args(["import", "--hf"])
+        .arg(&hf)
+        .args(["--map", "llama", "--megatron", "tp=2,pp=2", "--out"])
+        .arg(&mg)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(mg.join("metadata.json").exists() && mg.join("zarrckpt/zarr.json").exists());
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(mg.join("metadata.json")).unwrap()).unwrap();
+    assert_eq!(meta["sharded_backend"], "zarrckpt");
+    let out = tmp.path().join("out");
+    let o = bin()
+        .args(["export", "--hf", "--map", "llama"])
+        .arg(&mg)
+        .args(["--max-shard-size", "5KB", "--procs", "2", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(read_hf(&out), data);
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let total: usize = data.values().map(Vec::len).sum();
+    assert_eq!(index["metadata"]["total_size"], json!(total));
+    let wm = index["weight_map"].as_object().unwrap();
+    assert_eq!(wm.len(), data.len());
+    let files: std::collections::BTreeSet<&str> =
+        wm.values().map(|v| v.as_str().unwrap()).collect();
+    let n = files.len();
+    assert!(n > 1);
+    for (i, f) in files.iter().enumerate() {
+        assert_eq!(*f, format!("model-{:05}-of-{n:05}.safetensors", i + 1));
+    }
+    let cfg_back: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg_back, c);
+    // vLLM TP 2: two rank files.
+    let vl = tmp.path().join("vllm");
+    let o = bin()
+        .args(["export", "--vllm", "--tp", "2", "--map", "llama"])
+        .arg(&mg)
+        .arg("--out")
+        .arg(&vl)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        vl.join("model-rank-0-part-0.safetensors").exists()
+            && vl.join("model-rank-1-part-0.safetensors").exists()
+    );
+    // Refusals: non-zero exit, the rule, key and numbers on stderr.
+    let o = bin()
+        .args(["import", "--hf"])
+        .arg(&hf)
+        .args(["--map", "llama", "--megatron", "tp=4", "--out"])
+        .arg(tmp.path().join("x"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("rule `qkv`") && err.contains("not divisible by tp = 4"),
+        "{err}"
+    );
+    let o = bin()
+        .args(["export", "--vllm", "--tp", "3", "--map", "llama"])
+        .arg(&mg)
+        .arg("--out")
+        .arg(tmp.path().join("y"))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("by vLLM tp = 3"));
+}
+
+/// The spec's example table (§ 19.2) parses, validates against the schema and extends `llama`.
+#[test]
+fn the_spec_example_table_works() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let spec = std::fs::read_to_string(root.join("spec/format.md")).unwrap();
+    let sec = &spec[spec.find("## 19. Conversion tables").unwrap()..];
+    let start = sec.find("```json\n").unwrap() + 8;
+    let text = &sec[start..start + sec[start..].find("```").unwrap()];
+    let doc: serde_json::Value = serde_json::from_str(text).unwrap();
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("spec/schema/mapping.schema.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(jsonschema::validator_for(&schema).unwrap().is_valid(&doc));
+    let t = Table::from_json(text).unwrap();
+    assert_eq!(t.name, "my-llama-with-bias");
+    assert!(
+        t.rules.iter().any(|r| r.name == "qkv") && t.rules.iter().any(|r| r.name == "qkv_bias")
+    );
+    let c = cfg(false);
+    let mut hf = llama_hf(&c);
+    for i in 0..2 {
+        hf.insert(format!("model.layers.{i}.self_attn.q_proj.bias"), vec![16]);
+        hf.insert(format!("model.layers.{i}.self_attn.k_proj.bias"), vec![8]);
+        hf.insert(format!("model.layers.{i}.self_attn.v_proj.bias"), vec![8]);
+        hf.insert(format!("model.layers.{i}.self_attn.extra_scale"), vec![1]);
+    }
+    let p = import(&t, &c, lay(2, 1), &inv(&hf)).unwrap();
+    assert!(p.dests.iter().any(
+        |d| d.name == "decoder.layers.self_attention.linear_qkv.bias" && d.shape == vec![2, 32]
+    ));
+}

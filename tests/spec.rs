@@ -663,6 +663,8 @@ fn every_example_is_tagged_parses_and_is_counted() {
         ("object_chunk", 1),
         ("compressed_shard", 2),
         ("safetensors", 1),
+        // Conversion tables (§ 19), checked in tests/convert_hf.rs.
+        ("mapping", 1),
     ];
     for (kind, n) in want {
         assert!(

@@ -93,7 +93,8 @@ impl Plan {
         let unit = |p: &Piece| (p.src, p.sbox.off[..p.src_stack].to_vec());
         let mut out = Vec::new();
         let mut start = 0;
-        let mut units: Vec<(usize, Vec<u64>)> = Vec::new();
+        let mut units: std::collections::HashSet<(usize, Vec<u64>)> =
+            std::collections::HashSet::new();
         for (i, d) in self.dests.iter().enumerate() {
             let mine: Vec<_> = d.pieces.iter().map(unit).collect();
             let shares = mine.iter().any(|u| units.contains(u));
@@ -518,8 +519,17 @@ pub fn plan_vllm(
     let hdest: BTreeMap<&str, &Dest> = hf.dests.iter().map(|d| (d.name.as_str(), d)).collect();
     let mut dests = Vec::new();
     let mut names: BTreeMap<String, usize> = BTreeMap::new();
+    // Names and HF tensors resolved once (for rank 0), reused by the other ranks.
+    let mut part_cache: std::collections::HashMap<(usize, Vec<u64>, Option<u64>, usize), usize> =
+        std::collections::HashMap::new();
+    let mut name_cache: std::collections::HashMap<(usize, Vec<u64>), String> =
+        std::collections::HashMap::new();
+    let hdest_of: Vec<Option<&Dest>> =
+        ex.h.iter()
+            .map(|h| hdest.get(h.name.as_str()).copied())
+            .collect();
     for r in 0..k {
-        for vt in &vllm.tensors {
+        for (vti, vt) in vllm.tensors.iter().enumerate() {
             let rname = format!("vllm:{}", vt.name);
             if let Some(w) = &vt.when
                 && !env.eval_bool(w, &[]).map_err(|e| e.in_rule(&rname))?
@@ -564,7 +574,14 @@ pub fn plan_vllm(
                     env: &env,
                     caps: &caps,
                 };
-                let name = npat.render(&scope)?;
+                let name = match name_cache.get(&(vti, idx.clone())) {
+                    Some(n) => n.clone(),
+                    None => {
+                        let n = npat.render(&scope)?;
+                        name_cache.insert((vti, idx.clone()), n.clone());
+                        n
+                    }
+                };
                 if r == 0 {
                     *names.entry(name.clone()).or_default() += 1;
                     if names[&name] > 1 {
@@ -599,22 +616,32 @@ pub fn plan_vllm(
                     };
                     let mut shape: Option<Vec<u64>> = None;
                     let mut pieces = Vec::new();
-                    for (part, pp) in vt.parts.iter().zip(&ppats) {
-                        let hname = pp.render(&scope)?;
-                        let hi =
-                            *h_index
-                                .get(hname.as_str())
-                                .ok_or_else(|| {
+                    for (pk, (part, pp)) in vt.parts.iter().zip(&ppats).enumerate() {
+                        let ckey = (vti, idx.clone(), *ie, pk);
+                        let hi = match part_cache.get(&ckey) {
+                            Some(&hi) => hi,
+                            None => {
+                                let hname = pp.render(&scope)?;
+                                let hi = *h_index.get(hname.as_str()).ok_or_else(|| {
                                     ConvertError::Missing {
-                                rule: rname.clone(),
-                                side: "hf",
-                                key: hname.clone(),
-                                hint:
-                                    " (the vLLM tensor's part names an HF tensor no rule produces)"
-                                        .into(),
-                            }
+                                        rule: rname.clone(),
+                                        side: "hf",
+                                        key: hname.clone(),
+                                        hint: " (the vLLM tensor's part names an HF tensor no rule produces)"
+                                            .into(),
+                                    }
                                 })?;
-                        let hd = hdest[hname.as_str()];
+                                part_cache.insert(ckey, hi);
+                                hi
+                            }
+                        };
+                        let hname = &ex.h[hi].name;
+                        let hd = hdest_of[hi].ok_or_else(|| ConvertError::Missing {
+                            rule: rname.clone(),
+                            side: "hf",
+                            key: hname.clone(),
+                            hint: " (an fp8 scale is not exported)".into(),
+                        })?;
                         dtype.get_or_insert(hd.dtype);
                         value.clone_from(&hd.value);
                         let hs = &ex.h[hi].shape;

@@ -206,7 +206,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     for (name, plan, names) in &jobs {
-        for pipeline in [true, false] {
+        for pipeline in [false, true] {
             let out = root.join("out");
             let mut job_s = Vec::new();
             let mut raw_s = Vec::new();
@@ -242,7 +242,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             let ratios: Vec<f64> = job_s.iter().zip(&raw_s).map(|(a, b)| b / a).collect();
             println!(
                 "| {name}{} | {:.3} GB | {ampl:.4} | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.2} | {:.2} | {:.2} |",
-                if pipeline { "" } else { " (no overlap)" },
+                if pipeline { " (reader thread)" } else { "" },
                 written as f64 / 1e9,
                 largest as f64 / (1 << 20) as f64,
                 peak as f64 / (1 << 20) as f64,

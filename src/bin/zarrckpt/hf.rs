@@ -203,7 +203,9 @@ pub fn write_files(
     out: &Path,
     mine: &dyn Fn(usize) -> bool,
 ) -> anyhow::Result<(u64, u64, u64)> {
-    let pipeline = std::env::var("ZARRCKPT_CONVERT_PIPELINE").map_or(true, |v| v != "0");
+    // Measured on 2 shared cores, reading the next batch in a second thread while writing
+    // was slower than not (bench-convert), so it is opt-in.
+    let pipeline = std::env::var("ZARRCKPT_CONVERT_PIPELINE").is_ok_and(|v| v == "1");
     write_files_with(ck, plan, names, out, mine, pipeline)
 }
 
@@ -427,6 +429,7 @@ pub fn export_hf(
             let e = e?;
             let n = e.file_name().to_string_lossy().into_owned();
             if e.file_type()?.is_file()
+                && !n.starts_with('.')
                 && !n.ends_with(".safetensors")
                 && n != "model.safetensors.index.json"
             {
