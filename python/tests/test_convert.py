@@ -1257,3 +1257,22 @@ def test_dry_runs_and_inspect_show_the_plan(smol_megatron, smol_hf, tmp_path):
     text = zc.inspect(smol_megatron, "llama")
     assert "checks passed:" in text and "bytes per file:" in text
     assert f"destinations ({len(hf)})" in text
+
+
+def test_spec_example_table_in_python(tmp_path, qwen2):
+    """The tagged example table of spec section 19 (a user table extending llama with a qkv
+    bias) loads with the Python loader and expands for a model with qkv biases (Qwen2) to the
+    same Megatron tensors as the built-in qwen2 table."""
+    import re
+
+    spec = (cf.REPO / "spec" / "format.md").read_text()
+    m = re.search(r'<!-- example \{"kind": "mapping"\} -->\s*```json\n(.*?)```', spec, re.S)
+    assert m, "no mapping example in spec/format.md"
+    path = tmp_path / "example.json"
+    path.write_text(m.group(1))
+    table = zc.load_table(path)
+    assert table["name"] == "my-llama-with-bias"
+    mine = zc.expand(table, qwen2, tp=2)
+    builtin = zc.expand("qwen2", qwen2, tp=2)
+    assert mine.megatron_tensors() == builtin.megatron_tensors()
+    assert set(mine.hf_tensors()) == set(builtin.hf_tensors())
