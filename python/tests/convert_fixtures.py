@@ -541,6 +541,9 @@ def llama_forward(get, cfg: dict, ids: list[int]) -> np.ndarray:
         q = proj["q"].reshape(len(ids), heads, hd).transpose(1, 0, 2)
         k = proj["k"].reshape(len(ids), kv, hd).transpose(1, 0, 2)
         v = proj["v"].reshape(len(ids), kv, hd).transpose(1, 0, 2)
+        if _has(get, L + "self_attn.q_norm.weight"):  # Qwen3: RMSNorm per head, before rope
+            q = _rms(q, get(L + "self_attn.q_norm.weight"), eps)
+            k = _rms(k, get(L + "self_attn.k_norm.weight"), eps)
         q, k = _rope(q, pos, theta), _rope(k, pos, theta)
         a = _attention(q, k, v).transpose(1, 0, 2).reshape(len(ids), heads * hd)
         x = x + a @ get(L + "self_attn.o_proj.weight").T
@@ -600,6 +603,9 @@ def llama_forward_tp(ranks: list, cfg: dict, ids: list[int]) -> np.ndarray:
             q = qkv[:, : lh * hd].reshape(s, lh, hd).transpose(1, 0, 2)
             kk = qkv[:, lh * hd : (lh + lkv) * hd].reshape(s, lkv, hd).transpose(1, 0, 2)
             v = qkv[:, (lh + lkv) * hd :].reshape(s, lkv, hd).transpose(1, 0, 2)
+            if _has(get, L + "self_attn.q_norm.weight"):
+                q = _rms(q, get(L + "self_attn.q_norm.weight"), eps)
+                kk = _rms(kk, get(L + "self_attn.k_norm.weight"), eps)
             q, kk = _rope(q, pos, theta), _rope(kk, pos, theta)
             a = _attention(q, kk, v).transpose(1, 0, 2).reshape(s, lh * hd)
             attn = attn + a @ get(L + "self_attn.o_proj.weight").T  # row-parallel: sum

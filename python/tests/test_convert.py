@@ -827,15 +827,18 @@ def test_qwen_round_trip(arch, tp, pp, qwen2, qwen3, work):
 
 
 @needs_cli
-def test_qwen2_vllm_tp2_forward(qwen2, work):
-    """Qwen2's qkv bias goes with its rows into each rank's qkv_proj; the forward assembled from
-    the TP-2 files equals transformers'."""
-    hf, cfg = cf.read_hf(qwen2), cf.hf_config(qwen2)
-    ckpt = work / "qwen2-tp2pp2"
+@pytest.mark.parametrize("arch,layout", [("qwen2", dict(tp=2, pp=2)), ("qwen3", dict(tp=2, pp=1))])
+def test_qwen_vllm_tp2_forward(arch, layout, qwen2, qwen3, work):
+    """Qwen2's qkv bias goes with its rows into each rank's qkv_proj, Qwen3's q/k norms are
+    replicated (and its head_dim is not hidden / heads); the forward assembled from the TP-2
+    files equals transformers'."""
+    src = {"qwen2": qwen2, "qwen3": qwen3}[arch]
+    hf, cfg = cf.read_hf(src), cf.hf_config(src)
+    ckpt = work / f"{arch}-tp{layout['tp']}pp{layout['pp']}"
     if not (ckpt / "metadata.json").exists():
-        zc.import_hf(qwen2, ckpt, "qwen2", tp=2, pp=2)
-    out = work / "qwen2-vllm"
-    zc.export_vllm(ckpt, out, "qwen2", tp=2)
+        zc.import_hf(src, ckpt, arch, **layout)
+    out = work / f"{arch}-vllm"
+    zc.export_vllm(ckpt, out, arch, tp=2)
     want = cf.vllm_reference(hf, cfg, 2)
     from safetensors.torch import load_file
 
@@ -849,8 +852,10 @@ def test_qwen2_vllm_tp2_forward(qwen2, work):
             assert cf.same_bits(state[name], t), (r, name)
         ranks.append(cf.tensor_getter(state))
     ids = [3, 17, 256, 999, 42, 7]
-    ref = _hf_logits(qwen2, ids)
+    ref = _hf_logits(src, ids)
     got = cf.llama_forward_tp(ranks, cfg, ids)
+    whole = cf.llama_forward(cf.tensor_getter(hf), cfg, ids)  # the numpy model itself
+    assert np.abs(whole - ref).max() <= 1e-5 * np.abs(ref).max()
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
