@@ -448,10 +448,33 @@ def vllm_reference(hf: dict, cfg: dict, k: int) -> list[dict]:
                     0,
                 )
             sd[L + "self_attn.o_proj.weight"] = hf[L + "self_attn.o_proj.weight"].chunk(k, 1)[r]
-            sd[L + "mlp.gate_up_proj.weight"] = torch.cat(
-                [rows(hf[L + "mlp.gate_proj.weight"]), rows(hf[L + "mlp.up_proj.weight"])], 0
-            )
-            sd[L + "mlp.down_proj.weight"] = hf[L + "mlp.down_proj.weight"].chunk(k, 1)[r]
+            for norm in ("q_norm", "k_norm"):  # Qwen3: per head_dim, replicated
+                if f"{L}self_attn.{norm}.weight" in hf:
+                    sd[f"{L}self_attn.{norm}.weight"] = hf[f"{L}self_attn.{norm}.weight"]
+            if L + "mlp.gate_proj.weight" in hf:
+                sd[L + "mlp.gate_up_proj.weight"] = torch.cat(
+                    [rows(hf[L + "mlp.gate_proj.weight"]), rows(hf[L + "mlp.up_proj.weight"])], 0
+                )
+                sd[L + "mlp.down_proj.weight"] = hf[L + "mlp.down_proj.weight"].chunk(k, 1)[r]
+            else:  # vLLM FusedMoE: w13 = per expert [gate_r; up_r], w2 split on its last dim
+                n_exp = cfg.get("num_experts") or cfg["num_local_experts"]
+                X = L + "mlp.experts."
+                sd[L + "mlp.gate.weight"] = hf[L + "mlp.gate.weight"]
+                sd[X + "w13_weight"] = torch.stack(
+                    [
+                        torch.cat(
+                            [
+                                rows(hf[f"{X}{e}.gate_proj.weight"]),
+                                rows(hf[f"{X}{e}.up_proj.weight"]),
+                            ],
+                            0,
+                        )
+                        for e in range(n_exp)
+                    ]
+                )
+                sd[X + "w2_weight"] = torch.stack(
+                    [hf[f"{X}{e}.down_proj.weight"].chunk(k, 1)[r] for e in range(n_exp)]
+                )
         ranks.append(sd)
     return ranks
 
@@ -518,6 +541,9 @@ def llama_forward(get, cfg: dict, ids: list[int]) -> np.ndarray:
         q = proj["q"].reshape(len(ids), heads, hd).transpose(1, 0, 2)
         k = proj["k"].reshape(len(ids), kv, hd).transpose(1, 0, 2)
         v = proj["v"].reshape(len(ids), kv, hd).transpose(1, 0, 2)
+        if _has(get, L + "self_attn.q_norm.weight"):  # Qwen3: RMSNorm per head, before rope
+            q = _rms(q, get(L + "self_attn.q_norm.weight"), eps)
+            k = _rms(k, get(L + "self_attn.k_norm.weight"), eps)
         q, k = _rope(q, pos, theta), _rope(k, pos, theta)
         a = _attention(q, k, v).transpose(1, 0, 2).reshape(len(ids), heads * hd)
         x = x + a @ get(L + "self_attn.o_proj.weight").T
@@ -577,6 +603,9 @@ def llama_forward_tp(ranks: list, cfg: dict, ids: list[int]) -> np.ndarray:
             q = qkv[:, : lh * hd].reshape(s, lh, hd).transpose(1, 0, 2)
             kk = qkv[:, lh * hd : (lh + lkv) * hd].reshape(s, lkv, hd).transpose(1, 0, 2)
             v = qkv[:, (lh + lkv) * hd :].reshape(s, lkv, hd).transpose(1, 0, 2)
+            if _has(get, L + "self_attn.q_norm.weight"):
+                q = _rms(q, get(L + "self_attn.q_norm.weight"), eps)
+                kk = _rms(kk, get(L + "self_attn.k_norm.weight"), eps)
             q, kk = _rope(q, pos, theta), _rope(kk, pos, theta)
             a = _attention(q, kk, v).transpose(1, 0, 2).reshape(s, lh * hd)
             attn = attn + a @ get(L + "self_attn.o_proj.weight").T  # row-parallel: sum
@@ -685,3 +714,74 @@ def deepseek_reference(hf: dict, cfg: dict, tp: int = 1) -> dict:
         out[m + "final_layernorm.weight"] = hf[H + "shared_head.norm.weight"]
         layer(m + "transformer_layer.", H, True)
     return out
+
+
+def vllm_reference_deepseek(hf: dict, cfg: dict, k: int) -> list[dict]:
+    """Per-rank tensors of vLLM 0.11's DeepseekV3ForCausalLM at TP `k`, experts TP-sharded (no
+    expert parallelism), MTP layers left out (vLLM loads them as a separate draft model):
+    fused_qkv_a_proj = [q_a_proj; kv_a_proj_with_mqa] replicated, q_b_proj / kv_b_proj split
+    by heads (rows), o_proj by columns, dense MLP gate_up_proj = [gate_r; up_r], MoE
+    w13_weight = per expert [gate_r; up_r] and w2_weight split on its last dim, shared experts
+    like a dense MLP, router weight and bias replicated, embedding and head padded to 64 rows
+    and split by rows."""
+    import torch
+
+    n = cfg["num_hidden_layers"]
+    dense = cfg.get("first_k_dense_replace", 0)
+    e = cfg["n_routed_experts"]
+    vp = round_up(cfg["vocab_size"], 64)
+    ranks = []
+    for r in range(k):
+
+        def rows(t, r=r):
+            return t.chunk(k, 0)[r]
+
+        def cols(t, r=r):
+            return t.chunk(k, 1)[r]
+
+        sd = {
+            "model.embed_tokens.weight": rows(_pad_rows(hf["model.embed_tokens.weight"], vp)),
+            "lm_head.weight": rows(_pad_rows(hf["lm_head.weight"], vp)),
+            "model.norm.weight": hf["model.norm.weight"],
+        }
+        for i in range(n):
+            L = f"model.layers.{i}."
+            A = L + "self_attn."
+            for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                sd[L + name] = hf[L + name]
+            sd[A + "fused_qkv_a_proj.weight"] = torch.cat(
+                [hf[A + "q_a_proj.weight"], hf[A + "kv_a_proj_with_mqa.weight"]], 0
+            )
+            sd[A + "q_a_layernorm.weight"] = hf[A + "q_a_layernorm.weight"]
+            sd[A + "kv_a_layernorm.weight"] = hf[A + "kv_a_layernorm.weight"]
+            sd[A + "q_b_proj.weight"] = rows(hf[A + "q_b_proj.weight"])
+            sd[A + "kv_b_proj.weight"] = rows(hf[A + "kv_b_proj.weight"])
+            sd[A + "o_proj.weight"] = cols(hf[A + "o_proj.weight"])
+
+            def mlp(dst, src, sd=sd):
+                sd[dst + "gate_up_proj.weight"] = torch.cat(
+                    [rows(hf[src + "gate_proj.weight"]), rows(hf[src + "up_proj.weight"])], 0
+                )
+                sd[dst + "down_proj.weight"] = cols(hf[src + "down_proj.weight"])
+
+            if i < dense:
+                mlp(L + "mlp.", L + "mlp.")
+                continue
+            sd[L + "mlp.gate.weight"] = hf[L + "mlp.gate.weight"]
+            sd[L + "mlp.gate.e_score_correction_bias"] = hf[L + "mlp.gate.e_score_correction_bias"]
+            X = L + "mlp.experts."
+            sd[X + "w13_weight"] = torch.stack(
+                [
+                    torch.cat(
+                        [rows(hf[f"{X}{x}.gate_proj.weight"]), rows(hf[f"{X}{x}.up_proj.weight"])],
+                        0,
+                    )
+                    for x in range(e)
+                ]
+            )
+            sd[X + "w2_weight"] = torch.stack(
+                [cols(hf[f"{X}{x}.down_proj.weight"]) for x in range(e)]
+            )
+            mlp(L + "mlp.shared_experts.", L + "mlp.shared_experts.")
+        ranks.append(sd)
+    return ranks

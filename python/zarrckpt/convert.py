@@ -48,6 +48,9 @@ __all__ = [
     "Expansion",
     "ExpandedRule",
     "binary",
+    "plan",
+    "fill",
+    "vllm_rank",
     "export_hf",
     "import_hf",
     "export_vllm",
@@ -295,14 +298,17 @@ def _extend(base: dict, ext: dict, source: str) -> dict:
     out["drop"] = drop
     if "vllm" in ext or "vllm" in base:
         bv, ev = base.get("vllm", {}), ext.get("vllm", {})
+        tensors = _merge_named(bv.get("tensors", []), ev.get("tensors", []))
+        gone = set(ext.get("remove_vllm", []))
         out["vllm"] = {
             "version": ev.get("version", bv.get("version", "")),
-            "tensors": _merge_named(bv.get("tensors", []), ev.get("tensors", [])),
+            "tensors": [t for t in tensors if t["name"] not in gone],
         }
     if "objects" in ext or "objects" in base:
         out["objects"] = _merge_named(base.get("objects", []), ext.get("objects", []))
     out.pop("extends", None)
     out.pop("remove_rules", None)
+    out.pop("remove_vllm", None)
     return out
 
 
@@ -985,3 +991,141 @@ def inspect(
     if config is not None:
         args += ["--config", str(config)]
     return _run(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# the same plan in Python: filling a caller's buffers (an inference engine's own loader)
+
+
+def _ckpt(path: str | os.PathLike):
+    """A Megatron-layout checkpoint directory (or its zarrckpt/ folder), opened."""
+    from . import reader
+
+    p = Path(path)
+    if (p / "zarrckpt" / "zarr.json").exists():
+        p = p / "zarrckpt"
+    return reader.open(p)
+
+
+def plan(
+    kind: str,
+    table: dict | str | os.PathLike,
+    source: str | os.PathLike | Mapping[str, Any],
+    *,
+    config: Mapping[str, Any] | str | os.PathLike | None = None,
+    layout: str | None = None,
+    tp: int = 1,
+    max_shard_bytes: int = 5_000_000_000,
+) -> dict:
+    """The conversion plan, computed by the Rust planner from metadata alone (every check of
+    spec section 19.5 included; a refusal raises ``zarrckpt.PlanError`` naming rule, key and
+    numbers). ``kind``: ``"hf"`` (export), ``"vllm"`` (per-rank tensors for TP ``tp``), or
+    ``"megatron"`` (import). ``source``: a Megatron-layout checkpoint (``"hf"``, ``"vllm"``:
+    its HF config and saved layout are read from its metadata unless given), or for
+    ``"megatron"`` an inventory ``{name: [dtype, shape]}`` of the HF tensors. Returns the plan
+    as a dict: ``dests`` (name, dtype, shape, ``group`` = output file or rank, ``pieces`` of
+    ``src`` index, source box ``sbox`` and destination box ``dbox`` as ``[offsets, lengths]``,
+    ``transpose``), ``sources``, ``bytes_per_group``, ``checks``, ``params``,
+    ``vllm_version``."""
+    from . import _native
+
+    if isinstance(table, dict):
+        table_arg = json.dumps(table)
+    else:
+        table_arg = str(table)
+    if isinstance(source, Mapping):
+        inventory = {k: list(v) for k, v in source.items()}
+        meta: dict = {}
+    else:
+        ck = _ckpt(source)
+        inventory = {k: [ck.tensors[k].dtype, list(ck.tensors[k].shape)] for k in ck}
+        meta = ck.metadata
+    if config is None:
+        config = meta.get("hf_config")
+        if config is None:
+            raise TableError("no config.json given and none stored in the checkpoint's metadata")
+    elif not isinstance(config, Mapping):
+        p = Path(config)
+        config = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    if layout is None:
+        saved = meta.get("megatron", {})
+        layout = f"tp={saved.get('tp', 1)},pp={saved.get('pp', 1)},ep={saved.get('ep', 1)}"
+    text = _native.convert_plan(
+        kind, table_arg, json.dumps(config), json.dumps(inventory), layout, tp, max_shard_bytes
+    )
+    return json.loads(text)
+
+
+def fill(
+    the_plan: dict,
+    group: int,
+    read: Any,
+    out: dict | None = None,
+) -> dict:
+    """Fills the destinations of one ``group`` (a vLLM rank, an HF file) of ``the_plan``:
+    ``read(source_name, offsets, lengths)`` returns that box of a source as a numpy array;
+    ``out`` may hold the caller's preallocated buffers (numpy arrays, or anything numpy can
+    write into through ``np.asarray``) by destination name, else zeroed arrays are allocated.
+    Returns ``{name: array}``. Elements no piece covers (vocabulary padding) stay as they were
+    (zero in allocated arrays). Only index ops run here: a table with value ops (add, fp8
+    dequantisation) or casts is executed by the CLI."""
+    import numpy as np
+
+    from .reader import numpy_dtype
+
+    out = {} if out is None else out
+    sources = the_plan["sources"]
+    for d in the_plan["dests"]:
+        if d["group"] != group:
+            continue
+        name = d["name"]
+        if name not in out:
+            out[name] = np.zeros(d["shape"], dtype=numpy_dtype(d["dtype"]))
+        buf = np.asarray(out[name])
+        if tuple(buf.shape) != tuple(d["shape"]):
+            raise ValueError(f"{name}: buffer of shape {buf.shape}, the plan says {d['shape']}")
+        for piece in d["pieces"]:
+            src = sources[piece["src"]]
+            (soff, slen), (doff, dlen) = piece["sbox"], piece["dbox"]
+            data = np.asarray(read(src["name"], soff, slen))
+            if piece.get("transpose"):
+                data = data.T
+            if str(data.dtype) != str(buf.dtype):
+                raise ValueError(
+                    f"{name}: source {src['name']} is {data.dtype}, the destination "
+                    f"{buf.dtype}: casts run in the CLI"
+                )
+            box = tuple(slice(o, o + n) for o, n in zip(doff, dlen, strict=True))
+            buf[box] = data.reshape(dlen)
+    return out
+
+
+def vllm_rank(
+    ckpt: str | os.PathLike,
+    map: dict | str | os.PathLike,
+    *,
+    tp: int,
+    rank: int,
+    out: dict | None = None,
+    config: Mapping[str, Any] | str | os.PathLike | None = None,
+    report: dict | None = None,
+) -> dict:
+    """vLLM's tensors of one TP rank (``{name: numpy array}``, names as vLLM's
+    ``sharded_state`` files carry them), read straight from a Megatron-layout checkpoint: only
+    this rank's boxes are read, into ``out``'s buffers when given. ``report`` (a dict) gets
+    ``bytes_read``: the bytes read from storage."""
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} is not in 0..{tp}")
+    the_plan = plan("vllm", map, ckpt, config=config, tp=tp)
+    ck = _ckpt(ckpt)
+
+    if report is not None:
+        report.setdefault("bytes_read", 0)
+
+    def read(name: str, off: list[int], length: list[int]):
+        data, r = ck[name].read_box(list(off), list(length))
+        if report is not None:
+            report["bytes_read"] += int(r.get("bytes_read", 0))
+        return data
+
+    return fill(the_plan, rank, read, out)
