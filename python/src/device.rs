@@ -307,20 +307,12 @@ impl DeviceSaver {
         objects: Option<&Bound<'_, PyList>>,
         options: &Bound<'_, PyDict>,
     ) -> PyResult<Py<PyDict>> {
-        let spec = SaveSpec::extract(pieces)?;
-        let dspecs = device_specs(device_pieces)?;
-        let objs = objects.map(save_objects).transpose()?;
-        let opts = save_options(options)?;
-        let inner = Arc::clone(&self.inner);
-        let result = py.detach(|| {
-            let host = pieces_of(&spec)?;
-            let dps = self::device_pieces(&dspecs)?;
-            let mut s = inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            s.save(&host, &dps, objs.as_deref().unwrap_or(&[]), &path, &opts)
-        });
-        let report = result.map_err(|e| self.comm.err(py, &e))?;
+        let report = self.with_saver(
+            py,
+            &path,
+            (pieces, device_pieces, objects, options),
+            |s, host, dps, objs, path, opts| s.save(host, dps, objs, path, opts),
+        )?;
         convert::save_report(py, &report)
     }
 
@@ -335,6 +327,46 @@ impl DeviceSaver {
         objects: Option<&Bound<'_, PyList>>,
         options: &Bound<'_, PyDict>,
     ) -> PyResult<DeviceSaveHandle> {
+        let h = self.with_saver(
+            py,
+            &path,
+            (pieces, device_pieces, objects, options),
+            |s, host, dps, objs, path, opts| s.save_async(host, dps, objs, path, opts),
+        )?;
+        Ok(DeviceSaveHandle {
+            blocked_s: h.blocked().as_secs_f64(),
+            device_bytes: h.device_bytes(),
+            handle: Mutex::new(Some(h)),
+            comm: self.comm.clone(),
+        })
+    }
+}
+
+/// The Python arguments of a save: host pieces, device pieces, objects, options.
+type SaveArgs<'a, 'py> = (
+    &'a Bound<'py, PyList>,
+    &'a Bound<'py, PyList>,
+    Option<&'a Bound<'py, PyList>>,
+    &'a Bound<'py, PyDict>,
+);
+
+impl DeviceSaver {
+    /// Extracts a save's arguments, then runs `f` on the saver with the GIL released.
+    fn with_saver<T: Send>(
+        &self,
+        py: Python<'_>,
+        path: &std::path::Path,
+        (pieces, device_pieces, objects, options): SaveArgs<'_, '_>,
+        f: impl FnOnce(
+            &mut RsDeviceSaver,
+            &[zarrckpt::ShardedTensor<'_>],
+            &[DevicePiece],
+            &[zarrckpt::StateObject],
+            &std::path::Path,
+            &zarrckpt::SaveOptions,
+        ) -> Result<T, zarrckpt::Error>
+        + Send,
+    ) -> PyResult<T> {
         let spec = SaveSpec::extract(pieces)?;
         let dspecs = device_specs(device_pieces)?;
         let objs = objects.map(save_objects).transpose()?;
@@ -346,15 +378,16 @@ impl DeviceSaver {
             let mut s = inner
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            s.save_async(&host, &dps, objs.as_deref().unwrap_or(&[]), &path, &opts)
+            f(
+                &mut s,
+                &host,
+                &dps,
+                objs.as_deref().unwrap_or(&[]),
+                path,
+                &opts,
+            )
         });
-        let h = result.map_err(|e| self.comm.err(py, &e))?;
-        Ok(DeviceSaveHandle {
-            blocked_s: h.blocked().as_secs_f64(),
-            device_bytes: h.device_bytes(),
-            handle: Mutex::new(Some(h)),
-            comm: self.comm.clone(),
-        })
+        result.map_err(|e| self.comm.err(py, &e))
     }
 }
 

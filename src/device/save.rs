@@ -264,6 +264,39 @@ impl DeviceSaver {
         Ok(staged)
     }
 
+    /// The pinned snapshot of a save: the device pieces downloaded, then `host` (box pieces)
+    /// copied after them; agreed across ranks (a failed copy fails every rank).
+    fn snapshot(
+        &self,
+        device: &[DevicePiece],
+        host: &[ShardedTensor<'_>],
+    ) -> Result<(PinnedBuf, Vec<Staged>)> {
+        let dev_total: usize = device.iter().map(DevicePiece::bytes).sum();
+        let host_total: usize = host.iter().map(|p| p.data().len()).sum();
+        let local = self
+            .take_snapshot(dev_total + host_total)
+            .map_err(Error::from)
+            .and_then(|mut snap| {
+                let mut staged = self.download(device, &mut snap)?;
+                let mut at = dev_total;
+                for p in host {
+                    let n = p.data().len();
+                    snap[at..at + n].copy_from_slice(p.data());
+                    staged.push(Staged {
+                        key: p.key().clone(),
+                        dtype: p.dtype(),
+                        global_shape: p.global_shape().to_vec(),
+                        region: p.region().clone(),
+                        replica: p.replica(),
+                        range: at..at + n,
+                    });
+                    at += n;
+                }
+                Ok((snap, staged))
+            });
+        agree(&*self.comm, local)
+    }
+
     /// Saves synchronously: every rank calls it with its own pieces. Host pieces are read
     /// in place; device pieces go through the pinned snapshot.
     ///
@@ -279,15 +312,7 @@ impl DeviceSaver {
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
         self.settle();
-        let total: usize = device.iter().map(DevicePiece::bytes).sum();
-        let local = self
-            .take_snapshot(total)
-            .map_err(Error::from)
-            .and_then(|mut snap| {
-                let staged = self.download(device, &mut snap);
-                staged.map(|s| (snap, s))
-            });
-        let (snap, staged) = agree(&*self.comm, local)?;
+        let (snap, staged) = self.snapshot(device, &[])?;
         let result = {
             let mut pieces = host.to_vec();
             for s in &staged {
@@ -319,30 +344,7 @@ impl DeviceSaver {
         self.settle();
         // Flat host pieces are snapshotted as the boxes of their decomposition.
         let host = crate::model::tensor::boxed_pieces(host);
-        let dev_total: usize = device.iter().map(DevicePiece::bytes).sum();
-        let host_total: usize = host.iter().map(|p| p.data().len()).sum();
-        let local = self
-            .take_snapshot(dev_total + host_total)
-            .map_err(Error::from)
-            .and_then(|mut snap| {
-                let mut staged = self.download(device, &mut snap)?;
-                let mut at = dev_total;
-                for p in host.iter() {
-                    let n = p.data().len();
-                    snap[at..at + n].copy_from_slice(p.data());
-                    staged.push(Staged {
-                        key: p.key().clone(),
-                        dtype: p.dtype(),
-                        global_shape: p.global_shape().to_vec(),
-                        region: p.region().clone(),
-                        replica: p.replica(),
-                        range: at..at + n,
-                    });
-                    at += n;
-                }
-                Ok((snap, staged))
-            });
-        let (snap, staged) = agree(&*self.comm, local)?;
+        let (snap, staged) = self.snapshot(device, &host)?;
         let blocked = t0.elapsed();
         let job = Arc::new(Job::default());
         let rank = self.comm.rank();
@@ -376,7 +378,7 @@ impl DeviceSaver {
         Ok(DeviceSaveHandle {
             job,
             blocked,
-            device_bytes: dev_total as u64,
+            device_bytes: device.iter().map(|p| p.bytes() as u64).sum(),
             rank,
             path: dir.to_owned(),
         })
