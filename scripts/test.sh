@@ -10,7 +10,7 @@ ZARRCKPT_TEST_MODEL="$(scripts/fetch-test-model.sh | tail -n1)"
 export ZARRCKPT_PYTHON ZARRCKPT_TEST_MODEL
 cargo test --release --locked "$@"
 # The GPU code (features cuda, nccl) builds everywhere; its tests skip, saying so, without a GPU.
-cargo test --release --locked --features nccl --test gpu
+cargo test --release --locked --features nccl --test gpu -- --nocapture
 # The Python package (python/): built from source into the venv, then its tests (multi-process
 # ones over gloo on loopback included; about 2 minutes).
 PY="$(scripts/build-python.sh | tail -n1)"
