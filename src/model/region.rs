@@ -197,6 +197,12 @@ impl Region {
     #[must_use]
     pub fn intersect(&self, other: &Region) -> Option<Region> {
         debug_assert_eq!(self.ndim(), other.ndim());
+        // Disjoint boxes allocate nothing (planning tests many pairs that do not meet).
+        if (0..self.ndim())
+            .any(|d| self.end(d).min(other.end(d)) <= self.offset[d].max(other.offset[d]))
+        {
+            return None;
+        }
         let mut offset = Vec::with_capacity(self.ndim());
         let mut shape = Vec::with_capacity(self.ndim());
         for d in 0..self.ndim() {

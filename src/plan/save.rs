@@ -722,12 +722,32 @@ impl TensorPlan {
         mut f: impl FnMut(&[u64], &Region, &[(&PiecePlan, Region)]),
     ) {
         let gshape = grid::grid_shape(&self.global_shape, &self.chunk_shape);
+        // C-order position of a chunk in the grid.
+        let linear = |c: &[u64]| {
+            c.iter()
+                .zip(&gshape)
+                .fold(0u64, |acc, (&i, &n)| acc * n + i)
+        };
+        // (chunk, piece) for every chunk each piece touches, so that a chunk meets only its
+        // own pieces (not every piece of the tensor: irregular layouts have one per rank).
+        let mut touches: Vec<(u64, usize)> = Vec::new();
+        for (pi, p) in self.pieces.iter().enumerate() {
+            if p.region.is_empty() {
+                continue;
+            }
+            let (lo, hi) = grid::chunks_overlapping(&p.region, &self.chunk_shape);
+            grid::for_each_index(&lo, &hi, |c| touches.push((linear(c), pi)));
+        }
+        touches.sort_unstable();
+        let mut next = touches.iter().peekable();
         let lo = vec![0u64; gshape.len()];
         let mut parts = Vec::new();
         grid::for_each_index(&lo, &gshape, |c| {
             let region = grid::chunk_region(&self.global_shape, &self.chunk_shape, c);
+            let at = linear(c);
             parts.clear();
-            for p in &self.pieces {
+            while let Some(&(_, pi)) = next.next_if(|(l, _)| *l == at) {
+                let p = &self.pieces[pi];
                 if let Some(part) = p.region.intersect(&region) {
                     parts.push((p, part));
                 }
