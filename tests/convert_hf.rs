@@ -463,6 +463,31 @@ fn vllm_tp_that_does_not_divide_is_refused() {
     );
 }
 
+/// A vLLM stack whose range leaves its axis is refused, naming the vLLM tensor (it was
+/// silently clipped once).
+#[test]
+fn vllm_stack_range_outside_its_axis_is_refused() {
+    let c = cfg(false);
+    let base = Table::builtin("llama").unwrap();
+    let hf = llama_hf(&c);
+    let plan = import(&base, &c, lay(1, 1), &inv(&hf)).unwrap();
+    let mut cinv = Inventory::new();
+    for d in &plan.dests {
+        cinv.insert(d.name.clone(), ("bfloat16".into(), d.shape.clone()));
+    }
+    let name = "model.layers.{layer}.input_layernorm.weight";
+    let ext = json!({"format": "zarrckpt-mapping", "version": 1, "name": "user", "extends": "llama",
+        "rules": [], "vllm": {"tensors": [{"name": name,
+            "stack": [{"capture": "layer", "size": "L", "stop": "L + 1"}],
+            "parts": [{"hf": "model.layers.{layer}.input_layernorm.weight"}]}]}});
+    let t = base.extend_with(Table::parse(&ext.to_string(), "user").unwrap());
+    let e = msg(convert::plan_vllm(&t, &c, lay(1, 1), &cinv, 1).unwrap_err());
+    assert!(
+        e.contains(&format!("vllm:{name}")) && e.contains("outside size"),
+        "{e}"
+    );
+}
+
 fn ds_cfg(fp8: bool) -> serde_json::Value {
     let mut c = json!({"hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
         "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8, "n_shared_experts": 1,

@@ -537,27 +537,8 @@ pub fn plan_vllm(
             {
                 continue;
             }
-            let ranges: Vec<(String, u64, u64, u64)> = vt
-                .stack
-                .iter()
-                .map(|s| {
-                    let size = env.eval_u64(&s.size, &[])?;
-                    let start = s
-                        .start
-                        .as_ref()
-                        .map(|e| env.eval_u64(e, &[]))
-                        .transpose()?
-                        .unwrap_or(0);
-                    let stop = s
-                        .stop
-                        .as_ref()
-                        .map(|e| env.eval_u64(e, &[]))
-                        .transpose()?
-                        .unwrap_or(size);
-                    Ok((s.capture.clone(), size, start, stop.min(size)))
-                })
-                .collect::<Result<_, ConvertError>>()
-                .map_err(|e: ConvertError| e.in_rule(&rname))?;
+            let ranges = crate::convert::expand::stack_ranges(&vt.stack, &env)
+                .map_err(|e| e.in_rule(&rname))?;
             let npat = Pattern::parse(&vt.name)?;
             let ppats: Vec<Pattern> = vt
                 .parts
