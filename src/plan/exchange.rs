@@ -5,7 +5,7 @@
 //! identically, one of those ranks (balanced by bytes, the same choice on every rank) reads it
 //! and sends it to the others.
 
-use std::collections::HashMap;
+use super::FastMap as HashMap;
 
 use super::grid;
 use super::layout::GatheredLayouts;
@@ -55,8 +55,8 @@ impl ExchangePlan {
         geometry: impl Fn(&TensorKey) -> Option<StoredGeometry>,
     ) -> ExchangePlan {
         // (tensor, chunk, box) -> distinct layouts needing it
-        let mut geoms: HashMap<&TensorKey, Option<StoredGeometry>> = HashMap::new();
-        let mut need: HashMap<(&TensorKey, Vec<u64>, Region), Vec<u32>> = HashMap::new();
+        let mut geoms: HashMap<&TensorKey, Option<StoredGeometry>> = HashMap::default();
+        let mut need: HashMap<(&TensorKey, Vec<u64>, Region), Vec<u32>> = HashMap::default();
         for (u, layout) in g.unique.iter().enumerate() {
             let u = u32::try_from(u).unwrap_or(u32::MAX);
             for p in &layout.pieces {

@@ -16,7 +16,8 @@
 //! size of the distinct rules, not of the world. Irregular layouts still work: each distinct
 //! one is a template of its own, at the cost of its size.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use super::FastMap as HashMap;
+use std::collections::{BTreeMap, HashSet};
 
 use super::layout::{
     LayoutDecodeError, PieceDecl, RankLayout, Reader, TensorDecl, decode_tensors, encode_tensors,
@@ -98,7 +99,7 @@ impl Template {
     #[must_use]
     pub fn describe(layout: &RankLayout) -> (Template, Vec<u64>) {
         let mut coords: Vec<u64> = Vec::new();
-        let mut slot_of: HashMap<u64, u32> = HashMap::new();
+        let mut slot_of: HashMap<u64, u32> = HashMap::default();
         let mut pieces: Vec<Option<RulePiece>> = Vec::with_capacity(layout.pieces.len());
         // Flat ranges held as several boxes: one flat rule each, when the range is part
         // `start / len` of parts of its length.
@@ -472,7 +473,7 @@ fn slot_for(i: u64, coords: &mut Vec<u64>, slot_of: &mut HashMap<u64, u32>) -> O
 /// decomposition of one flat range: first piece's index -> (number of boxes, range).
 fn flat_runs(layout: &RankLayout) -> HashMap<usize, (usize, std::ops::Range<u64>)> {
     use crate::model::flat::{box_flat_range, flat_boxes};
-    let mut out = HashMap::new();
+    let mut out = HashMap::default();
     let ps = &layout.pieces;
     let mut k = 0;
     while k < ps.len() {
@@ -1008,7 +1009,7 @@ impl World {
         let mut unique: Vec<RankLayout> = Vec::new();
         let mut ranks: Vec<Vec<u32>> = Vec::new();
         let mut of_rank = vec![0u32; w.size];
-        let mut index: HashMap<RankLayout, u32> = HashMap::new();
+        let mut index: HashMap<RankLayout, u32> = HashMap::default();
         for (ti, t) in w.templates.iter().enumerate() {
             let wanted: Vec<bool> = t
                 .tensors
@@ -1021,7 +1022,7 @@ impl World {
                     return;
                 }
                 let mut l = RankLayout::default();
-                let mut new_id: HashMap<u32, u32> = HashMap::new();
+                let mut new_id: HashMap<u32, u32> = HashMap::default();
                 for p in &t.pieces {
                     if !wanted[p.tensor as usize] {
                         continue;

@@ -14,7 +14,8 @@
 //! Every other tensor (irregular pieces, several pieces on one rank) goes through the general
 //! planner ([`SavePlan::build`]) on the instantiated layouts of those tensors alone.
 
-use std::collections::{HashMap, HashSet};
+use super::FastMap as HashMap;
+use std::collections::HashSet;
 
 use super::exchange::{ExchangePlan, SharedRead};
 use super::grid;
@@ -257,7 +258,7 @@ fn holders(
     n: &[u64],
     families: &[Family],
 ) -> Result<HashMap<u64, Holders>, LayoutDecodeError> {
-    let mut parts: HashMap<u64, Holders> = HashMap::new();
+    let mut parts: HashMap<u64, Holders> = HashMap::default();
     let mut bad: Option<u32> = None;
     for f in families {
         w.for_each_rank(f.template, |rank, coords| {
@@ -354,7 +355,7 @@ struct Held {
 pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan, PlanError> {
     // Step 1: tensors across templates.
     let mut infos: Vec<TensorInfo<'_>> = Vec::new();
-    let mut ids: HashMap<&TensorKey, usize> = HashMap::new();
+    let mut ids: HashMap<&TensorKey, usize> = HashMap::default();
     for (ti, t) in w.templates.iter().enumerate() {
         let mut local = Vec::with_capacity(t.tensors.len());
         for d in &t.tensors {
@@ -410,14 +411,14 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
     })?;
 
     // Step 2: regular tensors, validated per distinct combination of rules.
-    let mut memo: HashMap<(Vec<u64>, Vec<Family>), usize> = HashMap::new();
+    let mut memo: HashMap<(Vec<u64>, Vec<Family>), usize> = HashMap::default();
     let mut tables: Vec<HashMap<u64, Holders>> = Vec::new();
     let mut plans: Vec<TensorPlan> = Vec::with_capacity(infos.len());
     let mut general: Vec<usize> = Vec::new();
     let mut held: Vec<Held> = Vec::new();
-    let mut group_ids: HashMap<Vec<u32>, usize> = HashMap::new();
+    let mut group_ids: HashMap<Vec<u32>, usize> = HashMap::default();
     let mut solo: Vec<(usize, u64, Region, u64)> = Vec::new();
-    let mut flat_memo: FlatMemo = HashMap::new();
+    let mut flat_memo: FlatMemo = HashMap::default();
     // Holders tables already validated (validity depends on the table alone).
     let mut valid: HashSet<usize> = HashSet::new();
     let mut flat_sends: Vec<Transfer> = Vec::new();
@@ -549,7 +550,7 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             b.part,
         ))
     });
-    let mut load: HashMap<u32, u64> = HashMap::new();
+    let mut load: HashMap<u32, u64> = HashMap::default();
     let mut current_group = usize::MAX;
     for h in held {
         if h.group != current_group {
@@ -675,7 +676,7 @@ pub fn plan_load(
         .iter()
         .map(|d| &d.key)
         .collect();
-    let mut infos: HashMap<&TensorKey, TensorInfo<'_>> = HashMap::new();
+    let mut infos: HashMap<&TensorKey, TensorInfo<'_>> = HashMap::default();
     for (ti, t) in w.templates.iter().enumerate() {
         for (pi, p) in t.pieces.iter().enumerate() {
             let d = &t.tensors[p.tensor as usize];
@@ -696,9 +697,9 @@ pub fn plan_load(
     keys.sort();
     // Tensors no regular grid describes, the same set on every rank.
     let mut general: HashSet<&TensorKey> = HashSet::new();
-    let mut grids: HashMap<&TensorKey, (Vec<u64>, Vec<Family>)> = HashMap::new();
-    let mut flats: HashMap<&TensorKey, (u64, Vec<FlatFamily>, usize)> = HashMap::new();
-    let mut flat_memo: FlatMemo = HashMap::new();
+    let mut grids: HashMap<&TensorKey, (Vec<u64>, Vec<Family>)> = HashMap::default();
+    let mut flats: HashMap<&TensorKey, (u64, Vec<FlatFamily>, usize)> = HashMap::default();
+    let mut flat_memo: FlatMemo = HashMap::default();
     let mut tables: Vec<HashMap<u64, Holders>> = Vec::new();
     for &key in &keys {
         let info = &infos[key];
@@ -720,8 +721,8 @@ pub fn plan_load(
         }
     }
     keys.retain(|k| mine.contains(k) && (grids.contains_key(k) || flats.contains_key(k)));
-    let mut memo: HashMap<(Vec<u64>, Vec<Family>), usize> = HashMap::new();
-    let mut group_ids: HashMap<Vec<u32>, usize> = HashMap::new();
+    let mut memo: HashMap<(Vec<u64>, Vec<Family>), usize> = HashMap::default();
+    let mut group_ids: HashMap<Vec<u32>, usize> = HashMap::default();
     let mut items: Vec<(usize, SharedRead)> = Vec::new();
     for key in keys {
         let info = &infos[key];
@@ -798,7 +799,7 @@ pub fn plan_load(
             &b.region,
         ))
     });
-    let mut load: HashMap<u32, u64> = HashMap::new();
+    let mut load: HashMap<u32, u64> = HashMap::default();
     let mut current = usize::MAX;
     for (g, r) in &mut items {
         if *g != current {
@@ -987,7 +988,7 @@ fn flat_holders(
 ) -> Result<Option<HashMap<u64, Holders>>, LayoutDecodeError> {
     let numel = crate::model::region::num_elements(shape).unwrap_or(0);
     let n = numel.div_ceil(size);
-    let mut parts: HashMap<u64, Holders> = HashMap::new();
+    let mut parts: HashMap<u64, Holders> = HashMap::default();
     let mut bad: Option<u32> = None;
     let mut irregular = false;
     for f in families {
