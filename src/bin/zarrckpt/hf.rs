@@ -184,9 +184,19 @@ pub fn write_safetensors(
     let mut w = BufWriter::with_capacity(8 << 20, f);
     w.write_all(&(h.len() as u64).to_le_bytes())?;
     w.write_all(&h)?;
-    for i in 0..tensors.len() {
+    // The disk starts writing each stretch of the file while the next tensors are read, so
+    // the fsync below waits for the last stretch only.
+    const WRITEBACK_EVERY: u64 = 32 << 20;
+    let mut pending = 0u64;
+    for (i, t) in tensors.iter().enumerate() {
         let mut sink = |b: &[u8]| w.write_all(b);
         fill(i, &mut sink)?;
+        pending += t.3;
+        if pending >= WRITEBACK_EVERY {
+            w.flush()?;
+            zarrckpt::storage::shard::start_writeback(w.get_ref());
+            pending = 0;
+        }
     }
     w.flush()?;
     w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
