@@ -442,17 +442,21 @@ fn round_trip_through_a_saved_megatron_layout() {
     }
 }
 
+/// The inventory of a Llama checkpoint imported at TP1 (shapes only: planning reads nothing).
+fn llama_tp1_inventory(c: &serde_json::Value) -> Inventory {
+    let t = Table::builtin("llama").unwrap();
+    let plan = import(&t, c, lay(1, 1), &inv(&llama_hf(c))).unwrap();
+    plan.dests
+        .iter()
+        .map(|d| (d.name.clone(), ("bfloat16".to_string(), d.shape.clone())))
+        .collect()
+}
+
 #[test]
 fn vllm_tp_that_does_not_divide_is_refused() {
     let c = cfg(false);
     let t = Table::builtin("llama").unwrap();
-    let hf = llama_hf(&c);
-    // A checkpoint inventory at TP1 (shapes only: planning reads nothing).
-    let plan = import(&t, &c, lay(1, 1), &inv(&hf)).unwrap();
-    let mut cinv = Inventory::new();
-    for d in &plan.dests {
-        cinv.insert(d.name.clone(), ("bfloat16".into(), d.shape.clone()));
-    }
+    let cinv = llama_tp1_inventory(&c);
     let e = msg(convert::plan_vllm(&t, &c, lay(1, 1), &cinv, 3).unwrap_err());
     assert!(e.contains("vLLM tp") && e.contains("by vLLM tp = 3"), "{e}");
     // 8 ranks: 4 heads do not split 8 ways.
@@ -469,12 +473,7 @@ fn vllm_tp_that_does_not_divide_is_refused() {
 fn vllm_stack_range_outside_its_axis_is_refused() {
     let c = cfg(false);
     let base = Table::builtin("llama").unwrap();
-    let hf = llama_hf(&c);
-    let plan = import(&base, &c, lay(1, 1), &inv(&hf)).unwrap();
-    let mut cinv = Inventory::new();
-    for d in &plan.dests {
-        cinv.insert(d.name.clone(), ("bfloat16".into(), d.shape.clone()));
-    }
+    let cinv = llama_tp1_inventory(&c);
     let name = "model.layers.{layer}.input_layernorm.weight";
     let ext = json!({"format": "zarrckpt-mapping", "version": 1, "name": "user", "extends": "llama",
         "rules": [], "vllm": {"tensors": [{"name": name,
