@@ -12,10 +12,10 @@ pub mod ruled;
 pub mod save;
 
 pub use grid::GridOptions;
+pub use layout::{GatheredLayouts, LayoutDecodeError, PieceDecl, RankLayout, TensorDecl};
+pub use save::{PlanError, SavePlan, SavePlanOptions, TensorPlan};
 
 /// The hash map of the planners: keys come from the job's own ranks and the maps are hot
 /// (an irregular layout puts world x tensors entries in them), so a fast hasher
 /// (foldhash, randomly seeded) instead of SipHash.
 pub(crate) type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
-pub use layout::{GatheredLayouts, LayoutDecodeError, PieceDecl, RankLayout, TensorDecl};
-pub use save::{PlanError, SavePlan, SavePlanOptions, TensorPlan};

@@ -203,17 +203,12 @@ impl Region {
         {
             return None;
         }
-        let mut offset = Vec::with_capacity(self.ndim());
-        let mut shape = Vec::with_capacity(self.ndim());
-        for d in 0..self.ndim() {
-            let lo = self.offset[d].max(other.offset[d]);
-            let hi = self.end(d).min(other.end(d));
-            if hi <= lo {
-                return None;
-            }
-            offset.push(lo);
-            shape.push(hi - lo);
-        }
+        let offset: Vec<u64> = (0..self.ndim())
+            .map(|d| self.offset[d].max(other.offset[d]))
+            .collect();
+        let shape = (0..self.ndim())
+            .map(|d| self.end(d).min(other.end(d)) - offset[d])
+            .collect();
         Some(Region { offset, shape })
     }
 

@@ -94,10 +94,7 @@ impl StoredGeometry {
                     return;
                 };
                 let direct = needed == stored && is_contiguous(&needed.shape, &request.shape);
-                let linear = s
-                    .iter()
-                    .zip(&per_shard)
-                    .fold(0u64, |acc, (i, n)| acc * n + i);
+                let linear = crate::model::object::linear_index(&per_shard, s);
                 subchunks.push(SubchunkRead {
                     linear,
                     stored,

@@ -214,7 +214,7 @@ fn part_counts(shape: &[u64], sizes: &[u64]) -> Vec<u64> {
 }
 
 fn linear(idx: &[u64], n: &[u64]) -> u64 {
-    idx.iter().zip(n).fold(0u64, |acc, (&i, &k)| acc * k + i)
+    crate::model::object::linear_index(n, idx)
 }
 
 fn unlinear(mut l: u64, n: &[u64]) -> Vec<u64> {

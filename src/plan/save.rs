@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use super::grid::{self, GridOptions};
 use super::layout::GatheredLayouts;
 use crate::model::key::check_collisions;
+use crate::model::object::linear_index;
 use crate::model::{DType, KeyError, Region, TensorKey};
 
 /// Options for save planning.
@@ -722,12 +723,7 @@ impl TensorPlan {
         mut f: impl FnMut(&[u64], &Region, &[(&PiecePlan, Region)]),
     ) {
         let gshape = grid::grid_shape(&self.global_shape, &self.chunk_shape);
-        // C-order position of a chunk in the grid.
-        let linear = |c: &[u64]| {
-            c.iter()
-                .zip(&gshape)
-                .fold(0u64, |acc, (&i, &n)| acc * n + i)
-        };
+        let linear = |c: &[u64]| linear_index(&gshape, c);
         // (chunk, piece) for every chunk each piece touches, so that a chunk meets only its
         // own pieces (not every piece of the tensor: irregular layouts have one per rank).
         let mut touches: Vec<(u64, usize)> = Vec::new();
