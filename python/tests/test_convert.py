@@ -57,16 +57,23 @@ def _cli_has(*words: str) -> bool:
     return out.returncode == 0
 
 
-def _cli_converts() -> bool:
-    if not _cli_has("export"):
-        return False
+def _require_cli(*words: str) -> None:
+    """Fails the test when the CLI lacks the subcommand: a missing command is a defect of the
+    build under test, never a reason to skip."""
+    if not _cli_has(*words):
+        pytest.fail(f"the zarrckpt CLI has no `{' '.join(words)}` subcommand")
+
+
+@pytest.fixture(scope="session")
+def cli_converts() -> None:
+    """Fails (never skips) unless the CLI can export to HF and vLLM."""
+    _require_cli("export")
     out = subprocess.run([zc.binary(), "export", "--help"], capture_output=True, text=True)
-    return "--vllm" in out.stdout
+    if "--vllm" not in out.stdout:
+        pytest.fail("the zarrckpt CLI's `export` has no `--vllm`")
 
 
-needs_cli = pytest.mark.skipif(
-    not _cli_converts(), reason="the zarrckpt binary has no `export --hf/--vllm` yet"
-)
+needs_cli = pytest.mark.usefixtures("cli_converts")
 
 
 def _refused(fn, *words: str) -> str:
@@ -219,15 +226,15 @@ def test_table_errors_name_place_and_numbers(tmp_path, smol):
 def test_negative_tp9_smollm2(smol, work):
     """9 heads but 3 kv heads: TP 9 cannot give each rank a whole query group."""
     _refused(lambda: zc.expand("llama", smol, tp=9), "qkv", "linear_qkv", "9", "3")
-    if _cli_has("import"):
-        _refused(
-            lambda: zc.import_hf(smol, work / "tp9", "llama", tp=9, pp=1, dry_run=True),
-            "qkv",
-            "decoder.layers.self_attention.linear_qkv.weight",
-            "tp = 9",
-            "3",
-        )
-        assert not (work / "tp9" / "metadata.json").exists()
+    _require_cli("import")
+    _refused(
+        lambda: zc.import_hf(smol, work / "tp9", "llama", tp=9, pp=1, dry_run=True),
+        "qkv",
+        "decoder.layers.self_attention.linear_qkv.weight",
+        "tp = 9",
+        "3",
+    )
+    assert not (work / "tp9" / "metadata.json").exists()
 
 
 def _user_table(tmp_path: Path, name: str, extends: str, rules: list, **extra) -> Path:
@@ -252,8 +259,7 @@ def test_negative_plain_concat_qkv(tmp_path, smol, work):
     rule.pop("groups", None)
     table = _user_table(tmp_path, "plain-qkv", "llama", [rule])
     assert zc.load_table(table)  # valid JSON and schema: the mistake is in the layout
-    if not _cli_has("import"):
-        pytest.skip("no import in the CLI")
+    _require_cli("import")
     _refused(
         lambda: zc.import_hf(smol, work / "plain-qkv", table, tp=1, pp=1, dry_run=True),
         "qkv",
@@ -283,11 +289,11 @@ def test_negative_expert_key_weight100(tmp_path, moe):
     }
     table = _user_table(tmp_path, "weight100", "qwen3_moe", [rule])
     _refused(lambda: zc.load_table(table), "weight{expert}", "down_proj")
-    if _cli_has("import"):
-        _refused(
-            lambda: zc.import_hf(moe, tmp_path / "w100", table, tp=1, pp=1, ep=4, dry_run=True),
-            "weight{expert}",
-        )
+    _require_cli("import")
+    _refused(
+        lambda: zc.import_hf(moe, tmp_path / "w100", table, tp=1, pp=1, ep=4, dry_run=True),
+        "weight{expert}",
+    )
 
 
 def test_negative_padding_rows_kept(tmp_path, moe):
@@ -301,8 +307,7 @@ def test_negative_padding_rows_kept(tmp_path, moe):
     (bad / "config.json").write_text((moe / "config.json").read_text())
     hf["model.embed_tokens.weight"] = cf._pad_rows(hf["model.embed_tokens.weight"], 1024)
     save_file(hf, bad / "model.safetensors", {"format": "pt"})
-    if not _cli_has("import"):
-        pytest.skip("no import in the CLI")
+    _require_cli("import")
     _refused(
         lambda: zc.import_hf(bad, tmp_path / "padded", "qwen3_moe", tp=1, pp=1, ep=4, dry_run=True),
         "model.embed_tokens.weight",
@@ -324,8 +329,7 @@ def test_negative_lm_head_twice_for_tied(tmp_path, smol, smol_megatron):
         "tp": {"axis": 0},
     }
     table = _user_table(tmp_path, "head-twice", "llama", [rule])
-    if not _cli_has("export"):
-        pytest.skip("no export in the CLI")
+    _require_cli("export")
     _refused(
         lambda: zc.export_hf(smol_megatron, tmp_path / "twice", table, dry_run=True),
         "embedding.word_embeddings.weight",
@@ -341,8 +345,7 @@ def test_negative_split_tensor_with_no_target(tmp_path, smol, smol_megatron):
     rule = dict(_llama_rule("fc1"))
     rule["hf"] = rule["hf"][:1]
     table = _user_table(tmp_path, "no-up", "llama", [rule])
-    if not _cli_has("import"):
-        pytest.skip("no import in the CLI")
+    _require_cli("import")
     _refused(
         lambda: zc.import_hf(smol, tmp_path / "no-up", table, tp=3, pp=2, dry_run=True),
         "model.layers.0.mlp.up_proj.weight",
