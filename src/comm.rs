@@ -11,6 +11,8 @@
 //! rank's part is done: a peer may still fail afterwards, which callers learn at their next
 //! collective (save and load end with one).
 
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) mod bounded;
 pub mod local;
 pub mod tcp;
 

@@ -62,6 +62,18 @@ pub enum DeviceError {
         /// Length.
         len: u64,
     },
+    /// A fence this device did not hand out, or one already waited on.
+    #[error("fence {0} is not a pending fence of this device")]
+    UnknownFence(u64),
+    /// A value the driver's interface cannot represent (an ordinal or pitch beyond its
+    /// integer types).
+    #[error("{what} = {value} does not fit the driver's interface")]
+    OutOfRange {
+        /// What the value is.
+        what: &'static str,
+        /// The value.
+        value: u64,
+    },
     /// A view that cannot be a target or source.
     #[error("tensor {key}: {source}")]
     View {

@@ -109,7 +109,10 @@ impl CudaDevice {
     /// `stream` must be a stream of that device's primary context, alive as long as this.
     pub unsafe fn with_stream(ordinal: usize, stream: u64) -> Result<Self, DeviceError> {
         let mut d = Self::open(ordinal)?;
-        d.stream = usize::try_from(stream).unwrap_or(0);
+        d.stream = usize::try_from(stream).map_err(|_| DeviceError::OutOfRange {
+            what: "CUDA stream handle",
+            value: stream,
+        })?;
         Ok(d)
     }
 
@@ -127,8 +130,11 @@ impl CudaDevice {
                 "device {ordinal} asked for; the driver reports {count}"
             )));
         }
-        let device = cudarc::driver::result::device::get(i32::try_from(ordinal).unwrap_or(0))
-            .map_err(driver("cuDeviceGet"))?;
+        let index = i32::try_from(ordinal).map_err(|_| DeviceError::OutOfRange {
+            what: "CUDA device ordinal",
+            value: ordinal as u64,
+        })?;
+        let device = cudarc::driver::result::device::get(index).map_err(driver("cuDeviceGet"))?;
         // SAFETY: a valid device handle.
         let ctx = unsafe { cudarc::driver::result::primary_ctx::retain(device) }
             .map_err(driver("cuDevicePrimaryCtxRetain"))?;
@@ -224,6 +230,38 @@ impl CudaDevice {
             .map_err(driver("cuStreamSynchronize"))
     }
 
+    /// A fence after everything enqueued so far on the stream (NCCL's work included).
+    ///
+    /// # Errors
+    /// Driver errors.
+    pub fn record_fence(&self) -> Result<Fence, DeviceError> {
+        let _ctx = self.enter()?;
+        self.record()
+    }
+
+    /// Whether everything up to `fence` has finished, without blocking (`cuEventQuery`).
+    ///
+    /// # Errors
+    /// [`DeviceError::UnknownFence`] for a fence this device did not hand out (or one
+    /// already waited on); driver errors (a failed copy or kernel).
+    pub fn query(&self, fence: &Fence) -> Result<bool, DeviceError> {
+        let _ctx = self.enter()?;
+        let event = self
+            .events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .1
+            .get(&fence.0)
+            .copied()
+            .ok_or(DeviceError::UnknownFence(fence.0))?;
+        // SAFETY: an event recorded by this device, destroyed only by `wait` or drop.
+        match unsafe { cudarc::driver::result::event::query(event as sys::CUevent) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(driver("cuEventQuery")(e)),
+        }
+    }
+
     fn record(&self) -> Result<Fence, DeviceError> {
         let event =
             cudarc::driver::result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
@@ -265,8 +303,11 @@ impl CudaDevice {
                 })
             };
         }
-        let dev_pitch = usize::try_from(c.device_pitch).unwrap_or(usize::MAX);
-        let dev_slice = usize::try_from(c.device_slice_pitch).unwrap_or(usize::MAX);
+        let fit = |what, value: u64| {
+            usize::try_from(value).map_err(|_| DeviceError::OutOfRange { what, value })
+        };
+        let dev_pitch = fit("device pitch", c.device_pitch)?;
+        let dev_slice = fit("device slice pitch", c.device_slice_pitch)?;
         if c.depth > 1 && dev_pitch > 0 && dev_slice % dev_pitch == 0 {
             let mut p: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
             let (host_t, dev_t) = (
@@ -432,7 +473,9 @@ impl Device for CudaDevice {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .1
             .remove(&fence.0);
-        let Some(e) = event else { return Ok(()) };
+        let Some(e) = event else {
+            return Err(DeviceError::UnknownFence(fence.0));
+        };
         let e = e as sys::CUevent;
         // SAFETY: an event recorded by this device.
         let r = unsafe { cudarc::driver::result::event::synchronize(e) }

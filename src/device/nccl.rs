@@ -5,16 +5,30 @@
 //! torch process group through the Python front), which also hands out NCCL's unique id.
 //!
 //! Every exchange first checks, over the bootstrap, that each pair's send and receive sizes
-//! match, so a mismatch is an error instead of an NCCL hang.
+//! match, so a mismatch is an error instead of an NCCL hang. The transfer itself is waited on
+//! by polling (`cuEventQuery` on the stream, `ncclCommGetAsyncError` on the communicator) up
+//! to a deadline ([`NcclComm::with_timeout`], default [`DEFAULT_TIMEOUT`]); on the deadline or
+//! an asynchronous error the communicator is aborted (`ncclCommAbort`) and the exchange fails,
+//! so a peer that died mid-transfer is an error on the others, not a hang. An aborted
+//! communicator refuses every later exchange (on every rank: refusals are agreed over the
+//! bootstrap); its buffers are leaked rather than freed under work that may still be queued.
+//!
+//! Not bounded by this: `ncclCommInitRank` (every rank first agrees over the bootstrap that it
+//! can join, so only a rank dying inside the call leaves the others waiting) and
+//! `ncclGroupEnd`, which sets up a pair's connection on its first transfer (blocking NCCL
+//! communicators cannot be aborted from the blocked thread).
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cudarc::nccl::{result as nccl, sys as nsys};
 
 use super::cuda::CudaDevice;
-use super::{Device, DeviceError, PinnedBuf, Pitched};
-use crate::comm::{CommError, Communicator, Merge, RecvBuf, SendBuf};
+use super::{Device, DeviceError, Fence, PinnedBuf, Pitched};
+use crate::comm::bounded::{InFlight, wait_bounded};
+use crate::comm::{CommError, Communicator, DEFAULT_TIMEOUT, Merge, RecvBuf, SendBuf};
 
 /// Device and pinned host buffers an exchange reuses (grown to the largest exchange).
 #[derive(Default)]
@@ -29,6 +43,10 @@ pub struct NcclComm {
     device: Arc<CudaDevice>,
     comm: usize,
     buffers: Mutex<Buffers>,
+    /// The bound on one transfer's wait.
+    timeout: Duration,
+    /// Set once `ncclCommAbort` was called: the handle is gone.
+    aborted: AtomicBool,
 }
 
 // SAFETY: the NCCL communicator is used under the buffers' mutex only (one exchange at a
@@ -67,6 +85,17 @@ impl NcclComm {
         bootstrap: Arc<dyn Communicator>,
     ) -> Result<Self, CommError> {
         let rank = bootstrap.rank();
+        // Every rank sees the same world size, so every rank refuses alike, before any
+        // collective; a rank below it fits too.
+        let world = i32::try_from(bootstrap.world_size()).map_err(|_| {
+            transport(
+                "nccl init",
+                rank,
+                format!("{} ranks are more than NCCL counts", bootstrap.world_size()),
+            )
+        })?;
+        let me = i32::try_from(rank)
+            .map_err(|_| transport("nccl init", rank, "the rank does not fit NCCL's int"))?;
         let id = if rank == 0 {
             // SAFETY: only tries to load the library.
             if unsafe { nsys::is_culib_present() } {
@@ -100,8 +129,6 @@ impl NcclComm {
             *d = *s as _;
         }
         let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
-        let world = i32::try_from(bootstrap.world_size()).unwrap_or(i32::MAX);
-        let me = i32::try_from(rank).unwrap_or(i32::MAX);
         // ncclCommInitRank blocks until every rank joins: agree first that every rank can.
         let ready = device.make_current().map_err(|e| e.to_string());
         let oks = bootstrap.all_gather(&[u8::from(ready.is_ok())])?;
@@ -133,7 +160,18 @@ impl NcclComm {
             device,
             comm: comm as usize,
             buffers: Mutex::new(Buffers::default()),
+            timeout: DEFAULT_TIMEOUT,
+            aborted: AtomicBool::new(false),
         })
+    }
+
+    /// Sets the bound on the wait for one NCCL transfer (default [`DEFAULT_TIMEOUT`]): past
+    /// it the communicator is aborted and the exchange fails with [`CommError::Timeout`].
+    /// Every rank should use the same bound.
+    #[must_use]
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     /// Checks over the bootstrap that every pair's sizes match (as the TCP transport does).
@@ -180,6 +218,19 @@ impl NcclComm {
 
     /// Grows the buffers and uploads what this rank sends.
     fn prepare(&self, sends: &[SendBuf<'_>], recvs: &[RecvBuf<'_>]) -> Result<(), String> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Err("the NCCL communicator was aborted after an earlier failure".into());
+        }
+        let world = self.world_size();
+        let peers = sends
+            .iter()
+            .map(|s| s.peer)
+            .chain(recvs.iter().map(|r| r.peer));
+        if let Some(bad) = peers.into_iter().find(|&p| p >= world) {
+            return Err(format!(
+                "peer rank {bad} is not below the world size {world}"
+            ));
+        }
         let send_total: usize = sends.iter().map(|s| s.data.len()).sum();
         let recv_total: usize = recvs.iter().map(|r| r.buf.len()).sum();
         let total = send_total + recv_total;
@@ -203,7 +254,7 @@ impl NcclComm {
             g.pinned = None;
             g.pinned = Some(dev.pinned(total).map_err(err)?);
         }
-        let (base, _) = g.device.unwrap_or((0, 0));
+        let (base, _) = g.device.ok_or("no device buffer")?;
         let pinned = g.pinned.as_mut().ok_or("no pinned buffer")?;
         let mut at = 0;
         for s in sends {
@@ -236,20 +287,25 @@ impl NcclComm {
         &self,
         sends: &[SendBuf<'_>],
         recvs: &mut [RecvBuf<'_>],
-    ) -> Result<(), String> {
+    ) -> Result<(), CommError> {
         let send_total: usize = sends.iter().map(|s| s.data.len()).sum();
         let recv_total: usize = recvs.iter().map(|r| r.buf.len()).sum();
         if send_total + recv_total == 0 {
             return Ok(());
         }
+        let rank = self.rank();
+        let fail = |e: String| transport("exchange", rank, e);
         let mut g = self
             .buffers
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let dev = &self.device;
-        let err = |e: DeviceError| e.to_string();
-        let (base, _) = g.device.ok_or("no device buffer")?;
-        let pinned = g.pinned.as_mut().ok_or("no pinned buffer")?;
+        let err = |e: DeviceError| transport("exchange", rank, e);
+        let (base, _) = g.device.ok_or_else(|| fail("no device buffer".into()))?;
+        let pinned = g
+            .pinned
+            .as_mut()
+            .ok_or_else(|| fail("no pinned buffer".into()))?;
         let linear = |off: usize, len: usize| Pitched {
             host_offset: off,
             host_pitch: len,
@@ -264,55 +320,48 @@ impl NcclComm {
         let stream = dev.raw_stream() as nsys::cudaStream_t;
         let comm = self.comm as nsys::ncclComm_t;
         let ty = nsys::ncclDataType_t::ncclUint8;
-        nccl::group_start().map_err(|e| format!("ncclGroupStart: {e:?}"))?;
+        nccl::group_start().map_err(|e| fail(format!("ncclGroupStart: {e:?}")))?;
+        // `prepare` checked every peer is below the world size, which fits an i32.
+        let peer = |p: usize| i32::try_from(p).map_err(|_| format!("peer rank {p} beyond i32"));
         let issue = || -> Result<(), String> {
             let mut off = 0usize;
             for s in sends {
                 let p = (base + off as u64) as *const c_void;
                 // SAFETY: device memory of this communicator, sized above.
-                unsafe {
-                    nccl::send(
-                        p,
-                        s.data.len(),
-                        ty,
-                        i32::try_from(s.peer).unwrap_or(0),
-                        comm,
-                        stream,
-                    )
-                }
-                .map_err(|e| format!("ncclSend to rank {}: {e:?}", s.peer))?;
+                unsafe { nccl::send(p, s.data.len(), ty, peer(s.peer)?, comm, stream) }
+                    .map_err(|e| format!("ncclSend to rank {}: {e:?}", s.peer))?;
                 off += s.data.len();
             }
             for r in recvs.iter() {
                 let p = (base + off as u64) as *mut c_void;
                 // SAFETY: as above.
-                unsafe {
-                    nccl::recv(
-                        p,
-                        r.buf.len(),
-                        ty,
-                        i32::try_from(r.peer).unwrap_or(0),
-                        comm,
-                        stream,
-                    )
-                }
-                .map_err(|e| format!("ncclRecv from rank {}: {e:?}", r.peer))?;
+                unsafe { nccl::recv(p, r.buf.len(), ty, peer(r.peer)?, comm, stream) }
+                    .map_err(|e| format!("ncclRecv from rank {}: {e:?}", r.peer))?;
                 off += r.buf.len();
             }
             Ok(())
         };
         let issued = issue();
         let ended = nccl::group_end().map_err(|e| format!("ncclGroupEnd: {e:?}"));
-        issued?;
-        ended?;
-        if recv_total > 0 {
-            // SAFETY: as above; waited on right after.
-            let f = unsafe { dev.to_host(pinned.as_mut_ptr(), &[linear(send_total, recv_total)]) }
-                .map_err(err)?;
-            dev.wait(f).map_err(err)?;
+        issued.map_err(fail)?;
+        ended.map_err(fail)?;
+        let fence = if recv_total > 0 {
+            // SAFETY: as above; waited on right after (the pinned buffer is leaked, never
+            // freed, if the wait fails).
+            unsafe { dev.to_host(pinned.as_mut_ptr(), &[linear(send_total, recv_total)]) }
         } else {
-            dev.synchronize().map_err(err)?;
+            dev.record_fence()
         }
+        .map_err(err)?;
+        let mut transfer = Transfer {
+            device: dev,
+            fence: &fence,
+            comm,
+            aborted: &self.aborted,
+        };
+        wait_bounded(&mut transfer, "exchange", rank, self.timeout)?;
+        // Complete: returns at once and releases the event.
+        dev.wait(fence).map_err(err)?;
         let mut off = send_total;
         for r in recvs.iter_mut() {
             let n = r.buf.len();
@@ -323,12 +372,57 @@ impl NcclComm {
     }
 }
 
+/// One NCCL transfer in flight: its completion is the fence recorded after it on the stream.
+struct Transfer<'a> {
+    device: &'a CudaDevice,
+    fence: &'a Fence,
+    comm: nsys::ncclComm_t,
+    aborted: &'a AtomicBool,
+}
+
+impl InFlight for Transfer<'_> {
+    fn poll(&mut self) -> Result<bool, String> {
+        self.device.query(self.fence).map_err(|e| e.to_string())
+    }
+
+    fn async_error(&mut self) -> Result<(), String> {
+        let mut state = nsys::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator (not aborted: the wait stops at the abort) and a valid
+        // out-pointer.
+        let call = unsafe { nsys::ncclCommGetAsyncError(self.comm, &raw mut state) };
+        if call != nsys::ncclResult_t::ncclSuccess {
+            return Err(format!("ncclCommGetAsyncError failed: {call:?}"));
+        }
+        match state {
+            nsys::ncclResult_t::ncclSuccess | nsys::ncclResult_t::ncclInProgress => Ok(()),
+            e => Err(format!(
+                "NCCL reports {e:?} (a peer failed or the network broke)"
+            )),
+        }
+    }
+
+    fn abort(&mut self) {
+        if !self.aborted.swap(true, Ordering::AcqRel) {
+            // SAFETY: the communicator of this exchange; marked aborted above, so never used
+            // (nor destroyed) afterwards.
+            let _ = unsafe { nccl::comm_abort(self.comm) };
+        }
+    }
+}
+
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        let aborted = self.aborted.load(Ordering::Acquire);
         let g = self
             .buffers
             .get_mut()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if aborted {
+            // Work aborted mid-transfer may still be queued on the stream: leak the buffers
+            // it could touch rather than free them under it. The handle is gone already.
+            std::mem::forget(g.pinned.take());
+            return;
+        }
         if let Some((a, _)) = g.device.take() {
             // SAFETY: allocated by this communicator, not in use.
             let _ = unsafe { self.device.free(a) };
@@ -386,7 +480,7 @@ impl Communicator for NcclComm {
         // Every rank learns whether every rank's transfer went through.
         let oks = self.bootstrap.all_gather(&[u8::from(local.is_ok())])?;
         match (local, oks.iter().position(|v| v.first() != Some(&1))) {
-            (Err(e), _) => Err(transport("exchange", self.rank(), e)),
+            (Err(e), _) => Err(e),
             (Ok(()), Some(bad)) => Err(transport(
                 "exchange",
                 self.rank(),
