@@ -541,9 +541,44 @@ fn truncated_shard_is_a_corrupt_chunk() {
                 );
             }
             assert_one_problem(&dir, "w", &[1, 0], &path);
+            // Reading through `Checkpoint` fails alike, naming the file.
+            let ck = Checkpoint::open(&dir).unwrap();
+            let e = ck.read_tensor(&TensorKey::new("w").unwrap()).unwrap_err();
+            corrupt_detail(&e, "w", &[1, 0], &path);
+            // A load of every tensor fails as a whole: no target is reported loaded.
+            assert_names_file(&load_all(&dir).unwrap_err(), &path);
             // The other shard is unaffected.
             load_region(&dir, "w", &w_rows(0, 4)).unwrap();
         }
+    }
+}
+
+/// A shard that exists but cannot be read (replaced by a directory: opening it succeeds,
+/// reading fails with `EISDIR`, whatever the user's privileges) is an error naming it on
+/// every read path, never zeros or a partial target reported as loaded.
+#[test]
+fn unreadable_shard_is_an_error_naming_it() {
+    for c in BOTH {
+        let (_t, dir) = fixture(c);
+        let path = w_shard(&dir);
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        std::fs::write(path.join("x"), b"not a shard").unwrap();
+        let e = load_whole(&dir, "w").unwrap_err();
+        assert_names_file(&e, &path);
+        assert_names_file(&load_all(&dir).unwrap_err(), &path);
+        let ck = Checkpoint::open(&dir).unwrap();
+        let e = ck.read_tensor(&TensorKey::new("w").unwrap()).unwrap_err();
+        assert_names_file(&e, &path);
+        let mut buf = vec![0u8; 4 * 6 * 4];
+        let e = ck
+            .read_region(&TensorKey::new("w").unwrap(), &w_rows(4, 8), &mut buf)
+            .unwrap_err();
+        assert_names_file(&e, &path);
+        assert_one_problem(&dir, "w", &[1, 0], &path);
+        // The other shard and tensors are unaffected.
+        load_region(&dir, "w", &w_rows(0, 4)).unwrap();
+        load_whole(&dir, "e").unwrap();
     }
 }
 

@@ -1,16 +1,19 @@
 //! Disk full (ENOSPC) and other write errors during a save, on a small size-limited tmpfs the
 //! test mounts (needs root; skipped with a printed reason where mounting is not permitted):
 //! every rank gets a clean error, nothing is committed, and the previous checkpoint still
-//! loads bit-exactly.
+//! loads bit-exactly. Each trial runs uncompressed, zstd-compressed, and through the
+//! background [`Saver`] (whose error comes from [`zarrckpt::SaveHandle::wait`]).
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use zarrckpt::comm::run_local;
 use zarrckpt::storage::StorageError;
 use zarrckpt::{
-    Checkpoint, Communicator, DType, Error, Region, SaveOptions, ShardedTensor, TensorKey, save,
+    Checkpoint, Communicator, Compression, DType, Error, Region, SaveOptions, Saver, ShardedTensor,
+    TensorKey, save,
 };
 
 const RANKS: usize = 4;
@@ -98,9 +101,33 @@ fn tensor(rows: u64, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// Saves `w` f32 `[rows, 1024]` split by rows over [`RANKS`] in-process ranks; returns each
-/// rank's result.
+/// How a trial saves.
+#[derive(Debug, Clone, Copy)]
+enum How {
+    /// `save`, uncompressed.
+    Plain,
+    /// `save`, zstd.
+    Zstd,
+    /// `Saver::save_async` then `SaveHandle::wait`, uncompressed.
+    Async,
+}
+
+const HOWS: [How; 3] = [How::Plain, How::Zstd, How::Async];
+
+/// Saves `w` f32 `[rows, 1024]` split by rows over [`RANKS`] in-process ranks, uncompressed;
+/// returns each rank's result.
 fn save_rows(dir: &Path, rows: u64, seed: u64, overwrite: bool) -> Vec<zarrckpt::Result<()>> {
+    save_rows_by(How::Plain, dir, rows, seed, overwrite)
+}
+
+/// [`save_rows`] the way `how` says.
+fn save_rows_by(
+    how: How,
+    dir: &Path,
+    rows: u64,
+    seed: u64,
+    overwrite: bool,
+) -> Vec<zarrckpt::Result<()>> {
     let data = tensor(rows, seed);
     let shape = vec![rows, 1024];
     run_local(RANKS, Duration::from_secs(30), |comm| {
@@ -120,9 +147,23 @@ fn save_rows(dir: &Path, rows: u64, seed: u64, overwrite: bool) -> Vec<zarrckpt:
         let opts = SaveOptions {
             overwrite,
             io_threads: 2,
+            compression: match how {
+                How::Zstd => Compression::Zstd,
+                How::Plain | How::Async => Compression::None,
+            },
             ..Default::default()
         };
-        save(&[st], dir, &comm, &opts).map(|_| ())
+        match how {
+            How::Plain | How::Zstd => save(&[st], dir, &comm, &opts).map(|_| ()),
+            How::Async => {
+                let comm: Arc<dyn Communicator> = Arc::new(comm);
+                let mut saver = Saver::new(comm);
+                saver
+                    .save_async(&[st], dir, &opts)
+                    .and_then(zarrckpt::SaveHandle::wait)
+                    .map(|_| ())
+            }
+        }
     })
 }
 
@@ -183,37 +224,42 @@ fn disk_full_during_a_save_is_a_clean_error_on_every_rank() {
         r.unwrap();
     }
     assert_holds(&prev, 64, 1);
-    // 4 MiB into what is left of 2 MiB.
-    let next = fs.path.join("next");
-    let results = save_rows(&next, 1024, 2, false);
-    assert_all_failed(&results, libc::ENOSPC, &fs.path);
-    assert_not_committed(&next);
-    assert_holds(&prev, 64, 1);
-    std::fs::remove_dir_all(&next).unwrap();
-    // 1 MiB with the free space cut at every point of the save (shards, array metadata,
-    // the commit): it either commits and loads exactly, or fails cleanly on every rank.
-    let filler = fs.path.join("filler");
-    let (mut ok, mut failed) = (0, 0);
-    for step in 0..24u64 {
-        std::fs::write(&filler, vec![0u8; ((step * 64) << 10) as usize]).unwrap_or_else(|e| {
-            panic!("filler of {step} x 64 KiB: {e}");
-        });
-        let dir = fs.path.join(format!("trial{step}"));
-        let results = save_rows(&dir, 256, 3 + step, false);
-        if results.iter().all(Result::is_ok) {
-            assert_holds(&dir, 256, 3 + step);
-            ok += 1;
-        } else {
-            assert_all_failed(&results, libc::ENOSPC, &fs.path);
-            assert_not_committed(&dir);
-            failed += 1;
-        }
+    for how in HOWS {
+        // 4 MiB (of random bytes: zstd does not shrink them) into what is left of 2 MiB.
+        let next = fs.path.join("next");
+        let results = save_rows_by(how, &next, 1024, 2, false);
+        assert_all_failed(&results, libc::ENOSPC, &fs.path);
+        assert_not_committed(&next);
         assert_holds(&prev, 64, 1);
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::remove_file(&filler).unwrap();
+        std::fs::remove_dir_all(&next).unwrap();
+        // 1 MiB with the free space cut at every point of the save (shards, array metadata,
+        // the commit): it either commits and loads exactly, or fails cleanly on every rank.
+        let filler = fs.path.join("filler");
+        let (mut ok, mut failed) = (0, 0);
+        for step in 0..24u64 {
+            std::fs::write(&filler, vec![0u8; ((step * 64) << 10) as usize]).unwrap_or_else(|e| {
+                panic!("filler of {step} x 64 KiB: {e}");
+            });
+            let dir = fs.path.join(format!("trial{step}"));
+            let results = save_rows_by(how, &dir, 256, 3 + step, false);
+            if results.iter().all(Result::is_ok) {
+                assert_holds(&dir, 256, 3 + step);
+                ok += 1;
+            } else {
+                assert_all_failed(&results, libc::ENOSPC, &fs.path);
+                assert_not_committed(&dir);
+                failed += 1;
+            }
+            assert_holds(&prev, 64, 1);
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::remove_file(&filler).unwrap();
+        }
+        println!("disk-full trials ({how:?}): {ok} saves committed, {failed} failed cleanly");
+        assert!(
+            ok > 0 && failed > 0,
+            "{how:?}: {ok} committed, {failed} failed"
+        );
     }
-    println!("disk-full trials: {ok} saves committed, {failed} failed cleanly");
-    assert!(ok > 0 && failed > 0, "{ok} committed, {failed} failed");
 }
 
 #[test]
@@ -225,9 +271,11 @@ fn disk_full_during_an_overwrite_keeps_the_previous_checkpoint() {
     for r in save_rows(&ck, 64, 1, false) {
         r.unwrap();
     }
-    let results = save_rows(&ck, 1024, 2, true);
-    assert_all_failed(&results, libc::ENOSPC, &fs.path);
-    assert_holds(&ck, 64, 1);
+    for how in HOWS {
+        let results = save_rows_by(how, &ck, 1024, 2, true);
+        assert_all_failed(&results, libc::ENOSPC, &fs.path);
+        assert_holds(&ck, 64, 1);
+    }
 }
 
 #[test]
