@@ -222,11 +222,8 @@ impl Checkpoint {
                 stored: e.dtype,
             });
         }
-        let shape: Vec<usize> = e
-            .shape
-            .iter()
-            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-            .collect();
+        // Lossless (64-bit targets only); the element count is checked just below.
+        let shape: Vec<usize> = e.shape.iter().map(|&d| crate::model::usize_of(d)).collect();
         let n = crate::model::region::num_elements(&e.shape).map_err(|source| {
             Error::Tensor(crate::model::TensorError::Region {
                 key: key.to_string(),
@@ -289,7 +286,9 @@ impl Checkpoint {
                         elem: e.dtype.size(),
                     };
                     let gs = grid::grid_shape(&e.shape, &e.chunk_shape);
-                    chunks_total += e.num_chunks().unwrap_or(0);
+                    chunks_total += e
+                        .num_chunks()
+                        .expect("bounded by the index's validation when the checkpoint opened");
                     tensors.push((arr, geom, gs, AtomicU64::new(0), AtomicU64::new(0)));
                 }
                 Err(err) => push(Problem {
@@ -366,7 +365,9 @@ impl Checkpoint {
                 grid: e.grid.clone(),
                 values: match e.scope {
                     StoredScope::Common => 1,
-                    StoredScope::PerRank => e.world_size.unwrap_or(0),
+                    StoredScope::PerRank => e
+                        .world_size
+                        .expect("required of per-rank objects by the index's validation"),
                     StoredScope::Sharded => {
                         e.grid.as_ref().map_or(0, |g| g.iter().product::<u64>())
                     }

@@ -171,7 +171,13 @@ pub trait Communicator: Send + Sync {
     fn all_reduce(&self, data: &[u8], merge: &Merge<'_>) -> Result<Vec<u8>, CommError> {
         let all = self.all_gather(data)?;
         let mut it = all.into_iter().enumerate();
-        let mut acc = it.next().map(|(_, v)| v).unwrap_or_default();
+        let Some((_, mut acc)) = it.next() else {
+            return Err(CommError::Mismatch {
+                op: "all_reduce",
+                rank: self.rank(),
+                detail: "all_gather returned no contribution, not even this rank's".into(),
+            });
+        };
         for (r, v) in it {
             acc = merge(&acc, &v).map_err(|e| CommError::Mismatch {
                 op: "all_reduce",

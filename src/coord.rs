@@ -65,14 +65,13 @@ pub(crate) fn agree<T>(comm: &dyn Communicator, local: Result<T>) -> Result<T> {
 fn failure_of(m: &[u8]) -> Option<(usize, String)> {
     match m {
         [0] => None,
-        [1, rest @ ..] if rest.len() >= 8 => {
-            let (r, msg) = rest.split_at(8);
-            let rank = u64::from_le_bytes(r.try_into().unwrap_or_default());
-            Some((
-                usize::try_from(rank).unwrap_or(usize::MAX),
+        [1, rest @ ..] => match rest.split_first_chunk::<8>() {
+            Some((r, msg)) => Some((
+                crate::model::usize_of(u64::from_le_bytes(*r)),
                 String::from_utf8_lossy(msg).into_owned(),
-            ))
-        }
+            )),
+            None => Some((usize::MAX, "malformed outcome message".into())),
+        },
         _ => Some((usize::MAX, "malformed outcome message".into())),
     }
 }
@@ -117,9 +116,8 @@ pub(crate) fn all_reduce_u64(
         if m.len() != 8 * ops.len() {
             return Err(format!("{} bytes, expected {}", m.len(), 8 * ops.len()));
         }
-        Ok(m.chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
-            .collect())
+        let (words, _) = m.as_chunks::<8>(); // no remainder: the length was checked
+        Ok(words.iter().map(|c| u64::from_le_bytes(*c)).collect())
     };
     let encode = |v: &[u64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let out = comm.all_reduce(&encode(values), &|a, b| {

@@ -42,7 +42,7 @@ impl StagingPool {
     /// until the first save.
     #[must_use]
     pub fn new(cap: u64) -> Self {
-        let share = usize::try_from(cap / ARENAS as u64).unwrap_or(usize::MAX);
+        let share = crate::model::usize_of(cap / ARENAS as u64);
         StagingPool {
             arena_cap: share.max(1),
             state: Mutex::new((0..ARENAS).map(|_| Vec::new()).collect()),

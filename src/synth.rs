@@ -282,6 +282,13 @@ impl Topology {
     }
 }
 
+/// Bytes of a box of a synthetic tensor (a model's tensor: its bytes fit in memory, or the
+/// benchmark could not run at all).
+fn bytes_of(region: &Region, dtype: DType) -> usize {
+    crate::model::region::num_bytes(&region.shape, dtype.size())
+        .expect("a synthetic tensor's box fits in memory")
+}
+
 /// One rank's pieces with their generated contents.
 pub struct Held {
     /// (tensor index, box, replica id, bytes).
@@ -297,8 +304,7 @@ impl Held {
             .enumerate()
             .map(|(i, t)| {
                 let (region, replica) = topo.piece(t, rank);
-                let mut buf =
-                    vec![0u8; region.num_elements().unwrap_or(0) as usize * t.dtype.size()];
+                let mut buf = vec![0u8; bytes_of(&region, t.dtype)];
                 t.fill(&region, &mut buf);
                 (i, region, replica, buf)
             })
@@ -342,8 +348,7 @@ impl Wanted {
             .enumerate()
             .map(|(i, t)| {
                 let (region, _) = topo.piece(t, rank);
-                let buf =
-                    vec![0x5Au8; region.num_elements().unwrap_or(0) as usize * t.dtype.size()];
+                let buf = vec![0x5Au8; bytes_of(&region, t.dtype)];
                 (i, region, buf)
             })
             .collect();

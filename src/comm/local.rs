@@ -149,7 +149,7 @@ impl LocalComm {
                 let parts = slot
                     .parts
                     .iter_mut()
-                    .map(|p| p.take().unwrap_or_default())
+                    .filter_map(Option::take) // every part is in (checked just above)
                     .collect();
                 slot.result = Some(Arc::new(parts));
                 self.shared.cv.notify_all();

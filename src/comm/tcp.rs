@@ -405,14 +405,20 @@ impl TcpComm {
             inner.watch = Some(w);
             // The full address table (for exchange partners) travels down the tree, so that
             // rank 0 sends it twice rather than to every rank.
-            let full = inner.table.full.take();
-            let at_root = full.is_some();
-            let got = c.up_down(inner, ctx, full.unwrap_or_default(), Combine::Nothing)?;
+            // Only rank 0 has it; the others contribute nothing on the way up.
+            let (at_root, full) = match inner.table.full.take() {
+                Some(full) => (true, full),
+                None => (false, Vec::new()),
+            };
+            let got = c.up_down(inner, ctx, full, Combine::Nothing)?;
             if !at_root {
-                if got.len() as u64 > setup::table_cap(c.world) {
+                // Below the root, every rank has a parent: the one that sent the table.
+                if let Some(parent) = c.parent()
+                    && got.len() as u64 > setup::table_cap(c.world)
+                {
                     return Err(Failure::too_large(
                         c.rank,
-                        c.parent().unwrap_or(0),
+                        parent,
                         got.len() as u64,
                         setup::table_cap(c.world),
                     ));
@@ -665,7 +671,10 @@ impl TcpComm {
             );
             value
         } else {
-            let parent = self.parent().unwrap_or(0);
+            // Rank 0 is on every root's path, so a rank off it is not rank 0 and has a parent.
+            let parent = self.parent().ok_or_else(|| {
+                Failure::transport(me, "broadcast: rank 0 found off the path from the root")
+            })?;
             let step = Step {
                 sends: Vec::new(),
                 recvs: vec![(parent, alloc())],

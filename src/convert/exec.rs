@@ -9,7 +9,7 @@ use super::plan::{Dest, Piece, Plan};
 use super::table::ValueOp;
 use crate::checkpoint::Checkpoint;
 use crate::error::Result;
-use crate::model::{DType, Region, TensorKey};
+use crate::model::{DType, Region, TensorKey, usize_of};
 
 /// What filling a batch read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -103,7 +103,8 @@ pub fn copy_piece(
         return Ok(());
     }
     // Through a box-shaped temporary: gather, convert, apply, scatter.
-    let mut tmp = vec![0u8; usize::try_from(sb.volume()).unwrap_or(0) * src_dtype.size()];
+    // A box of a source held in memory: its size fits a usize.
+    let mut tmp = vec![0u8; usize_of(sb.volume()) * src_dtype.size()];
     copy_box(
         src,
         &sshape,
@@ -164,7 +165,8 @@ fn dequant_piece(
             scale.name, scale.dtype
         )));
     }
-    let mut tmp = vec![0u8; usize::try_from(p.sbox.volume()).unwrap_or(0) * src.dtype.size()];
+    // A box of a source held in memory: its size fits a usize.
+    let mut tmp = vec![0u8; usize_of(p.sbox.volume()) * src.dtype.size()];
     copy_box(
         data,
         &src.shape,
@@ -182,7 +184,14 @@ fn dequant_piece(
     let w = p.sbox.len[1];
     for (k, v) in vals.iter_mut().enumerate() {
         let (i, j) = (r0 + k as u64 / w, c0 + k as u64 % w);
-        let s = scales[usize::try_from((i / block[0]) * cols + j / block[1]).unwrap_or(0)];
+        let at = (i / block[0]) * cols + j / block[1];
+        let s = *scales.get(usize_of(at)).ok_or_else(|| {
+            unsupported(format!(
+                "scale `{}` has {} values, element ({i}, {j}) needs value {at}",
+                scale.name,
+                scales.len()
+            ))
+        })?;
         *v *= f64::from(s);
     }
     let out = from_f64(&vals, d.dtype)?;
@@ -256,7 +265,7 @@ pub fn fill_from_checkpoint(
     let mut data: Vec<Vec<u8>> = Vec::with_capacity(reads.len());
     for (ri, (s, b)) in reads.iter().enumerate() {
         let src = &plan.sources[*s];
-        let n = usize::try_from(b.volume()).unwrap_or(usize::MAX) * src.dtype.size();
+        let n = usize_of(b.volume()) * src.dtype.size();
         let key = TensorKey::new(&src.name)?;
         let region = Region::new(b.off.clone(), b.len.clone()).map_err(|source| {
             crate::Error::Tensor(crate::model::TensorError::Region {

@@ -473,7 +473,7 @@ fn body_links(rule: &Rule, env: &Env, hshapes: &[Vec<u64>]) -> Result<BodyLinks,
         Ok(&hshapes[0])
     };
     let axis_of = |ndim: usize| -> Result<usize, ConvertError> {
-        let a = rule.axis.unwrap_or(0);
+        let a = rule.axis.unwrap_or(0); // the documented default
         if a >= ndim {
             return Err(op_err(
                 rule,
@@ -630,7 +630,7 @@ pub fn stack_ranges(
                 .as_ref()
                 .map(|e| env.eval_u64(e, &[]))
                 .transpose()?
-                .unwrap_or(0);
+                .unwrap_or(0); // the documented default
             let stop = s
                 .stop
                 .as_ref()

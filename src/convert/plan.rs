@@ -456,7 +456,7 @@ pub fn plan_megatron_import(
                     region,
                     dtype,
                     pieces,
-                    group: usize::try_from(*t).unwrap_or(usize::MAX),
+                    group: crate::model::usize_of(*t),
                     value: ex.rules[m.rules[0]].value.clone(),
                 });
             }
@@ -500,6 +500,7 @@ pub fn plan_vllm(
 ) -> Result<Plan, ConvertError> {
     let hf = plan_hf_export(table, config, saved, inv, u64::MAX)?;
     let ex = &hf.expanded;
+    // A table without a `vllm` section has no vLLM tensors: refused just below.
     let vllm = table.vllm.clone().unwrap_or_default();
     if vllm.tensors.is_empty() {
         return Err(ConvertError::Table {
@@ -545,13 +546,25 @@ pub fn plan_vllm(
                 .iter()
                 .map(|p| Pattern::parse(&p.hf))
                 .collect::<Result<_, _>>()?;
+            // The documented default axis.
             let cat = vt.axis.unwrap_or(0);
+            let vop = |msg: String| ConvertError::Op {
+                rule: rname.clone(),
+                op: "vllm".into(),
+                msg,
+            };
+            if vt.parts.is_empty() {
+                return Err(vop("a vLLM tensor needs at least one part".into()));
+            }
+            let cap_value = |name: &str, i: u64| {
+                i64::try_from(i).map_err(|_| vop(format!("capture {name} = {i} is beyond i64")))
+            };
             for idx in stack_indices(&ranges) {
                 let caps: Vec<(String, i64)> = ranges
                     .iter()
                     .zip(&idx)
-                    .map(|((n, ..), &i)| (n.clone(), i64::try_from(i).unwrap_or(0)))
-                    .collect();
+                    .map(|((n, ..), &i)| Ok((n.clone(), cap_value(n, i)?)))
+                    .collect::<Result<_, ConvertError>>()?;
                 let scope = CapScope {
                     env: &env,
                     caps: &caps,
@@ -590,7 +603,7 @@ pub fn plan_vllm(
                 for ie in &inner {
                     let mut caps = outer_caps.clone();
                     if let (Some(e), Some(st)) = (ie, &vt.inner) {
-                        caps.push((st.capture.clone(), i64::try_from(*e).unwrap_or(0)));
+                        caps.push((st.capture.clone(), cap_value(&st.capture, *e)?));
                     }
                     let scope = CapScope {
                         env: &env,
@@ -683,6 +696,12 @@ pub fn plan_vllm(
                         }
                         // Position of this part in the destination.
                         let mut at = vec![0u64; hs.len()];
+                        if cat >= hs.len() {
+                            return Err(vop(format!(
+                                "axis {cat} out of range for part {hname} of {} dimensions",
+                                hs.len()
+                            )));
+                        }
                         let s = shape.get_or_insert_with(|| {
                             let mut z = pbox.len.clone();
                             z[cat] = 0;
@@ -722,7 +741,8 @@ pub fn plan_vllm(
                             }
                         }
                     }
-                    let shape = shape.unwrap_or_default();
+                    // Every part sets it (there is at least one, checked above).
+                    let shape = shape.ok_or_else(|| vop("no part gave a shape".into()))?;
                     if let Some(e) = ie {
                         for p in &mut pieces {
                             p.dbox = p.dbox.prepend(&[*e]);
@@ -740,7 +760,9 @@ pub fn plan_vllm(
                     inner_shape = Some(shape);
                     all_pieces.extend(pieces);
                 }
-                let mut shape = inner_shape.unwrap_or_default();
+                let mut shape = inner_shape.ok_or_else(|| {
+                    vop("the `inner` stack is empty: a tensor of no parts".into())
+                })?;
                 if vt.inner.is_some() {
                     shape.insert(0, inner.len() as u64);
                 }
@@ -749,9 +771,9 @@ pub fn plan_vllm(
                     name,
                     region: Bx::full(&shape),
                     shape,
-                    dtype: dtype.unwrap_or(DType::BFloat16),
+                    dtype: dtype.ok_or_else(|| vop("no part gave a data type".into()))?,
                     pieces,
-                    group: usize::try_from(r).unwrap_or(usize::MAX),
+                    group: crate::model::usize_of(r),
                     value,
                 });
             }

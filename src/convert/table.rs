@@ -142,7 +142,7 @@ pub struct Rule {
     pub stack: Vec<StackSpec>,
     /// The op.
     pub op: String,
-    /// Axis of slice / concat / interleave.
+    /// Axis of slice / concat / interleave (default 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub axis: Option<usize>,
     /// Groups of interleave.
@@ -516,7 +516,8 @@ impl Table {
     /// The table as JSON (round trip of [`Table::parse`]).
     #[must_use]
     pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).unwrap_or_default()
+        serde_json::to_string_pretty(self)
+            .expect("a table is plain data with string keys: serialising it cannot fail")
     }
 }
 

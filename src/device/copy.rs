@@ -6,7 +6,7 @@
 //! that are contiguous on the device merge into one run; the next two axes become the rows
 //! and slices of one pitched copy; any axes further out are enumerated.
 
-use crate::model::Region;
+use crate::model::{Region, usize_of};
 
 /// One pitched copy between a contiguous host block and a strided device view:
 /// `depth` slices of `height` rows of `width` bytes.
@@ -192,15 +192,16 @@ pub fn pitched_copies(
         run *= axes[outer - 1].0;
         outer -= 1;
     }
-    let width = usize::try_from(run).unwrap_or(usize::MAX);
+    // Lossless (64-bit targets only); products below are of the host block's own sizes.
+    let width = usize_of(run);
     let rest = &axes[..outer];
     let (rows, slices, enumerated) = match rest {
         [] => ((1, 0), (1, 0), &rest[..0]),
         [r] => ((r.0, r.1), (1, 0), &rest[..0]),
         [.., s, r] => ((r.0, r.1), (s.0, s.1), &rest[..rest.len() - 2]),
     };
-    let height = usize::try_from(rows.0).unwrap_or(usize::MAX);
-    let depth = usize::try_from(slices.0).unwrap_or(usize::MAX);
+    let height = usize_of(rows.0);
+    let depth = usize_of(slices.0);
     let host_pitch = width;
     let host_slice_pitch = width * height;
     let block = host_slice_pitch * depth;
@@ -215,7 +216,7 @@ pub fn pitched_copies(
             .map(|(i, a)| i * a.1 * elem64)
             .sum();
         out.push(Pitched {
-            host_offset: host_offset + usize::try_from(k).unwrap_or(usize::MAX) * block,
+            host_offset: host_offset + usize_of(k) * block,
             host_pitch,
             host_slice_pitch,
             device: base + device_off,
@@ -262,9 +263,9 @@ fn split_axis(region: &Region, axis: usize, elem: usize, max: usize, out: &mut V
     // Bytes of one index along `axis` (the inner axes whole).
     let inner = region.shape[axis + 1..]
         .iter()
-        .try_fold(elem as u64, |a, n| a.checked_mul(*n))
-        .unwrap_or(u64::MAX);
-    if inner > max as u64 {
+        .try_fold(elem as u64, |a, n| a.checked_mul(*n));
+    // A size beyond u64 is beyond any cap too.
+    let Some(inner) = inner.filter(|&b| b <= max as u64) else {
         // One index of this axis is already too big: go one axis deeper for each index.
         for i in 0..region.shape[axis] {
             let mut r = region.clone();
@@ -273,7 +274,7 @@ fn split_axis(region: &Region, axis: usize, elem: usize, max: usize, out: &mut V
             split_axis(&r, axis + 1, elem, max, out);
         }
         return;
-    }
+    };
     let per = (max as u64 / inner).max(1);
     let mut start = 0;
     while start < region.shape[axis] {

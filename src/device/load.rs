@@ -10,8 +10,9 @@ use crate::comm::Communicator;
 use crate::coord::{agree, all_reduce_u64};
 use crate::error::{Error, Result};
 use crate::load::{LoadOptions, LoadReport, StrictMode, load_from_index};
+use crate::model::region::num_bytes;
 use crate::model::tensor::check_piece;
-use crate::model::{DType, LoadTarget, ObjectRequest, Region, TensorKey};
+use crate::model::{DType, LoadTarget, ObjectRequest, Region, TensorError, TensorKey};
 use crate::storage::commit;
 
 /// A box of a global tensor to load into a device view.
@@ -38,12 +39,11 @@ impl DeviceTarget {
         region: Region,
         view: DeviceView,
     ) -> Result<Self> {
-        let bytes = region
-            .num_elements()
-            .ok()
-            .and_then(|n| usize::try_from(n).ok())
-            .and_then(|n| n.checked_mul(dtype.size()))
-            .unwrap_or(usize::MAX);
+        let bytes =
+            num_bytes(&region.shape, dtype.size()).map_err(|source| TensorError::Region {
+                key: key.to_string(),
+                source,
+            })?;
         check_piece(&key, dtype, &global_shape, &region, bytes)?;
         let wrap = |source| DeviceError::View {
             key: key.to_string(),
@@ -201,8 +201,11 @@ fn load_device_impl(
     {
         let elem = t.dtype.size();
         for region in slabs(&t.region, elem, cap) {
-            let bytes =
-                usize::try_from(region.num_elements().unwrap_or(0)).unwrap_or(usize::MAX) * elem;
+            // A box within the target's region, whose byte size `DeviceTarget::new` checked.
+            let bytes = num_bytes(&region.shape, elem).map_err(|source| TensorError::Region {
+                key: t.key.to_string(),
+                source,
+            })?;
             pieces.push(Slab {
                 target: i,
                 region,
@@ -254,7 +257,7 @@ fn load_device_impl(
     // The rounds; on any error, the copies still in flight are waited for below before
     // returning, so that no copy outlives the call (staging is reused, targets freed).
     let mut rounds_run = || -> Result<()> {
-        for r in 0..usize::try_from(n).unwrap_or(usize::MAX) {
+        for r in 0..crate::model::usize_of(n) {
             let b = r % 2;
             // The buffer is free once the copies out of it two rounds ago have finished.
             let freed = wait(fences[b].take(), &mut report);

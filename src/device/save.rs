@@ -10,8 +10,9 @@ use super::{Device, DeviceError, DeviceView, PinnedBuf};
 use crate::comm::Communicator;
 use crate::coord::agree;
 use crate::error::{Error, Result};
+use crate::model::region::num_bytes;
 use crate::model::tensor::check_piece;
-use crate::model::{DType, Region, Replica, ShardedTensor, StateObject, TensorKey};
+use crate::model::{DType, Region, Replica, ShardedTensor, StateObject, TensorError, TensorKey};
 use crate::save::{SaveOptions, SaveReport, save_with_objects};
 
 /// A box of a global tensor held in device memory at save time (as [`ShardedTensor::new`],
@@ -24,6 +25,8 @@ pub struct DevicePiece {
     region: Region,
     replica: Replica,
     view: DeviceView,
+    /// The region's bytes (checked to fit a `usize` by `new`).
+    bytes: usize,
 }
 
 impl DevicePiece {
@@ -40,7 +43,11 @@ impl DevicePiece {
         replica_id: u32,
         view: DeviceView,
     ) -> Result<Self> {
-        let bytes = piece_bytes(&region, dtype);
+        let bytes =
+            num_bytes(&region.shape, dtype.size()).map_err(|source| TensorError::Region {
+                key: key.to_string(),
+                source,
+            })?;
         check_piece(&key, dtype, &global_shape, &region, bytes)?;
         let wrap = |source| DeviceError::View {
             key: key.to_string(),
@@ -57,6 +64,7 @@ impl DevicePiece {
             region,
             replica: Replica::Id(replica_id),
             view,
+            bytes,
         })
     }
 
@@ -68,17 +76,8 @@ impl DevicePiece {
     }
 
     fn bytes(&self) -> usize {
-        piece_bytes(&self.region, self.dtype)
+        self.bytes
     }
-}
-
-fn piece_bytes(region: &Region, dtype: DType) -> usize {
-    region
-        .num_elements()
-        .ok()
-        .and_then(|n| usize::try_from(n).ok())
-        .and_then(|n| n.checked_mul(dtype.size()))
-        .unwrap_or(usize::MAX)
 }
 
 /// Where a snapshotted piece's bytes are, for building it again in the background.

@@ -73,7 +73,8 @@ impl SimDevice {
     pub fn write(&self, address: u64, bytes: &[u8]) -> Result<(), DeviceError> {
         let mut g = self.lock();
         let (base, mem) = find(&mut g.allocations, address, bytes.len())?;
-        let at = usize::try_from(address - base).unwrap_or(usize::MAX);
+        // Inside the allocation `find` returned, a `Vec` in memory.
+        let at = crate::model::usize_of(address - base);
         mem[at..at + bytes.len()].copy_from_slice(bytes);
         Ok(())
     }
@@ -85,7 +86,8 @@ impl SimDevice {
     pub fn read(&self, address: u64, len: usize) -> Result<Vec<u8>, DeviceError> {
         let mut g = self.lock();
         let (base, mem) = find(&mut g.allocations, address, len)?;
-        let at = usize::try_from(address - base).unwrap_or(usize::MAX);
+        // Inside the allocation `find` returned, a `Vec` in memory.
+        let at = crate::model::usize_of(address - base);
         Ok(mem[at..at + len].to_vec())
     }
 
@@ -182,7 +184,8 @@ impl Device for SimDevice {
                         let d =
                             c.device + z as u64 * c.device_slice_pitch + y as u64 * c.device_pitch;
                         let (base, mem) = find(&mut g.allocations, d, c.width)?;
-                        let at = usize::try_from(d - base).unwrap_or(usize::MAX);
+                        // Inside the allocation `find` returned, a `Vec` in memory.
+                        let at = crate::model::usize_of(d - base);
                         let dev = &mut mem[at..at + c.width];
                         // SAFETY: the caller of to_device/to_host guaranteed the host range
                         // is valid until this wait returns.

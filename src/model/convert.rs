@@ -123,15 +123,16 @@ fn convert_bits(x: u64, s: Fmt, d: Fmt) -> u64 {
         return sign;
     }
     // The value is m * 2^e with an integer significand m.
-    let s_man = i32::try_from(s.man).unwrap_or(0);
-    let d_man = i32::try_from(d.man).unwrap_or(0);
+    // Field widths (at most 52), the exponent field (below 2^11) and a leading-zero count
+    // (at most 64) are small: the casts to i32 are exact.
+    let s_man = s.man as i32;
+    let d_man = d.man as i32;
     let (m, e) = if exp == 0 {
         (man, 1 - s.bias() - s_man)
     } else {
-        let exp = i32::try_from(exp).unwrap_or(0);
-        (man | (1 << s.man), exp - s.bias() - s_man)
+        (man | (1 << s.man), exp as i32 - s.bias() - s_man)
     };
-    let msb = 63 - i32::try_from(m.leading_zeros()).unwrap_or(0);
+    let msb = 63 - m.leading_zeros() as i32;
     // Exponent of the result's leading digit, clamped to the subnormal range's, and the
     // exponent of the result's last digit.
     let t = (msb + e).max(1 - d.bias());
@@ -223,7 +224,9 @@ pub fn convert(from: DType, src: &[u8], to: DType, dst: &mut [u8]) -> Result<(),
             let x = f64::from_le_bytes(b);
             if x.is_nan() {
                 let bits = convert_bits(x.to_bits(), s, d);
-                u32::try_from(bits).unwrap_or(0).to_le_bytes()
+                // Bits of an f32: the low 32 bits hold them all.
+                #[allow(clippy::cast_possible_truncation)]
+                (bits as u32).to_le_bytes()
             } else {
                 // `as` rounds to nearest, ties to even, with overflow to infinity.
                 #[allow(clippy::cast_possible_truncation)]

@@ -3,6 +3,7 @@
 use unsafe_cell_slice::UnsafeCellSlice;
 
 use super::region::Region;
+use super::usize_of;
 
 /// True when a box of `box_shape` placed in a C-order buffer of `buf_shape` occupies one
 /// contiguous byte range: after the first dimension where the box is longer than 1, it must
@@ -23,9 +24,8 @@ pub fn byte_offset(index: &[u64], shape: &[u64], elem: usize) -> usize {
     for (i, s) in index.iter().zip(shape) {
         off = off * s + i;
     }
-    usize::try_from(off)
-        .unwrap_or(usize::MAX)
-        .saturating_mul(elem)
+    // Inside a buffer in memory (the caller's guarantee): fits a usize.
+    usize_of(off).saturating_mul(elem)
 }
 
 /// Copies the box `region` (global coordinates) from `src` to `dst`. `src` holds the box
@@ -53,7 +53,7 @@ fn strides(shape: &[u64], elem: usize) -> Vec<usize> {
     let mut acc = elem;
     for d in (0..shape.len()).rev() {
         out[d] = acc;
-        acc = acc.saturating_mul(usize::try_from(shape[d]).unwrap_or(usize::MAX));
+        acc = acc.saturating_mul(usize_of(shape[d]));
     }
     out
 }
@@ -82,12 +82,11 @@ pub fn for_each_run(
             break;
         }
     }
-    let run_bytes = usize::try_from(run).unwrap_or(usize::MAX) * elem;
+    // Sizes and offsets inside both boxes' buffers, which are in memory.
+    let run_bytes = usize_of(run) * elem;
     let ss = strides(&src_box.shape, elem);
     let ds = strides(&dst_box.shape, elem);
-    let rel = |d: usize, b: &Region| {
-        usize::try_from(region.offset[d] - b.offset[d]).unwrap_or(usize::MAX)
-    };
+    let rel = |d: usize, b: &Region| usize_of(region.offset[d] - b.offset[d]);
     let mut so: usize = (0..nd).map(|d| rel(d, src_box) * ss[d]).sum();
     let mut dof: usize = (0..nd).map(|d| rel(d, dst_box) * ds[d]).sum();
     if k == 0 {
@@ -103,9 +102,7 @@ pub fn for_each_run(
         return;
     }
     // Odometer over the outer dims 0..k with incremental offsets.
-    let ext: Vec<usize> = (0..k)
-        .map(|d| usize::try_from(region.shape[d]).unwrap_or(usize::MAX))
-        .collect();
+    let ext: Vec<usize> = (0..k).map(|d| usize_of(region.shape[d])).collect();
     let mut idx = vec![0usize; k];
     loop {
         f(so, dof, run_bytes);
@@ -190,11 +187,11 @@ impl<'a> DisjointBuf<'a> {
     /// The byte range of `part` (inside the region) when it is contiguous in the buffer.
     #[must_use]
     pub fn contiguous_range(&self, part: &Region) -> Option<(usize, usize)> {
-        is_contiguous(&part.shape, &self.region.shape).then(|| {
-            let len =
-                usize::try_from(part.num_elements().unwrap_or(0)).unwrap_or(usize::MAX) * self.elem;
-            (self.offset_of(&part.offset), len)
-        })
+        if !is_contiguous(&part.shape, &self.region.shape) {
+            return None;
+        }
+        let len = usize_of(part.num_elements().ok()?) * self.elem;
+        Some((self.offset_of(&part.offset), len))
     }
 
     /// Writes zeros over `part` (global coordinates, inside the region).

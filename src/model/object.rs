@@ -247,6 +247,7 @@ pub fn check_grid(key: &TensorKey, grid: &[u64], index: Option<&[u64]>) -> Resul
     let bad = |reason| ObjectError::BadGrid {
         key: key.clone(),
         grid: grid.to_vec(),
+        // A grid without an index is reported with an empty one.
         index: index.map(<[u64]>::to_vec).unwrap_or_default(),
         reason,
     };

@@ -202,8 +202,12 @@ fn box_list(global_shape: &[u64], flat: &Flat) -> Vec<FlatBox> {
 
 /// Byte range of a flat box in its piece's buffer (valid: checked when the piece was built).
 fn byte_range(b: &FlatBox, elem: usize) -> Range<usize> {
-    let start = usize::try_from(b.start).unwrap_or(usize::MAX) * elem;
-    let n = usize::try_from(b.region.num_elements().unwrap_or(0)).unwrap_or(usize::MAX);
+    let start = crate::model::usize_of(b.start) * elem;
+    let n = b
+        .region
+        .num_elements()
+        .map(crate::model::usize_of)
+        .expect("a flat box's element count was checked when its piece was built");
     start..start + n * elem
 }
 

@@ -111,9 +111,12 @@ impl TcpConfig {
                     })
                     .transpose()
             };
-        let rank = number("RANK", true, rank_seen)?.unwrap_or(0);
+        // Required variables: `text` refuses a missing one, so these are `Some`.
+        let unset = |name: &str, rank: usize| err(rank, format!("{name} is not set"));
+        let rank = number("RANK", true, rank_seen)?.ok_or_else(|| unset("RANK", rank_seen))?;
         rank_seen = rank;
-        let world = number("WORLD_SIZE", true, rank_seen)?.unwrap_or(0);
+        let world =
+            number("WORLD_SIZE", true, rank_seen)?.ok_or_else(|| unset("WORLD_SIZE", rank_seen))?;
         if world == 0 || rank >= world {
             return Err(err(
                 rank_seen,
@@ -121,11 +124,13 @@ impl TcpConfig {
             ));
         }
         let local_rank = number("LOCAL_RANK", false, rank_seen)?;
-        let master_addr = text("MASTER_ADDR", true, rank_seen)?.unwrap_or_default();
+        let master_addr =
+            text("MASTER_ADDR", true, rank_seen)?.ok_or_else(|| unset("MASTER_ADDR", rank_seen))?;
         if master_addr.is_empty() {
             return Err(err(rank_seen, "MASTER_ADDR is empty".to_owned()));
         }
-        let port_text = text("MASTER_PORT", true, rank_seen)?.unwrap_or_default();
+        let port_text =
+            text("MASTER_PORT", true, rank_seen)?.ok_or_else(|| unset("MASTER_PORT", rank_seen))?;
         let master_port = port_text
             .parse::<u16>()
             .ok()
@@ -156,6 +161,7 @@ impl TcpConfig {
         let deadline = seconds("ZARRCKPT_DEADLINE_S")?;
         let job_token = match text("ZARRCKPT_JOB_TOKEN", false, rank_seen)? {
             Some(t) => t,
+            // No token at all is the empty one (documented on `TcpConfig::job_token`).
             None => text("TORCHELASTIC_RUN_ID", false, rank_seen)?.unwrap_or_default(),
         };
         Ok(TcpConfig {

@@ -222,8 +222,9 @@ fn drive(
                     )
                 })?;
             }
-            if link.closed.is_some() && w.busy() {
-                let why = link.closed.clone().unwrap_or_default();
+            if w.busy()
+                && let Some(why) = link.closed.clone()
+            {
                 return Err(Failure::lost(me, w.peer, why));
             }
         }
@@ -441,10 +442,10 @@ fn receive(
                     *buf = vec![0u8; len];
                 }
             }
-            w.got = Some(0);
         }
+        // A message starts (checked above) with nothing received yet.
+        let mut got = *w.got.get_or_insert(0);
         let dst = target.buf();
-        let mut got = w.got.unwrap_or(0);
         while got < dst.len() {
             match link.read_payload(&mut dst[got..]) {
                 Got::Bytes(n) => got += n,
@@ -453,7 +454,10 @@ fn receive(
                     return Ok(());
                 }
                 Got::Eof => {
-                    let why = link.closed.clone().unwrap_or_default();
+                    let why = link
+                        .closed
+                        .clone()
+                        .unwrap_or_else(|| "its connection closed".to_owned());
                     return Err(Failure::lost(me, peer, why));
                 }
             }

@@ -384,6 +384,7 @@ impl Failure {
         let mut out = Vec::with_capacity(64 + self.detail.len());
         out.push(self.kind as u8);
         out.extend_from_slice(&self.culprit.map_or(NO_RANK, |c| c as u64).to_le_bytes());
+        // Saturates: u64::MAX ms is 584 million years.
         let ms = u64::try_from(self.after.as_millis()).unwrap_or(u64::MAX);
         out.extend_from_slice(&ms.to_le_bytes());
         out.extend_from_slice(&(self.origin as u64).to_le_bytes());

@@ -161,7 +161,7 @@ impl Link {
             return Ok(Event::Data(h));
         }
         // Control frames are small (checked by `decode`) and handled only once complete.
-        let total = HEADER_LEN + usize::try_from(h.len).unwrap_or(usize::MAX);
+        let total = HEADER_LEN + crate::model::usize_of(h.len);
         match self.fill(total) {
             Ok(true) => {}
             Ok(false) => return Ok(Event::WouldBlock),
@@ -365,6 +365,7 @@ fn send_iov(fd: RawFd, iov: &[IoSlice<'_>]) -> io::Result<usize> {
 /// # Errors
 /// Only for invalid arguments.
 pub(crate) fn poll(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<usize> {
+    // Longer waits are cut at i32::MAX ms (24 days): callers poll again until their deadline.
     let ms = i32::try_from(timeout.as_micros().div_ceil(1000)).unwrap_or(i32::MAX);
     // SAFETY: `fds` is a valid, exclusively borrowed array of `pollfd`.
     let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };

@@ -322,7 +322,8 @@ pub(super) fn serve_rendezvous(
                 }
                 return Err(tr(format!("rendezvous: {reason}")));
             }
-            let r = usize::try_from(h.arg).unwrap_or(0);
+            // Checked above: 0 < h.arg < world.
+            let r = crate::model::usize_of(h.arg);
             entries[r] = Some((ip, port));
             conns[r] = Some(s);
             joined += 1;

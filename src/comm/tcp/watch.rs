@@ -299,7 +299,11 @@ fn read_peer(me: usize, p: &mut Peer, shared: &Shared, now: Instant) {
             Ok(Event::Closed) => {
                 p.active = false;
                 if !p.link.said_bye {
-                    let why = p.link.closed.clone().unwrap_or_default();
+                    let why = p
+                        .link
+                        .closed
+                        .clone()
+                        .unwrap_or_else(|| "its connection closed".to_owned());
                     shared.decide(Failure::lost(me, peer, why), Some(peer));
                 }
                 return;
