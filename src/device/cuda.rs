@@ -75,6 +75,7 @@ impl CudaDevice {
         if cudarc::driver::result::init().is_err() {
             return 0;
         }
+        // A driver that cannot count its devices offers none, as documented.
         cudarc::driver::result::device::get_count()
             .ok()
             .and_then(|n| usize::try_from(n).ok())

@@ -84,14 +84,20 @@ fn object_layout(o: &ObjectInfo) -> String {
 }
 
 /// Every stored value of an object.
-fn object_slots(o: &ObjectInfo) -> Vec<ObjectSlot> {
-    match o.scope {
-        StoredScope::PerRank => (0..o.world_size.unwrap_or(0))
+fn object_slots(o: &ObjectInfo) -> anyhow::Result<Vec<ObjectSlot>> {
+    // The index's validation requires both (world size of per-rank objects, grid of sharded
+    // ones, its product bounded); a missing one is refused rather than read as no value.
+    let missing = |what: &str| anyhow::anyhow!("object {}: the index has no {what}", o.key);
+    Ok(match o.scope {
+        StoredScope::PerRank => (0..o.world_size.ok_or_else(|| missing("world_size"))?)
             .map(ObjectSlot::Rank)
             .collect(),
         StoredScope::Sharded => {
-            let grid = o.grid.clone().unwrap_or_default();
-            let total: u64 = grid.iter().product();
+            let grid = o.grid.clone().ok_or_else(|| missing("grid"))?;
+            let total = grid
+                .iter()
+                .try_fold(1u64, |a, &g| a.checked_mul(g))
+                .ok_or_else(|| missing("grid whose size fits u64"))?;
             (0..total)
                 .map(|mut lin| {
                     let mut idx = vec![0u64; grid.len()];
@@ -104,7 +110,7 @@ fn object_slots(o: &ObjectInfo) -> Vec<ObjectSlot> {
                 .collect()
         }
         _ => vec![ObjectSlot::Common],
-    }
+    })
 }
 
 fn compare_object(
@@ -140,7 +146,7 @@ fn compare_object(
         status: "equal",
         ..ObjectDiff::default()
     };
-    for slot in object_slots(x) {
+    for slot in object_slots(x)? {
         let va = a.read_object(&x.key, &slot)?;
         let vb = b.read_object(&y.key, &slot)?;
         out.values += 1;
@@ -301,7 +307,8 @@ fn compare(
     };
     let widest = da.size().max(db.size()) as u64;
     let max_elems = (side_bytes / widest).max(1);
-    let cap = usize::try_from(max_elems.min(out.elements)).unwrap_or(usize::MAX);
+    // At most `side_bytes` elements: a buffer this process allocates.
+    let cap = usize::try_from(max_elems.min(out.elements))?;
     let mut buf_a = vec![0u8; cap * da.size()];
     let mut buf_b = vec![0u8; cap * db.size()];
     for_each_box(shape, max_elems, |region| {

@@ -706,8 +706,11 @@ pub fn import_hf(
             let caps: Vec<(String, i64)> = ranges
                 .iter()
                 .zip(&idx)
-                .map(|((n, ..), &i)| (n.clone(), i64::try_from(i).unwrap_or(0)))
-                .collect();
+                .map(|((n, ..), &i)| {
+                    let v = i64::try_from(i).with_context(|| format!("capture {n} = {i}"))?;
+                    Ok((n.clone(), v))
+                })
+                .collect::<anyhow::Result<_>>()?;
             let name = pat.render(&convert::expand::CapScope {
                 env: &env,
                 caps: &caps,
