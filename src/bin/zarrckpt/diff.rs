@@ -180,10 +180,10 @@ fn describe_object(key: &TensorKey, d: &ObjectDiff) -> String {
                 d.values
             )
         }
-        "layout" => {
-            let (x, y) = d.layouts.clone().unwrap_or_default();
-            format!("! object {key}: {x} vs {y}")
-        }
+        "layout" => match &d.layouts {
+            Some((x, y)) => format!("! object {key}: {x} vs {y}"),
+            None => format!("! object {key}: layouts differ"),
+        },
         "only_a" => format!("< object {key}: only in A"),
         _ => format!("> object {key}: only in B"),
     }
@@ -390,10 +390,10 @@ fn describe(key: &TensorKey, d: &TensorDiff) -> String {
             };
             format!("! {key}: data type {x} vs {y}; by value: {values}")
         }
-        "shape" => {
-            let (x, y) = d.shapes.clone().unwrap_or_default();
-            format!("! {key}: shape {} vs {}", dims(&x), dims(&y))
-        }
+        "shape" => match &d.shapes {
+            Some((x, y)) => format!("! {key}: shape {} vs {}", dims(x), dims(y)),
+            None => format!("! {key}: shapes differ"),
+        },
         "only_a" => format!("< {key}: only in A"),
         _ => format!("> {key}: only in B"),
     }

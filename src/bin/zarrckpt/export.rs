@@ -106,7 +106,8 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if a.hf {
         return crate::hf::export_hf(
             &a.ckpt,
-            a.map.as_deref().unwrap_or_default(),
+            // clap requires `--map` with `--hf` and `--vllm`.
+            a.map.as_deref().context("--map is required")?,
             &a.out,
             a.config.as_deref(),
             a.copy_from.as_deref(),
@@ -120,7 +121,8 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if a.vllm {
         return crate::hf::export_vllm(
             &a.ckpt,
-            a.map.as_deref().unwrap_or_default(),
+            // clap requires `--map` with `--hf` and `--vllm`.
+            a.map.as_deref().context("--map is required")?,
             &a.out,
             a.config.as_deref(),
             a.tp.unwrap_or(1),
