@@ -225,3 +225,59 @@ fn nccl_communicator_moves_bytes() {
         .unwrap_err();
     assert!(e.to_string().contains("sizes"), "{e}");
 }
+
+/// NCCL past its deadline: a transfer given 1 ns cannot finish in time, so the wait aborts
+/// the communicator (`ncclCommAbort`) and returns a timeout within moments, and the aborted
+/// communicator refuses the next exchange instead of using a freed handle.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_transfer_past_its_deadline_is_aborted() {
+    use std::time::Instant;
+    use zarrckpt::CommError;
+    use zarrckpt::comm::{RecvBuf, SendBuf};
+    use zarrckpt::device::NcclComm;
+    let Some(dev) = gpu() else { return };
+    let boot: Arc<dyn Communicator> = Arc::new(zarrckpt::LocalComm::single());
+    let comm = match NcclComm::new(dev.clone(), boot) {
+        Ok(c) => c.with_timeout(Duration::from_nanos(1)),
+        Err(e) => {
+            eprintln!("SKIPPED: NCCL unavailable: {e}");
+            return;
+        }
+    };
+    let data = pattern(256 << 20, 3);
+    let mut got = vec![0u8; data.len()];
+    let start = Instant::now();
+    let e = comm
+        .exchange(
+            &[SendBuf {
+                peer: 0,
+                data: &data,
+            }],
+            &mut [RecvBuf {
+                peer: 0,
+                buf: &mut got,
+            }],
+        )
+        .unwrap_err();
+    assert!(matches!(e, CommError::Timeout { .. }), "{e:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+    let mut small = [0u8; 4];
+    let e = comm
+        .exchange(
+            &[SendBuf {
+                peer: 0,
+                data: &data[..4],
+            }],
+            &mut [RecvBuf {
+                peer: 0,
+                buf: &mut small,
+            }],
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("aborted"), "{e}");
+}
