@@ -440,7 +440,10 @@ fn write_and_commit(
         prepared.id,
     )
     .and_then(|(data, files)| match objects {
-        Some(o) => Ok((data, files + crate::objects::write_values(dir, rank, o, prepared.id)?)),
+        Some(o) => Ok((
+            data,
+            files + crate::objects::write_values(dir, rank, o, prepared.id)?,
+        )),
         None => Ok((data, files)),
     });
     let (data_bytes, file_bytes) = agree(comm, written)?;

@@ -1827,7 +1827,10 @@ fn object_chunk_example_is_what_a_save_writes_and_saved_objects_validate() {
         serde_json::from_slice(&std::fs::read(dir.join("zarr.json")).unwrap()).unwrap();
     assert_valid(&validator(Some("root")), &root, "root with objects");
     let meta = parse_root(&root).unwrap();
-    let (arrays, groups) = (validator(Some("bound_object_array")), validator(Some("group")));
+    let (arrays, groups) = (
+        validator(Some("bound_object_array")),
+        validator(Some("group")),
+    );
     let mut n = 0;
     for e in meta.objects.values() {
         for slot in e.slots() {
@@ -2702,7 +2705,10 @@ fn safetensors_dtype_names_are_as_specified() {
 /// object `cfg` of 13 bytes and a per-rank bytes object `rng`.
 fn bound_checkpoint(dir: &Path, cfg: &Value, rng: &[u8]) {
     use zarrckpt::{StateObject, save_with_objects};
-    let ints: Vec<u8> = [1i32, 2, 3, 4].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let ints: Vec<u8> = [1i32, 2, 3, 4]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     let pieces = [ShardedTensor::new(
         TensorKey::new("w").unwrap(),
         DType::Int32,
@@ -2754,7 +2760,10 @@ fn object_values_of_another_save_are_refused() {
     // The chunk file of another save (same size, its own valid CRC-32C).
     std::fs::copy(b.join("objects/cfg/c.0"), a.join("objects/cfg/c.0")).unwrap();
     let e = read(&a, &cfg, &ObjectSlot::Common).unwrap_err().to_string();
-    assert!(e.contains("another save") && e.contains("objects/cfg/c.0"), "{e}");
+    assert!(
+        e.contains("another save") && e.contains("objects/cfg/c.0"),
+        "{e}"
+    );
     let report = Checkpoint::open(&a).unwrap().verify(1, None).unwrap();
     assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
     // A 1.1 index does not bind objects: the same file reads without complaint there.
@@ -2767,15 +2776,26 @@ fn object_values_of_another_save_are_refused() {
     // The value array (zarr.json and chunk) of another save: refused by its save id.
     let rng = TensorKey::new("rng").unwrap();
     for f in ["zarr.json", "c.0"] {
-        std::fs::copy(b.join("objects/rng/rank.0").join(f), a.join("objects/rng/rank.0").join(f))
-            .unwrap();
+        std::fs::copy(
+            b.join("objects/rng/rank.0").join(f),
+            a.join("objects/rng/rank.0").join(f),
+        )
+        .unwrap();
     }
-    let e = read(&a, &rng, &ObjectSlot::Rank(0)).unwrap_err().to_string();
-    assert!(e.contains("written by save") && e.contains("rank.0/zarr.json"), "{e}");
+    let e = read(&a, &rng, &ObjectSlot::Rank(0))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("written by save") && e.contains("rank.0/zarr.json"),
+        "{e}"
+    );
     // Without the attributes a 1.2 index requires: refused.
     let zj = a.join("objects/cfg/zarr.json");
     let mut doc: Value = serde_json::from_slice(&std::fs::read(&zj).unwrap()).unwrap();
-    doc["attributes"]["zarrckpt"].as_object_mut().unwrap().remove("crc32c");
+    doc["attributes"]["zarrckpt"]
+        .as_object_mut()
+        .unwrap()
+        .remove("crc32c");
     std::fs::write(&zj, serde_json::to_vec(&doc).unwrap()).unwrap();
     let e = read(&a, &cfg, &ObjectSlot::Common).unwrap_err().to_string();
     assert!(e.contains("crc32c"), "{e}");
@@ -2922,7 +2942,10 @@ fn user_and_object_json_limits_are_stated_and_checked() {
         std::fs::write(&zj, serde_json::to_vec(&doc).unwrap()).unwrap();
         let e = Checkpoint::open(&dir)
             .unwrap()
-            .read_object(&TensorKey::new("cfg").unwrap(), &zarrckpt::ObjectSlot::Common)
+            .read_object(
+                &TensorKey::new("cfg").unwrap(),
+                &zarrckpt::ObjectSlot::Common,
+            )
             .unwrap_err();
         assert!(e.to_string().contains("not valid JSON"), "{e}");
     }
@@ -2936,7 +2959,12 @@ fn schema_requires_save_ids_from_1_1() {
     let mut z = root_by_id("objects")["attributes"]["zarrckpt"].clone();
     assert!(schema_errors(&v, &z).is_empty());
     z.as_object_mut().unwrap().remove("save_id");
-    for (version, ok) in [("1.0", true), ("1.1", false), ("1.2", false), ("1.10", false)] {
+    for (version, ok) in [
+        ("1.0", true),
+        ("1.1", false),
+        ("1.2", false),
+        ("1.10", false),
+    ] {
         z["version"] = json!(version);
         assert_eq!(schema_errors(&v, &z).is_empty(), ok, "{version}");
     }
@@ -2972,11 +3000,23 @@ fn index_members_are_written_in_table_order() {
         .collect();
     assert_eq!(
         names,
-        ["format", "version", "writer", "world_size", "save_id", "tensors", "user", "objects"]
+        [
+            "format",
+            "version",
+            "writer",
+            "world_size",
+            "save_id",
+            "tensors",
+            "user",
+            "objects"
+        ]
     );
     let at: Vec<usize> = names
         .iter()
-        .map(|n| text.find(&format!("\n      \"{n}\":")).unwrap_or_else(|| panic!("{n}")))
+        .map(|n| {
+            text.find(&format!("\n      \"{n}\":"))
+                .unwrap_or_else(|| panic!("{n}"))
+        })
         .collect();
     assert!(at.is_sorted(), "{at:?}\n{text}");
 }

@@ -52,7 +52,10 @@ pub enum ObjectError {
     },
     /// A JSON value nests arrays and objects deeper than readers parse
     /// ([`super::json::MAX_JSON_DEPTH`]).
-    #[error("object `{key}`: the JSON value nests {depth} levels deep, more than the {} a reader parses", super::json::MAX_JSON_DEPTH)]
+    #[error(
+        "object `{key}`: the JSON value nests {depth} levels deep, more than the {} a reader parses",
+        super::json::MAX_JSON_DEPTH
+    )]
     TooDeep {
         /// The object.
         key: TensorKey,
