@@ -1986,6 +1986,10 @@ fn array_documents_compare_numbers_as_section_6_3_says() {
                 matches!(&e, Error::Storage(StorageError::Malformed { path: p, .. }) if *p == path(k)),
                 "{to}: {e}"
             );
+            // Rule 4 of issue 23: an integer fill value `-0` is refused, and named as written.
+            if to.contains(":-0") {
+                assert!(e.to_string().contains("negative zero"), "{to}: {e}");
+            }
         }
         std::fs::write(path(k), doc).unwrap();
     }
