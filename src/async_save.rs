@@ -664,7 +664,7 @@ impl Background {
             .and_then(|(data, files)| match &objects {
                 Some(o) => Ok((
                     data,
-                    files + crate::objects::write_values(prepared.dir(), rank, o)?,
+                    files + crate::objects::write_values(prepared.dir(), rank, o, prepared.id)?,
                 )),
                 None => Ok((data, files)),
             });

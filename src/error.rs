@@ -183,6 +183,15 @@ pub enum Error {
         /// Where the save in flight writes.
         path: PathBuf,
     },
+    /// The caller's `user` metadata cannot be stored so that every reader reads it back
+    /// (spec section 4: it nests deeper than readers parse); nothing was written.
+    #[error("user metadata for {}: {reason}", path.display())]
+    UserMetadata {
+        /// The checkpoint.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// The background writer of an asynchronous save could not start or stopped without
     /// finishing; nothing was committed by this rank.
     #[error("rank {rank}: background save to {}: {detail}", path.display())]

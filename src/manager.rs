@@ -228,7 +228,9 @@ impl CheckpointManager {
                 continue;
             };
             remove_step(&s.dir)?;
-            let _ = std::fs::remove_file(lock.path());
+            for p in lock.paths() {
+                let _ = std::fs::remove_file(p);
+            }
         }
         Ok(())
     }
@@ -290,6 +292,8 @@ mod tests {
             "step-1a",
             "step--1",
             "step-00000100.zarrckpt-lock",
+            ".step-00000100.zarrckpt-lock",
+            ".step-00000100.zarrckpt-staging-00",
             "x-1",
         ] {
             assert_eq!(parse_step_dir(bad), None, "{bad}");

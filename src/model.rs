@@ -5,6 +5,7 @@ pub mod convert;
 pub mod copy;
 pub mod dtype;
 pub mod flat;
+pub mod json;
 pub mod key;
 pub mod object;
 pub mod region;

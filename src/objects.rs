@@ -98,7 +98,12 @@ pub(crate) fn write_groups(dir: &Path, agreed: &AgreedObjects<'_>) -> Result<()>
 }
 
 /// Save step: writes the values this rank was assigned, durably. Returns the file bytes.
-pub(crate) fn write_values(dir: &Path, rank: u32, agreed: &AgreedObjects<'_>) -> Result<u64> {
+pub(crate) fn write_values(
+    dir: &Path,
+    rank: u32,
+    agreed: &AgreedObjects<'_>,
+    save_id: crate::storage::footer::SaveId,
+) -> Result<u64> {
     let entries = index_entries(agreed);
     let mut n = 0;
     for (obj, bytes) in &agreed.local {
@@ -113,7 +118,7 @@ pub(crate) fn write_values(dir: &Path, rank: u32, agreed: &AgreedObjects<'_>) ->
         let Some(entry) = entries.get(obj.key()) else {
             continue;
         };
-        n += store::write_value(dir, obj.key(), entry, &slot, bytes)?;
+        n += store::write_value(dir, obj.key(), entry, &slot, bytes, save_id)?;
     }
     Ok(n)
 }
@@ -174,8 +179,13 @@ pub(crate) fn check_request<'m>(
 }
 
 /// Reads one checked value.
-pub(crate) fn read(dir: &Path, e: &ObjectEntry, r: &ObjectRequest) -> Result<ObjectValue> {
-    let bytes = store::read_value(dir, &r.key, e, &r.slot)?;
+pub(crate) fn read(
+    dir: &Path,
+    meta: &CheckpointMeta,
+    e: &ObjectEntry,
+    r: &ObjectRequest,
+) -> Result<ObjectValue> {
+    let bytes = store::read_value(dir, &r.key, e, &r.slot, meta.object_save_id())?;
     Ok(ObjectValue::from_stored(&r.key, e.encoding, bytes)?)
 }
 
@@ -257,7 +267,7 @@ pub(crate) fn load_objects(
     let values = requests
         .iter()
         .zip(&entries)
-        .map(|(r, e)| e.map(|e| read(dir, e, r)).transpose())
+        .map(|(r, e)| e.map(|e| read(dir, meta, e, r)).transpose())
         .collect::<Result<Vec<_>>>();
     let values = agree(comm, values)?;
     Ok(ObjectLoad {

@@ -440,7 +440,10 @@ fn write_and_commit(
         prepared.id,
     )
     .and_then(|(data, files)| match objects {
-        Some(o) => Ok((data, files + crate::objects::write_values(dir, rank, o)?)),
+        Some(o) => Ok((
+            data,
+            files + crate::objects::write_values(dir, rank, o, prepared.id)?,
+        )),
         None => Ok((data, files)),
     });
     let (data_bytes, file_bytes) = agree(comm, written)?;
@@ -600,7 +603,7 @@ pub(crate) fn prepare_directory(
     objects: Option<&AgreedObjects<'_>>,
     opts: &SaveOptions,
 ) -> Result<Prepared> {
-    let prepared = prepare_target(comm, dir, opts.overwrite)?;
+    let prepared = prepare_target(comm, dir, opts.overwrite, &opts.user_metadata)?;
     let groups = if comm.rank() == 0 {
         commit::write_groups(prepared.dir(), plan.tensors.iter().map(|t| &t.key))
             .map_err(Error::from)
@@ -683,19 +686,49 @@ impl Prepared {
     }
 }
 
+/// Checks that every reader parses `user` back (spec section 4: the root `zarr.json` nests
+/// at most [`crate::model::json::MAX_JSON_DEPTH`] levels, `user` sitting at level
+/// [`crate::model::json::USER_LEVEL`]). Numbers are always in range: a
+/// `serde_json::Value` holds only 64-bit integers and finite binary64 numbers.
+fn check_user(dir: &Path, user: &serde_json::Map<String, serde_json::Value>) -> Result<()> {
+    use crate::model::json::{MAX_JSON_DEPTH, USER_LEVEL, depth};
+    let levels = user
+        .values()
+        .map(depth)
+        .max()
+        .unwrap_or(0)
+        .saturating_add(USER_LEVEL);
+    if levels > MAX_JSON_DEPTH {
+        return Err(Error::UserMetadata {
+            path: dir.to_owned(),
+            reason: format!(
+                "it nests {} levels deep counting itself; the root zarr.json may nest at most {MAX_JSON_DEPTH} levels, {} of them inside `user`",
+                levels - USER_LEVEL + 1,
+                MAX_JSON_DEPTH - USER_LEVEL + 1
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Rank 0 takes the save lock, draws the save id, prepares the target directory (spec §
 /// "Commit protocol") and writes the nonce file there; every rank learns the id and target
 /// and checks it sees the nonce file (same storage), before any data is written.
-fn prepare_target(comm: &dyn Communicator, dir: &Path, overwrite: bool) -> Result<Prepared> {
+fn prepare_target(
+    comm: &dyn Communicator,
+    dir: &Path,
+    overwrite: bool,
+    user: &serde_json::Map<String, serde_json::Value>,
+) -> Result<Prepared> {
     let id = SaveId::random();
     let local = if comm.rank() == 0 {
-        commit::try_lock(dir)
+        check_user(dir, user)
+            .and_then(|()| commit::try_lock(dir).map_err(Error::from))
             .and_then(|lock| {
                 let t = commit::prepare_target(dir, overwrite, id, &lock)?;
                 commit::write_nonce(&t, id)?;
                 Ok((Some(lock), Some(t)))
             })
-            .map_err(Error::from)
     } else {
         Ok((None, None))
     };

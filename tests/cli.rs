@@ -360,3 +360,53 @@ fn printing_commands_end_quietly_when_the_reader_goes_away() {
         ends_quietly_on_closed_pipe(args, 100);
     }
 }
+
+/// Issue 23, rule 7: read-only commands never delete. `verify` (and `inspect`, `export`,
+/// `diff`, `ls`) on a missing checkpoint leave staging and parked directories alone (a parked
+/// checkpoint is only renamed back, rule R-a); `recover --dry-run` lists what `recover`
+/// then does.
+#[test]
+fn read_only_commands_never_delete_and_recover_does() {
+    use zarrckpt::storage::commit::{old_path, staging_path};
+    use zarrckpt::storage::footer::SaveId;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    many_tensor_checkpoint(&dir, 2);
+    let id = zarrckpt::Checkpoint::open(&dir)
+        .unwrap()
+        .meta()
+        .save_id
+        .unwrap();
+    let staging = staging_path(&dir, SaveId([1; 16]));
+    let legacy = tmp.path().join("ck.zarrckpt-staging-abc");
+    for s in [&staging, &legacy] {
+        std::fs::create_dir_all(s.join("tensors")).unwrap();
+    }
+    let parked = old_path(&dir, id);
+    std::fs::rename(&dir, &parked).unwrap();
+    let out = tmp.path().join("out.safetensors");
+    for args in [
+        vec!["verify".into(), dir.clone()],
+        vec!["inspect".into(), dir.clone()],
+        vec!["export".into(), dir.clone(), "--out".into(), out.clone()],
+        vec!["ls".into(), tmp.path().to_owned()],
+    ] {
+        run(bin().args(&args));
+        assert!(staging.exists() && legacy.exists(), "{args:?}");
+    }
+    assert!(dir.exists() && !parked.exists(), "R-a restored it");
+    let o = run(bin().arg("recover").arg(&dir).arg("--dry-run"));
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        s.contains("would remove") && s.contains(&*staging.to_string_lossy()),
+        "{s}"
+    );
+    assert!(staging.exists() && legacy.exists());
+    let o = run(bin().arg("recover").arg(&dir));
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert!(s.contains("removed"), "{s}");
+    assert!(!staging.exists() && !legacy.exists());
+    run(bin().arg("verify").arg(&dir));
+    let o = run(bin().arg("recover").arg(&dir));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("nothing to recover"));
+}

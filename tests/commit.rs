@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use zarrckpt::comm::local::run_local;
 use zarrckpt::storage::StorageError;
-use zarrckpt::storage::commit::{lock_path, old_path, try_lock};
+use zarrckpt::storage::commit::{
+    legacy_lock_path, lock_path, old_path, plan_recovery, recover, staging_path, try_lock,
+};
 use zarrckpt::{
     Checkpoint, CheckpointManager, DType, Error, LoadOptions, LoadTarget, LocalComm,
     ManagerOptions, Region, SaveOptions, ShardedTensor, TensorKey, save,
@@ -103,6 +105,120 @@ fn fallback_swap_crash_between_renames_is_recovered_by_reader_and_next_save() {
     save_gen(&dir, 2, true).unwrap();
     assert_eq!(read_w(&dir).unwrap(), data(2));
     assert!(siblings(&dir).is_empty(), "{:?}", siblings(&dir));
+}
+
+/// Item 10 of issue 23: what the library keeps next to a checkpoint is hidden (a leading
+/// `.`), so that listing checkpoints by name (`step-*`, `ck*`) finds only checkpoints.
+#[test]
+fn lock_staging_and_old_names_are_hidden() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    save_gen(&dir, 1, false).unwrap();
+    save_gen(&dir, 2, true).unwrap();
+    let id = zarrckpt::storage::footer::SaveId([9; 16]);
+    for p in [lock_path(&dir), staging_path(&dir, id), old_path(&dir, id)] {
+        let name = p.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with(".ck.zarrckpt-"), "{name}");
+        assert_eq!(p.parent(), dir.parent());
+    }
+    let visible: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    assert_eq!(visible, vec!["ck".to_owned()]);
+    assert!(lock_path(&dir).exists());
+    assert!(!legacy_lock_path(&dir).exists());
+}
+
+/// Item 7 of issue 23: a reader (Checkpoint::open, and so verify, inspect, export, diff)
+/// applies rule R-a only: it puts a parked previous checkpoint back and deletes nothing;
+/// staging leftovers are removed by the next save or by `recover`.
+#[test]
+fn readers_restore_but_never_delete() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    save_gen(&dir, 1, false).unwrap();
+    let id = Checkpoint::open(&dir).unwrap().meta().save_id.unwrap();
+    let staging = staging_path(&dir, zarrckpt::storage::footer::SaveId([5; 16]));
+    let legacy_staging = tmp.path().join("ck.zarrckpt-staging-0123");
+    for s in [&staging, &legacy_staging] {
+        std::fs::create_dir_all(s.join("tensors")).unwrap();
+    }
+    // A missing checkpoint with only staging leftovers: not a checkpoint, nothing deleted.
+    std::fs::rename(&dir, tmp.path().join("elsewhere")).unwrap();
+    assert!(Checkpoint::open(&dir).is_err());
+    assert!(staging.exists() && legacy_staging.exists());
+    // Parked by the fallback swap: restored by the reader, leftovers kept.
+    std::fs::rename(tmp.path().join("elsewhere"), old_path(&dir, id)).unwrap();
+    assert_eq!(read_w(&dir).unwrap(), data(1));
+    assert!(staging.exists() && legacy_staging.exists());
+    // `recover --dry-run` lists them; `recover` removes them.
+    let plan = plan_recovery(&dir).unwrap();
+    assert_eq!(plan.restore, None);
+    assert_eq!(plan.remove.len(), 2, "{plan:?}");
+    let lock = try_lock(&dir).unwrap();
+    recover(&dir, &lock).unwrap();
+    drop(lock);
+    assert!(!staging.exists() && !legacy_staging.exists());
+    assert_eq!(read_w(&dir).unwrap(), data(1));
+}
+
+/// Section 10.5: several committed previous checkpoints parked next to a missing directory
+/// cannot be ordered (save ids are random): readers, `recover` and the next save refuse,
+/// naming them, and change nothing. The names of earlier versions are recognised too.
+#[test]
+fn several_parked_checkpoints_are_refused_naming_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, other) = (tmp.path().join("ck"), tmp.path().join("other"));
+    save_gen(&dir, 1, false).unwrap();
+    save_gen(&other, 2, false).unwrap();
+    let id = Checkpoint::open(&dir).unwrap().meta().save_id.unwrap();
+    let a = old_path(&dir, id);
+    let b = tmp.path().join("ck.zarrckpt-old-ffff"); // the name earlier versions used
+    std::fs::rename(&dir, &a).unwrap();
+    std::fs::rename(&other, &b).unwrap();
+    let e = Checkpoint::open(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains(&*a.to_string_lossy()) && e.contains(&*b.to_string_lossy()),
+        "{e}"
+    );
+    assert!(plan_recovery(&dir).is_err());
+    assert!(save_gen(&dir, 3, true).is_err());
+    assert!(a.exists() && b.exists() && !dir.exists());
+    // With one of them gone, the other (legacy name) is restored.
+    std::fs::remove_dir_all(&a).unwrap();
+    assert_eq!(read_w(&dir).unwrap(), data(2));
+    assert!(!b.exists());
+}
+
+/// A save by this version excludes a running save of an earlier version, which locks
+/// `<dir>.zarrckpt-lock`.
+#[test]
+fn the_lock_file_of_earlier_versions_is_honoured() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    save_gen(&dir, 1, false).unwrap();
+    let legacy = std::fs::File::create(legacy_lock_path(&dir)).unwrap();
+    // SAFETY: a valid descriptor.
+    assert_eq!(
+        unsafe {
+            libc::flock(
+                std::os::unix::io::AsRawFd::as_raw_fd(&legacy),
+                libc::LOCK_EX | libc::LOCK_NB,
+            )
+        },
+        0
+    );
+    let e = save_gen(&dir, 2, true).unwrap_err();
+    assert!(
+        matches!(e, Error::Storage(StorageError::Locked { .. })),
+        "{e}"
+    );
+    drop(legacy);
+    save_gen(&dir, 2, true).unwrap();
+    assert_eq!(read_w(&dir).unwrap(), data(2));
 }
 
 #[test]

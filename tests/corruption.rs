@@ -722,18 +722,20 @@ fn index_entry_with_wrong_length_is_an_error() {
 }
 
 #[test]
-fn index_entry_marked_absent_reads_as_zeros() {
+fn index_entry_marked_absent_is_refused_by_the_footer() {
     // Zarr semantics: an absent subchunk holds the fill value. A zarrckpt save writes every
-    // subchunk, so this only happens to a file whose index was rewritten with a valid crc.
+    // present subchunk, so this only happens to a file whose index was rewritten with a valid
+    // crc; the footer (format 1.1 and later) gives the subchunk a non-zero crc32c, so the
+    // reader refuses the shard instead of reading zeros (spec section 7.4).
     for c in BOTH {
         let (_t, dir) = fixture(c);
         let path = w_shard(&dir);
         let sh = shard(&dir, "w", &path);
         replace_index(&sh, &[sh.entries[0], (u64::MAX, u64::MAX)]);
-        let got = load_whole(&dir, "w").unwrap();
-        let mut want = full(&SPECS[0]);
-        want[6 * 6 * 4..].fill(0);
-        assert_eq!(got, want, "{c:?}");
+        let e = load_whole(&dir, "w").unwrap_err();
+        let detail = corrupt_detail(&e, "w", &[1, 0], &path);
+        assert!(detail.contains("absent"), "{detail}");
+        assert_one_problem(&dir, "w", &[1, 0], &path);
     }
 }
 

@@ -63,7 +63,7 @@ fn objects_round_trip_and_are_listed() {
     save4(&dir);
 
     let ckpt = Checkpoint::open(&dir).unwrap();
-    assert_eq!(ckpt.meta().version, "1.1");
+    assert_eq!(ckpt.meta().version, "1.2");
     let listed: Vec<(String, StoredScope, u64)> = ckpt
         .objects()
         .into_iter()

@@ -588,7 +588,7 @@ fn check_checkpoint(dir: &Path, expect: &BTreeMap<String, Vec<u8>>) -> Checkpoin
         "file layout of {}",
         dir.display()
     );
-    let (groups, arrays) = (validator(Some("group")), validator(Some("array")));
+    let (groups, arrays) = (validator(Some("group")), validator(Some("bound_array")));
     for f in &files {
         if f == "zarr.json" || !f.ends_with("zarr.json") {
             continue;
@@ -1777,14 +1777,24 @@ fn object_array_examples_equal_what_the_writer_produces() {
         };
         let doc = ex.json();
         let len = doc["shape"][0].as_u64().unwrap();
+        // Format 1.2: the value's array names its save and the CRC-32C of its bytes.
+        let crc = doc["attributes"]["zarrckpt"]["crc32c"].as_u64().unwrap();
+        if let Some(v) = ex.tag.get("json") {
+            let bytes = zarrckpt::ObjectValue::Json(v.clone()).to_stored();
+            assert_eq!(crc, u64::from(crc32c::crc32c(&bytes)), "line {}", ex.line);
+        }
+        let binding = zarrckpt::storage::object::ObjectBinding {
+            save_id: meta.object_save_id().unwrap(),
+            crc32c: u32::try_from(crc).unwrap(),
+        };
         assert_eq!(
             doc,
-            value_metadata(&key, entry, &slot, len),
+            value_metadata(&key, entry, &slot, len, Some(binding)),
             "line {}",
             ex.line
         );
         assert_valid(
-            &validator(Some("object_array")),
+            &validator(Some("bound_object_array")),
             &doc,
             "object array example",
         );
@@ -1817,7 +1827,10 @@ fn object_chunk_example_is_what_a_save_writes_and_saved_objects_validate() {
         serde_json::from_slice(&std::fs::read(dir.join("zarr.json")).unwrap()).unwrap();
     assert_valid(&validator(Some("root")), &root, "root with objects");
     let meta = parse_root(&root).unwrap();
-    let (arrays, groups) = (validator(Some("object_array")), validator(Some("group")));
+    let (arrays, groups) = (
+        validator(Some("bound_object_array")),
+        validator(Some("group")),
+    );
     let mut n = 0;
     for e in meta.objects.values() {
         for slot in e.slots() {
@@ -1973,6 +1986,10 @@ fn array_documents_compare_numbers_as_section_6_3_says() {
                 matches!(&e, Error::Storage(StorageError::Malformed { path: p, .. }) if *p == path(k)),
                 "{to}: {e}"
             );
+            // Rule 4 of issue 23: an integer fill value `-0` is refused, and named as written.
+            if to.contains(":-0") {
+                assert!(e.to_string().contains("negative zero"), "{to}: {e}");
+            }
         }
         std::fs::write(path(k), doc).unwrap();
     }
@@ -2681,4 +2698,329 @@ fn safetensors_dtype_names_are_as_specified() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(std::fs::read(&src).unwrap(), std::fs::read(&out).unwrap());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rules decided for issue 23 ("Trust II"): each test fails on the behaviour before the change
+// where the code changed.
+// ---------------------------------------------------------------------------------------------
+
+/// A one-rank checkpoint of format 1.2 with a tensor of two present subchunks, a common JSON
+/// object `cfg` of 13 bytes and a per-rank bytes object `rng`.
+fn bound_checkpoint(dir: &Path, cfg: &Value, rng: &[u8]) {
+    use zarrckpt::{StateObject, save_with_objects};
+    let ints: Vec<u8> = [1i32, 2, 3, 4]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let pieces = [ShardedTensor::new(
+        TensorKey::new("w").unwrap(),
+        DType::Int32,
+        vec![4],
+        Region::full(&[4]),
+        0,
+        &ints,
+    )
+    .unwrap()];
+    let objs = [
+        StateObject::common("cfg", cfg.clone()).unwrap(),
+        StateObject::per_rank("rng", rng.to_vec()).unwrap(),
+    ];
+    let opts = SaveOptions {
+        grid: GridOptions {
+            subchunk_target_bytes: 8,
+            ..GridOptions::default()
+        },
+        ..SaveOptions::default()
+    };
+    save_with_objects(&pieces, &objs, dir, &LocalComm::single(), &opts).unwrap();
+}
+
+fn set_root(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let p = dir.join("zarr.json");
+    let mut v: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    edit(&mut v["attributes"]["zarrckpt"]);
+    std::fs::write(&p, serde_json::to_vec(&v).unwrap()).unwrap();
+}
+
+/// Rule 1: an object value is bound to its save (format 1.2, section 16.5): a value array or
+/// a chunk file of another save, of the same size and with a valid CRC-32C, is refused by
+/// reads and by verify. A 1.1 index does not bind its objects (section 12).
+#[test]
+fn object_values_of_another_save_are_refused() {
+    use zarrckpt::ObjectSlot;
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    bound_checkpoint(&a, &json!({"a": 1, "b": 2}), &[1, 2, 3]);
+    bound_checkpoint(&b, &json!({"a": 7, "b": 9}), &[4, 5, 6]);
+    let cfg = TensorKey::new("cfg").unwrap();
+    let read = |d: &Path, key: &TensorKey, slot: &ObjectSlot| {
+        Checkpoint::open(d).unwrap().read_object(key, slot)
+    };
+    assert_eq!(
+        read(&a, &cfg, &ObjectSlot::Common).unwrap(),
+        zarrckpt::ObjectValue::Json(json!({"a": 1, "b": 2}))
+    );
+    // The chunk file of another save (same size, its own valid CRC-32C).
+    std::fs::copy(b.join("objects/cfg/c.0"), a.join("objects/cfg/c.0")).unwrap();
+    let e = read(&a, &cfg, &ObjectSlot::Common).unwrap_err().to_string();
+    assert!(
+        e.contains("another save") && e.contains("objects/cfg/c.0"),
+        "{e}"
+    );
+    let report = Checkpoint::open(&a).unwrap().verify(1, None).unwrap();
+    assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+    // A 1.1 index does not bind objects: the same file reads without complaint there.
+    set_root(&a, |z| z["version"] = json!("1.1"));
+    assert_eq!(
+        read(&a, &cfg, &ObjectSlot::Common).unwrap(),
+        zarrckpt::ObjectValue::Json(json!({"a": 7, "b": 9}))
+    );
+    set_root(&a, |z| z["version"] = json!("1.2"));
+    // The value array (zarr.json and chunk) of another save: refused by its save id.
+    let rng = TensorKey::new("rng").unwrap();
+    for f in ["zarr.json", "c.0"] {
+        std::fs::copy(
+            b.join("objects/rng/rank.0").join(f),
+            a.join("objects/rng/rank.0").join(f),
+        )
+        .unwrap();
+    }
+    let e = read(&a, &rng, &ObjectSlot::Rank(0))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("written by save") && e.contains("rank.0/zarr.json"),
+        "{e}"
+    );
+    // Without the attributes a 1.2 index requires: refused.
+    let zj = a.join("objects/cfg/zarr.json");
+    let mut doc: Value = serde_json::from_slice(&std::fs::read(&zj).unwrap()).unwrap();
+    doc["attributes"]["zarrckpt"]
+        .as_object_mut()
+        .unwrap()
+        .remove("crc32c");
+    std::fs::write(&zj, serde_json::to_vec(&doc).unwrap()).unwrap();
+    let e = read(&a, &cfg, &ObjectSlot::Common).unwrap_err().to_string();
+    assert!(e.contains("crc32c"), "{e}");
+}
+
+/// Rule 2: an index entry marked absent must have the footer entry 0 (section 7.4). Marking
+/// a present subchunk absent and recomputing the index's CRC-32C is refused by reads (every
+/// read method) and by verify, instead of reading zeros.
+#[test]
+fn an_absent_entry_needs_footer_entry_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    bound_checkpoint(&dir, &json!({}), &[1]);
+    let shard = dir.join("tensors/w/c.0");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = bytes.len();
+    // Two subchunks: index 32 bytes + CRC at the end; entry 1 starts 36 bytes from the end.
+    let (start, crc_at) = (n - 36, n - 4);
+    bytes[start + 16..crc_at].fill(0xFF);
+    let crc = crc32c::crc32c(&bytes[start..crc_at]).to_le_bytes();
+    bytes[crc_at..].copy_from_slice(&crc);
+    std::fs::write(&shard, &bytes).unwrap();
+    for m in METHODS {
+        let e = read_with(&dir, "w", &Region::full(&[4]), m).unwrap_err();
+        assert!(corrupt_shard(&e), "{e}");
+        assert!(e.to_string().contains("absent"), "{e}");
+        // A box inside the untouched subchunk is refused too: the index is checked whole.
+        let e = read_with(&dir, "w", &Region::new(vec![0], vec![2]).unwrap(), m).unwrap_err();
+        assert!(corrupt_shard(&e), "{e}");
+    }
+    let report = Checkpoint::open(&dir).unwrap().verify(1, None).unwrap();
+    assert_eq!(report.problems.len(), 1);
+}
+
+/// Rule 3: `world_size` is an integer of at least 1 (section 4.1, step 4).
+#[test]
+fn world_size_0_is_refused() {
+    let mut doc = root_by_id("main");
+    doc["attributes"]["zarrckpt"]["world_size"] = json!(0);
+    let e = parse_root(&doc).unwrap_err();
+    assert!(
+        matches!(e, StorageError::Malformed { .. }) && e.to_string().contains("world_size"),
+        "{e}"
+    );
+    assert!(!schema_errors(&validator(None), &doc["attributes"]["zarrckpt"]).is_empty());
+    doc["attributes"]["zarrckpt"]["world_size"] = json!(1);
+    parse_root(&doc).unwrap();
+}
+
+/// Rule 6: the version decides. A 1.0 index carrying a `save_id` (whatever it holds) is read
+/// as 1.0: shards without footers, arrays without a save id.
+#[test]
+fn a_1_0_index_with_a_save_id_is_read_as_1_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = small_checkpoint(tmp.path());
+    let want = read_with(&dir, "g/h/ints", &Region::full(&[4]), METHODS[1]).unwrap();
+    for id in [json!("6f1c0a9d3e2b4c5a8d7e6f1029384756"), json!("not hex")] {
+        set_root(&dir, |z| z["save_id"] = id.clone());
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        assert_eq!(ckpt.meta().save_id, None);
+        for m in METHODS {
+            assert_eq!(
+                read_with(&dir, "g/h/ints", &Region::full(&[4]), m).unwrap(),
+                want
+            );
+        }
+        assert!(ckpt.verify(1, None).unwrap().problems.is_empty());
+    }
+}
+
+fn nested_user(levels: usize) -> String {
+    // `levels` levels counting `user`'s own object.
+    let inner = levels - 1;
+    format!(
+        r#""user":{{"x":{}0{}}}"#,
+        "[".repeat(inner),
+        "]".repeat(inner)
+    )
+}
+
+/// Rule 5: `user` is not interpreted but is parsed, with stated limits (section 4.1, step 1):
+/// 126 levels in the document (123 counting `user`), numbers within binary64. A save whose
+/// `user` breaks them fails before writing anything; object JSON values follow the same
+/// rules (duplicate names, lone surrogates, depth).
+#[test]
+fn user_and_object_json_limits_are_stated_and_checked() {
+    let text = root_text();
+    let user = r#""user":{"iteration":1000,"consumed_samples":2048000}"#;
+    assert!(text.contains(user));
+    parse_text(text.replacen(user, &nested_user(123), 1).as_bytes()).unwrap();
+    let e = parse_text(text.replacen(user, &nested_user(124), 1).as_bytes()).unwrap_err();
+    assert!(e.to_string().contains("nested more than 126"), "{e}");
+    let e = parse_text(text.replacen(user, r#""user":{"x":1e400}"#, 1).as_bytes()).unwrap_err();
+    assert!(matches!(e, StorageError::Malformed { .. }), "{e}");
+    let m = parse_text(
+        text.replacen(user, r#""user":{"x":18446744073709551616,"y":-1e308}"#, 1)
+            .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(m.user["x"].as_f64(), Some(18_446_744_073_709_551_616.0));
+
+    // A save with a `user` deeper than readers parse fails before writing anything.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let mut deep = json!(0);
+    for _ in 0..123 {
+        deep = json!([deep]);
+    }
+    let mut opts = SaveOptions::default();
+    opts.user_metadata.insert("x".into(), deep.clone());
+    let e = save(&[], &dir, &LocalComm::single(), &opts).unwrap_err();
+    assert!(matches!(e, Error::UserMetadata { .. }), "{e}");
+    assert!(!dir.exists());
+    opts.user_metadata.insert("x".into(), deep[0].clone());
+    save(&[], &dir, &LocalComm::single(), &opts).unwrap();
+    assert_eq!(
+        Checkpoint::open(&dir).unwrap().meta().user["x"],
+        deep[0].clone()
+    );
+
+    // Object values: too deep is refused when declared; a stored value with a duplicate
+    // member name (written by another writer) is refused when read.
+    let mut v = json!(0);
+    for _ in 0..127 {
+        v = json!([v]);
+    }
+    let e = zarrckpt::StateObject::common("v", v.clone()).unwrap_err();
+    assert!(e.to_string().contains("126"), "{e}");
+    zarrckpt::StateObject::common("v", v[0].clone()).unwrap();
+    let dir = tmp.path().join("obj");
+    bound_checkpoint(&dir, &json!({"a": 1, "bb": 2}), &[1]);
+    for bad in [&br#"{"a":1,"a":2}"#[..], &br#"{"a":"\uD800"}"#[..]] {
+        let mut padded = bad.to_vec();
+        padded.resize(14, b' ');
+        let crc = crc32c::crc32c(&padded);
+        std::fs::write(
+            dir.join("objects/cfg/c.0"),
+            [&padded[..], &crc.to_le_bytes()].concat(),
+        )
+        .unwrap();
+        let zj = dir.join("objects/cfg/zarr.json");
+        let mut doc: Value = serde_json::from_slice(&std::fs::read(&zj).unwrap()).unwrap();
+        doc["attributes"]["zarrckpt"]["crc32c"] = json!(crc);
+        std::fs::write(&zj, serde_json::to_vec(&doc).unwrap()).unwrap();
+        let e = Checkpoint::open(&dir)
+            .unwrap()
+            .read_object(
+                &TensorKey::new("cfg").unwrap(),
+                &zarrckpt::ObjectSlot::Common,
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("not valid JSON"), "{e}");
+    }
+}
+
+/// Rule 9: the schema requires `save_id` from version 1.1 on, and in the arrays of such a
+/// checkpoint ($defs/bound_array) and (1.2) the object value arrays ($defs/bound_object_array).
+#[test]
+fn schema_requires_save_ids_from_1_1() {
+    let v = validator(None);
+    let mut z = root_by_id("objects")["attributes"]["zarrckpt"].clone();
+    assert!(schema_errors(&v, &z).is_empty());
+    z.as_object_mut().unwrap().remove("save_id");
+    for (version, ok) in [
+        ("1.0", true),
+        ("1.1", false),
+        ("1.2", false),
+        ("1.10", false),
+    ] {
+        z["version"] = json!(version);
+        assert_eq!(schema_errors(&v, &z).is_empty(), ok, "{version}");
+    }
+    let arrays = of_kind("array");
+    let doc = arrays[0].json();
+    assert!(schema_errors(&validator(Some("array")), &doc).is_empty());
+    assert!(!schema_errors(&validator(Some("bound_array")), &doc).is_empty());
+    let mut doc = of_kind("object_array")[0].json();
+    assert!(schema_errors(&validator(Some("bound_object_array")), &doc).is_empty());
+    doc["attributes"]["zarrckpt"]
+        .as_object_mut()
+        .unwrap()
+        .remove("crc32c");
+    assert!(schema_errors(&validator(Some("object_array")), &doc).is_empty());
+    assert!(!schema_errors(&validator(Some("bound_object_array")), &doc).is_empty());
+}
+
+/// Trivial parts of rule 9: the members of the index are written in the order of section 4's
+/// table.
+#[test]
+fn index_members_are_written_in_table_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    bound_checkpoint(&dir, &json!({}), &[1]);
+    let text = std::fs::read_to_string(dir.join("zarr.json")).unwrap();
+    let spec = spec_text();
+    let table = &spec[spec.find("| member | type | meaning |").unwrap()..];
+    let table = &table[..table.find("\n\n").unwrap()];
+    let names: Vec<&str> = table
+        .lines()
+        .skip(2)
+        .map(|l| l.split('`').nth(1).unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "format",
+            "version",
+            "writer",
+            "world_size",
+            "save_id",
+            "tensors",
+            "user",
+            "objects"
+        ]
+    );
+    let at: Vec<usize> = names
+        .iter()
+        .map(|n| {
+            text.find(&format!("\n      \"{n}\":"))
+                .unwrap_or_else(|| panic!("{n}"))
+        })
+        .collect();
+    assert!(at.is_sorted(), "{at:?}\n{text}");
 }

@@ -50,6 +50,18 @@ pub enum ObjectError {
         /// The object.
         key: TensorKey,
     },
+    /// A JSON value nests arrays and objects deeper than readers parse
+    /// ([`super::json::MAX_JSON_DEPTH`]).
+    #[error(
+        "object `{key}`: the JSON value nests {depth} levels deep, more than the {} a reader parses",
+        super::json::MAX_JSON_DEPTH
+    )]
+    TooDeep {
+        /// The object.
+        key: TensorKey,
+        /// Its depth.
+        depth: usize,
+    },
     /// A stored JSON value is not valid UTF-8 JSON.
     #[error("object `{key}`: the stored value is not valid JSON: {reason}")]
     BadJson {
@@ -125,11 +137,11 @@ impl ObjectValue {
     ) -> Result<Self, ObjectError> {
         match encoding {
             Encoding::Bytes => Ok(ObjectValue::Bytes(bytes)),
-            Encoding::Json => serde_json::from_slice(&bytes)
+            Encoding::Json => super::json::parse_strict(&bytes)
                 .map(ObjectValue::Json)
-                .map_err(|e| ObjectError::BadJson {
+                .map_err(|reason| ObjectError::BadJson {
                     key: key.clone(),
-                    reason: e.to_string(),
+                    reason,
                 }),
         }
     }
@@ -289,6 +301,12 @@ impl StateObject {
         let key = TensorKey::new(key)?;
         if let ObjectScope::Sharded { grid, index } = &scope {
             check_grid(&key, grid, Some(index))?;
+        }
+        if let ObjectValue::Json(v) = &value {
+            let depth = super::json::depth(v);
+            if depth > super::json::MAX_JSON_DEPTH {
+                return Err(ObjectError::TooDeep { key, depth });
+            }
         }
         let obj = StateObject { key, scope, value };
         obj.check_size()?;

@@ -117,6 +117,17 @@ fn same_json(a: Option<&Value>, b: Option<&Value>) -> bool {
     }
 }
 
+/// A value for an error message. A negative zero (parsed from `-0` or `-0.0`, which the JSON
+/// parser does not tell apart) is named as such rather than printed as `-0.0`.
+fn shown(v: &Value) -> String {
+    match v {
+        Value::Number(n) if n.as_f64().is_some_and(|f| f == 0.0 && f.is_sign_negative()) => {
+            "a negative zero (`-0` or `-0.0`, refused for every data type: spec section 6.3)".into()
+        }
+        _ => v.to_string(),
+    }
+}
+
 /// A tensor's array, ready to encode chunks or decode shard indexes.
 pub struct TensorArray {
     key: TensorKey,
@@ -369,7 +380,7 @@ impl TensorArray {
                     path,
                     reason: format!(
                         "`{field}` is {} but a zarrckpt array with this index entry has {}",
-                        meta.get(field).unwrap_or(&Value::Null),
+                        shown(meta.get(field).unwrap_or(&Value::Null)),
                         expected.get(field).unwrap_or(&Value::Null)
                     ),
                 });

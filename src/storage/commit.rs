@@ -62,41 +62,58 @@ fn looks_like_checkpoint(dir: &Path) -> bool {
     })
 }
 
-/// The lock file of the checkpoint at `dir`: `<dir>.zarrckpt-lock`, next to it. Rank 0 of a
-/// save holds an exclusive `flock` on it for the whole save (the kernel releases it when the
-/// process dies, so a crashed save leaves no stale lock). The file itself is never removed
-/// while the checkpoint exists.
+/// The lock file of the checkpoint at `dir`: `.<name>.zarrckpt-lock`, next to it and hidden
+/// (a leading `.`), so that listing the checkpoints of a directory (`step-*`) does not find
+/// it. Rank 0 of a save holds an exclusive `flock` on it for the whole save (the kernel
+/// releases it when the process dies, so a crashed save leaves no stale lock). The file
+/// itself is never removed while the checkpoint exists.
 #[must_use]
 pub fn lock_path(dir: &Path) -> PathBuf {
-    sibling(dir, ".zarrckpt-lock")
+    hidden_sibling(dir, LOCK)
+}
+
+/// The lock file earlier versions used, `<dir>.zarrckpt-lock` (spec section 10: a save also
+/// locks it when it exists, so that it excludes a save by such a version).
+#[must_use]
+pub fn legacy_lock_path(dir: &Path) -> PathBuf {
+    sibling(dir, LOCK)
 }
 
 /// The staging directory a save over an existing checkpoint at `dir` writes into:
-/// `<dir>.zarrckpt-staging-<save id>`.
+/// `.<name>.zarrckpt-staging-<save id>`, hidden next to it.
 #[must_use]
 pub fn staging_path(dir: &Path, id: SaveId) -> PathBuf {
-    sibling(dir, &format!("{STAGING}{id}"))
+    hidden_sibling(dir, &format!("{STAGING}{id}"))
 }
 
 /// Where the fallback of the swap (no `RENAME_EXCHANGE`) parks the previous checkpoint:
-/// `<dir>.zarrckpt-old-<save id>`.
+/// `.<name>.zarrckpt-old-<save id>`, hidden next to it.
 #[must_use]
 pub fn old_path(dir: &Path, id: SaveId) -> PathBuf {
-    sibling(dir, &format!("{OLD}{id}"))
+    hidden_sibling(dir, &format!("{OLD}{id}"))
 }
 
 /// The file rank 0 writes into the target directory and every rank reads back, to check
 /// that all ranks see the same storage.
 pub const NONCE_FILE: &str = ".zarrckpt-nonce";
 
+const LOCK: &str = ".zarrckpt-lock";
 const STAGING: &str = ".zarrckpt-staging-";
 const OLD: &str = ".zarrckpt-old-";
 
+fn dir_name(dir: &Path) -> String {
+    dir.file_name()
+        .map_or_else(|| "checkpoint".into(), |n| n.to_string_lossy().into_owned())
+}
+
+/// `<name><suffix>` next to `dir`: the names of earlier versions.
 fn sibling(dir: &Path, suffix: &str) -> PathBuf {
-    let name = dir
-        .file_name()
-        .map_or_else(|| "checkpoint".into(), |n| n.to_string_lossy().into_owned());
-    dir.with_file_name(format!("{name}{suffix}"))
+    dir.with_file_name(format!("{}{suffix}", dir_name(dir)))
+}
+
+/// `.<name><suffix>` next to `dir`.
+fn hidden_sibling(dir: &Path, suffix: &str) -> PathBuf {
+    dir.with_file_name(format!(".{}{suffix}", dir_name(dir)))
 }
 
 fn parent_of(dir: &Path) -> PathBuf {
@@ -106,12 +123,13 @@ fn parent_of(dir: &Path) -> PathBuf {
     }
 }
 
-/// An exclusive `flock` on a checkpoint's lock file, released when dropped (or when the
-/// process dies).
+/// An exclusive `flock` on a checkpoint's lock file (and on the lock file of earlier
+/// versions, where one exists), released when dropped (or when the process dies).
 #[derive(Debug)]
 pub struct SaveLock {
     _file: fs::File,
     path: PathBuf,
+    legacy: Option<(fs::File, PathBuf)>,
 }
 
 impl SaveLock {
@@ -120,10 +138,37 @@ impl SaveLock {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Every lock file held: [`SaveLock::path`], and the lock file of earlier versions when
+    /// it exists (a checkpoint manager removing a step removes both).
+    #[must_use]
+    pub fn paths(&self) -> Vec<&Path> {
+        let mut v = vec![self.path.as_path()];
+        v.extend(self.legacy.as_ref().map(|(_, p)| p.as_path()));
+        v
+    }
+}
+
+fn flock_nb(file: &fs::File, dir: &Path, path: &Path) -> Result<(), StorageError> {
+    // SAFETY: a valid descriptor; flock has no memory effects.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(StorageError::Locked {
+                path: dir.to_owned(),
+                lock: path.to_owned(),
+            });
+        }
+        return Err(StorageError::io("lock", path)(e));
+    }
+    Ok(())
 }
 
 /// Takes the save lock of the checkpoint at `dir` without waiting (creating the parent
-/// directory and the lock file as needed).
+/// directory and the lock file as needed). Where the lock file of earlier versions
+/// (`<dir>.zarrckpt-lock`) exists, it is locked too (never created), so that a save by an
+/// earlier version and one by this version exclude each other.
 ///
 /// # Errors
 /// [`StorageError::Locked`] when another save (in this or another process) holds it; I/O
@@ -138,70 +183,164 @@ pub fn try_lock(dir: &Path) -> Result<SaveLock, StorageError> {
         .truncate(false)
         .open(&path)
         .map_err(StorageError::io("open lock file", &path))?;
-    // SAFETY: a valid descriptor; flock has no memory effects.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Err(StorageError::Locked {
-                path: dir.to_owned(),
-                lock: path,
-            });
+    flock_nb(&file, dir, &path)?;
+    let legacy_path = legacy_lock_path(dir);
+    let legacy = match fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&legacy_path)
+    {
+        Ok(f) => {
+            flock_nb(&f, dir, &legacy_path)?;
+            Some((f, legacy_path))
         }
-        return Err(StorageError::io("lock", &path)(e));
-    }
-    Ok(SaveLock { _file: file, path })
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(StorageError::io("open lock file", &legacy_path)(e)),
+    };
+    Ok(SaveLock {
+        _file: file,
+        path,
+        legacy,
+    })
 }
 
-/// Siblings of `dir` whose names start with `<dir name><prefix>`.
+/// Siblings of `dir` whose names start with `.<dir name><prefix>` or (earlier versions)
+/// `<dir name><prefix>`.
 fn siblings_with(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     let Some(name) = dir.file_name().map(|n| n.to_string_lossy().into_owned()) else {
         return Vec::new();
     };
-    let want = format!("{name}{prefix}");
+    let (want, hidden) = (format!("{name}{prefix}"), format!(".{name}{prefix}"));
     let Ok(entries) = fs::read_dir(parent_of(dir)) else {
         return Vec::new();
     };
     let mut v: Vec<PathBuf> = entries
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&want))
+        .filter(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            n.starts_with(&want) || n.starts_with(&hidden)
+        })
         .map(|e| e.path())
         .collect();
     v.sort();
     v
 }
 
-/// Applies the recovery rule (spec § "Recovery") to the checkpoint at `dir`; the caller
-/// holds its save lock. If `dir` is missing and a `<dir>.zarrckpt-old-*` directory exists (a
-/// save died between the two renames of the fallback swap), that is the last good
-/// checkpoint: it is renamed back to `dir` (a committed one is preferred). Then leftovers of
-/// crashed saves (`<dir>.zarrckpt-staging-*`, and `<dir>.zarrckpt-old-*` once `dir` exists)
-/// are removed. Returns true when a checkpoint was restored.
+/// What the recovery rules of spec section 10.5 do to the checkpoint at `dir` as things stand
+/// ([`plan_recovery`]); [`apply_recovery`] does it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recovery {
+    /// R-a: the previous checkpoint to rename back to `dir` (which is missing).
+    pub restore: Option<PathBuf>,
+    /// R-b: leftovers of crashed saves to remove (staging directories; previous checkpoints
+    /// parked by the fallback swap, once `dir` exists or is restored).
+    pub remove: Vec<PathBuf>,
+}
+
+impl Recovery {
+    /// True when there is nothing to do.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.restore.is_none() && self.remove.is_empty()
+    }
+}
+
+/// Which parked previous checkpoint rule R-a restores when `dir` is missing: the committed
+/// one if exactly one is committed; the only one if none is committed; otherwise none can be
+/// chosen (their save ids carry no order), and the error names them all.
+fn choose_old(dir: &Path) -> Result<Option<PathBuf>, StorageError> {
+    let olds: Vec<PathBuf> = siblings_with(dir, OLD)
+        .into_iter()
+        .filter(|p| p.is_dir())
+        .collect();
+    let committed: Vec<&PathBuf> = olds.iter().filter(|p| has_checkpoint_root(p)).collect();
+    let candidates: Vec<&PathBuf> = if committed.is_empty() {
+        olds.iter().collect()
+    } else {
+        committed
+    };
+    match candidates.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some((*one).clone())),
+        many => Err(StorageError::NotACheckpoint {
+            path: dir.to_owned(),
+            reason: format!(
+                "it is missing and {} previous checkpoints were parked next to it by interrupted saves ({}); none can be chosen safely: rename the one to keep to {}",
+                many.len(),
+                many.iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                dir.display()
+            ),
+        }),
+    }
+}
+
+/// What the recovery rules would do to the checkpoint at `dir` now (nothing is modified).
+///
+/// # Errors
+/// [`StorageError::NotACheckpoint`] when `dir` is missing and several previous checkpoints
+/// could be restored (naming them).
+pub fn plan_recovery(dir: &Path) -> Result<Recovery, StorageError> {
+    let restore = if dir.exists() { None } else { choose_old(dir)? };
+    let mut remove = siblings_with(dir, STAGING);
+    if dir.exists() || restore.is_some() {
+        remove.extend(
+            siblings_with(dir, OLD)
+                .into_iter()
+                .filter(|p| Some(p) != restore.as_ref()),
+        );
+    }
+    Ok(Recovery { restore, remove })
+}
+
+/// Applies the recovery rules (spec section 10.5) to the checkpoint at `dir`; the caller
+/// holds its save lock. R-a: if `dir` is missing and a previous checkpoint was parked by the
+/// fallback swap, it is renamed back ([`plan_recovery`] says which). R-b: leftovers of crashed
+/// saves are removed. Run by a save before it writes, and by `zarrckpt recover`; readers
+/// apply R-a only ([`restore_previous`]). Returns what was done.
+///
+/// # Errors
+/// As [`plan_recovery`]; I/O errors naming the path.
+pub fn recover(dir: &Path, lock: &SaveLock) -> Result<Recovery, StorageError> {
+    let plan = plan_recovery(dir)?;
+    apply_recovery(dir, &plan, lock)?;
+    Ok(plan)
+}
+
+/// Does what [`plan_recovery`] planned; the caller holds the save lock.
 ///
 /// # Errors
 /// I/O errors naming the path.
-pub fn recover(dir: &Path, _lock: &SaveLock) -> Result<bool, StorageError> {
-    let mut restored = false;
-    if !dir.exists() {
-        let olds = siblings_with(dir, OLD);
-        let best = olds
-            .iter()
-            .find(|p| has_checkpoint_root(p))
-            .or_else(|| olds.first());
-        if let Some(old) = best {
-            fs::rename(old, dir).map_err(StorageError::io("rename", old))?;
-            fsync_dir(&parent_of(dir))?;
-            restored = true;
-        }
+pub fn apply_recovery(dir: &Path, plan: &Recovery, _lock: &SaveLock) -> Result<(), StorageError> {
+    if let Some(old) = &plan.restore {
+        fs::rename(old, dir).map_err(StorageError::io("rename", old))?;
+        fsync_dir(&parent_of(dir))?;
     }
-    let mut leftovers = siblings_with(dir, STAGING);
+    for p in &plan.remove {
+        remove_tree(p)?;
+    }
+    Ok(())
+}
+
+/// Rule R-a alone, as readers apply it: if `dir` is missing and a previous checkpoint was
+/// parked by the fallback swap, renames it back. Removes nothing. Returns true when it
+/// restored one.
+///
+/// # Errors
+/// As [`plan_recovery`]; I/O errors naming the path.
+pub fn restore_previous(dir: &Path, _lock: &SaveLock) -> Result<bool, StorageError> {
     if dir.exists() {
-        leftovers.extend(siblings_with(dir, OLD));
+        return Ok(false);
     }
-    for p in leftovers {
-        remove_tree(&p)?;
-    }
-    Ok(restored)
+    let Some(old) = choose_old(dir)? else {
+        return Ok(false);
+    };
+    fs::rename(&old, dir).map_err(StorageError::io("rename", &old))?;
+    fsync_dir(&parent_of(dir))?;
+    Ok(true)
 }
 
 fn remove_tree(p: &Path) -> Result<(), StorageError> {
@@ -476,20 +615,21 @@ pub fn read_index(dir: &Path) -> Result<CheckpointMeta, StorageError> {
         Ok(bytes) => CheckpointMeta::from_root_json(&bytes?, &path),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             if !dir.exists() && !siblings_with(dir, OLD).is_empty() {
-                // A save died between the two renames of the fallback swap: restore the
-                // previous checkpoint if no save is running, else say what is going on.
-                return match try_lock(dir) {
-                    Ok(lock) if recover(dir, &lock).unwrap_or(false) => {
-                        drop(lock);
-                        read_index(dir)
-                    }
+                // A save died between the two renames of the fallback swap: rule R-a puts
+                // the previous checkpoint back if no save is running. A reader removes
+                // nothing (R-b belongs to the next save and to `zarrckpt recover`).
+                return match try_lock(dir).and_then(|lock| restore_previous(dir, &lock)) {
+                    Ok(true) => read_index(dir),
+                    Err(e @ StorageError::NotACheckpoint { .. }) => Err(e),
                     _ => Err(StorageError::NotACheckpoint {
                         path: dir.to_owned(),
                         reason: format!(
-                            "a save is replacing it (or died while doing so and this process cannot repair it); the previous checkpoint is at {}",
+                            "a save is replacing it (or died while doing so and this process cannot repair it: run `zarrckpt recover`); the previous checkpoint is at {}",
                             siblings_with(dir, OLD)
-                                .first()
-                                .map_or_else(String::new, |p| p.display().to_string())
+                                .iter()
+                                .map(|p| p.display().to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
                         ),
                     }),
                 };

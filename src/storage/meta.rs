@@ -16,9 +16,12 @@ pub const FORMAT_NAME: &str = "zarrckpt";
 /// The major version this crate reads and writes.
 pub const FORMAT_MAJOR: u32 = 1;
 /// The minor version this crate writes.
-pub const FORMAT_MINOR: u32 = 1;
+pub const FORMAT_MINOR: u32 = 2;
 /// The first minor version whose checkpoints carry a save id and shard footers.
 pub const SAVE_ID_MINOR: u32 = 1;
+/// The first minor version whose object arrays carry the save id and their value's CRC-32C
+/// in their attributes (spec section 16.3); readers check them from this version on.
+pub const OBJECT_SAVE_ID_MINOR: u32 = 2;
 /// The attribute holding the checkpoint's metadata in the root group.
 pub const ATTRIBUTE: &str = "zarrckpt";
 /// Most subchunks one shard may have (its index is 16 bytes per subchunk).
@@ -151,79 +154,13 @@ pub struct CheckpointMeta {
 /// Parses a metadata document (a root or array `zarr.json`) as spec section 4.1 requires:
 /// RFC 8259 JSON text (so no `NaN`, `Infinity`, comments or trailing commas) encoded as UTF-8
 /// without a byte-order mark, in which no object has two members of the same name (names
-/// compared after unescaping).
+/// compared after unescaping), no number is beyond a binary64 and arrays and objects nest at
+/// most [`crate::model::json::MAX_JSON_DEPTH`] levels ([`crate::model::json::parse_strict`]).
 ///
 /// # Errors
 /// A description of the first violation.
 pub fn parse_json(bytes: &[u8]) -> Result<serde_json::Value, String> {
-    use serde::de::{self, MapAccess, SeqAccess, Visitor};
-    use serde_json::Value;
-
-    struct Strict;
-    impl<'de> de::DeserializeSeed<'de> for Strict {
-        type Value = Value;
-        fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-            d.deserialize_any(self)
-        }
-    }
-    impl<'de> Visitor<'de> for Strict {
-        type Value = Value;
-        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.write_str("a JSON value")
-        }
-        fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
-            Ok(Value::Bool(v))
-        }
-        fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
-            Ok(Value::from(v))
-        }
-        fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
-            Ok(Value::from(v))
-        }
-        fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
-            serde_json::Number::from_f64(v)
-                .map(Value::Number)
-                .ok_or_else(|| E::custom("a number that is not finite"))
-        }
-        fn visit_str<E>(self, v: &str) -> Result<Value, E> {
-            Ok(Value::String(v.to_owned()))
-        }
-        fn visit_string<E>(self, v: String) -> Result<Value, E> {
-            Ok(Value::String(v))
-        }
-        fn visit_unit<E>(self) -> Result<Value, E> {
-            Ok(Value::Null)
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-            let mut out = Vec::new();
-            while let Some(v) = seq.next_element_seed(Strict)? {
-                out.push(v);
-            }
-            Ok(Value::Array(out))
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
-            let mut out = serde_json::Map::new();
-            while let Some(k) = map.next_key::<String>()? {
-                let v = map.next_value_seed(Strict)?;
-                if out.contains_key(&k) {
-                    return Err(de::Error::custom(format!("duplicate member {k:?}")));
-                }
-                out.insert(k, v);
-            }
-            Ok(Value::Object(out))
-        }
-    }
-
-    if bytes.starts_with(b"\xEF\xBB\xBF") {
-        return Err("starts with a byte-order mark (U+FEFF)".into());
-    }
-    if let Err(e) = std::str::from_utf8(bytes) {
-        return Err(format!("not UTF-8: {e}"));
-    }
-    let mut d = serde_json::Deserializer::from_slice(bytes);
-    let v = de::DeserializeSeed::deserialize(Strict, &mut d).map_err(|e| e.to_string())?;
-    d.end().map_err(|e| e.to_string())?;
-    Ok(v)
+    crate::model::json::parse_strict(bytes)
 }
 
 /// The path of a tensor's array: `tensors/` followed by the key's node path.
@@ -294,7 +231,16 @@ impl CheckpointMeta {
                 supported: format!("{FORMAT_MAJOR}.x"),
             });
         }
-        let meta: CheckpointMeta = serde_path_to_error::deserialize(attr.clone()).map_err(|e| {
+        let mut attr = attr.clone();
+        if minor < SAVE_ID_MINOR
+            && let Some(a) = attr.as_object_mut()
+        {
+            // The version decides (spec section 4): a 1.0 index has no save id, whatever
+            // members it carries, and its shards have no footer. A `save_id` member there is
+            // a member 1.0 does not define, ignored (section 12).
+            a.remove("save_id");
+        }
+        let meta: CheckpointMeta = serde_path_to_error::deserialize(attr).map_err(|e| {
             use serde_path_to_error::Segment;
             let segments: Vec<&Segment> = e.path().iter().collect();
             let field = |rest: &[&Segment]| {
@@ -325,11 +271,17 @@ impl CheckpointMeta {
                 _ => malformed(format!("field `{ATTRIBUTE}.{}`: {}", e.path(), e.inner())),
             }
         })?;
+        if meta.world_size == 0 {
+            return Err(malformed(format!(
+                "`{ATTRIBUTE}.world_size` is 0; it must be at least 1"
+            )));
+        }
         if minor >= SAVE_ID_MINOR && meta.save_id.is_none() {
             return Err(malformed(format!(
                 "`{ATTRIBUTE}.save_id` is required from version {FORMAT_MAJOR}.{SAVE_ID_MINOR} on"
             )));
         }
+
         for (key, t) in &meta.tensors {
             t.validate(key)
                 .map_err(|r| malformed(format!("tensor `{key}`: {r}")))?;
@@ -383,8 +335,24 @@ impl CheckpointMeta {
 }
 
 impl CheckpointMeta {
+    /// The minor version of this index (`None` when `version` is malformed, which
+    /// [`CheckpointMeta::from_root_json`] never returns).
+    #[must_use]
+    pub fn minor(&self) -> Option<u32> {
+        parse_version(&self.version).map(|(_, m)| m)
+    }
+
+    /// The save id the object arrays of this index must carry (spec section 16.3): the
+    /// index's `save_id` from version 1.2 on, `None` before (1.1 object arrays are not bound
+    /// to their save).
+    #[must_use]
+    pub fn object_save_id(&self) -> Option<SaveId> {
+        self.save_id
+            .filter(|_| self.minor().is_some_and(|m| m >= OBJECT_SAVE_ID_MINOR))
+    }
+
     /// Records the save that commits this index (its shards carry footers with this id): the
-    /// index becomes version `1.1` ([`FORMAT_MINOR`]).
+    /// index becomes version `1.2` ([`FORMAT_MINOR`]).
     #[must_use]
     pub fn with_save_id(mut self, id: SaveId) -> Self {
         self.save_id = Some(id);
@@ -515,7 +483,11 @@ mod tests {
         assert!(e.to_string().contains("save_id"), "{e}");
         v["attributes"]["zarrckpt"]["version"] = "1.0".into();
         CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap();
+        // 1.0 does not define `save_id`: ignored there, whatever it holds.
         v["attributes"]["zarrckpt"]["save_id"] = "not hex".into();
+        let m = CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap();
+        assert_eq!(m.save_id, None);
+        v["attributes"]["zarrckpt"]["version"] = "1.1".into();
         CheckpointMeta::from_root_json(&serde_json::to_vec(&v).unwrap(), p).unwrap_err();
         v["attributes"]["zarrckpt"]["save_id"] = id;
         v["attributes"]["zarrckpt"]["version"] = "1.7".into();

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::error::StorageError;
+use super::footer::SaveId;
 use super::fsio::{create_dir_durable, fsync_dir, write_durable};
 use super::meta::ATTRIBUTE;
 use crate::model::TensorKey;
@@ -188,15 +189,37 @@ impl ObjectEntry {
     }
 }
 
-/// The `zarr.json` of one object value's array, exactly as zarrckpt writes it.
+/// What binds an object value's array to the save that wrote it (format 1.2, spec section
+/// 16.3): the save id, and the CRC-32C of the stored bytes (the one its chunk file ends with;
+/// 0 for an empty value, which has no chunk file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectBinding {
+    /// The save that wrote the value.
+    pub save_id: SaveId,
+    /// CRC-32C of the stored bytes.
+    pub crc32c: u32,
+}
+
+/// The `zarr.json` of one object value's array, exactly as zarrckpt writes it (`binding`:
+/// format 1.2 and later; `None` gives the 1.1 document).
 #[must_use]
-pub fn value_metadata(key: &TensorKey, e: &ObjectEntry, slot: &ObjectSlot, len: u64) -> Value {
+pub fn value_metadata(
+    key: &TensorKey,
+    e: &ObjectEntry,
+    slot: &ObjectSlot,
+    len: u64,
+    binding: Option<ObjectBinding>,
+) -> Value {
     let mut attr = json!({
         "kind": "object",
         "key": key.as_str(),
         "scope": e.scope.name(),
         "encoding": e.encoding.name(),
     });
+    if let Some(b) = binding {
+        attr["save_id"] = json!(b.save_id.hex());
+        attr["crc32c"] = json!(b.crc32c);
+    }
     match slot {
         ObjectSlot::Common => {}
         ObjectSlot::Rank(r) => attr["rank"] = json!(r),
@@ -265,22 +288,33 @@ pub fn write_value(
     e: &ObjectEntry,
     slot: &ObjectSlot,
     bytes: &[u8],
+    save_id: SaveId,
 ) -> Result<u64, StorageError> {
     let adir = dir.join(e.value_path(slot));
     create_dir_durable(&adir)?;
-    let doc = value_metadata(key, e, slot, bytes.len() as u64);
+    let crc = crc32c::crc32c(bytes);
+    let binding = ObjectBinding {
+        save_id,
+        crc32c: crc,
+    };
+    let doc = value_metadata(key, e, slot, bytes.len() as u64, Some(binding));
     let doc = serde_json::to_vec_pretty(&doc).unwrap_or_default();
     let mut n = write_durable(&adir.join("zarr.json"), &[&doc])?;
     if !bytes.is_empty() {
-        let crc = crc32c::crc32c(bytes).to_le_bytes();
-        n += write_durable(&adir.join("c.0"), &[bytes, &crc])?;
+        n += write_durable(&adir.join("c.0"), &[bytes, &crc.to_le_bytes()])?;
     }
     fsync_dir(&adir)?;
     Ok(n)
 }
 
+/// Most bytes of an object value's `zarr.json` a reader reads.
+pub const MAX_VALUE_JSON_BYTES: u64 = 1 << 20;
+
 /// Reads one value back, checking its array's `zarr.json` against the index entry, the
-/// length (before allocating) and the CRC-32C. Returns the stored bytes.
+/// length (before allocating) and the CRC-32C. With `save_id` (an index of format 1.2 or
+/// later: [`super::meta::CheckpointMeta::object_save_id`]), the array's attributes must carry
+/// that save id and the CRC-32C its chunk file ends with (spec section 16.5), so that a
+/// value of another save is refused, never returned. Returns the stored bytes.
 ///
 /// # Errors
 /// [`StorageError::Malformed`] for a `zarr.json` that is not the one prescribed,
@@ -291,6 +325,7 @@ pub fn read_value(
     key: &TensorKey,
     e: &ObjectEntry,
     slot: &ObjectSlot,
+    save_id: Option<SaveId>,
 ) -> Result<Vec<u8>, StorageError> {
     let adir = dir.join(e.value_path(slot));
     let json_path = adir.join("zarr.json");
@@ -298,12 +333,9 @@ pub fn read_value(
         path: json_path.clone(),
         reason: format!("object `{key}` ({slot}): {reason}"),
     };
-    let raw = fs::read(&json_path).map_err(StorageError::io("read", &json_path))?;
-    if raw.len() > 1 << 20 {
-        return Err(malformed("zarr.json is larger than 1 MiB".into()));
-    }
+    let raw = super::meta::read_metadata_file(&json_path, MAX_VALUE_JSON_BYTES)?;
     let doc: Value =
-        serde_json::from_slice(&raw).map_err(|err| malformed(format!("not JSON: {err}")))?;
+        super::meta::parse_json(&raw).map_err(|err| malformed(format!("not JSON: {err}")))?;
     let len = match doc
         .get("shape")
         .and_then(Value::as_array)
@@ -326,7 +358,38 @@ pub fn read_value(
             "length {len} differs from the index's size {size}"
         )));
     }
-    let want = value_metadata(key, e, slot, len);
+    let got_attr = doc.get("attributes").and_then(|a| a.get(ATTRIBUTE));
+    let binding = match save_id {
+        None => None,
+        Some(id) => {
+            let found = got_attr
+                .and_then(|a| a.get("save_id"))
+                .and_then(Value::as_str);
+            if found != Some(id.hex().as_str()) {
+                return Err(malformed(format!(
+                    "the value was written by save {}, but the index was committed by save {id} (a mix of two saves, or a save replaced the checkpoint while it was being read)",
+                    found.unwrap_or("(none)")
+                )));
+            }
+            let crc = got_attr
+                .and_then(|a| a.get("crc32c"))
+                .and_then(Value::as_u64)
+                .and_then(|c| u32::try_from(c).ok())
+                .ok_or_else(|| {
+                    malformed("attribute `zarrckpt.crc32c` is not an integer below 2^32".into())
+                })?;
+            if len == 0 && crc != 0 {
+                return Err(malformed(format!(
+                    "an empty value has the crc32c 0, the attributes give {crc:#010x}"
+                )));
+            }
+            Some(ObjectBinding {
+                save_id: id,
+                crc32c: crc,
+            })
+        }
+    };
+    let want = value_metadata(key, e, slot, len, binding);
     for member in [
         "zarr_format",
         "node_type",
@@ -351,7 +414,6 @@ pub fn read_value(
     {
         return Err(malformed("storage_transformers must be empty".into()));
     }
-    let got_attr = doc.get("attributes").and_then(|a| a.get(ATTRIBUTE));
     if let Some(want_attr) = want["attributes"][ATTRIBUTE].as_object() {
         for (k, v) in want_attr {
             if got_attr.and_then(|a| a.get(k)) != Some(v) {
@@ -401,6 +463,19 @@ pub fn read_value(
             path,
             stored,
             computed,
+        });
+    }
+    if let Some(b) = binding
+        && b.crc32c != stored
+    {
+        return Err(StorageError::CorruptChunk {
+            key: key.to_string(),
+            chunk: vec![0],
+            path,
+            detail: format!(
+                "object value ({slot}): the chunk ends with crc32c {stored:#010x}, but its zarr.json (save {}) gives {:#010x}: the chunk is of another save",
+                b.save_id, b.crc32c
+            ),
         });
     }
     buf.truncate(split);

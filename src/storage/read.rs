@@ -151,6 +151,9 @@ fn open_shard_index(
     let (footer, encoded) = encoded.split_at(usize::try_from(foot).unwrap_or(usize::MAX));
     let index = arr.decode_index(chunk, encoded)?;
     let crcs = check_shard_footer(arr, chunk, footer)?;
+    if let Some(c) = &crcs {
+        check_absent_against_footer(&index, c).map_err(|d| corrupt(arr, chunk, d))?;
+    }
     let data_end = len - tail;
     check_index_entries(
         &index,
@@ -159,6 +162,24 @@ fn open_shard_index(
     )
     .map_err(|d| corrupt(arr, chunk, d))?;
     Ok((file, index, crcs))
+}
+
+/// Checks that every subchunk the index says is absent has the footer entry 0 (spec section
+/// 7.4): an entry marked absent after the save (and the index's CRC-32C recomputed) would
+/// otherwise read as zeros. A present subchunk may have the entry 0 (its CRC-32C can be 0);
+/// its stored checksum is compared with the entry when it is read.
+fn check_absent_against_footer(index: &ShardIndex, crcs: &[u32]) -> Result<(), String> {
+    match index
+        .iter()
+        .zip(crcs)
+        .position(|(e, &c)| e.is_none() && c != 0)
+    {
+        Some(i) => Err(format!(
+            "subchunk {i} is absent in the index, but the shard footer gives it the crc32c {:#010x}: the index was altered after the save",
+            crcs[i]
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Checks that the index has an entry for every subchunk `shard` needs. (Bounds and sizes of

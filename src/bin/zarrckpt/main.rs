@@ -17,6 +17,7 @@ mod inspect;
 mod launch;
 mod ls;
 mod progress;
+mod recover;
 mod rss;
 mod verify;
 mod worker;
@@ -55,6 +56,10 @@ enum Command {
     Ls(ls::Args),
     /// Read every chunk, check every checksum and that every chunk exists.
     Verify(verify::Args),
+    /// Apply the recovery rules to a checkpoint an interrupted save left behind (restore a
+    /// parked previous checkpoint, remove staging leftovers) under the save lock;
+    /// `--dry-run` lists what it would do. Read-only commands never delete anything.
+    Recover(recover::Args),
     /// Compare two checkpoints tensor by tensor, whatever their layouts, in bounded memory:
     /// equal, or how many elements differ and by how much at most. Exit status 0 when
     /// equal, 1 when they differ, 2 on an error.
@@ -117,6 +122,7 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(a) => inspect::run(&a),
         Command::Ls(a) => ls::run(&a),
         Command::Verify(a) => verify::run(&a),
+        Command::Recover(a) => recover::run(&a),
         Command::Diff(a) => diff::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::BenchPlan(a) => bench_plan::run(&a),
