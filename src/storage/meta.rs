@@ -22,16 +22,15 @@ pub const SAVE_ID_MINOR: u32 = 1;
 /// The attribute holding the checkpoint's metadata in the root group.
 pub const ATTRIBUTE: &str = "zarrckpt";
 /// Most subchunks one shard may have (its index is 16 bytes per subchunk).
-pub const MAX_SUBCHUNKS_PER_SHARD: u64 = 1 << 24;
+pub const MAX_SUBCHUNKS_PER_SHARD: u64 = crate::plan::grid::MAX_SUBCHUNKS_PER_SHARD;
 /// Most shard files one tensor may have.
-pub const MAX_CHUNKS_PER_TENSOR: u64 = 1 << 24;
+pub const MAX_CHUNKS_PER_TENSOR: u64 = crate::plan::grid::MAX_CHUNKS_PER_TENSOR;
 /// A tensor may have more than [`MAX_SMALL_SUBCHUNKS`] subchunks (all shards together) only
-/// when they average at least this many bytes: reading a box plans one entry (a few hundred
-/// bytes) per subchunk it touches, so this keeps a whole-tensor read's plan well below the
-/// tensor's own size.
-pub const MIN_BYTES_PER_SUBCHUNK: u64 = 1024;
+/// when they average at least this many bytes (see
+/// [`crate::plan::grid::MIN_BYTES_PER_SUBCHUNK`]).
+pub const MIN_BYTES_PER_SUBCHUNK: u64 = crate::plan::grid::MIN_BYTES_PER_SUBCHUNK;
 /// Subchunks a tensor may have (all shards together) whatever their size.
-pub const MAX_SMALL_SUBCHUNKS: u64 = 1 << 16;
+pub const MAX_SMALL_SUBCHUNKS: u64 = crate::plan::grid::MAX_SMALL_SUBCHUNKS;
 /// Most shard files one checkpoint may have, all tensors together.
 pub const MAX_CHUNKS_PER_CHECKPOINT: u64 = 1 << 24;
 /// Most bytes one subchunk may hold decoded (writers never exceed it: see
@@ -423,38 +422,13 @@ impl TensorEntry {
         }
         crate::model::region::num_bytes(&self.chunk_shape, self.dtype.size())
             .map_err(|e| e.to_string())?;
-        let per_shard = self
-            .chunk_shape
-            .iter()
-            .zip(&self.subchunk_shape)
-            .try_fold(1u64, |acc, (c, s)| acc.checked_mul(c / s));
-        if per_shard.is_none_or(|n| n > MAX_SUBCHUNKS_PER_SHARD) {
-            return Err(format!(
-                "more than {MAX_SUBCHUNKS_PER_SHARD} subchunks per shard"
-            ));
-        }
-        let sub_bytes = num_elements(&self.subchunk_shape)
-            .ok()
-            .and_then(|n| n.checked_mul(self.dtype.size() as u64));
-        if sub_bytes.is_none_or(|n| n > MAX_SUBCHUNK_BYTES) {
-            return Err(format!(
-                "subchunk_shape {:?} holds more than {MAX_SUBCHUNK_BYTES} bytes",
-                self.subchunk_shape
-            ));
-        }
-        let subchunks = self
-            .num_chunks()
-            .zip(per_shard)
-            .and_then(|(c, p)| c.checked_mul(p));
-        let allowed = (self.nbytes() / MIN_BYTES_PER_SUBCHUNK).max(MAX_SMALL_SUBCHUNKS);
-        if subchunks.is_none_or(|n| n > allowed) {
-            return Err(format!(
-                "more subchunks than planning reads of it can afford: more than {MAX_SMALL_SUBCHUNKS}, and fewer than {MIN_BYTES_PER_SUBCHUNK} bytes each"
-            ));
-        }
-        if self.num_chunks().is_none_or(|n| n > MAX_CHUNKS_PER_TENSOR) {
-            return Err(format!("more than {MAX_CHUNKS_PER_TENSOR} shard files"));
-        }
+        crate::plan::grid::check_geometry(
+            &self.shape,
+            &self.chunk_shape,
+            &self.subchunk_shape,
+            self.dtype.size(),
+        )
+        .map_err(|e| e.to_string())?;
         Ok(())
     }
 }
