@@ -37,9 +37,64 @@ pub const MAX_CHUNKS_PER_CHECKPOINT: u64 = 1 << 24;
 /// [`crate::plan::grid::MAX_SUBCHUNK_BYTES`]); a reader decodes a whole subchunk at a time,
 /// so this bounds what one damaged or crafted subchunk can make it allocate.
 pub const MAX_SUBCHUNK_BYTES: u64 = crate::plan::grid::MAX_SUBCHUNK_BYTES;
-/// Most bytes of a checkpoint's root `zarr.json` a reader accepts (about 200 bytes per
-/// tensor: room for over 100,000 tensors).
-pub const MAX_ROOT_JSON_BYTES: u64 = 32 << 20;
+/// Most bytes of a checkpoint's root `zarr.json` a reader reads, whatever its index holds
+/// (room for about 500,000 tensors with keys of 60 bytes, written as zarrckpt writes them).
+/// See [`root_json_limit`] for the limit an index of a given size must meet.
+pub const MAX_ROOT_JSON_BYTES: u64 = 256 << 20;
+/// The part of [`root_json_limit`] that does not grow with the index's entries: room for
+/// the `user` metadata and the members of a small index.
+pub const ROOT_JSON_BASE_BYTES: u64 = 32 << 20;
+/// What [`root_json_limit`] adds per tensor or object entry (a zarrckpt entry takes 300 to
+/// 600 bytes with real keys; a key of 1024 bytes and 32 dimensions take about 9 KiB).
+pub const ROOT_JSON_BYTES_PER_ENTRY: u64 = 16 << 10;
+
+/// The most bytes a root `zarr.json` whose index has `entries` tensor and object entries may
+/// have: [`ROOT_JSON_BASE_BYTES`] plus [`ROOT_JSON_BYTES_PER_ENTRY`] per entry, at most
+/// [`MAX_ROOT_JSON_BYTES`]. So a small index stays small whatever else a damaged or crafted
+/// file adds, and the largest real models (DeepSeek-V3's 90,000 tensors take about 45 MB)
+/// fit. Readers refuse a larger file; writers check it before writing anything.
+#[must_use]
+pub fn root_json_limit(entries: usize) -> u64 {
+    (entries as u64)
+        .saturating_mul(ROOT_JSON_BYTES_PER_ENTRY)
+        .saturating_add(ROOT_JSON_BASE_BYTES)
+        .min(MAX_ROOT_JSON_BYTES)
+}
+
+/// A reader limit of the format (spec section 4) that an index breaks: the writer refuses
+/// such a save before writing anything (rules W10 to W15), since every reader would refuse
+/// the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IndexLimit {
+    /// A tensor's grid breaks a limit.
+    #[error("tensor `{key}` cannot be stored: {limit} (a limit every reader enforces)")]
+    Tensor {
+        /// The tensor.
+        key: TensorKey,
+        /// The limit.
+        limit: crate::plan::grid::GridLimit,
+    },
+    /// Too many shard files in all.
+    #[error(
+        "the checkpoint would have {chunks} shard files, more than the {MAX_CHUNKS_PER_CHECKPOINT} every reader accepts"
+    )]
+    ShardFiles {
+        /// Shard files of all tensors together (saturating).
+        chunks: u64,
+    },
+    /// The root `zarr.json` is too large.
+    #[error(
+        "the root zarr.json would be {bytes} bytes, more than the {limit} every reader accepts for an index of {entries} entries ({ROOT_JSON_BASE_BYTES} + {ROOT_JSON_BYTES_PER_ENTRY} per entry, at most {MAX_ROOT_JSON_BYTES}); shorten the keys or the user metadata"
+    )]
+    RootJson {
+        /// The document's size.
+        bytes: u64,
+        /// The limit for its entries.
+        limit: u64,
+        /// Tensor and object entries.
+        entries: usize,
+    },
+}
 /// Most bytes of an array's `zarr.json` a reader accepts (zarrckpt's own or a foreign one).
 pub const MAX_ARRAY_JSON_BYTES: u64 = 16 << 20;
 
@@ -293,7 +348,7 @@ impl CheckpointMeta {
                 supported: format!("{FORMAT_MAJOR}.x"),
             });
         }
-        let meta: CheckpointMeta = serde_path_to_error::deserialize(attr.clone()).map_err(|e| {
+        let meta: CheckpointMeta = serde_path_to_error::deserialize(attr).map_err(|e| {
             use serde_path_to_error::Segment;
             let segments: Vec<&Segment> = e.path().iter().collect();
             let field = |rest: &[&Segment]| {
@@ -350,6 +405,14 @@ impl CheckpointMeta {
                 "more than {MAX_CHUNKS_PER_CHECKPOINT} shard files in all"
             )));
         }
+        let entries = meta.tensors.len() + meta.objects.len();
+        let limit = root_json_limit(entries);
+        if bytes.len() as u64 > limit {
+            return Err(malformed(format!(
+                "the file is {} bytes, more than the {limit} a reader accepts for an index of {entries} entries ({ROOT_JSON_BASE_BYTES} + {ROOT_JSON_BYTES_PER_ENTRY} per entry)",
+                bytes.len()
+            )));
+        }
         Ok(meta)
     }
 
@@ -362,6 +425,44 @@ impl CheckpointMeta {
             "attributes": { ATTRIBUTE: self },
         });
         serde_json::to_vec_pretty(&doc).unwrap_or_default()
+    }
+
+    /// Checks the index against every reader limit that bounds it (spec section 4): each
+    /// tensor's geometry, the shard files of all tensors together and the size of the root
+    /// `zarr.json` it serialises to ([`root_json_limit`]). A writer calls it before writing
+    /// anything, with an index of the final size (a save id of the final length included).
+    ///
+    /// # Errors
+    /// The first [`IndexLimit`] broken.
+    pub fn check_writable(&self) -> Result<(), IndexLimit> {
+        let mut chunks = 0u64;
+        for (key, t) in &self.tensors {
+            crate::plan::grid::check_geometry(
+                &t.shape,
+                &t.chunk_shape,
+                &t.subchunk_shape,
+                t.dtype.size(),
+            )
+            .map_err(|limit| IndexLimit::Tensor {
+                key: key.clone(),
+                limit,
+            })?;
+            chunks = chunks.saturating_add(t.num_chunks().unwrap_or(u64::MAX));
+        }
+        if chunks > MAX_CHUNKS_PER_CHECKPOINT {
+            return Err(IndexLimit::ShardFiles { chunks });
+        }
+        let entries = self.tensors.len() + self.objects.len();
+        let limit = root_json_limit(entries);
+        let bytes = self.to_root_json().len() as u64;
+        if bytes > limit {
+            return Err(IndexLimit::RootJson {
+                bytes,
+                limit,
+                entries,
+            });
+        }
+        Ok(())
     }
 
     /// A fresh index without a save id: version 1.0, whose shards have no footer. Saves
