@@ -46,6 +46,10 @@ pub enum Error {
     /// Storage failed.
     #[error(transparent)]
     Storage(#[from] StorageError),
+    /// The checkpoint a save would commit breaks a reader limit of the format (spec section
+    /// 4): nothing was written.
+    #[error(transparent)]
+    Limit(#[from] crate::storage::meta::IndexLimit),
     /// One rank holds the same piece twice, or declares one key with two data types or shapes.
     #[error("tensor `{key}`: {detail}")]
     InconsistentPieces {

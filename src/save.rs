@@ -603,6 +603,16 @@ pub(crate) fn prepare_directory(
     objects: Option<&AgreedObjects<'_>>,
     opts: &SaveOptions,
 ) -> Result<Prepared> {
+    // Every limit a reader enforces on the index is checked before anything is written
+    // (rank 0 holds the user metadata the index stores).
+    let checked = if comm.rank() == 0 {
+        index_of(comm, plan, objects, opts, SaveId([0; 16]))
+            .check_writable()
+            .map_err(Error::from)
+    } else {
+        Ok(())
+    };
+    agree(comm, checked)?;
     let prepared = prepare_target(comm, dir, opts.overwrite, &opts.user_metadata)?;
     let groups = if comm.rank() == 0 {
         commit::write_groups(prepared.dir(), plan.tensors.iter().map(|t| &t.key))
@@ -649,21 +659,32 @@ pub(crate) fn commit_index(
 ) -> Result<()> {
     let committed = match &prepared.lock {
         Some(lock) => {
-            let mut meta = CheckpointMeta::new(comm.world_size() as u64);
-            meta.user = opts.user_metadata.clone();
-            if let Some(o) = objects {
-                meta.objects = crate::objects::index_entries(o);
-            }
-            for tp in &plan.tensors {
-                meta.tensors
-                    .insert(tp.key.clone(), entry_of(tp, opts.compression));
-            }
-            commit::commit_target(&prepared.target, &meta.with_save_id(prepared.id), lock)
-                .map_err(Error::from)
+            let meta = index_of(comm, plan, objects, opts, prepared.id);
+            commit::commit_target(&prepared.target, &meta, lock).map_err(Error::from)
         }
         None => Ok(()),
     };
     agree(comm, committed)
+}
+
+/// The index a save commits (rank 0's user metadata).
+fn index_of(
+    comm: &dyn Communicator,
+    plan: &SavePlan,
+    objects: Option<&AgreedObjects<'_>>,
+    opts: &SaveOptions,
+    id: SaveId,
+) -> CheckpointMeta {
+    let mut meta = CheckpointMeta::new(comm.world_size() as u64);
+    meta.user = opts.user_metadata.clone();
+    if let Some(o) = objects {
+        meta.objects = crate::objects::index_entries(o);
+    }
+    for tp in &plan.tensors {
+        meta.tensors
+            .insert(tp.key.clone(), entry_of(tp, opts.compression));
+    }
+    meta.with_save_id(id)
 }
 
 /// Where a save writes, as every rank learned it from rank 0.

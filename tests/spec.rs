@@ -957,10 +957,26 @@ fn grid_examples_are_what_the_planner_chooses() {
                 .collect();
             // Section 8: the main pieces, leaving out empty ones.
             let refs: Vec<&Region> = pieces.iter().filter(|p| !p.is_empty()).collect();
-            let (chunk, aligned) = grid::choose_chunk_shape(&shape, &refs, elem, &opts);
+            let (mut chunk, mut aligned) = grid::choose_chunk_shape(&shape, &refs, elem, &opts);
+            let mut sub = grid::subchunk_shape(&chunk, &shape, elem, opts.subchunk_target_bytes);
+            // Section 8.3: a geometry readers refuse is replaced by the writer's checked one.
+            if grid::check_geometry(&shape, &chunk, &sub, elem).is_err() {
+                let parts: Vec<(&Region, u32)> = refs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (*r, i as u32))
+                    .collect();
+                let smallest = refs
+                    .iter()
+                    .map(|r| r.shape.iter().product::<u64>() * elem as u64)
+                    .min()
+                    .unwrap_or(0);
+                let g = grid::checked_grid(&shape, &parts, elem, smallest, &opts).unwrap();
+                (chunk, aligned, sub) = (g.chunk_shape, g.aligned, g.subchunk_shape);
+            }
+            grid::check_geometry(&shape, &chunk, &sub, elem).unwrap();
             assert_eq!(chunk, u64s(&case["chunk_shape"]), "{case}");
             assert_eq!(aligned, case["aligned"].as_bool().unwrap(), "{case}");
-            let sub = grid::subchunk_shape(&chunk, &shape, elem, opts.subchunk_target_bytes);
             assert_eq!(sub, u64s(&case["subchunk_shape"]), "{case}");
             // The writer itself, given the pieces as they are (empty ones included), where the
             // tensor is small enough to save here.

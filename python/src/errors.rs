@@ -22,6 +22,7 @@ fn class_and_kind(e: &Error) -> (&'static str, &'static str) {
         Error::State(_) => ("InvalidArgumentError", "State"),
         Error::InconsistentPieces { .. } => ("PlanError", "InconsistentPieces"),
         Error::Plan(_) => ("PlanError", "Plan"),
+        Error::Limit(_) => ("PlanError", "Limit"),
         Error::Layout(_) => ("PlanError", "Layout"),
         Error::ObjectPlan(_) => ("PlanError", "ObjectPlan"),
         Error::Comm(_) => ("CommError", "Comm"),

@@ -243,6 +243,292 @@ fn largest_divisor_at_most(n: u64, limit: u64) -> u64 {
 /// Most bytes of one subchunk: readers refuse larger ones (a reader decodes a whole
 /// subchunk at a time), so the target below never exceeds it.
 pub const MAX_SUBCHUNK_BYTES: u64 = 64 << 20;
+/// Most subchunks one shard may have (its index is 16 bytes per subchunk).
+pub const MAX_SUBCHUNKS_PER_SHARD: u64 = 1 << 24;
+/// Most shard files one tensor may have.
+pub const MAX_CHUNKS_PER_TENSOR: u64 = 1 << 24;
+/// A tensor may have more than [`MAX_SMALL_SUBCHUNKS`] subchunks (all shards together) only
+/// when they average at least this many bytes: reading a box plans one entry (a few hundred
+/// bytes) per subchunk it touches, so this keeps a whole-tensor read's plan well below the
+/// tensor's own size.
+pub const MIN_BYTES_PER_SUBCHUNK: u64 = 1024;
+/// Subchunks a tensor may have (all shards together) whatever their size.
+pub const MAX_SMALL_SUBCHUNKS: u64 = 1 << 16;
+
+/// A reader limit of the format (spec section 4) that a tensor's chunk grid breaks. Readers
+/// refuse such a tensor (and its whole checkpoint); writers choose another grid or refuse
+/// before writing anything (rules W10 to W13).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GridLimit {
+    /// A chunk or tensor whose size in bytes overflows 64 bits.
+    #[error("the size of {what} in bytes overflows 64 bits")]
+    Overflow {
+        /// `"the tensor"` or `"a chunk"`.
+        what: &'static str,
+    },
+    /// More than [`MAX_SUBCHUNKS_PER_SHARD`] subchunks in one shard.
+    #[error("more than {MAX_SUBCHUNKS_PER_SHARD} subchunks per shard")]
+    SubchunksPerShard,
+    /// A subchunk of more than [`MAX_SUBCHUNK_BYTES`] bytes.
+    #[error("subchunk_shape {subchunk_shape:?} holds more than {MAX_SUBCHUNK_BYTES} bytes")]
+    SubchunkBytes {
+        /// The subchunk shape.
+        subchunk_shape: Vec<u64>,
+    },
+    /// More than [`MAX_SMALL_SUBCHUNKS`] subchunks averaging under
+    /// [`MIN_BYTES_PER_SUBCHUNK`] bytes.
+    #[error(
+        "more subchunks than planning reads of it can afford: more than {MAX_SMALL_SUBCHUNKS}, and fewer than {MIN_BYTES_PER_SUBCHUNK} bytes each"
+    )]
+    SmallSubchunks,
+    /// More than [`MAX_CHUNKS_PER_TENSOR`] shard files.
+    #[error("more than {MAX_CHUNKS_PER_TENSOR} shard files")]
+    ShardFiles,
+}
+
+/// Checks a tensor's geometry against the reader limits of spec section 4 that bound a
+/// tensor: subchunks per shard, bytes per subchunk, subchunks per tensor (the 2^16 / 1024
+/// byte rule) and shard files per tensor, in that order. The shapes must have equal lengths,
+/// chunk and subchunk extents at least 1 and each subchunk extent dividing its chunk extent
+/// (anything else is reported as an overflow). Readers and writers share this one check.
+///
+/// # Errors
+/// The first limit broken.
+pub fn check_geometry(
+    global_shape: &[u64],
+    chunk_shape: &[u64],
+    subchunk_shape: &[u64],
+    elem: usize,
+) -> Result<(), GridLimit> {
+    let elem = elem as u64;
+    let bytes = |shape: &[u64]| shape.iter().try_fold(elem, |a, &b| a.checked_mul(b));
+    let tensor_bytes = bytes(global_shape).ok_or(GridLimit::Overflow { what: "the tensor" })?;
+    bytes(chunk_shape).ok_or(GridLimit::Overflow { what: "a chunk" })?;
+    let ok_shapes = chunk_shape.len() == global_shape.len()
+        && subchunk_shape.len() == global_shape.len()
+        && chunk_shape
+            .iter()
+            .zip(subchunk_shape)
+            .all(|(&c, &s)| s > 0 && c % s == 0);
+    if !ok_shapes {
+        return Err(GridLimit::Overflow { what: "a chunk" });
+    }
+    let per_shard = chunk_shape
+        .iter()
+        .zip(subchunk_shape)
+        .try_fold(1u64, |acc, (c, s)| acc.checked_mul(c / s));
+    if per_shard.is_none_or(|n| n > MAX_SUBCHUNKS_PER_SHARD) {
+        return Err(GridLimit::SubchunksPerShard);
+    }
+    if bytes(subchunk_shape).is_none_or(|n| n > MAX_SUBCHUNK_BYTES) {
+        return Err(GridLimit::SubchunkBytes {
+            subchunk_shape: subchunk_shape.to_vec(),
+        });
+    }
+    let chunks = global_shape
+        .iter()
+        .zip(chunk_shape)
+        .try_fold(1u64, |acc, (&d, &c)| acc.checked_mul(d.div_ceil(c)));
+    let subchunks = chunks.zip(per_shard).and_then(|(c, p)| c.checked_mul(p));
+    let allowed = (tensor_bytes / MIN_BYTES_PER_SUBCHUNK).max(MAX_SMALL_SUBCHUNKS);
+    if subchunks.is_none_or(|n| n > allowed) {
+        return Err(GridLimit::SmallSubchunks);
+    }
+    if chunks.is_none_or(|n| n > MAX_CHUNKS_PER_TENSOR) {
+        return Err(GridLimit::ShardFiles);
+    }
+    Ok(())
+}
+
+/// Every divisor of `n` greater than `above`, ascending.
+fn divisors_above(n: u64, above: u64) -> Vec<u64> {
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    let mut i = 1u64;
+    while i.saturating_mul(i) <= n {
+        if n.is_multiple_of(i) {
+            small.push(i);
+            if i != n / i {
+                large.push(n / i);
+            }
+        }
+        i += 1;
+    }
+    small
+        .into_iter()
+        .chain(large.into_iter().rev())
+        .filter(|&d| d > above)
+        .collect()
+}
+
+/// The subchunk shape a writer uses: the rule of [`subchunk_shape`] (spec section 8.3) when
+/// the result meets every reader limit ([`check_geometry`]), which it does for every chunk
+/// that has a divisor near the target. Otherwise (a prime or nearly prime extent makes the
+/// rule's subchunks too many and too small) the subchunk grows, in the rule's walk order:
+/// the dimension the rule divided takes its next larger divisor, up to its whole extent, then
+/// the next dimension of the walk likewise, until the geometry meets the limits; the first
+/// such shape (the smallest subchunk) is used.
+///
+/// # Errors
+/// The limit broken when no subchunk shape meets the limits: a subchunk would exceed
+/// [`MAX_SUBCHUNK_BYTES`] before the count limits are met, or the chunk grid itself has too
+/// many shard files (then a coarser chunk grid is needed).
+pub fn checked_subchunk_shape(
+    chunk_shape: &[u64],
+    global_shape: &[u64],
+    elem: usize,
+    max_target: u64,
+) -> Result<Vec<u64>, GridLimit> {
+    let mut cand = subchunk_shape(chunk_shape, global_shape, elem, max_target);
+    let mut last = match check_geometry(global_shape, chunk_shape, &cand, elem) {
+        Ok(()) => return Ok(cand),
+        Err(e) => e,
+    };
+    if matches!(
+        last,
+        GridLimit::Overflow { .. } | GridLimit::SubchunkBytes { .. }
+    ) {
+        return Err(last);
+    }
+    for d in walk_order(chunk_shape, global_shape) {
+        if cand[d] == chunk_shape[d] {
+            continue;
+        }
+        for div in divisors_above(chunk_shape[d], cand[d]) {
+            cand[d] = div;
+            match check_geometry(global_shape, chunk_shape, &cand, elem) {
+                Ok(()) => return Ok(cand),
+                Err(e @ (GridLimit::SubchunkBytes { .. } | GridLimit::Overflow { .. })) => {
+                    return Err(e);
+                }
+                Err(e) => last = e,
+            }
+        }
+    }
+    Err(last)
+}
+
+/// The order [`subchunk_shape`] walks the dimensions in: the dimensions the grid does not
+/// split, last to first, then the split ones, last to first.
+fn walk_order(chunk_shape: &[u64], global_shape: &[u64]) -> Vec<usize> {
+    let nd = chunk_shape.len();
+    let split = |d: usize| chunk_shape[d] < global_shape[d];
+    (0..nd)
+        .rev()
+        .filter(|&d| !split(d))
+        .chain((0..nd).rev().filter(|&d| split(d)))
+        .collect()
+}
+
+/// The last resort of [`checked_grid`] for a chunk whose extents have no divisor that makes
+/// subchunks meet the limits (a large prime extent): along the first dimension of the walk
+/// order that the subchunk target does not hold whole, the chunk extent becomes the largest
+/// power of two at most sixteen times what the target leaves for it (and below the extent),
+/// so that subchunks are again near the target. `None` when no extent changes.
+fn power_of_two_chunk(
+    chunk_shape: &[u64],
+    global_shape: &[u64],
+    elem: usize,
+    max_target: u64,
+) -> Option<Vec<u64>> {
+    let chunk_bytes = product(chunk_shape).saturating_mul(elem as u64);
+    let target_elems = (subchunk_target(chunk_bytes, max_target) / elem.max(1) as u64).max(1);
+    let mut inner: u64 = 1;
+    for d in walk_order(chunk_shape, global_shape) {
+        let c = chunk_shape[d];
+        if inner.saturating_mul(c) <= target_elems {
+            inner = inner.saturating_mul(c);
+            continue;
+        }
+        let want = (target_elems / inner).max(1).saturating_mul(16).min(c);
+        let pow = 1u64 << (63 - want.leading_zeros());
+        if pow == c {
+            return None;
+        }
+        let mut out = chunk_shape.to_vec();
+        out[d] = pow;
+        return Some(out);
+    }
+    None
+}
+
+/// A tensor's full grid as a writer chooses it (spec sections 8.1 to 8.3 and 8.4's flat
+/// pieces), checked against every reader limit of section 4.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckedGrid {
+    /// The chunk (shard) shape.
+    pub chunk_shape: Vec<u64>,
+    /// Whether the chunks are aligned with the pieces.
+    pub aligned: bool,
+    /// The subchunk shape.
+    pub subchunk_shape: Vec<u64>,
+}
+
+/// Chooses a tensor's grid: the aligned grid or the coarse fallback of section 8.2 (with its
+/// refinement for contiguous pieces), then the subchunk shape of
+/// [`checked_subchunk_shape`]. When that grid breaks a reader limit (for instance an aligned
+/// grid of more shard files than a tensor may have, or a refined grid with too many small
+/// subchunks), the writer falls back in this order: the unrefined coarse grid, then (for an
+/// aligned grid) the coarse grid. `pieces` are the non-empty main boxes with their writers.
+///
+/// # Errors
+/// The limit broken by the last grid tried when none meets the limits: the tensor cannot be
+/// stored, and the writer refuses before writing anything.
+pub fn checked_grid(
+    global_shape: &[u64],
+    pieces: &[(&Region, u32)],
+    elem: usize,
+    smallest_holding: u64,
+    opts: &GridOptions,
+) -> Result<CheckedGrid, GridLimit> {
+    let refs: Vec<&Region> = pieces
+        .iter()
+        .map(|p| p.0)
+        .filter(|r| !r.is_empty())
+        .collect();
+    let (chunk, aligned) =
+        choose_chunk_shape_with(global_shape, &refs, elem, smallest_holding, opts);
+    let mut tries = Vec::with_capacity(3);
+    if aligned {
+        tries.push((chunk, true));
+        let coarse = coarse_chunk_shape(global_shape, &refs);
+        if coarse != tries[0].0 {
+            tries.push((coarse, false));
+        }
+    } else {
+        let refined = refine_unaligned(
+            global_shape,
+            &chunk,
+            pieces,
+            elem,
+            opts.min_chunk_bytes.min(smallest_holding),
+            opts.min_chunk_bytes / 4,
+        );
+        if refined != chunk {
+            tries.push((refined, false));
+        }
+        tries.push((chunk, false));
+    }
+    if let Some(last) = tries.last().map(|t| t.0.clone())
+        && let Some(pow) = power_of_two_chunk(&last, global_shape, elem, opts.subchunk_target_bytes)
+    {
+        tries.push((pow, false));
+    }
+    let mut last = GridLimit::ShardFiles;
+    for (chunk_shape, aligned) in tries {
+        match checked_subchunk_shape(&chunk_shape, global_shape, elem, opts.subchunk_target_bytes) {
+            Ok(subchunk_shape) => {
+                return Ok(CheckedGrid {
+                    chunk_shape,
+                    aligned,
+                    subchunk_shape,
+                });
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
 
 /// The subchunk size target for an outer chunk of `chunk_bytes`: a sixteenth of the chunk,
 /// clamped to `[min(64 KiB, max_target), max_target]` (`max_target` itself at most
@@ -275,11 +561,7 @@ pub fn subchunk_shape(
     let chunk_bytes = product(chunk_shape).saturating_mul(elem as u64);
     let target_elems = (subchunk_target(chunk_bytes, max_target) / elem.max(1) as u64).max(1);
     let nd = chunk_shape.len();
-    let split = |d: usize| chunk_shape[d] < global_shape[d];
-    let order = (0..nd)
-        .rev()
-        .filter(|&d| !split(d))
-        .chain((0..nd).rev().filter(|&d| split(d)));
+    let order = walk_order(chunk_shape, global_shape);
     let mut out = vec![1u64; nd];
     let mut inner: u64 = 1;
     for d in order {
@@ -455,6 +737,101 @@ mod tests {
                 assert_eq!(ci % si, 0);
             }
         }
+    }
+
+    #[test]
+    fn prime_extents_get_subchunks_readers_accept() {
+        const M: u64 = 1 << 20;
+        // The rule alone gives one-element subchunks, which readers refuse.
+        for (n, elem) in [(70_001u64, 4usize), (100_003, 1), (123_457, 8)] {
+            assert_eq!(subchunk_shape(&[n], &[n], elem, M), vec![1]);
+            assert_eq!(
+                check_geometry(&[n], &[n], &[1], elem),
+                Err(GridLimit::SmallSubchunks)
+            );
+            assert_eq!(checked_subchunk_shape(&[n], &[n], elem, M), Ok(vec![n]));
+            let one = r(&[0], &[n]);
+            let g = checked_grid(
+                &[n],
+                &[(&one, 0)],
+                elem,
+                n * elem as u64,
+                &GridOptions::default(),
+            )
+            .unwrap();
+            assert_eq!(
+                (g.chunk_shape, g.aligned, g.subchunk_shape),
+                (vec![n], true, vec![n])
+            );
+        }
+        // The next divisor up, not the whole extent: 2 * 70001 bytes give 70001 subchunks of
+        // 2 bytes by the rule, then 2 of 70001.
+        assert_eq!(subchunk_shape(&[140_002], &[140_002], 1, M), vec![2]);
+        assert_eq!(
+            checked_subchunk_shape(&[140_002], &[140_002], 1, M),
+            Ok(vec![70_001])
+        );
+        // A prime extent too large for one subchunk: the chunk becomes a power of two.
+        let p = 67_108_879u64;
+        assert!(matches!(
+            checked_subchunk_shape(&[p], &[p], 4, M),
+            Err(GridLimit::SubchunkBytes { .. })
+        ));
+        let one = r(&[0], &[p]);
+        let g = checked_grid(&[p], &[(&one, 0)], 4, p * 4, &GridOptions::default()).unwrap();
+        assert_eq!(g.chunk_shape, vec![1 << 22]);
+        assert_eq!(g.subchunk_shape, vec![1 << 18]);
+        assert!(!g.aligned);
+        assert_eq!(
+            check_geometry(&[p], &g.chunk_shape, &g.subchunk_shape, 4),
+            Ok(())
+        );
+        // Legal rule results are kept as they are.
+        assert_eq!(
+            checked_subchunk_shape(&[25_129, 1024], &[50_257, 1024], 4, M),
+            Ok(vec![13, 1024])
+        );
+    }
+
+    #[test]
+    fn grids_no_reader_accepts_fall_back_or_are_refused() {
+        // Pieces of 1 and 70000 bytes: the aligned grid has 70001 one-byte shard files (the
+        // one-byte piece is the smallest holding, so the tiny rule keeps it); the coarse grid
+        // is used instead.
+        let (a, b) = (r(&[0], &[1]), r(&[1], &[70_000]));
+        let g = checked_grid(
+            &[70_001],
+            &[(&a, 0), (&b, 1)],
+            1,
+            1,
+            &GridOptions::default(),
+        )
+        .unwrap();
+        assert_eq!((g.chunk_shape, g.aligned), (vec![70_000], false));
+        assert_eq!(g.subchunk_shape, vec![35_000]);
+        // 2^17 one-byte pieces: every grid the writer may choose has 2^17 shard files.
+        let pieces: Vec<Region> = (0..1u64 << 17).map(|i| r(&[i], &[1])).collect();
+        let parts: Vec<(&Region, u32)> = pieces.iter().map(|p| (p, 0)).collect();
+        assert_eq!(
+            checked_grid(&[1 << 17], &parts, 1, 1, &GridOptions::default()),
+            Err(GridLimit::SmallSubchunks)
+        );
+        assert_eq!(
+            check_geometry(&[1 << 26], &[1], &[1], 1),
+            Err(GridLimit::SmallSubchunks)
+        );
+        assert_eq!(
+            check_geometry(&[1 << 36], &[1 << 11], &[1 << 11], 1),
+            Err(GridLimit::ShardFiles)
+        );
+        assert!(matches!(
+            check_geometry(&[1 << 30], &[1 << 30], &[1 << 27], 1),
+            Err(GridLimit::SubchunkBytes { .. })
+        ));
+        assert_eq!(
+            check_geometry(&[1 << 26], &[1 << 26], &[1], 1),
+            Err(GridLimit::SubchunksPerShard)
+        );
     }
 
     #[test]

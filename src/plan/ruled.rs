@@ -454,6 +454,34 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             continue;
         };
         let n = part_counts(info.shape, &sizes);
+        let chunk_shape: Vec<u64> = sizes
+            .iter()
+            .zip(&n)
+            .zip(info.shape)
+            .map(|((&s, &k), &d)| if k >= 2 { s } else { d.max(1) })
+            .collect();
+        let elem = info.dtype.size();
+        // A grid that breaks a reader limit goes the general way, which chooses another
+        // (or refuses the tensor, naming the limit).
+        let Ok(subchunk_shape) = grid::checked_subchunk_shape(
+            &chunk_shape,
+            info.shape,
+            elem,
+            opts.grid.subchunk_target_bytes,
+        ) else {
+            general.push(ix);
+            plans.push(TensorPlan {
+                key: info.key.clone(),
+                dtype: info.dtype,
+                global_shape: info.shape.to_vec(),
+                chunk_shape: Vec::new(),
+                subchunk_shape: Vec::new(),
+                aligned: false,
+                pieces: Vec::new(),
+                metadata_writer: 0,
+            });
+            continue;
+        };
         let key = (n.clone(), families);
         let table = match memo.get(&key) {
             Some(&m) => m,
@@ -471,19 +499,6 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             validate_parts(info.key, info.shape, total, parts, &region_of)?;
             valid.insert(table);
         }
-        let chunk_shape: Vec<u64> = sizes
-            .iter()
-            .zip(&n)
-            .zip(info.shape)
-            .map(|((&s, &k), &d)| if k >= 2 { s } else { d.max(1) })
-            .collect();
-        let elem = info.dtype.size();
-        let subchunk_shape = grid::subchunk_shape(
-            &chunk_shape,
-            info.shape,
-            elem,
-            opts.grid.subchunk_target_bytes,
-        );
         let metadata_writer = parts.get(&0).and_then(Holders::lowest).unwrap_or(0);
         plans.push(TensorPlan {
             key: info.key.clone(),
@@ -1129,8 +1144,13 @@ fn plan_flat(
     let elem = info.dtype.size();
     let mut chunk_shape = shape.to_vec();
     chunk_shape[0] = rows.min(shape[0]).max(1);
-    let subchunk_shape =
-        grid::subchunk_shape(&chunk_shape, shape, elem, opts.grid.subchunk_target_bytes);
+    // A grid that breaks a reader limit goes the general way (which chooses another or
+    // refuses the tensor, naming the limit).
+    let Ok(subchunk_shape) =
+        grid::checked_subchunk_shape(&chunk_shape, shape, elem, opts.grid.subchunk_target_bytes)
+    else {
+        return Ok(None);
+    };
     let mut done = FlatDone {
         plan: TensorPlan {
             key: info.key.clone(),

@@ -64,6 +64,16 @@ pub enum PlanError {
     /// A rank's description does not fit the rule it names.
     #[error(transparent)]
     Describe(#[from] super::layout::LayoutDecodeError),
+    /// No chunk grid of the tensor meets a reader limit of the format (spec section 4):
+    /// the writer refuses before writing anything, since readers would refuse the
+    /// checkpoint.
+    #[error("tensor `{key}` cannot be stored: {limit} (a limit every reader enforces)")]
+    Limit {
+        /// The tensor.
+        key: TensorKey,
+        /// The limit its grid breaks.
+        limit: grid::GridLimit,
+    },
     /// The main replicas do not cover every element.
     #[error(
         "tensor `{key}`: main replicas cover {covered} of {total} elements (e.g. element {missing:?} is held by no main replica)"
@@ -372,7 +382,7 @@ impl SavePlan {
             .zip(pieces)
             .zip(smallest_holding)
             .map(|((acc, pieces), smallest)| tensor_grid(acc, pieces, smallest, opts))
-            .collect();
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(SavePlan {
             tensors,
             bytes_per_rank,
@@ -655,51 +665,35 @@ fn assign_writers(
     (pieces, load)
 }
 
-/// Step 4: the chunk grid of one tensor from its main pieces.
+/// Step 4: the chunk grid of one tensor from its main pieces, checked against the
+/// readers' limits ([`grid::checked_grid`]).
 fn tensor_grid(
     acc: TensorAcc,
     mut pieces: Vec<PiecePlan>,
     smallest: u64,
     opts: &SavePlanOptions,
-) -> TensorPlan {
+) -> Result<TensorPlan, PlanError> {
     pieces.sort_by(|a, b| a.region.cmp(&b.region));
-    // Empty pieces hold nothing: their boundaries do not constrain the grid.
-    let refs: Vec<&Region> = pieces
-        .iter()
-        .map(|p| &p.region)
-        .filter(|r| !r.is_empty())
-        .collect();
     let elem = acc.dtype.size();
-    let (mut chunk_shape, aligned) =
-        grid::choose_chunk_shape_with(&acc.shape, &refs, elem, smallest, &opts.grid);
-    if !aligned {
-        let parts: Vec<(&Region, u32)> = pieces.iter().map(|p| (&p.region, p.writer)).collect();
-        chunk_shape = grid::refine_unaligned(
-            &acc.shape,
-            &chunk_shape,
-            &parts,
-            elem,
-            opts.grid.min_chunk_bytes.min(smallest),
-            opts.grid.min_chunk_bytes / 4,
-        );
-    }
-    let subchunk_shape = grid::subchunk_shape(
-        &chunk_shape,
-        &acc.shape,
-        elem,
-        opts.grid.subchunk_target_bytes,
-    );
+    let parts: Vec<(&Region, u32)> = pieces.iter().map(|p| (&p.region, p.writer)).collect();
+    let g =
+        grid::checked_grid(&acc.shape, &parts, elem, smallest, &opts.grid).map_err(|limit| {
+            PlanError::Limit {
+                key: acc.key.clone(),
+                limit,
+            }
+        })?;
     let metadata_writer = pieces.first().map_or(0, |p| p.writer);
-    TensorPlan {
+    Ok(TensorPlan {
         key: acc.key,
         dtype: acc.dtype,
         global_shape: acc.shape,
-        chunk_shape,
-        subchunk_shape,
-        aligned,
+        chunk_shape: g.chunk_shape,
+        subchunk_shape: g.subchunk_shape,
+        aligned: g.aligned,
         pieces,
         metadata_writer,
-    }
+    })
 }
 
 /// The writer of an unaligned chunk: the writer of the piece with the largest part (ties:

@@ -25,25 +25,79 @@ pub const OBJECT_SAVE_ID_MINOR: u32 = 2;
 /// The attribute holding the checkpoint's metadata in the root group.
 pub const ATTRIBUTE: &str = "zarrckpt";
 /// Most subchunks one shard may have (its index is 16 bytes per subchunk).
-pub const MAX_SUBCHUNKS_PER_SHARD: u64 = 1 << 24;
+pub const MAX_SUBCHUNKS_PER_SHARD: u64 = crate::plan::grid::MAX_SUBCHUNKS_PER_SHARD;
 /// Most shard files one tensor may have.
-pub const MAX_CHUNKS_PER_TENSOR: u64 = 1 << 24;
+pub const MAX_CHUNKS_PER_TENSOR: u64 = crate::plan::grid::MAX_CHUNKS_PER_TENSOR;
 /// A tensor may have more than [`MAX_SMALL_SUBCHUNKS`] subchunks (all shards together) only
-/// when they average at least this many bytes: reading a box plans one entry (a few hundred
-/// bytes) per subchunk it touches, so this keeps a whole-tensor read's plan well below the
-/// tensor's own size.
-pub const MIN_BYTES_PER_SUBCHUNK: u64 = 1024;
+/// when they average at least this many bytes (see
+/// [`crate::plan::grid::MIN_BYTES_PER_SUBCHUNK`]).
+pub const MIN_BYTES_PER_SUBCHUNK: u64 = crate::plan::grid::MIN_BYTES_PER_SUBCHUNK;
 /// Subchunks a tensor may have (all shards together) whatever their size.
-pub const MAX_SMALL_SUBCHUNKS: u64 = 1 << 16;
+pub const MAX_SMALL_SUBCHUNKS: u64 = crate::plan::grid::MAX_SMALL_SUBCHUNKS;
 /// Most shard files one checkpoint may have, all tensors together.
 pub const MAX_CHUNKS_PER_CHECKPOINT: u64 = 1 << 24;
 /// Most bytes one subchunk may hold decoded (writers never exceed it: see
 /// [`crate::plan::grid::MAX_SUBCHUNK_BYTES`]); a reader decodes a whole subchunk at a time,
 /// so this bounds what one damaged or crafted subchunk can make it allocate.
 pub const MAX_SUBCHUNK_BYTES: u64 = crate::plan::grid::MAX_SUBCHUNK_BYTES;
-/// Most bytes of a checkpoint's root `zarr.json` a reader accepts (about 200 bytes per
-/// tensor: room for over 100,000 tensors).
-pub const MAX_ROOT_JSON_BYTES: u64 = 32 << 20;
+/// Most bytes of a checkpoint's root `zarr.json` a reader reads, whatever its index holds
+/// (room for about 500,000 tensors with keys of 60 bytes, written as zarrckpt writes them).
+/// See [`root_json_limit`] for the limit an index of a given size must meet.
+pub const MAX_ROOT_JSON_BYTES: u64 = 256 << 20;
+/// The part of [`root_json_limit`] that does not grow with the index's entries: room for
+/// the `user` metadata and the members of a small index.
+pub const ROOT_JSON_BASE_BYTES: u64 = 32 << 20;
+/// What [`root_json_limit`] adds per tensor or object entry (a zarrckpt entry takes 300 to
+/// 600 bytes with real keys; a key of 1024 bytes and 32 dimensions take about 9 KiB).
+pub const ROOT_JSON_BYTES_PER_ENTRY: u64 = 16 << 10;
+
+/// The most bytes a root `zarr.json` whose index has `entries` tensor and object entries may
+/// have: [`ROOT_JSON_BASE_BYTES`] plus [`ROOT_JSON_BYTES_PER_ENTRY`] per entry, at most
+/// [`MAX_ROOT_JSON_BYTES`]. So a small index stays small whatever else a damaged or crafted
+/// file adds, and the largest real models (DeepSeek-V3's 90,000 tensors take about 45 MB)
+/// fit. Readers refuse a larger file; writers check it before writing anything.
+#[must_use]
+pub fn root_json_limit(entries: usize) -> u64 {
+    (entries as u64)
+        .saturating_mul(ROOT_JSON_BYTES_PER_ENTRY)
+        .saturating_add(ROOT_JSON_BASE_BYTES)
+        .min(MAX_ROOT_JSON_BYTES)
+}
+
+/// A reader limit of the format (spec section 4) that an index breaks: the writer refuses
+/// such a save before writing anything (rules W10 to W15), since every reader would refuse
+/// the checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IndexLimit {
+    /// A tensor's grid breaks a limit.
+    #[error("tensor `{key}` cannot be stored: {limit} (a limit every reader enforces)")]
+    Tensor {
+        /// The tensor.
+        key: TensorKey,
+        /// The limit.
+        limit: crate::plan::grid::GridLimit,
+    },
+    /// Too many shard files in all.
+    #[error(
+        "the checkpoint would have {chunks} shard files, more than the {MAX_CHUNKS_PER_CHECKPOINT} every reader accepts"
+    )]
+    ShardFiles {
+        /// Shard files of all tensors together (saturating).
+        chunks: u64,
+    },
+    /// The root `zarr.json` is too large.
+    #[error(
+        "the root zarr.json would be {bytes} bytes, more than the {limit} every reader accepts for an index of {entries} entries ({ROOT_JSON_BASE_BYTES} + {ROOT_JSON_BYTES_PER_ENTRY} per entry, at most {MAX_ROOT_JSON_BYTES}); shorten the keys or the user metadata"
+    )]
+    RootJson {
+        /// The document's size.
+        bytes: u64,
+        /// The limit for its entries.
+        limit: u64,
+        /// Tensor and object entries.
+        entries: usize,
+    },
+}
 /// Most bytes of an array's `zarr.json` a reader accepts (zarrckpt's own or a foreign one).
 pub const MAX_ARRAY_JSON_BYTES: u64 = 16 << 20;
 
@@ -303,6 +357,14 @@ impl CheckpointMeta {
                 "more than {MAX_CHUNKS_PER_CHECKPOINT} shard files in all"
             )));
         }
+        let entries = meta.tensors.len() + meta.objects.len();
+        let limit = root_json_limit(entries);
+        if bytes.len() as u64 > limit {
+            return Err(malformed(format!(
+                "the file is {} bytes, more than the {limit} a reader accepts for an index of {entries} entries ({ROOT_JSON_BASE_BYTES} + {ROOT_JSON_BYTES_PER_ENTRY} per entry)",
+                bytes.len()
+            )));
+        }
         Ok(meta)
     }
 
@@ -315,6 +377,44 @@ impl CheckpointMeta {
             "attributes": { ATTRIBUTE: self },
         });
         serde_json::to_vec_pretty(&doc).unwrap_or_default()
+    }
+
+    /// Checks the index against every reader limit that bounds it (spec section 4): each
+    /// tensor's geometry, the shard files of all tensors together and the size of the root
+    /// `zarr.json` it serialises to ([`root_json_limit`]). A writer calls it before writing
+    /// anything, with an index of the final size (a save id of the final length included).
+    ///
+    /// # Errors
+    /// The first [`IndexLimit`] broken.
+    pub fn check_writable(&self) -> Result<(), IndexLimit> {
+        let mut chunks = 0u64;
+        for (key, t) in &self.tensors {
+            crate::plan::grid::check_geometry(
+                &t.shape,
+                &t.chunk_shape,
+                &t.subchunk_shape,
+                t.dtype.size(),
+            )
+            .map_err(|limit| IndexLimit::Tensor {
+                key: key.clone(),
+                limit,
+            })?;
+            chunks = chunks.saturating_add(t.num_chunks().unwrap_or(u64::MAX));
+        }
+        if chunks > MAX_CHUNKS_PER_CHECKPOINT {
+            return Err(IndexLimit::ShardFiles { chunks });
+        }
+        let entries = self.tensors.len() + self.objects.len();
+        let limit = root_json_limit(entries);
+        let bytes = self.to_root_json().len() as u64;
+        if bytes > limit {
+            return Err(IndexLimit::RootJson {
+                bytes,
+                limit,
+                entries,
+            });
+        }
+        Ok(())
     }
 
     /// A fresh index without a save id: version 1.0, whose shards have no footer. Saves
@@ -391,38 +491,13 @@ impl TensorEntry {
         }
         crate::model::region::num_bytes(&self.chunk_shape, self.dtype.size())
             .map_err(|e| e.to_string())?;
-        let per_shard = self
-            .chunk_shape
-            .iter()
-            .zip(&self.subchunk_shape)
-            .try_fold(1u64, |acc, (c, s)| acc.checked_mul(c / s));
-        if per_shard.is_none_or(|n| n > MAX_SUBCHUNKS_PER_SHARD) {
-            return Err(format!(
-                "more than {MAX_SUBCHUNKS_PER_SHARD} subchunks per shard"
-            ));
-        }
-        let sub_bytes = num_elements(&self.subchunk_shape)
-            .ok()
-            .and_then(|n| n.checked_mul(self.dtype.size() as u64));
-        if sub_bytes.is_none_or(|n| n > MAX_SUBCHUNK_BYTES) {
-            return Err(format!(
-                "subchunk_shape {:?} holds more than {MAX_SUBCHUNK_BYTES} bytes",
-                self.subchunk_shape
-            ));
-        }
-        let subchunks = self
-            .num_chunks()
-            .zip(per_shard)
-            .and_then(|(c, p)| c.checked_mul(p));
-        let allowed = (self.nbytes() / MIN_BYTES_PER_SUBCHUNK).max(MAX_SMALL_SUBCHUNKS);
-        if subchunks.is_none_or(|n| n > allowed) {
-            return Err(format!(
-                "more subchunks than planning reads of it can afford: more than {MAX_SMALL_SUBCHUNKS}, and fewer than {MIN_BYTES_PER_SUBCHUNK} bytes each"
-            ));
-        }
-        if self.num_chunks().is_none_or(|n| n > MAX_CHUNKS_PER_TENSOR) {
-            return Err(format!("more than {MAX_CHUNKS_PER_TENSOR} shard files"));
-        }
+        crate::plan::grid::check_geometry(
+            &self.shape,
+            &self.chunk_shape,
+            &self.subchunk_shape,
+            self.dtype.size(),
+        )
+        .map_err(|e| e.to_string())?;
         Ok(())
     }
 }
