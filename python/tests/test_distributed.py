@@ -160,7 +160,8 @@ def load_job(rank, world, root):
     out = {"comm": comm_checks(rank, world)}
     model, opt = workflow.make(world, seed=2)  # other weights, no optimizer state yet
     state = {"model": model, "optim": opt, "step": 0, "rng": zc.PerRank(b"")}
-    zc.load(state, f"{root}/train")
+    # 4 -> 3 ranks: each rank takes the per-rank values its rank saved (opted in).
+    zc.load(state, f"{root}/train", per_rank="by_rank")
     out["before"] = workflow.full_state(model, opt)
     out["loss"] = workflow.train_step(model, opt, state["step"])
     out["after"] = workflow.full_state(model, opt)
@@ -170,7 +171,7 @@ def load_job(rank, world, root):
     state = dtensors(world, fill=False)
     state["replicated"] = torch.zeros(6, dtype=torch.int32)
     state["own"] = zc.PerRank(torch.zeros(2, dtype=torch.int16))
-    rep = zc.load(state, f"{root}/dtensors")
+    rep = zc.load(state, f"{root}/dtensors", per_rank="by_rank")
     bad = []
     for name, dtype, shape, placements in dtensor_specs(world):
         dt = state[name]
@@ -312,8 +313,9 @@ def per_rank_job(rank, world, root, mode):
         zc.save(state, f"{root}/ckpt")
         return None
     state["model"].weight.data.zero_()
-    if mode == "skip":
-        report = zc.load(state, f"{root}/ckpt", per_rank="skip")
+    state["rng"].value.fill_(100 + rank)  # what a rank holds before loading
+    if mode in ("skip", "by_rank"):
+        report = zc.load(state, f"{root}/ckpt", per_rank=mode)
         return {
             "skipped": report["per_rank_skipped"],
             "rng": state["rng"].value.tolist(),
@@ -333,10 +335,14 @@ def test_per_rank_values_at_a_new_world_size_are_refused_on_every_rank(tmp_path)
     # Opting in: per-rank values stay as they are, the rest loads.
     got = distributed.run(3, per_rank_job, str(tmp_path), "skip")
     assert [g["skipped"] for g in got] == [["rng"]] * 3
-    assert [g["rng"] for g in got] == [[r] * 8 for r in range(3)]
+    assert [g["rng"] for g in got] == [[100 + r] * 8 for r in range(3)]
     torch.manual_seed(0)
     want = torch.nn.Linear(4, 2).weight.sum().item()
     assert all(g["weight"] == want for g in got), (got, want)
+    # Or by rank: ranks 0 and 1 take the values their ranks saved, rank 2 keeps its own.
+    got = distributed.run(3, per_rank_job, str(tmp_path), "by_rank")
+    assert [g["skipped"] for g in got] == [[], [], ["rng"]]
+    assert [g["rng"] for g in got] == [[0] * 8, [1] * 8, [102] * 8]
 
 
 def one_rank_fails_job(rank, world, root, where):

@@ -230,13 +230,16 @@ class _Flattener:
 
     def per_rank_loads(self, key: str) -> bool:
         """Whether per-rank leaf ``key`` is loaded: at the saving world size; at another one,
-        refused (``per_rank="same_world"``) or left as it is (``"skip"``)."""
+        refused (``per_rank="same_world"``), loaded where this rank saved one (``"by_rank"``)
+        or left as it is (``"skip"``)."""
         saved = self.saved_world()
         if saved == self.world:
             return True
-        if self.per_rank_mode == "skip":
+        if self.per_rank_mode == "skip" or (self.per_rank_mode == "by_rank" and self.rank >= saved):
             self.plan.skipped.append(key)
             return False
+        if self.per_rank_mode == "by_rank":
+            return True
         raise InvalidArgumentError(
             f"per-rank value `{key}`: the checkpoint at {self.path} was saved by {saved} ranks, "
             f"this job has {self.world}; per-rank values load only at the same world size. "
@@ -535,12 +538,14 @@ def load(
     mismatch is an error. Returns this rank's load report.
 
     ``per_rank``: what :class:`PerRank` leaves do when the checkpoint was saved by another
-    number of ranks than this job has. ``"same_world"`` (default): the load is refused, on
-    every rank alike, naming the key and both world sizes (rank ``r`` loads rank ``r``'s value
-    only at the same world size, so nothing is silently dropped or left unset). ``"skip"``:
-    at another world size, per-rank leaves keep their current values and their keys are
-    listed in the report's ``per_rank_skipped``; read the saved values with
-    :func:`zarrckpt.open` (``ck.object(key, rank=r)``, ``ck[key][r]``) to redistribute them.
+    number of ranks than this job has (at the same world size, rank ``r`` loads rank ``r``'s
+    value). ``"same_world"`` (default): the load is refused, on every rank alike, naming the
+    key and both world sizes, so nothing is silently dropped or left unset. ``"by_rank"``:
+    rank ``r`` loads the value saved by rank ``r`` where there is one; ranks beyond the saving
+    world keep their current values, and saved values of ranks beyond this job's are not
+    loaded. ``"skip"``: per-rank leaves keep their current values. Keys a rank left as they
+    were are listed in its report's ``per_rank_skipped``; read the saved values with
+    :func:`zarrckpt.open` to redistribute them.
 
     Collective: when one rank fails (a leaf it cannot load, a key the checkpoint lacks, a
     refused per-rank value), every rank raises at once (see :mod:`zarrckpt._core`).
@@ -551,8 +556,10 @@ def load(
         mode = "return_unexpected"
     else:
         mode = str(strict)
-    if per_rank not in ("same_world", "skip"):
-        raise InvalidArgumentError(f"per_rank is 'same_world' or 'skip', not {per_rank!r}")
+    if per_rank not in ("same_world", "by_rank", "skip"):
+        raise InvalidArgumentError(
+            f"per_rank is 'same_world', 'by_rank' or 'skip', not {per_rank!r}"
+        )
     comm = _core.communicator(process_group)
     plans: list[_Plan] = []
 
