@@ -327,11 +327,12 @@ impl Saver {
         dir: &Path,
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
-        self.settle()?;
+        let ready = self.settle();
         // Flat pieces are saved as the boxes of their decomposition.
         let boxed = crate::model::tensor::boxed_pieces(pieces);
         let pieces = &boxed[..];
-        let agreed = steps::agree_on_layout_cached(pieces, &*self.comm, opts, &mut self.cache)?;
+        let agreed =
+            steps::agree_on_layout_cached(ready, pieces, &*self.comm, opts, &mut self.cache)?;
         steps::save_agreed(dir, &*self.comm, opts, &agreed, None)
     }
 
@@ -348,11 +349,12 @@ impl Saver {
         dir: &Path,
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
-        self.settle()?;
+        let ready = self.settle();
         // Flat pieces are saved as the boxes of their decomposition.
         let boxed = crate::model::tensor::boxed_pieces(pieces);
         let pieces = &boxed[..];
-        let agreed = steps::agree_on_layout_cached(pieces, &*self.comm, opts, &mut self.cache)?;
+        let agreed =
+            steps::agree_on_layout_cached(ready, pieces, &*self.comm, opts, &mut self.cache)?;
         let objects = crate::objects::agree_on_objects(objects, &*self.comm)?;
         let mut report = steps::save_agreed(dir, &*self.comm, opts, &agreed, Some(&objects))?;
         report.gathered_bytes += objects.gathered_bytes;
@@ -403,14 +405,20 @@ impl Saver {
         opts: &SaveOptions,
     ) -> Result<SaveHandle> {
         let t0 = Instant::now();
-        self.settle()?;
-        let threads = self.threads()?;
+        // A save still in flight (IfBusy::Fail) or a copy pool that cannot start fails every
+        // rank, in the first agreement.
+        let ready = self.settle().and_then(|()| self.threads());
         let comm = Arc::clone(&self.comm);
         let rank = comm.rank();
         // Flat pieces are saved as the boxes of their decomposition.
         let boxed = crate::model::tensor::boxed_pieces(pieces);
         let pieces = &boxed[..];
-        let agreed = steps::agree_on_layout_cached(pieces, &*comm, opts, &mut self.cache)?;
+        let (threads, ready) = match ready {
+            Ok(t) => (Some(t), Ok(())),
+            Err(e) => (None, Err(e)),
+        };
+        let agreed = steps::agree_on_layout_cached(ready, pieces, &*comm, opts, &mut self.cache)?;
+        let threads = threads.ok_or_else(|| Error::ThreadPool("no copy pool".into()))?;
         let plan = Arc::clone(&agreed.plan);
         let tasks = plan.tasks.clone();
         // Unaligned parts travel now, from the caller's buffers, while the communicator is

@@ -87,6 +87,9 @@ pub use async_save::{IfBusy, SaveHandle, Saver, SaverOptions};
 pub use checkpoint::{Checkpoint, ObjectInfo, Problem, TensorInfo};
 pub use comm::{CommError, Communicator, LocalComm, TcpComm, TcpConfig, run_local};
 pub use error::{Error, Result};
+/// The `half` crate, whose `bf16` and `f16` are [`Element`]s (stored as bfloat16 and float16):
+/// `zarrckpt::half::bf16` needs no dependency of its own.
+pub use half;
 pub use load::{LoadOptions, LoadReport, StrictMode, load, load_with_objects};
 pub use manager::{CheckpointManager, ManagerOptions, StepInfo};
 pub use model::{
@@ -102,7 +105,7 @@ pub use storage::object::StoredScope;
 pub use storage::read::ReadMethod;
 pub use storage::{Compression, StorageError};
 
-/// The README's examples, compiled as doc tests so they cannot rot.
+/// The README's Rust examples, compiled and run as doc tests so they cannot rot.
 #[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;

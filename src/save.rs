@@ -550,7 +550,12 @@ fn agree_on_layout<'p, 'a>(
 /// built from, and that plan's digest) decides. When something changed, or there is no plan to
 /// reuse, the ranks agree in full and the new plan replaces `cached`. A plan that did not
 /// validate replaces nothing.
+///
+/// `ready` is what the caller found on this rank before (a save still in flight under
+/// [`crate::IfBusy::Fail`], a thread pool that could not start): agreed on in the same first
+/// collective, so that a rank failing there fails every rank.
 pub(crate) fn agree_on_layout_cached<'p, 'a>(
+    ready: Result<()>,
     pieces: &'p [ShardedTensor<'a>],
     comm: &dyn Communicator,
     opts: &SaveOptions,
@@ -561,7 +566,7 @@ pub(crate) fn agree_on_layout_cached<'p, 'a>(
     let offered = cached
         .as_ref()
         .filter(|c| c.fits(comm.world_size(), &plan_opts));
-    let (layout, local) = agree(comm, local_layout(pieces))?;
+    let (layout, local) = agree(comm, ready.and_then(|()| local_layout(pieces)))?;
     let (leaf, own) = own_description(comm, &layout);
     let check = cache::check_message(offered, own);
     let reduced = comm.all_reduce(&check, &cache::merge_checks)?;

@@ -1591,7 +1591,12 @@ fn overwrite_refuses_a_directory_that_is_not_a_checkpoint() {
     };
     let res = save_ranks(&dir, 2, &opts, standard(2));
     assert!(
-        matches!(storage(res[0].as_ref().unwrap_err()), StorageError::AlreadyExists { path } if path == &dir)
+        matches!(storage(res[0].as_ref().unwrap_err()), StorageError::NotReplaceable { path } if path == &dir)
+    );
+    let e0 = res[0].as_ref().unwrap_err().to_string();
+    assert!(
+        e0.contains("not a zarrckpt checkpoint") && !e0.contains("pass overwrite"),
+        "{e0}"
     );
     assert!(matches!(
         res[1].as_ref().unwrap_err(),

@@ -114,6 +114,41 @@ fn load(
     convert::load_report(py, &report)
 }
 
+/// Checks, without saving, what a save on this rank would be handed: the pieces (keys, boxes
+/// inside their global shapes, buffer sizes, bool bytes), the objects and the options.
+/// `zarrckpt._core` runs it before the ranks agree on the outcome of preparing a call, so that
+/// a rank whose input the core would refuse before its first collective fails on every rank.
+#[pyfunction]
+#[pyo3(signature = (pieces, objects, options))]
+fn check_save(
+    py: Python<'_>,
+    pieces: &Bound<'_, PyList>,
+    objects: Option<&Bound<'_, PyList>>,
+    options: &Bound<'_, PyDict>,
+) -> PyResult<()> {
+    let spec = SaveSpec::extract(pieces)?;
+    objects.map(save_objects).transpose()?;
+    save_options(options)?;
+    py.detach(|| pieces_of(&spec).map(drop))
+        .map_err(|e| to_py(py, &e, None))
+}
+
+/// As [`check_save`], for a load's host targets, object requests and options.
+#[pyfunction]
+#[pyo3(signature = (targets, objects, options))]
+fn check_load(
+    py: Python<'_>,
+    targets: &Bound<'_, PyList>,
+    objects: Option<&Bound<'_, PyList>>,
+    options: &Bound<'_, PyDict>,
+) -> PyResult<()> {
+    let spec = LoadSpec::extract(targets)?;
+    objects.map(object_requests).transpose()?;
+    load_options(options)?;
+    py.detach(|| targets_of(&spec).map(drop))
+        .map_err(|e| to_py(py, &e, None))
+}
+
 /// Repeated and asynchronous saves on one communicator (zarrckpt's `Saver`): the plan the
 /// ranks agreed on is reused while the structure is unchanged, staging memory is reused.
 #[pyclass(module = "zarrckpt._native")]
@@ -353,6 +388,11 @@ impl Checkpoint {
     /// The number of ranks that saved the checkpoint.
     fn world_size(&self) -> u64 {
         self.inner.meta().world_size
+    }
+
+    /// The save id the index records (32 hex digits; `None` for a version 1.0 checkpoint).
+    fn save_id(&self) -> Option<String> {
+        self.inner.meta().save_id.map(|id| id.hex())
     }
 
     /// Reads the box (`offset`, `shape`) of tensor `key` into `nbytes` bytes at `address`
@@ -630,6 +670,8 @@ impl ConversionPlan {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
+    m.add_function(wrap_pyfunction!(check_save, m)?)?;
+    m.add_function(wrap_pyfunction!(check_load, m)?)?;
     m.add_function(wrap_pyfunction!(convert_plan, m)?)?;
     m.add_class::<ConversionPlan>()?;
     m.add_class::<Saver>()?;

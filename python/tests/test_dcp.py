@@ -251,6 +251,48 @@ def test_save_planner_refuses_what_it_would_have_to_pickle(tmp_path):
         )
 
 
+def bytesio_job(rank, world, root):
+    # DCP's own e2e case: a replicated io.BytesIO, which DCP gives to one rank to write and
+    # zarrckpt's planner refuses there (it pickles nothing).
+    state = {"w": torch.arange(8.0), "buf": io.BytesIO(b"abc")}
+    try:
+        dcp.save(state, storage_writer=zd.StorageWriter(f"{root}/c"), planner=zd.SavePlanner())
+    except CheckpointException as e:
+        return {"failed": True, "text": str(e)}
+    return {"failed": False, "text": ""}
+
+
+def test_a_rank_refused_by_the_planner_does_not_strand_the_others(tmp_path):
+    """Before: the refusing rank waited in DCP's gather while the others waited forever in
+    the collective save inside write_data. Now every rank raises CheckpointException."""
+    os.environ["ZARRCKPT_TIMEOUT_S"] = "900"  # a rank left waiting shows up as hung
+    try:
+        out = distributed.run(SAVE_WORLD, bytesio_job, str(tmp_path), timeout=120)
+    finally:
+        del os.environ["ZARRCKPT_TIMEOUT_S"]
+    assert all(o["failed"] for o in out), out
+    assert all("pickles nothing" in o["text"] for o in out), out
+    assert not (tmp_path / "c" / "zarr.json").exists()
+
+
+def test_dcp_conventions_overwrite_and_save_id(tmp_path):
+    path = tmp_path / "c"
+    dcp.save({"t": torch.ones(2)}, storage_writer=zd.StorageWriter(path), planner=zd.SavePlanner())
+    first = zd.StorageReader(path).read_metadata().storage_meta.save_id
+    assert re.fullmatch("[0-9a-f]{32}", first or ""), first
+    # PyTorch's own overwrite test matches these words.
+    with pytest.raises(CheckpointException, match="Checkpoint already exists"):
+        dcp.save(
+            {"t": torch.zeros(2)},
+            storage_writer=zd.StorageWriter(path, overwrite=False),
+            planner=zd.SavePlanner(),
+        )
+    assert zd.StorageReader(path).read_metadata().storage_meta.save_id == first
+    dcp.save({"t": torch.zeros(2)}, storage_writer=zd.StorageWriter(path), planner=zd.SavePlanner())
+    second = zd.StorageReader(path).read_metadata().storage_meta.save_id
+    assert re.fullmatch("[0-9a-f]{32}", second or "") and second != first
+
+
 def test_import_of_a_dcp_checkpoint(jobs):
     """DCP's own format (FileSystemWriter, 4 ranks, DTensor shards) imported into zarrckpt
     holds what zarrckpt's writer stored from the same state, bit for bit."""

@@ -160,7 +160,8 @@ def load_job(rank, world, root):
     out = {"comm": comm_checks(rank, world)}
     model, opt = workflow.make(world, seed=2)  # other weights, no optimizer state yet
     state = {"model": model, "optim": opt, "step": 0, "rng": zc.PerRank(b"")}
-    zc.load(state, f"{root}/train")
+    # 4 -> 3 ranks: each rank takes the per-rank values its rank saved (opted in).
+    zc.load(state, f"{root}/train", per_rank="by_rank")
     out["before"] = workflow.full_state(model, opt)
     out["loss"] = workflow.train_step(model, opt, state["step"])
     out["after"] = workflow.full_state(model, opt)
@@ -170,7 +171,7 @@ def load_job(rank, world, root):
     state = dtensors(world, fill=False)
     state["replicated"] = torch.zeros(6, dtype=torch.int32)
     state["own"] = zc.PerRank(torch.zeros(2, dtype=torch.int16))
-    rep = zc.load(state, f"{root}/dtensors")
+    rep = zc.load(state, f"{root}/dtensors", per_rank="by_rank")
     bad = []
     for name, dtype, shape, placements in dtensor_specs(world):
         dt = state[name]
@@ -276,6 +277,106 @@ def test_a_dead_rank_is_an_error_not_a_hang(tmp_path):
     assert out[0]["type"] == "CommError", out[0]
     assert "rank 0" in out[0]["error"]
     assert not (tmp_path / "second" / "zarr.json").exists()
+
+
+# Failing together: one rank's error reaches every rank at once. ZARRCKPT_TIMEOUT_S is set
+# far above the harness's bound, so a rank left waiting shows up as "hung" (a failure), never
+# as a timeout error that would pass for an agreed one.
+AGREE_LIMIT_S = 120
+
+
+def _failing(world, fn, *args):
+    os.environ["ZARRCKPT_TIMEOUT_S"] = "900"
+    try:
+        return distributed.run(world, fn, *args, expect_failure=True, timeout=AGREE_LIMIT_S)
+    finally:
+        del os.environ["ZARRCKPT_TIMEOUT_S"]
+
+
+def _readme_state(rank):
+    import zarrckpt.torch as zc
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    return {
+        "model": model,
+        "step": 1200,
+        "rng": zc.PerRank(torch.full((8,), rank, dtype=torch.uint8)),
+    }
+
+
+def per_rank_job(rank, world, root, mode):
+    import zarrckpt.torch as zc
+
+    state = _readme_state(rank)
+    if mode == "save":
+        zc.save(state, f"{root}/ckpt")
+        return None
+    state["model"].weight.data.zero_()
+    state["rng"].value.fill_(100 + rank)  # what a rank holds before loading
+    if mode in ("skip", "by_rank"):
+        report = zc.load(state, f"{root}/ckpt", per_rank=mode)
+        return {
+            "skipped": report["per_rank_skipped"],
+            "rng": state["rng"].value.tolist(),
+            "weight": state["model"].weight.sum().item(),
+        }
+    zc.load(state, f"{root}/ckpt")
+
+
+def test_per_rank_values_at_a_new_world_size_are_refused_on_every_rank(tmp_path):
+    """The README's state saved by 2 ranks, loaded by 3: rank 2 has no saved rng. Every rank
+    raises the same error (before: rank 2 raised, ranks 0 and 1 waited in a collective)."""
+    distributed.run(2, per_rank_job, str(tmp_path), "save")
+    out = _failing(3, per_rank_job, str(tmp_path), "load")
+    assert [o["type"] for o in out] == ["InvalidArgumentError"] * 3, out
+    assert len({o["error"] for o in out}) == 1, out
+    assert "`rng`" in out[0]["error"] and "saved by 2 ranks, this job has 3" in out[0]["error"]
+    # Opting in: per-rank values stay as they are, the rest loads.
+    got = distributed.run(3, per_rank_job, str(tmp_path), "skip")
+    assert [g["skipped"] for g in got] == [["rng"]] * 3
+    assert [g["rng"] for g in got] == [[100 + r] * 8 for r in range(3)]
+    torch.manual_seed(0)
+    want = torch.nn.Linear(4, 2).weight.sum().item()
+    assert all(g["weight"] == want for g in got), (got, want)
+    # Or by rank: ranks 0 and 1 take the values their ranks saved, rank 2 keeps its own.
+    got = distributed.run(3, per_rank_job, str(tmp_path), "by_rank")
+    assert [g["skipped"] for g in got] == [[], [], ["rng"]]
+    assert [g["rng"] for g in got] == [[0] * 8, [1] * 8, [102] * 8]
+
+
+def one_rank_fails_job(rank, world, root, where):
+    import zarrckpt._core as core
+    import zarrckpt.torch as zc
+
+    bad = rank == world - 1
+    if where == "save":
+        # A leaf zarrckpt does not save, on one rank only: refused while flattening.
+        zc.save({"w": torch.zeros(3), "x": object() if bad else 1}, f"{root}/s")
+    elif where == "load":
+        zc.save({"w": torch.zeros(3)}, f"{root}/l")
+        zc.load({"w": torch.zeros(3), "extra": {1, 2} if bad else torch.zeros(3)}, f"{root}/l")
+    elif where == "core":
+        # A key the core refuses before its first collective (checked natively).
+        key = "../escape" if bad else "w"
+        t = torch.zeros(3)
+        core.save(
+            f"{root}/c", [core.Piece(key, t, (3,), (0,), replica="auto")], comm=core.communicator()
+        )
+    elif where == "async":
+        h = zc.async_save({"w": torch.zeros(3), "x": object() if bad else 1}, f"{root}/a")
+        h.wait()
+
+
+@pytest.mark.parametrize("where", ["save", "load", "core", "async"])
+def test_an_error_on_one_rank_reaches_every_rank(tmp_path, where):
+    out = _failing(3, one_rank_fails_job, str(tmp_path), where)
+    types = [o["type"] for o in out]
+    assert types == ["InvalidArgumentError"] * 3, out
+    own = out[2]["error"]
+    for o in out[:2]:
+        assert o["error"] == f"rank 2 failed: {own}", out
+    assert not (tmp_path / "s" / "zarr.json").exists()
 
 
 TORCHRUN_SCRIPT = textwrap.dedent("""

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from collections import namedtuple
 
 import pytest
@@ -200,3 +203,56 @@ def test_checkpoint_is_plain_zarr_json(tmp_path):
     zc.save({"w": torch.ones(3, dtype=torch.bfloat16), "cfg": {"a": 1}}, tmp_path / "c")
     root = json.loads((tmp_path / "c" / "zarr.json").read_text())
     assert root["zarr_format"] == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# a failed asynchronous save is never silent
+
+
+def _run(script: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_failed_async_save_never_waited_on_fails_the_process(tmp_path):
+    (tmp_path / "notckpt").mkdir()
+    (tmp_path / "notckpt" / "keep.txt").write_text("keep")
+    out = _run(
+        """
+        import torch, zarrckpt.torch as zc
+        zc.async_save({"w": torch.zeros(2)}, "notckpt")
+        print("script done")
+        """,
+        tmp_path,
+    )
+    assert "script done" in out.stdout, out.stderr
+    assert out.returncode == 1, (out.returncode, out.stderr)
+    assert "never waited on" in out.stderr and "StorageError" in out.stderr, out.stderr
+    # overwrite is on (the default): the message says why, not "pass overwrite".
+    assert "not a zarrckpt checkpoint" in out.stderr, out.stderr
+    assert "pass overwrite" not in out.stderr, out.stderr
+    assert (tmp_path / "notckpt" / "keep.txt").read_text() == "keep"
+
+
+def test_a_failed_async_save_seen_by_the_caller_exits_normally(tmp_path):
+    (tmp_path / "notckpt").mkdir()
+    (tmp_path / "notckpt" / "keep.txt").write_text("keep")
+    out = _run(
+        """
+        import torch, zarrckpt.torch as zc
+        h = zc.async_save({"w": torch.zeros(2)}, "notckpt")
+        print("caught", type(h.exception()).__name__)
+        ok = zc.async_save({"w": torch.zeros(2)}, "fresh")
+        ok.wait()
+        zc.async_save({"w": torch.ones(2)}, "fresh")  # succeeds, never waited on: fine
+        """,
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "caught StorageError" in out.stdout
+    assert "never waited on" not in out.stderr

@@ -41,6 +41,13 @@ Calls (collective: every rank of ``comm`` calls them, in the same order)::
 The GIL is released while the core plans, reads and writes. Errors are
 :mod:`zarrckpt._errors` exceptions carrying the core's message (key, chunk, rank, path).
 
+Failing together: a rank that fails while preparing a call (building its pieces, a state dict
+leaf the front refuses, an option it cannot take) still takes part in the call's first
+collective, reporting its error instead of its pieces, and the core agrees on the outcome of
+every later step the same way. So when one rank fails, every rank raises at once: the failed
+rank its own error, every other rank the same class with ``rank R failed: <its message>``
+(``details["rank"]``), never a wait for a rank that is no longer coming.
+
 Saves and loads on one :class:`TorchComm` never overlap: a save or load first waits for an
 asynchronous save still in flight on it (its background thread owns the communicator's
 group meanwhile). Repeated saves on one communicator reuse the agreed plan while the
@@ -50,9 +57,11 @@ structure is unchanged (a constant-size check instead of the full agreement).
 from __future__ import annotations
 
 import atexit
+import builtins
 import datetime
 import json
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -62,8 +71,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _native
-from ._errors import CommError, InvalidArgumentError
+from . import _errors, _native
+from ._errors import CommError, InvalidArgumentError, ZarrckptError
 
 __all__ = [
     "Piece",
@@ -383,6 +392,26 @@ def _options(options: dict, load: bool) -> dict:
 # the communicator over torch.distributed
 
 
+# The Rust core's default timeout (zarrckpt::comm::DEFAULT_TIMEOUT), in seconds.
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def _env_timeout() -> float:
+    """``ZARRCKPT_TIMEOUT_S`` (a positive number of seconds), else :data:`DEFAULT_TIMEOUT_S`."""
+    text = os.environ.get("ZARRCKPT_TIMEOUT_S", "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise InvalidArgumentError(
+            f"ZARRCKPT_TIMEOUT_S={text!r}: a positive, finite number of seconds"
+        )
+    return value
+
+
 class TorchComm:
     """zarrckpt's communicator over a torch.distributed process group.
 
@@ -394,9 +423,13 @@ class TorchComm:
     and payloads as uint8 tensors, never pickled objects. A message of up to 64 KiB (less
     beyond 64 ranks) takes one collective; a longer one a second for its rest.
 
-    ``timeout`` (seconds; default ``ZARRCKPT_TIMEOUT_S`` if set, else torch's default for
-    gloo groups) bounds each collective: a rank that died is noticed at once (its
-    connections close), one that hangs within the timeout.
+    ``timeout`` (seconds; default ``ZARRCKPT_TIMEOUT_S`` if set, else 60, the Rust core's
+    default) bounds each collective wait: a rank that died is noticed at once (its
+    connections close), one that hangs within the timeout. Unlike the core's TCP
+    communicator, gloo has no heartbeat, so a rank that is alive but late by more than the
+    timeout (a much larger share to write) fails the collective too: raise
+    ``ZARRCKPT_TIMEOUT_S`` for such jobs. An error on one rank never waits for the timeout:
+    every rank learns it at the next agreement (see the module).
     """
 
     def __init__(self, group: Any = None, timeout: float | None = None) -> None:
@@ -404,9 +437,11 @@ class TorchComm:
 
         if not (dist.is_available() and dist.is_initialized()):
             raise InvalidArgumentError("torch.distributed is not initialised")
-        if timeout is None and os.environ.get("ZARRCKPT_TIMEOUT_S"):
-            timeout = float(os.environ["ZARRCKPT_TIMEOUT_S"])
-        self._timeout = timeout
+        if timeout is None:
+            timeout = _env_timeout()
+        if not (isinstance(timeout, int | float) and 0 < timeout < float("inf")):
+            raise InvalidArgumentError(f"timeout: a positive number of seconds, not {timeout!r}")
+        self._timeout = float(timeout)
         self._dist = dist
         self._parent = group
         self._group: Any = None
@@ -426,11 +461,11 @@ class TorchComm:
                 ranks = None
                 if self._parent is not None:
                     ranks = sorted(dist.get_process_group_ranks(self._parent))
-                kw: dict[str, Any] = {}
-                if self._timeout is not None:
-                    kw["timeout"] = datetime.timedelta(seconds=self._timeout)
                 self._group = dist.new_group(
-                    ranks=ranks, backend="gloo", use_local_synchronization=True, **kw
+                    ranks=ranks,
+                    backend="gloo",
+                    use_local_synchronization=True,
+                    timeout=datetime.timedelta(seconds=self._timeout),
                 )
                 if dist.get_rank(self._group) != self.rank:
                     raise InvalidArgumentError(
@@ -586,7 +621,9 @@ def communicator(group: Any = None) -> TorchComm | None:
 
 _local_saver: Any = None
 _local_inflight: SaveHandle | None = None
-_pending: weakref.WeakSet = weakref.WeakSet()
+# Asynchronous saves whose outcome nobody has seen yet (held strongly: a failure must be
+# reported at exit even when the caller dropped its handle).
+_pending: set = set()
 
 
 _other_savers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -630,25 +667,125 @@ def _device_saver(comm: Any, dev: Any) -> Any:
 
 _PLACEHOLDER: list[Any] = []
 
+# Bytes of an error message that travel in an agreement (the rest is cut).
+_AGREE_TEXT = 4000
 
-def _save_device(comm: Any, dev: Any) -> Any:
+
+def _outcome(error: BaseException | None, flag: bool) -> bytes:
+    """This rank's message in an agreement: ok or failed, a flag, and the error's class and
+    text when it failed."""
+    if error is None:
+        return bytes([0, int(flag)])
+    cls = type(error)
+    name = cls.__name__ if cls.__module__ in ("zarrckpt._errors", "builtins") else ""
+    text = f"{name or cls.__qualname__}\0{error}".encode("utf-8", "replace")[:_AGREE_TEXT]
+    return bytes([1, int(flag)]) + (b"Z" if name else b"-") + text
+
+
+def _remote_error(rank: int, payload: bytes) -> Exception:
+    """The exception raised on every other rank when ``rank`` failed: the same class (a
+    zarrckpt or built-in one; otherwise :class:`CommError`) and message."""
+    known, body = payload[:1] == b"Z", payload[1:].decode("utf-8", "replace")
+    name, _, text = body.partition("\0")
+    cls = (getattr(_errors, name, None) or getattr(builtins, name, None)) if known else None
+    message = f"rank {rank} failed: {text}" if known else f"rank {rank} failed: {name}: {text}"
+    err: Exception | None = None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            err = cls(message)
+        except Exception:  # noqa: BLE001 - a class whose constructor wants more
+            err = None
+    if err is None:
+        err = CommError(message)
+    if isinstance(err, ZarrckptError):
+        err.kind = "RemoteFailure"
+        err.details = {"rank": rank}
+    return err
+
+
+def _agree(comm: Any, prepare: Any, flag_of: Any = None) -> tuple[Any, list[bool]]:
+    """Runs ``prepare()`` on this rank and agrees on its outcome with every rank of ``comm``
+    (one all-gather of a few bytes): returns its value and every rank's ``flag_of(value)``
+    when every rank succeeded; otherwise raises on every rank, this rank's own error where it
+    failed, the lowest failed rank's (same class, ``rank R failed: ...``) elsewhere. A rank
+    whose preparation fails thus never leaves the others waiting in a collective."""
+    error: Exception | None = None
+    value: Any = None
+    try:
+        value = prepare()
+    except Exception as e:  # noqa: BLE001 - reported to every rank, then raised
+        error = e
+    flag = bool(flag_of(value)) if error is None and flag_of is not None else False
+    if comm is None:
+        if error is not None:
+            raise error
+        return value, [flag]
+    try:
+        messages = [bytes(m) for m in comm.all_gather(_outcome(error, flag))]
+    except Exception as e:
+        if error is not None:
+            raise error from None
+        if isinstance(e, CommError):
+            raise
+        raise CommError(f"rank {comm.rank}: agreeing on the outcome of preparing: {e}") from e
+    if error is not None:
+        raise error
+    for r, m in enumerate(messages):
+        if m[:1] == b"\x01":
+            raise _remote_error(r, m[2:])
+    return value, [m[1:2] == b"\x01" for m in messages]
+
+
+def _save_device(anyone: bool, dev: Any) -> Any:
     """The device a save runs through, or ``None`` for the host path. Saves from CUDA memory
     and from host memory run different collectives, so every rank takes the device path when
     any rank has CUDA pieces (a rank without them, through a stand-in device it never uses)."""
-    if comm is not None:
-        try:
-            anyone = any(bytes(k) == b"\x01" for k in comm.all_gather(bytes([dev is not None])))
-        except CommError:
-            raise
-        except Exception as e:
-            raise CommError(f"rank {comm.rank}: agreeing on the save path: {e}") from e
-    else:
-        anyone = dev is not None
     if not anyone or dev is not None:
         return dev
     if not _PLACEHOLDER:
         _PLACEHOLDER.append(_native.Device.simulated())
     return _PLACEHOLDER[0]
+
+
+def _prepare_save(pieces: list[Piece], objects: Any, options: dict) -> tuple:
+    tuples, device, dev = _split(pieces, load=False)
+    objs = _object_tuples(objects)
+    opts = _options(options, load=False)
+    _native.check_save(tuples, objs, opts)
+    # The pieces own the memory the tuples point to (staged copies too): kept until the call.
+    return tuples, device, dev, objs, opts, pieces
+
+
+def _save(path: Any, prepare: Any, comm: Any, options: dict, asynchronous: bool) -> Any:
+    """A save (``asynchronous``: started) whose pieces and objects ``prepare()`` returns, the
+    outcome of preparing agreed on by every rank first (see :func:`_agree`)."""
+    global _local_inflight
+    _wait_idle(comm)
+    (tuples, device, dev, objs, opts, keep), cuda = _agree(
+        comm,
+        lambda: _prepare_save(*prepare(), options),
+        lambda v: v[2] is not None,
+    )
+    dev = _save_device(any(cuda), dev)
+    if not asynchronous:
+        if dev is not None:
+            report = _device_saver(comm, dev).save(str(path), tuples, device, objs, opts)
+        else:
+            report = _saver(comm).save(str(path), tuples, objs, opts)
+        del keep
+        return report
+    if dev is not None:
+        native = _device_saver(comm, dev).save_async(str(path), tuples, device, objs, opts)
+    else:
+        native = _saver(comm).save_async(str(path), tuples, objs, opts)
+    del keep  # copied into staging memory by now
+    handle = SaveHandle(native, path=str(path))
+    if comm is None:
+        _local_inflight = handle
+    elif hasattr(comm, "wait_idle"):
+        comm._inflight = handle
+    _pending.add(handle)
+    return handle
 
 
 def save(
@@ -665,14 +802,44 @@ def save(
     ``file_bytes``, ``assigned_bytes``, ``write_balance``, ``plan_s``, ``gathered_bytes``,
     ``plan_reused``.
     """
-    tuples, device, dev = _split(pieces, load=False)
-    objs = _object_tuples(objects)
+    return _save(path, lambda: (pieces, objects), comm, options, asynchronous=False)
+
+
+def _prepare_load(pieces: list[Piece], objects: Any, rank: int, strict: str, options: dict):
+    host, device, dev = _split(pieces, load=True)
+    tuples = _disjoint(host)
+    # The same CUDA memory asked for twice (tied weights) is loaded once, from the first key.
+    seen: set[tuple] = set()
+    unique = []
+    for t in device:
+        memory = (t[5], t[4], t[6])  # address, shape, strides
+        if memory not in seen:
+            seen.add(memory)
+            unique.append(t)
+    reqs = _request_tuples(objects, rank)
+    options = dict(options)
+    staging = int(options.pop("staging_bytes", 1 << 30))
+    opts = _options(options, load=True)
+    opts["strict"] = strict
+    _native.check_load(tuples, reqs, opts)
+    # The pieces own the memory the tuples point to: kept until the call returns.
+    return tuples, unique, dev, reqs, opts, staging, pieces
+
+
+def _load(path: Any, prepare: Any, comm: Any, strict: str, options: dict) -> dict:
+    """A load into the pieces and objects ``prepare()`` returns, the outcome of preparing
+    agreed on by every rank first (see :func:`_agree`)."""
+    rank = comm.rank if comm is not None else 0
     _wait_idle(comm)
-    dev = _save_device(comm, dev)
-    if dev is not None:
-        saver = _device_saver(comm, dev)
-        return saver.save(str(path), tuples, device, objs, _options(options, load=False))
-    return _saver(comm).save(str(path), tuples, objs, _options(options, load=False))
+    (tuples, device, dev, reqs, opts, staging, keep), _ = _agree(
+        comm, lambda: _prepare_load(*prepare(), rank, strict, options)
+    )
+    # Every load goes through the device path (host targets in its first round), CUDA
+    # targets or not, so that ranks with and without them run the same collectives.
+    report = _native.load_device(str(path), tuples, device, reqs, comm, opts, dev, staging)
+    del keep
+    report["objects"] = [_decode(v) for v in report["objects"]]
+    return report
 
 
 def load(
@@ -690,36 +857,17 @@ def load(
     strict mode skipped). Pieces sharing the very same memory (tied weights under two keys)
     are loaded once, from the first one's key. Collective: every rank passes ``objects`` (a
     list, possibly empty) or every rank passes ``None``."""
-    host, device, dev = _split(pieces, load=True)
-    tuples = _disjoint(host)
-    # The same CUDA memory asked for twice (tied weights) is loaded once, from the first key.
-    seen: set[tuple] = set()
-    unique = []
-    for t in device:
-        memory = (t[5], t[4], t[6])  # address, shape, strides
-        if memory not in seen:
-            seen.add(memory)
-            unique.append(t)
-    device = unique
-    rank = comm.rank if comm is not None else 0
-    reqs = _request_tuples(objects, rank)
-    _wait_idle(comm)
-    staging = int(options.pop("staging_bytes", 1 << 30))
-    opts = _options(options, load=True)
-    opts["strict"] = strict
-    # Every load goes through the device path (host targets in its first round), CUDA
-    # targets or not, so that ranks with and without them run the same collectives.
-    report = _native.load_device(str(path), tuples, device, reqs, comm, opts, dev, staging)
-    report["objects"] = [_decode(v) for v in report["objects"]]
-    return report
+    return _load(path, lambda: (pieces, objects), comm, strict, options)
 
 
 class SaveHandle:
     """An asynchronous save in flight: :meth:`wait` for the report, :meth:`done` to poll,
     :meth:`exception` for the error (or ``None``)."""
 
-    def __init__(self, native: Any, keep: Any = None) -> None:
+    def __init__(self, native: Any, keep: Any = None, path: str = "") -> None:
         self._native = native
+        self._path = path
+        self._observed = False  # wait() or exception() reported the outcome
         self._keep = keep
         self._result: dict | None = None
         self._error: BaseException | None = None
@@ -740,6 +888,8 @@ class SaveHandle:
                 self._error = e
             self._settled = True
             self._keep = None
+            if self._error is None:
+                _pending.discard(self)
 
     def done(self) -> bool:
         """True once writing, fsync and commit are over (successfully or not)."""
@@ -748,6 +898,8 @@ class SaveHandle:
     def wait(self) -> dict:
         """Waits for the save; returns its report or raises its error."""
         self._settle()
+        self._observed = True
+        _pending.discard(self)
         if self._error is not None:
             raise self._error
         assert self._result is not None
@@ -758,6 +910,8 @@ class SaveHandle:
     def exception(self) -> BaseException | None:
         """Waits for the save; returns its error, or ``None`` if it succeeded."""
         self._settle()
+        self._observed = True
+        _pending.discard(self)
         return self._error
 
 
@@ -771,32 +925,32 @@ def async_save(
 ) -> SaveHandle:
     """Starts a save that finishes in the background (collective). Returns once this rank's
     pieces are copied into staging memory (the caller may change its tensors then) and the
-    objects are taken; writing, fsync and commit go on in a background thread."""
-    global _local_inflight
-    tuples, device, dev = _split(pieces, load=False)
-    objs = _object_tuples(objects)
-    _wait_idle(comm)
-    dev = _save_device(comm, dev)
-    opts = _options(options, load=False)
-    if dev is not None:
-        native = _device_saver(comm, dev).save_async(str(path), tuples, device, objs, opts)
-    else:
-        native = _saver(comm).save_async(str(path), tuples, objs, opts)
-    handle = SaveHandle(native)
-    if comm is None:
-        _local_inflight = handle
-    elif hasattr(comm, "wait_idle"):
-        comm._inflight = handle
-    _pending.add(handle)
-    return handle
+    objects are taken; writing, fsync and commit go on in a background thread.
+
+    A save that fails is never silent: if its handle was not waited on (``wait()``,
+    ``exception()``) when the interpreter exits, the error is printed to stderr and the
+    process exits with status 1, as an uncaught exception would."""
+    return _save(path, lambda: (pieces, objects), comm, options, asynchronous=True)
 
 
 @atexit.register
 def _finish_pending() -> None:
     # A background save calls back into Python (the communicator): let it end before the
-    # interpreter does.
+    # interpreter does. A failure nobody asked about is reported as loudly as an uncaught
+    # exception: on stderr, and by the exit status.
+    failed = False
     for h in list(_pending):
         try:
             h._settle()
         except BaseException:  # noqa: BLE001
             pass
+        if h._error is not None and not h._observed:
+            failed = True
+            sys.stderr.write(
+                f"zarrckpt: the asynchronous save to {h._path} failed and was never waited "
+                f"on: {type(h._error).__name__}: {h._error}\n"
+            )
+    if failed:
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)

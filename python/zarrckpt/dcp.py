@@ -100,7 +100,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from . import _core, _dtensor, _native
-from ._errors import InvalidArgumentError
+from ._errors import InvalidArgumentError, StorageError
 from .torch import _is_json, _like
 
 __all__ = [
@@ -391,18 +391,42 @@ class StorageWriter(_DcpStorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # As DCP's FileSystemWriter: refused in DCP's planning step, so every rank raises a
+        # CheckpointException naming it, with DCP's own words.
+        if (
+            self.path is not None
+            and not self.options.get("overwrite", True)
+            and _is_checkpoint(self.path)
+        ):
+            raise StorageError(
+                f"Checkpoint already exists and overwrite=False: {self.path} holds a zarrckpt "
+                "checkpoint (pass overwrite=True to replace it atomically)"
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
 
     def write_data(self, plan: SavePlan, planner: Any) -> Future:
-        if self.path is None:
-            raise InvalidArgumentError("StorageWriter: no path (checkpoint_id) given")
+        results: list[WriteResult] = []
+
+        # Resolving DCP's items (the planner's transform_object may refuse a value) is the
+        # first step of the collective save: a rank that fails here still takes part, so
+        # every rank raises at once instead of waiting for it.
+        def prepare() -> tuple:
+            if self.path is None:
+                raise InvalidArgumentError("StorageWriter: no path (checkpoint_id) given")
+            return self._resolve(plan, planner, results)
+
+        comm = _comm(self.process_group)
+        self.last_report = _core._save(self.path, prepare, comm, dict(self.options), False)
+        return _done(results)
+
+    def _resolve(self, plan: SavePlan, planner: Any, results: list[WriteResult]) -> tuple:
+        """The pieces and objects of DCP's write items (and their results, into ``results``)."""
         mappings = getattr(planner, "mappings", None) or {}
         pieces: list[_core.Piece] = []
         objects: list[_core.Object] = []
-        results: list[WriteResult] = []
         keys: dict[str, str] = {}
         for item in plan.items:
             fqn = item.index.fqn
@@ -444,10 +468,7 @@ class StorageWriter(_DcpStorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=None))
         pickled = [] if isinstance(planner, SavePlanner) else sorted(o.key for o in objects)
         objects.append(_core.Object(TORCH_SAVE_FLAG, {"torch_save": pickled}, "per_rank"))
-        self.last_report = _core.save(
-            self.path, pieces, objects, comm=_comm(self.process_group), **self.options
-        )
-        return _done(results)
+        return pieces, objects
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # The collective save in write_data has committed the checkpoint on every rank.
@@ -599,7 +620,9 @@ class StorageReader(_DcpStorageReader):
         return Metadata(
             state_dict_metadata=md,
             planner_data={f: tuple(k.split("/")) for f, k in keys.items()},
-            storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
+            storage_meta=StorageMeta(
+                checkpoint_id=self.path, save_id=ck.save_id(), load_id=self.load_id
+            ),
         )
 
     def set_up_storage_reader(
@@ -616,12 +639,34 @@ class StorageReader(_DcpStorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Future:
-        if self.path is None:
-            raise InvalidArgumentError("StorageReader: no path (checkpoint_id) given")
         pieces: list[_core.Piece] = []
         tensors: list[tuple[ReadItem, torch.Tensor, torch.Tensor | None]] = []
         requests: list[_core.Object] = []
         byte_items: list[tuple[ReadItem, int, tuple[str, ...]]] = []
+
+        # Resolving DCP's read items is the first step of the collective load: a rank that
+        # fails here still takes part, so every rank raises at once.
+        def prepare() -> tuple:
+            if self.path is None:
+                raise InvalidArgumentError("StorageReader: no path (checkpoint_id) given")
+            self._resolve(plan, planner, pieces, tensors, requests, byte_items)
+            return pieces, requests
+
+        report = _core._load(
+            self.path, prepare, _comm(self.process_group), "raise_unexpected", dict(self.options)
+        )
+        return self._finish_read(report, planner, requests, tensors, byte_items)
+
+    def _resolve(
+        self,
+        plan: LoadPlan,
+        planner: Any,
+        pieces: list,
+        tensors: list,
+        requests: list,
+        byte_items: list,
+    ) -> None:
+        """The pieces and object requests of DCP's read items, into the lists given."""
         requested: dict[str, int] = {}
         for item in plan.items:
             fqn = item.storage_index.fqn
@@ -651,14 +696,10 @@ class StorageReader(_DcpStorageReader):
             offset = tuple(int(b) + int(o) for b, o in zip(base, item.storage_offsets, strict=True))
             pieces.append(_core.Piece(key, mem, self.shapes[fqn], offset, cast=self.cast))
             tensors.append((item, dest, staged))
-        report = _core.load(
-            self.path,
-            pieces,
-            requests,
-            comm=_comm(self.process_group),
-            strict="raise_unexpected",
-            **self.options,
-        )
+
+    def _finish_read(
+        self, report: dict, planner: Any, requests: list, tensors: list, byte_items: list
+    ) -> Future:
         self.last_report = report
         for item, dest, staged in tensors:
             if staged is not None:

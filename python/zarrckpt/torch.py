@@ -41,6 +41,7 @@ never interleaved with training collectives.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,8 +59,9 @@ SaveHandle = _core.SaveHandle
 @dataclass
 class PerRank:
     """A leaf every rank holds its own value of (a tensor, bytes or a JSON value): each
-    rank saves its own and loads its own back (a job with another world size must read them
-    with :func:`zarrckpt.open` and redistribute)."""
+    rank saves its own and loads its own back. At another world size a load refuses them on
+    every rank (or, with ``load(..., per_rank="skip")``, leaves them as they are); read the
+    saved values with :func:`zarrckpt.open` to redistribute them."""
 
     value: Any
 
@@ -186,11 +188,17 @@ class _Plan:
     copy_back: list[tuple[torch.Tensor, torch.Tensor]]
     # load: stateful objects to hand their state dicts back to (in a 1-element list), in order
     statefuls: list[tuple[_Stateful, list]]
+    # load: per-rank keys left as they are (``per_rank="skip"`` at another world size)
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
 
 class _Flattener:
-    def __init__(self, comm: _core.TorchComm | None, load: bool, path: str) -> None:
+    def __init__(
+        self, comm: _core.TorchComm | None, load: bool, path: str, per_rank: str = "same_world"
+    ) -> None:
         self.comm = comm
+        self.per_rank_mode = per_rank
+        self._saved_world: int | None = None
         self.rank = comm.rank if comm is not None else 0
         self.world = comm.world_size if comm is not None else 1
         self.load = load
@@ -213,6 +221,31 @@ class _Flattener:
         if self._stored is None:
             self._stored = {t["key"]: t for t in _core._native.Checkpoint(self.path).tensors()}
         return self._stored
+
+    def saved_world(self) -> int:
+        """The number of ranks that saved the checkpoint (read from its index once)."""
+        if self._saved_world is None:
+            self._saved_world = int(_core._native.Checkpoint(self.path).world_size())
+        return self._saved_world
+
+    def per_rank_loads(self, key: str) -> bool:
+        """Whether per-rank leaf ``key`` is loaded: at the saving world size; at another one,
+        refused (``per_rank="same_world"``), loaded where this rank saved one (``"by_rank"``)
+        or left as it is (``"skip"``)."""
+        saved = self.saved_world()
+        if saved == self.world:
+            return True
+        if self.per_rank_mode == "skip" or (self.per_rank_mode == "by_rank" and self.rank >= saved):
+            self.plan.skipped.append(key)
+            return False
+        if self.per_rank_mode == "by_rank":
+            return True
+        raise InvalidArgumentError(
+            f"per-rank value `{key}`: the checkpoint at {self.path} was saved by {saved} ranks, "
+            f"this job has {self.world}; per-rank values load only at the same world size. "
+            "Pass per_rank='skip' to keep the current values (then redistribute the saved ones "
+            "read with zarrckpt.open), or load with the saving world size"
+        )
 
     # -- nodes -------------------------------------------------------------------------------
 
@@ -369,6 +402,10 @@ class _Flattener:
         )
 
     def per_rank(self, value: Any, key: str, setter: Any) -> None:
+        if self.load and (isinstance(value, torch.Tensor | bytes | bytearray) or _is_json(value)):
+            if not self.per_rank_loads(key):
+                self.key(key)
+                return
         if isinstance(value, torch.Tensor) and not (DTensor and isinstance(value, DTensor)):
             key = self.key(key)
             mem = self._memory(key, value).reshape((1, *value.shape))
@@ -402,12 +439,14 @@ class _Flattener:
             )
 
 
-def _flatten(state_dict: Any, comm: Any, load: bool, path: str) -> _Plan:
+def _flatten(
+    state_dict: Any, comm: Any, load: bool, path: str, per_rank: str = "same_world"
+) -> _Plan:
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(
             f"the state dict is a dict (of tensors, modules, ...), not {type(state_dict).__name__}"
         )
-    f = _Flattener(comm, load, path)
+    f = _Flattener(comm, load, path, per_rank)
     f.modules = _modules(state_dict, [])
     for k in list(state_dict.keys()):
 
@@ -449,10 +488,12 @@ def save(
     ``io_threads``, ``user_metadata``, ...). Returns this rank's save report.
     """
     comm = _core.communicator(process_group)
-    plan = _flatten(state_dict, comm, load=False, path=str(path))
-    return _core.save(
-        path, plan.pieces, plan.objects, comm=comm, **_save_options(overwrite, options)
-    )
+
+    def prepare() -> tuple:
+        plan = _flatten(state_dict, comm, load=False, path=str(path))
+        return plan.pieces, plan.objects
+
+    return _core._save(path, prepare, comm, _save_options(overwrite, options), False)
 
 
 def async_save(
@@ -468,10 +509,12 @@ def async_save(
     it at once. Writing, fsync and the commit go on in a background thread; ``wait()``
     returns the report or raises, ``done()`` polls, ``exception()`` gives the error."""
     comm = _core.communicator(process_group)
-    plan = _flatten(state_dict, comm, load=False, path=str(path))
-    return _core.async_save(
-        path, plan.pieces, plan.objects, comm=comm, **_save_options(overwrite, options)
-    )
+
+    def prepare() -> tuple:
+        plan = _flatten(state_dict, comm, load=False, path=str(path))
+        return plan.pieces, plan.objects
+
+    return _core._save(path, prepare, comm, _save_options(overwrite, options), True)
 
 
 def load(
@@ -481,6 +524,7 @@ def load(
     process_group: Any = None,
     strict: bool | str = True,
     cast: bool = False,
+    per_rank: str = "same_world",
     **options: Any,
 ) -> dict:
     """Loads the checkpoint at ``path`` into ``state_dict`` in place (collective), whatever
@@ -492,6 +536,19 @@ def load(
     ``unexpected``), or one of Megatron's mode names. ``cast``: accept a stored float type
     other than the tensor's (converted, rounded to nearest even); by default a dtype
     mismatch is an error. Returns this rank's load report.
+
+    ``per_rank``: what :class:`PerRank` leaves do when the checkpoint was saved by another
+    number of ranks than this job has (at the same world size, rank ``r`` loads rank ``r``'s
+    value). ``"same_world"`` (default): the load is refused, on every rank alike, naming the
+    key and both world sizes, so nothing is silently dropped or left unset. ``"by_rank"``:
+    rank ``r`` loads the value saved by rank ``r`` where there is one; ranks beyond the saving
+    world keep their current values, and saved values of ranks beyond this job's are not
+    loaded. ``"skip"``: per-rank leaves keep their current values. Keys a rank left as they
+    were are listed in its report's ``per_rank_skipped``; read the saved values with
+    :func:`zarrckpt.open` to redistribute them.
+
+    Collective: when one rank fails (a leaf it cannot load, a key the checkpoint lacks, a
+    refused per-rank value), every rank raises at once (see :mod:`zarrckpt._core`).
     """
     if strict is True:
         mode = "raise_unexpected"
@@ -499,17 +556,29 @@ def load(
         mode = "return_unexpected"
     else:
         mode = str(strict)
+    if per_rank not in ("same_world", "by_rank", "skip"):
+        raise InvalidArgumentError(
+            f"per_rank is 'same_world', 'by_rank' or 'skip', not {per_rank!r}"
+        )
     comm = _core.communicator(process_group)
-    plan = _flatten(state_dict, comm, load=True, path=str(path))
-    if cast:
-        for p in plan.pieces:
-            p.cast = True
-            if _core._is_cuda(p.tensor):
-                # Conversions run on the host path: load into host memory, then copy over.
-                staged = torch.empty(p.tensor.shape, dtype=p.tensor.dtype, device="cpu")
-                plan.copy_back.append((p.tensor, staged))
-                p.tensor = staged
-    report = _core.load(path, plan.pieces, plan.objects, comm=comm, strict=mode, **options)
+    plans: list[_Plan] = []
+
+    def prepare() -> tuple:
+        plan = _flatten(state_dict, comm, load=True, path=str(path), per_rank=per_rank)
+        if cast:
+            for p in plan.pieces:
+                p.cast = True
+                if _core._is_cuda(p.tensor):
+                    # Conversions run on the host path: load into host memory, then copy over.
+                    staged = torch.empty(p.tensor.shape, dtype=p.tensor.dtype, device="cpu")
+                    plan.copy_back.append((p.tensor, staged))
+                    p.tensor = staged
+        plans.append(plan)
+        return plan.pieces, plan.objects
+
+    report = _core._load(path, prepare, comm, mode, options)
+    plan = plans[0]
+    report["per_rank_skipped"] = list(plan.skipped)
     skipped = set(report["unexpected"])
     for (setter, template), obj, value in zip(
         plan.setters, plan.objects, report["objects"], strict=True

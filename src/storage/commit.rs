@@ -400,8 +400,9 @@ impl Target {
 /// the staging sibling the new save writes into. The existing checkpoint is not touched.
 ///
 /// # Errors
-/// [`StorageError::AlreadyExists`] when `dir` is not empty and `overwrite` is not set, or when
-/// it is not empty and does not look like a checkpoint (never replaced); I/O errors otherwise.
+/// [`StorageError::AlreadyExists`] when `dir` is not empty and `overwrite` is not set,
+/// [`StorageError::NotReplaceable`] when it is not empty and does not look like a checkpoint
+/// (never replaced); I/O errors otherwise.
 pub fn prepare_target(
     dir: &Path,
     overwrite: bool,
@@ -412,8 +413,13 @@ pub fn prepare_target(
     if dir.exists() {
         let mut entries = fs::read_dir(dir).map_err(StorageError::io("list", dir))?;
         if entries.next().is_some() {
-            if !overwrite || !looks_like_checkpoint(dir) {
+            if !overwrite {
                 return Err(StorageError::AlreadyExists {
+                    path: dir.to_owned(),
+                });
+            }
+            if !looks_like_checkpoint(dir) {
+                return Err(StorageError::NotReplaceable {
                     path: dir.to_owned(),
                 });
             }

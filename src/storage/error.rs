@@ -126,6 +126,13 @@ pub enum StorageError {
         /// The directory.
         path: PathBuf,
     },
+    /// Overwriting was asked for, but the target directory holds something that is not a
+    /// zarrckpt checkpoint: a save never replaces another kind of directory.
+    #[error("{} is not empty and is not a zarrckpt checkpoint, so it is not replaced even with overwrite (a save replaces checkpoints only): choose another path, or empty it", path.display())]
+    NotReplaceable {
+        /// The directory.
+        path: PathBuf,
+    },
 }
 
 impl StorageError {
