@@ -298,6 +298,7 @@ pub fn write_value(
         crc32c: crc,
     };
     let doc = value_metadata(key, e, slot, bytes.len() as u64, Some(binding));
+    // Invariant: serializing a JSON value (string keys only) cannot fail.
     let doc = serde_json::to_vec_pretty(&doc).unwrap_or_default();
     let mut n = write_durable(&adir.join("zarr.json"), &[&doc])?;
     if !bytes.is_empty() {
@@ -449,6 +450,7 @@ pub fn read_value(
             ),
         });
     }
+    // Invariant: `len + 4` equals the file length just checked, and usize is 64 bits.
     let mut buf = vec![0u8; usize::try_from(len + 4).unwrap_or(usize::MAX)];
     f.read_exact(&mut buf)
         .map_err(StorageError::io("read", &path))?;
