@@ -120,6 +120,7 @@ impl ObjectEntry {
                 }
             }
             StoredScope::Sharded if grid && !size && !ws => {
+                // Invariant: this arm matched `grid`, so the member is present.
                 check_grid(key, self.grid.as_deref().unwrap_or_default(), None)
                     .map_err(|e| e.to_string())?;
             }
@@ -141,6 +142,8 @@ impl ObjectEntry {
     /// Every slot of this object, in order: the common value, each rank's, or each shard's
     /// (grid cells in C order). Lazy: a large grid or world size allocates nothing.
     pub fn slots(&self) -> impl Iterator<Item = ObjectSlot> + '_ {
+        // Invariant: entries are validated when the root metadata is parsed (`validate`): a
+        // per-rank one has `world_size`, a sharded one a grid whose product fits (`check_grid`).
         let grid: &[u64] = self.grid.as_deref().unwrap_or_default();
         let n = match self.scope {
             StoredScope::Common => 1,
