@@ -900,6 +900,7 @@ impl World {
         for (i, r) in s.runs.iter().enumerate() {
             if r.start != next {
                 return Err(LayoutDecodeError {
+                    // Invariant: usize is 64 bits, so this conversion cannot fail.
                     rank: usize::try_from(next).unwrap_or(usize::MAX),
                     at: 0,
                     reason: "no description for this rank".into(),
@@ -910,6 +911,7 @@ impl World {
         }
         if next != size as u64 {
             return Err(LayoutDecodeError {
+                // Invariant: usize is 64 bits, so this conversion cannot fail.
                 rank: usize::try_from(next.min(size as u64)).unwrap_or(usize::MAX),
                 at: 0,
                 reason: format!("descriptions cover {next} ranks of {size}"),
@@ -918,6 +920,7 @@ impl World {
         let mut templates = Vec::with_capacity(s.templates.len());
         for (ti, (_, bytes)) in s.templates.iter().enumerate() {
             let lowest = runs_of[ti].first().map_or(0, |&i| {
+                // Invariant: usize is 64 bits, so this conversion cannot fail.
                 usize::try_from(s.runs[i].start).unwrap_or(usize::MAX)
             });
             let t = Template::decode(bytes, lowest)?;
@@ -925,6 +928,7 @@ impl World {
                 let r = &s.runs[i];
                 if r.coords.len() != t.slots as usize {
                     return Err(LayoutDecodeError {
+                        // Invariant: usize is 64 bits, so this conversion cannot fail.
                         rank: usize::try_from(r.start).unwrap_or(usize::MAX),
                         at: 0,
                         reason: format!(
@@ -958,6 +962,7 @@ impl World {
             let r = &self.runs[i];
             for k in 0..r.count {
                 let c = r.coords_at(k).ok_or_else(|| LayoutDecodeError {
+                    // Invariant: usize is 64 bits, so this conversion cannot fail.
                     rank: usize::try_from(r.start + k).unwrap_or(usize::MAX),
                     at: 0,
                     reason: "coordinates out of range".into(),
