@@ -319,6 +319,7 @@ fn validate_parts(
                     .get(l)
                     .is_none_or(|h| h.main.is_empty() && h.auto.is_empty())
             })
+            // Invariant: an unbounded range always holds a part not in the finite map.
             .unwrap_or(0);
         let elem_total: u128 = shape.iter().map(|&d| u128::from(d)).product();
         let region = region_of(missing);
