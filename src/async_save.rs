@@ -498,14 +498,14 @@ fn stage_sources<'a>(
                 && w.region == full
                 && let Some(piece) = local.get(&(&tp.key, piece_region))
             {
-                if is_contiguous(&full.shape, &piece_region.shape) {
+                if is_contiguous(full.shape(), piece_region.shape()) {
                     let rel: Vec<u64> = full
-                        .offset
+                        .offset()
                         .iter()
-                        .zip(&piece_region.offset)
+                        .zip(piece_region.offset())
                         .map(|(a, b)| a - b)
                         .collect();
-                    let start = byte_offset(&rel, &piece_region.shape, elem);
+                    let start = byte_offset(&rel, piece_region.shape(), elem);
                     let len = usize::try_from(full.num_elements().unwrap_or(0))
                         .unwrap_or(usize::MAX)
                         * elem;

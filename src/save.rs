@@ -161,7 +161,7 @@ fn chunk_source<'a>(
     {
         return (Cow::Borrowed(piece.data()), piece_region.clone());
     }
-    let len = full.shape.iter().product::<u64>() as usize * elem;
+    let len = full.shape().iter().product::<u64>() as usize * elem;
     let mut buf = vec![0u8; len];
     let mut remote = received.iter();
     for part in &w.parts {

@@ -36,8 +36,7 @@ impl SynthTensor {
             let dim = self.shape[axis];
             let size = dim.div_ceil(tp.max(1));
             let o = (tp_rank * size).min(dim);
-            r.offset[axis] = o;
-            r.shape[axis] = size.min(dim - o);
+            r = r.slice_axis(axis, o, size.min(dim - o));
         }
         r
     }
@@ -285,7 +284,7 @@ impl Topology {
 /// Bytes of a box of a synthetic tensor (a model's tensor: its bytes fit in memory, or the
 /// benchmark could not run at all).
 fn bytes_of(region: &Region, dtype: DType) -> usize {
-    crate::model::region::num_bytes(&region.shape, dtype.size())
+    crate::model::region::num_bytes(region.shape(), dtype.size())
         .expect("a synthetic tensor's box fits in memory")
 }
 

@@ -157,7 +157,7 @@ fn load_box(
     shape: &[u64],
     region: &Region,
 ) -> Result<Vec<u8>, Error> {
-    let n: u64 = region.shape.iter().product();
+    let n: u64 = region.shape().iter().product();
     both_methods(|method| {
         let mut buf = vec![0u8; n as usize * dtype.size()];
         let mut t = [LoadTarget::new(

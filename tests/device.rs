@@ -29,19 +29,19 @@ fn global(shape: &[u64], elem: usize, seed: u32) -> Vec<u8> {
 /// The bytes of `region` of a C-order tensor, in C order.
 fn cut(full: &[u8], shape: &[u64], region: &Region, elem: usize) -> Vec<u8> {
     let mut out = Vec::new();
-    let n: u64 = region.shape.iter().product();
+    let n: u64 = region.shape().iter().product();
     let mut idx = vec![0u64; shape.len()];
     for _ in 0..n {
         let lin = idx
             .iter()
-            .zip(&region.offset)
+            .zip(region.offset())
             .zip(shape)
             .fold(0u64, |acc, ((i, o), s)| acc * s + i + o);
         let at = lin as usize * elem;
         out.extend_from_slice(&full[at..at + elem]);
         for a in (0..idx.len()).rev() {
             idx[a] += 1;
-            if idx[a] < region.shape[a] {
+            if idx[a] < region.shape()[a] {
                 break;
             }
             idx[a] = 0;
@@ -179,7 +179,7 @@ fn load_strips(dir: &std::path::Path, world: usize, cap: usize, transpose: bool)
             let reg = split(&t.shape, last, r, world);
             // The enclosing device buffer: the box plus 2 on every axis, C order, or with
             // the two last axes swapped (a transposed view).
-            let mut outer: Vec<u64> = reg.shape.iter().map(|s| s + 2).collect();
+            let mut outer: Vec<u64> = reg.shape().iter().map(|s| s + 2).collect();
             let mut strides = vec![1u64; outer.len()];
             if transpose && outer.len() >= 2 {
                 let n = outer.len();
@@ -214,7 +214,7 @@ fn load_strips(dir: &std::path::Path, world: usize, cap: usize, transpose: bool)
             scatter(
                 &mut want,
                 start as usize,
-                &reg.shape,
+                reg.shape(),
                 &strides,
                 elem,
                 &cut(f, &t.shape, &reg, elem),
@@ -460,7 +460,7 @@ fn save_from_device(asynchronous: bool) {
             let elem = t.dtype.size();
             let last = t.shape.len() - 1;
             let reg = split(&t.shape, last, r, world);
-            let outer: Vec<u64> = reg.shape.iter().map(|s| s + 1).collect();
+            let outer: Vec<u64> = reg.shape().iter().map(|s| s + 1).collect();
             let mut strides = vec![1u64; outer.len()];
             for d in (0..outer.len() - 1).rev() {
                 strides[d] = strides[d + 1] * outer[d + 1];
@@ -471,7 +471,7 @@ fn save_from_device(asynchronous: bool) {
             scatter(
                 &mut image,
                 0,
-                &reg.shape,
+                reg.shape(),
                 &strides,
                 elem,
                 &cut(f, &t.shape, &reg, elem),
@@ -506,7 +506,7 @@ fn save_from_device(asynchronous: bool) {
                 for ((base, _), (t, f)) in buffers.iter().zip(ts.iter().zip(&fulls)) {
                     let elem = t.dtype.size();
                     let reg = split(&t.shape, t.shape.len() - 1, r, world);
-                    let outer: Vec<u64> = reg.shape.iter().map(|s| s + 1).collect();
+                    let outer: Vec<u64> = reg.shape().iter().map(|s| s + 1).collect();
                     let mut strides = vec![1u64; outer.len()];
                     for d in (0..outer.len() - 1).rev() {
                         strides[d] = strides[d + 1] * outer[d + 1];
@@ -515,7 +515,7 @@ fn save_from_device(asynchronous: bool) {
                     scatter(
                         &mut image,
                         0,
-                        &reg.shape,
+                        reg.shape(),
                         &strides,
                         elem,
                         &cut(f, &t.shape, &reg, elem),
@@ -569,7 +569,7 @@ fn pieces_bytes(ts: &[T], r: usize, world: usize) -> usize {
     ts.iter()
         .map(|t| {
             split(&t.shape, t.shape.len() - 1, r, world)
-                .shape
+                .shape()
                 .iter()
                 .product::<u64>() as usize
                 * t.dtype.size()

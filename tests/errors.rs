@@ -66,7 +66,7 @@ fn tensor_bytes(seed: u64, shape: &[u64], dtype: DType) -> Vec<u8> {
 
 /// The bytes of `region` cut from a full tensor.
 fn cut(full: &[u8], shape: &[u64], region: &Region, elem: usize) -> Vec<u8> {
-    let mut out = vec![0u8; region.shape.iter().product::<u64>() as usize * elem];
+    let mut out = vec![0u8; region.shape().iter().product::<u64>() as usize * elem];
     copy_region(full, &Region::full(shape), &mut out, region, region, elem);
     out
 }
@@ -142,7 +142,7 @@ fn standard(world: usize) -> impl Fn(usize) -> Vec<P> + Sync {
     move |r| {
         let w = rows_piece(world as u64, r as u64);
         vec![
-            p("w", DType::Float32, &[8, 6], &w.offset, &w.shape, 0),
+            p("w", DType::Float32, &[8, 6], w.offset(), w.shape(), 0),
             p("b", DType::Float32, &[6], &[0], &[6], u32::from(r != 0)),
         ]
     }

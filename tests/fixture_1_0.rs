@@ -38,19 +38,19 @@ fn formula_bytes(seed: u64, nbytes: u64, dtype: DType) -> Vec<u8> {
 /// The bytes of `region` of a C-order tensor of `shape` (written here, not taken from the
 /// crate, so a bug in the crate's copy cannot hide itself).
 fn cut(full: &[u8], shape: &[u64], region: &Region, elem: usize) -> Vec<u8> {
-    let n = region.shape.iter().product::<u64>();
+    let n = region.shape().iter().product::<u64>();
     let mut out = Vec::with_capacity(usize::try_from(n).unwrap() * elem);
     let mut idx = vec![0u64; shape.len()];
     for _ in 0..n {
         let mut flat = 0u64;
         for d in 0..shape.len() {
-            flat = flat * shape[d] + region.offset[d] + idx[d];
+            flat = flat * shape[d] + region.offset()[d] + idx[d];
         }
         let at = usize::try_from(flat).unwrap() * elem;
         out.extend_from_slice(&full[at..at + elem]);
         for d in (0..shape.len()).rev() {
             idx[d] += 1;
-            if idx[d] < region.shape[d] {
+            if idx[d] < region.shape()[d] {
                 break;
             }
             idx[d] = 0;
@@ -170,7 +170,7 @@ fn format_1_0_checkpoints_load_bit_exactly() {
             .map(|(t, b)| {
                 vec![
                     0xAB;
-                    usize::try_from(b.shape.iter().product::<u64>()).unwrap() * t.dtype.size()
+                    usize::try_from(b.shape().iter().product::<u64>()).unwrap() * t.dtype.size()
                 ]
             })
             .collect();

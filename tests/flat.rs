@@ -47,7 +47,7 @@ fn flat_indices(shape: &[u64], region: &Region) -> Vec<u64> {
         return out;
     }
     let n = region.ndim();
-    let mut idx = region.offset.clone();
+    let mut idx = region.offset().to_vec();
     loop {
         out.push(idx.iter().zip(shape).fold(0u64, |a, (i, s)| a * s + i));
         let mut d = n;
@@ -60,7 +60,7 @@ fn flat_indices(shape: &[u64], region: &Region) -> Vec<u64> {
             if idx[d] < region.end(d) {
                 break;
             }
-            idx[d] = region.offset[d];
+            idx[d] = region.offset()[d];
         }
     }
 }
@@ -188,17 +188,17 @@ fn pieces_of<'a>(case: &FlatCase, r: u32, data: &'a [u32]) -> Vec<ShardedTensor<
                         ShardedTensor::replicated(
                             "t",
                             &case.shape,
-                            &fb.region.offset,
+                            fb.region.offset(),
                             s,
-                            &fb.region.shape,
+                            fb.region.shape(),
                         )
                     } else {
                         ShardedTensor::from_slice(
                             "t",
                             &case.shape,
-                            &fb.region.offset,
+                            fb.region.offset(),
                             s,
-                            &fb.region.shape,
+                            fb.region.shape(),
                             replica,
                         )
                     };
@@ -310,7 +310,7 @@ fn load_and_check(
             targets.push(LoadTarget::from_flat_slice("t", shape, x.clone(), buf).unwrap());
         }
         for (b, buf) in boxes[r].iter().zip(bbufs.iter_mut()) {
-            targets.push(LoadTarget::from_slice("t", shape, &b.offset, buf, &b.shape).unwrap());
+            targets.push(LoadTarget::from_slice("t", shape, b.offset(), buf, b.shape()).unwrap());
         }
         load(&mut targets, dir, &comm, &LoadOptions::default())?;
         drop(targets);

@@ -171,9 +171,10 @@ fn check_tensor(
     if tp.aligned {
         for p in tp.pieces.iter().filter(|p| !p.region.is_empty()) {
             for d in 0..nd {
-                let end = p.region.offset[d] + p.region.shape[d];
+                let end = p.region.offset()[d] + p.region.shape()[d];
                 prop_assert!(
-                    p.region.offset[d] % chunk[d] == 0 && (end % chunk[d] == 0 || end == shape[d]),
+                    p.region.offset()[d] % chunk[d] == 0
+                        && (end % chunk[d] == 0 || end == shape[d]),
                     "{}: aligned piece {} is not a union of {:?} chunks",
                     key,
                     p.region,
@@ -213,10 +214,7 @@ fn check_tensor(
                 .collect();
             prop_assert_eq!(
                 &w.region,
-                &Region {
-                    offset,
-                    shape: clipped
-                },
+                &Region::new(offset, clipped).unwrap(),
                 "{}: region of chunk {:?}",
                 key,
                 w.chunk
@@ -411,7 +409,7 @@ fn check_plan(
     for (ti, tp) in plan.tensors.iter().enumerate() {
         check_tensor(ti, case, plan, &tasks, &held, opts)?;
         for p in &tp.pieces {
-            bytes[p.writer as usize] += numel(&p.region.shape) * tp.dtype.size() as u64;
+            bytes[p.writer as usize] += numel(p.region.shape()) * tp.dtype.size() as u64;
         }
     }
     prop_assert_eq!(&plan.bytes_per_rank, &bytes, "bytes per rank");
@@ -450,13 +448,13 @@ fn decl_of(layout: &mut RankLayout, key: &str, dtype: DType, shape: &[u64]) -> u
 fn sub_box(b: &Region, fr: &[(u16, u16)]) -> Region {
     let mut offset = Vec::new();
     let mut shape = Vec::new();
-    for d in 0..b.shape.len() {
+    for d in 0..b.shape().len() {
         let (s, l) = fr[d % fr.len()];
-        let o = (b.shape[d] - 1) * u64::from(s) / 1000;
-        offset.push(b.offset[d] + o);
-        shape.push(1 + (b.shape[d] - o - 1) * u64::from(l) / 1000);
+        let o = (b.shape()[d] - 1) * u64::from(s) / 1000;
+        offset.push(b.offset()[d] + o);
+        shape.push(1 + (b.shape()[d] - o - 1) * u64::from(l) / 1000);
     }
-    Region { offset, shape }
+    Region::new(offset, shape).unwrap()
 }
 
 proptest! {
@@ -538,7 +536,7 @@ proptest! {
         let largest = plan
             .tensors
             .iter()
-            .flat_map(|t| t.pieces.iter().map(|p| numel(&p.region.shape) * t.dtype.size() as u64))
+            .flat_map(|t| t.pieces.iter().map(|p| numel(p.region.shape()) * t.dtype.size() as u64))
             .max()
             .unwrap_or(0);
         let (lo, hi) = (plan.bytes_per_rank.iter().min().unwrap(), plan.bytes_per_rank.iter().max().unwrap());
@@ -567,8 +565,8 @@ proptest! {
             Err(PlanError::Gap { key, covered, total, missing }) => {
                 prop_assert_eq!(key.as_str(), t.key.as_str());
                 prop_assert_eq!(total, u128::from(numel(&t.shape)));
-                prop_assert_eq!(covered, total - u128::from(numel(&p.region.shape)));
-                let point = Region { offset: missing.clone(), shape: vec![1; missing.len()] };
+                prop_assert_eq!(covered, total - u128::from(numel(p.region.shape())));
+                let point = Region::new(missing.clone(), vec![1; missing.len()]).unwrap();
                 prop_assert!(
                     inside(&point, &p.region),
                     "missing element {:?} is not in the removed piece {}",
@@ -597,15 +595,15 @@ proptest! {
         let (t, p) = (&case.tensors[ti], &case.tensors[ti].pieces[pi]);
         let mut layouts = case.layouts();
         let nd = t.shape.len();
-        let growable: Vec<usize> = (0..nd).filter(|&d| p.region.offset[d] + p.region.shape[d] < t.shape[d]).collect();
+        let growable: Vec<usize> = (0..nd).filter(|&d| p.region.offset()[d] + p.region.shape()[d] < t.shape[d]).collect();
         if !growable.is_empty() && grow % 2 == 0 {
             // Grow the main holder's piece along one axis into its neighbours.
             let d = growable[axis % growable.len()];
-            let room = t.shape[d] - p.region.offset[d] - p.region.shape[d];
+            let room = t.shape[d] - p.region.offset()[d] - p.region.shape()[d];
             let l = &mut layouts[p.main as usize];
             let id = l.tensors.iter().position(|x| x.key.as_str() == t.key).unwrap() as u32;
             let x = l.pieces.iter_mut().find(|x| x.tensor == id && x.region == p.region).unwrap();
-            x.region.shape[d] += 1 + (grow / 2) % room;
+            x.region = x.region.with_axis(d, x.region.offset()[d], x.region.shape()[d] + 1 + (grow / 2) % room).unwrap();
         } else {
             // Another rank (or the same one, when alone) also claims part of the piece as main.
             let s = sub_box(&p.region, &sub);
@@ -767,7 +765,7 @@ fn read_case() -> impl Strategy<Value = ReadCase> {
                     subchunk_shape,
                     elem,
                 },
-                request: Region { offset, shape },
+                request: Region::new(offset, shape).unwrap(),
             }
         })
 }
@@ -799,23 +797,23 @@ proptest! {
             return Ok(());
         }
         let per_shard: Vec<u64> = geom.chunk_shape.iter().zip(&geom.subchunk_shape).map(|(c, s)| c / s).collect();
-        let mut cover = vec![0u32; numel(&request.shape) as usize];
+        let mut cover = vec![0u32; numel(request.shape()) as usize];
         let mut prev_chunk: Option<&Vec<u64>> = None;
         for shard in &reads {
             prop_assert!(prev_chunk.is_none_or(|p| p < &shard.chunk), "shards not in C order");
             prev_chunk = Some(&shard.chunk);
             let origin: Vec<u64> = shard.chunk.iter().zip(&geom.chunk_shape).map(|(i, c)| i * c).collect();
-            let chunk_box = Region { offset: origin.clone(), shape: geom.chunk_shape.clone() };
+            let chunk_box = Region::new(origin.clone(), geom.chunk_shape.clone()).unwrap();
             prop_assert!(!shard.subchunks.is_empty(), "shard {:?} read for nothing", shard.chunk);
             let mut prev_linear: Option<u64> = None;
             for s in &shard.subchunks {
                 prop_assert!(prev_linear.is_none_or(|p| p < s.linear), "subchunks not in C order");
                 prev_linear = Some(s.linear);
-                prop_assert_eq!(&s.stored.shape, &geom.subchunk_shape);
+                prop_assert_eq!(s.stored.shape(), &geom.subchunk_shape);
                 prop_assert!(inside(&s.stored, &chunk_box), "subchunk {} outside its shard {}", s.stored, chunk_box);
                 let idx: Vec<u64> =
-                    (0..origin.len()).map(|d| (s.stored.offset[d] - origin[d]) / geom.subchunk_shape[d]).collect();
-                prop_assert!(idx.iter().zip(&per_shard).zip(&s.stored.offset).zip(&origin).zip(&geom.subchunk_shape)
+                    (0..origin.len()).map(|d| (s.stored.offset()[d] - origin[d]) / geom.subchunk_shape[d]).collect();
+                prop_assert!(idx.iter().zip(&per_shard).zip(s.stored.offset()).zip(&origin).zip(&geom.subchunk_shape)
                     .all(|((((i, n), o), g), sub)| i < n && (o - g) % sub == 0), "subchunk {} misplaced", s.stored);
                 let linear = idx.iter().zip(&per_shard).fold(0, |acc, (i, n)| acc * n + i);
                 prop_assert_eq!(s.linear, linear, "linear index of {}", s.stored);
@@ -955,7 +953,7 @@ proptest! {
                 documents += rp.tasks.metadata.iter().filter(|&&m| m == ti).count();
                 for w in rp.tasks.writes.iter().filter(|w| w.tensor == ti) {
                     prop_assert!(written.insert(w.chunk.clone(), r as u32).is_none(), "{} chunk {:?} written twice", tp.key, w.chunk);
-                    elements += numel(&w.region.shape);
+                    elements += numel(w.region.shape());
                     for p in &w.parts {
                         if let Source::Local(piece) = &p.source {
                             prop_assert!(held.contains(&(r as u32, tp.key.to_string(), piece.clone())), "rank {} writes {} from {} it does not hold", r, tp.key, piece);

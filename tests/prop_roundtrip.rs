@@ -109,7 +109,7 @@ fn flat_span(shape: &[u64], b: &zarrckpt::Region) -> Option<std::ops::Range<u64>
         return None;
     }
     let lin = |ix: &mut dyn Iterator<Item = u64>| ix.zip(shape).fold(0u64, |a, (i, s)| a * s + i);
-    let start = lin(&mut b.offset.iter().copied());
+    let start = lin(&mut b.offset().iter().copied());
     let last = lin(&mut (0..b.ndim()).map(|d| b.end(d) - 1));
     Some(start..last + 1)
 }
@@ -196,7 +196,7 @@ fn load_all(rt: &RoundTrip, dir: &Path, flat: bool) -> Result<Vec<Vec<Vec<u8>>>,
         let mut bufs: Vec<Vec<u8>> = requests
             .iter()
             .map(|(ti, b)| {
-                let n = span(*ti, b).map_or(numel(&b.shape), |r| r.end - r.start);
+                let n = span(*ti, b).map_or(numel(b.shape()), |r| r.end - r.start);
                 vec![0xA5; n as usize * tensors[*ti].dtype.size()]
             })
             .collect();

@@ -133,7 +133,7 @@ fn load_and_check(
     let mut bufs: Vec<Vec<u8>> = specs
         .iter()
         .zip(regions)
-        .map(|(s, reg)| vec![0xAA; reg.shape.iter().product::<u64>() as usize * s.dtype.size()])
+        .map(|(s, reg)| vec![0xAA; reg.shape().iter().product::<u64>() as usize * s.dtype.size()])
         .collect();
     let mut targets: Vec<LoadTarget> = specs
         .iter()

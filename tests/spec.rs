@@ -240,18 +240,18 @@ fn copy_box(
     b: &Region,
     elem: usize,
 ) {
-    let (fs, ts) = (strides(&from_box.shape), strides(&to_box.shape));
-    for rel in indices(&b.shape) {
-        let g: Vec<u64> = rel.iter().zip(&b.offset).map(|(r, o)| r + o).collect();
+    let (fs, ts) = (strides(from_box.shape()), strides(to_box.shape()));
+    for rel in indices(b.shape()) {
+        let g: Vec<u64> = rel.iter().zip(b.offset()).map(|(r, o)| r + o).collect();
         let fi: u64 = g
             .iter()
-            .zip(&from_box.offset)
+            .zip(from_box.offset())
             .zip(&fs)
             .map(|((g, o), s)| (g - o) * s)
             .sum();
         let ti: u64 = g
             .iter()
-            .zip(&to_box.offset)
+            .zip(to_box.offset())
             .zip(&ts)
             .map(|((g, o), s)| (g - o) * s)
             .sum();
@@ -282,10 +282,7 @@ fn spec_encode_shard(
     chunk: &[u64],
 ) -> Vec<u8> {
     let origin: Vec<u64> = chunk.iter().zip(chunk_shape).map(|(i, c)| i * c).collect();
-    let chunk_box = Region {
-        offset: origin.clone(),
-        shape: chunk_shape.to_vec(),
-    };
+    let chunk_box = Region::new(origin.clone(), chunk_shape.to_vec()).unwrap();
     let tensor_box = Region::full(shape);
     let n: u64 = chunk_shape.iter().product();
     let mut chunk_buf = vec![0u8; n as usize * elem]; // padding is zero
@@ -300,15 +297,15 @@ fn spec_encode_shard(
     let mut data = Vec::new();
     let mut index = Vec::new();
     for s in indices(&per) {
-        let sub_box = Region {
-            offset: s
-                .iter()
+        let sub_box = Region::new(
+            s.iter()
                 .zip(sub_shape)
                 .zip(&origin)
                 .map(|((i, n), o)| o + i * n)
                 .collect(),
-            shape: sub_shape.to_vec(),
-        };
+            sub_shape.to_vec(),
+        )
+        .unwrap();
         let mut sub = vec![0u8; sub_shape.iter().product::<u64>() as usize * elem];
         copy_box(&chunk_buf, &chunk_box, &mut sub, &sub_box, &sub_box, elem);
         if sub.iter().all(|&b| b == 0) {
@@ -449,15 +446,15 @@ fn spec_read_tensor(dir: &Path, key: &str) -> Result<Option<Vec<u8>>, String> {
             if compressed {
                 continue;
             }
-            let sub_box = Region {
-                offset: s
-                    .iter()
+            let sub_box = Region::new(
+                s.iter()
                     .zip(&sub_shape)
                     .zip(&origin)
                     .map(|((i, n), o)| o + i * n)
                     .collect(),
-                shape: sub_shape.clone(),
-            };
+                sub_shape.clone(),
+            )
+            .unwrap();
             if let Some(inside) = intersect(&sub_box, &tensor_box) {
                 copy_box(payload, &sub_box, &mut out, &tensor_box, &inside, elem);
             }
@@ -987,7 +984,7 @@ fn grid_examples_are_what_the_planner_chooses() {
                 let datas: Vec<Vec<u8>> = pieces
                     .iter()
                     .map(|r| {
-                        let mut out = vec![0u8; r.shape.iter().product::<u64>() as usize * elem];
+                        let mut out = vec![0u8; r.shape().iter().product::<u64>() as usize * elem];
                         copy_box(&full, &Region::full(&shape), &mut out, r, r, elem);
                         out
                     })
@@ -1055,7 +1052,7 @@ fn shard_examples_are_byte_exact() {
         let datas: Vec<Vec<u8>> = regions
             .iter()
             .map(|r| {
-                let mut out = vec![0u8; r.shape.iter().product::<u64>() as usize * d.size()];
+                let mut out = vec![0u8; r.shape().iter().product::<u64>() as usize * d.size()];
                 copy_box(&data, &full, &mut out, r, r, d.size());
                 out
             })
@@ -1190,7 +1187,7 @@ fn saved_checkpoints_conform_every_dtype_and_edge_case() {
                 .collect(),
         };
         for r in regions {
-            let mut b = vec![0u8; r.shape.iter().product::<u64>() as usize * d.size()];
+            let mut b = vec![0u8; r.shape().iter().product::<u64>() as usize * d.size()];
             copy_box(&full, &whole, &mut b, &r, &r, d.size());
             datas.push((i, r, b));
         }
@@ -2232,7 +2229,7 @@ fn read_with(
     let key = TensorKey::new(key).unwrap();
     let ckpt = Checkpoint::open(dir)?;
     let info = ckpt.tensor(&key).unwrap();
-    let mut buf = vec![0u8; region.shape.iter().product::<u64>() as usize * info.dtype.size()];
+    let mut buf = vec![0u8; region.shape().iter().product::<u64>() as usize * info.dtype.size()];
     let mut t = [zarrckpt::LoadTarget::new(
         key,
         info.dtype,

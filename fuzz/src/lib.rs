@@ -575,7 +575,7 @@ pub fn copy_dir(src: &Path, dst: &Path) {
 /// The bytes of `region` cut from a full C-order tensor of `shape`.
 #[must_use]
 pub fn cut(full: &[u8], shape: &[u64], region: &Region, elem: usize) -> Vec<u8> {
-    let n: u64 = region.shape.iter().product();
+    let n: u64 = region.shape().iter().product();
     let mut out = vec![0u8; usize::try_from(n).unwrap() * elem];
     copy_region(full, &Region::full(shape), &mut out, region, region, elem);
     out

@@ -164,10 +164,7 @@ fn pieces_as_given(spec: &SaveSpec) -> Result<Vec<ShardedTensor<'_>>, Error> {
                     key,
                     s.dtype,
                     s.global_shape.clone(),
-                    Region {
-                        offset: offset.clone(),
-                        shape: shape.clone(),
-                    },
+                    checked_region(s.key.as_str(), offset, shape)?,
                     0,
                     data,
                 )?,
@@ -178,6 +175,17 @@ fn pieces_as_given(spec: &SaveSpec) -> Result<Vec<ShardedTensor<'_>>, Error> {
             Ok(piece.with_replica(*replica))
         })
         .collect()
+}
+
+/// The box a Python caller gave for tensor `key`, checked (equal lengths, at most
+/// `MAX_DIMS` dimensions, no end past `u64`): a typed error otherwise.
+fn checked_region(key: &str, offset: &[u64], shape: &[u64]) -> Result<Region, Error> {
+    Region::new(offset.to_vec(), shape.to_vec()).map_err(|source| {
+        Error::Tensor(zarrckpt::TensorError::Region {
+            key: key.to_string(),
+            source,
+        })
+    })
 }
 
 /// The targets of a load, extracted while the GIL is held.
@@ -216,10 +224,7 @@ pub(crate) fn targets_of(spec: &LoadSpec) -> Result<Vec<LoadTarget<'_>>, Error> 
                     key,
                     s.dtype,
                     s.global_shape.clone(),
-                    Region {
-                        offset: offset.clone(),
-                        shape: shape.clone(),
-                    },
+                    checked_region(s.key.as_str(), offset, shape)?,
                     buf,
                 )?,
                 Place::Flat(a, b) => {

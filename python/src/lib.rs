@@ -408,7 +408,13 @@ impl Checkpoint {
         nbytes: usize,
     ) -> PyResult<Py<PyDict>> {
         let key = TensorKey::new(key).map_err(|e| to_py(py, &e.into(), None))?;
-        let region = zarrckpt::Region { offset, shape };
+        let region = zarrckpt::Region::new(offset, shape).map_err(|source| {
+            let e = zarrckpt::Error::Tensor(zarrckpt::TensorError::Region {
+                key: key.to_string(),
+                source,
+            });
+            to_py(py, &e, None)
+        })?;
         let buf = convert::RawMut::new(address, nbytes)?;
         let inner = Arc::clone(&self.inner);
         let result = py.detach(move || {

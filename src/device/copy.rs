@@ -244,10 +244,10 @@ pub fn pitched_copies(
 #[must_use]
 pub fn slabs(region: &Region, elem: usize, max_bytes: usize) -> Vec<Region> {
     let total = region
-        .shape
+        .shape()
         .iter()
         .try_fold(elem as u64, |a, n| a.checked_mul(*n));
-    if region.shape.is_empty() || total.is_some_and(|t| t <= max_bytes as u64) {
+    if region.shape().is_empty() || total.is_some_and(|t| t <= max_bytes as u64) {
         return vec![region.clone()];
     }
     let mut out = Vec::new();
@@ -256,33 +256,28 @@ pub fn slabs(region: &Region, elem: usize, max_bytes: usize) -> Vec<Region> {
 }
 
 fn split_axis(region: &Region, axis: usize, elem: usize, max: usize, out: &mut Vec<Region>) {
-    if axis == region.shape.len() {
+    if axis == region.shape().len() {
         out.push(region.clone());
         return;
     }
     // Bytes of one index along `axis` (the inner axes whole).
-    let inner = region.shape[axis + 1..]
+    let inner = region.shape()[axis + 1..]
         .iter()
         .try_fold(elem as u64, |a, n| a.checked_mul(*n));
     // A size beyond u64 is beyond any cap too.
     let Some(inner) = inner.filter(|&b| b <= max as u64) else {
         // One index of this axis is already too big: go one axis deeper for each index.
-        for i in 0..region.shape[axis] {
-            let mut r = region.clone();
-            r.offset[axis] += i;
-            r.shape[axis] = 1;
+        for i in 0..region.shape()[axis] {
+            let r = region.slice_axis(axis, i, 1);
             split_axis(&r, axis + 1, elem, max, out);
         }
         return;
     };
     let per = (max as u64 / inner).max(1);
     let mut start = 0;
-    while start < region.shape[axis] {
-        let n = per.min(region.shape[axis] - start);
-        let mut r = region.clone();
-        r.offset[axis] += start;
-        r.shape[axis] = n;
-        out.push(r);
+    while start < region.shape()[axis] {
+        let n = per.min(region.shape()[axis] - start);
+        out.push(region.slice_axis(axis, start, n));
         start += n;
     }
 }
@@ -383,17 +378,17 @@ mod tests {
             let mut count = 0u64;
             for p in &parts {
                 let bytes = p.num_elements().unwrap() * elem as u64;
-                prop_assert!(bytes <= max.max(elem) as u64 || region.shape.is_empty());
+                prop_assert!(bytes <= max.max(elem) as u64 || region.shape().is_empty());
                 let n = p.num_elements().unwrap();
                 count += n;
                 // Enumerate the slab's elements.
-                let mut idx = p.offset.clone();
+                let mut idx = p.offset().to_vec();
                 for _ in 0..n {
                     prop_assert!(seen.insert(idx.clone()));
                     for a in (0..idx.len()).rev() {
                         idx[a] += 1;
-                        if idx[a] < p.offset[a] + p.shape[a] { break; }
-                        idx[a] = p.offset[a];
+                        if idx[a] < p.offset()[a] + p.shape()[a] { break; }
+                        idx[a] = p.offset()[a];
                     }
                 }
             }

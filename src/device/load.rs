@@ -40,7 +40,7 @@ impl DeviceTarget {
         view: DeviceView,
     ) -> Result<Self> {
         let bytes =
-            num_bytes(&region.shape, dtype.size()).map_err(|source| TensorError::Region {
+            num_bytes(region.shape(), dtype.size()).map_err(|source| TensorError::Region {
                 key: key.to_string(),
                 source,
             })?;
@@ -49,8 +49,8 @@ impl DeviceTarget {
             key: key.to_string(),
             source,
         };
-        super::copy::view_extent(&region.shape, view.strides(), dtype.size()).map_err(wrap)?;
-        check_disjoint(&region.shape, view.strides()).map_err(wrap)?;
+        super::copy::view_extent(region.shape(), view.strides(), dtype.size()).map_err(wrap)?;
+        check_disjoint(region.shape(), view.strides()).map_err(wrap)?;
         Ok(DeviceTarget {
             key,
             dtype,
@@ -202,7 +202,7 @@ fn load_device_impl(
         let elem = t.dtype.size();
         for region in slabs(&t.region, elem, cap) {
             // A box within the target's region, whose byte size `DeviceTarget::new` checked.
-            let bytes = num_bytes(&region.shape, elem).map_err(|source| TensorError::Region {
+            let bytes = num_bytes(region.shape(), elem).map_err(|source| TensorError::Region {
                 key: t.key.to_string(),
                 source,
             })?;
@@ -274,10 +274,11 @@ fn load_device_impl(
                     // Every device target, as an empty box, so that the first round checks
                     // keys, data types and shapes under the caller's strict mode once for all.
                     for t in device {
-                        let empty = Region {
-                            offset: t.region.offset.clone(),
-                            shape: vec![0; t.region.shape.len()],
-                        };
+                        // The offset of a valid region with zero extent: valid.
+                        let empty = Region::from_parts_unchecked(
+                            t.region.offset().to_vec(),
+                            vec![0; t.region.shape().len()],
+                        );
                         targets.push(LoadTarget::new(
                             t.key.clone(),
                             t.dtype,
@@ -321,18 +322,24 @@ fn load_device_impl(
                     let elem = t.dtype.size();
                     let rel: Vec<u64> = s
                         .region
-                        .offset
+                        .offset()
                         .iter()
-                        .zip(&t.region.offset)
+                        .zip(t.region.offset())
                         .map(|(a, b)| a - b)
                         .collect();
                     let view = t.view.offset_by(&rel, elem);
                     copies.extend(
-                        pitched_copies(&s.region.shape, view.strides(), elem, view.address(), *off)
-                            .map_err(|source| DeviceError::View {
-                                key: t.key.to_string(),
-                                source,
-                            })?,
+                        pitched_copies(
+                            s.region.shape(),
+                            view.strides(),
+                            elem,
+                            view.address(),
+                            *off,
+                        )
+                        .map_err(|source| DeviceError::View {
+                            key: t.key.to_string(),
+                            source,
+                        })?,
                     );
                     report.device_bytes += s.bytes as u64;
                 }

@@ -44,7 +44,7 @@ impl DevicePiece {
         view: DeviceView,
     ) -> Result<Self> {
         let bytes =
-            num_bytes(&region.shape, dtype.size()).map_err(|source| TensorError::Region {
+            num_bytes(region.shape(), dtype.size()).map_err(|source| TensorError::Region {
                 key: key.to_string(),
                 source,
             })?;
@@ -53,10 +53,10 @@ impl DevicePiece {
             key: key.to_string(),
             source,
         };
-        view_extent(&region.shape, view.strides(), dtype.size()).map_err(wrap)?;
+        view_extent(region.shape(), view.strides(), dtype.size()).map_err(wrap)?;
         // An expanded (overlapping) view has no pitched-copy form on a GPU: save a
         // contiguous copy of it instead.
-        check_disjoint(&region.shape, view.strides()).map_err(wrap)?;
+        check_disjoint(region.shape(), view.strides()).map_err(wrap)?;
         Ok(DevicePiece {
             key,
             dtype,
@@ -233,7 +233,7 @@ impl DeviceSaver {
             let n = p.bytes();
             copies.extend(
                 pitched_copies(
-                    &p.region.shape,
+                    p.region.shape(),
                     p.view.strides(),
                     p.dtype.size(),
                     p.view.address(),

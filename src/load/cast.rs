@@ -32,10 +32,10 @@ fn tiles(inner: &Region, origin: &[u64], sub: &[u64], elem: u64) -> Vec<Region> 
     let nd = inner.ndim();
     // Subchunk cells [lo, hi) of `inner` along each axis, and cells per tile.
     let lo: Vec<u64> = (0..nd)
-        .map(|d| (inner.offset[d] - origin[d]) / sub[d])
+        .map(|d| (inner.offset()[d] - origin[d]) / sub[d])
         .collect();
     let hi: Vec<u64> = (0..nd)
-        .map(|d| (inner.offset[d] + inner.shape[d] - origin[d]).div_ceil(sub[d]))
+        .map(|d| (inner.offset()[d] + inner.shape()[d] - origin[d]).div_ceil(sub[d]))
         .collect();
     let mut per = vec![1u64; nd];
     let mut acc = elem;
@@ -54,12 +54,13 @@ fn tiles(inner: &Region, origin: &[u64], sub: &[u64], elem: u64) -> Vec<Region> 
     let mut out = Vec::new();
     let mut idx = vec![0u64; nd];
     loop {
-        let tile = Region {
-            offset: (0..nd)
+        // Subchunk cells of the chunk at `origin` in a checked geometry: inside its grid.
+        let tile = Region::from_parts_unchecked(
+            (0..nd)
                 .map(|d| origin[d] + (lo[d] + idx[d] * per[d]) * sub[d])
                 .collect(),
-            shape: (0..nd).map(|d| per[d] * sub[d]).collect(),
-        };
+            (0..nd).map(|d| per[d] * sub[d]).collect(),
+        );
         if let Some(t) = inner.intersect(&tile) {
             out.push(t);
         }
@@ -99,15 +100,14 @@ pub(super) unsafe fn read_shard_converted(
         .zip(&geom.chunk_shape)
         .map(|(c, s)| c * s)
         .collect();
-    let chunk_box = Region {
-        offset: origin.clone(),
-        shape: geom.chunk_shape.clone(),
-    };
+    // A chunk of the checked geometry's grid.
+    let chunk_box = Region::from_parts_unchecked(origin.clone(), geom.chunk_shape.clone());
     let Some(inner) = dest.region().intersect(&chunk_box) else {
         return Ok(());
     };
     let (s, t) = (from.size(), to.size());
     for tile in tiles(&inner, &origin, &geom.subchunk_shape, s as u64) {
+        // Invariant: a tile lies inside the target, whose byte size was checked to fit usize.
         let n = usize::try_from(tile.num_elements().unwrap_or(0)).unwrap_or(usize::MAX);
         if n == 0 {
             continue;
@@ -191,8 +191,8 @@ mod tests {
                     let cells = |r: &Region| -> Vec<(u64, u64)> {
                         (0..r.ndim())
                             .map(|d| {
-                                let a = (r.offset[d] - origin[d]) / sub[d];
-                                let b = (r.offset[d] + r.shape[d] - 1 - origin[d]) / sub[d];
+                                let a = (r.offset()[d] - origin[d]) / sub[d];
+                                let b = (r.offset()[d] + r.shape()[d] - 1 - origin[d]) / sub[d];
                                 (a, b)
                             })
                             .collect()

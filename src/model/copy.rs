@@ -76,17 +76,17 @@ pub fn for_each_run(
     let mut run: u64 = 1;
     while k > 0 {
         let d = k - 1;
-        run *= region.shape[d];
+        run *= region.shape()[d];
         k = d;
-        if region.shape[d] != src_box.shape[d] || region.shape[d] != dst_box.shape[d] {
+        if region.shape()[d] != src_box.shape()[d] || region.shape()[d] != dst_box.shape()[d] {
             break;
         }
     }
     // Sizes and offsets inside both boxes' buffers, which are in memory.
     let run_bytes = usize_of(run) * elem;
-    let ss = strides(&src_box.shape, elem);
-    let ds = strides(&dst_box.shape, elem);
-    let rel = |d: usize, b: &Region| usize_of(region.offset[d] - b.offset[d]);
+    let ss = strides(src_box.shape(), elem);
+    let ds = strides(dst_box.shape(), elem);
+    let rel = |d: usize, b: &Region| usize_of(region.offset()[d] - b.offset()[d]);
     let mut so: usize = (0..nd).map(|d| rel(d, src_box) * ss[d]).sum();
     let mut dof: usize = (0..nd).map(|d| rel(d, dst_box) * ds[d]).sum();
     if k == 0 {
@@ -94,7 +94,7 @@ pub fn for_each_run(
         return;
     }
     if k == 1 {
-        for _ in 0..region.shape[0] {
+        for _ in 0..region.shape()[0] {
             f(so, dof, run_bytes);
             so += ss[0];
             dof += ds[0];
@@ -102,7 +102,7 @@ pub fn for_each_run(
         return;
     }
     // Odometer over the outer dims 0..k with incremental offsets.
-    let ext: Vec<usize> = (0..k).map(|d| usize_of(region.shape[d])).collect();
+    let ext: Vec<usize> = (0..k).map(|d| usize_of(region.shape()[d])).collect();
     let mut idx = vec![0usize; k];
     loop {
         f(so, dof, run_bytes);
@@ -178,20 +178,20 @@ impl<'a> DisjointBuf<'a> {
     pub fn offset_of(&self, global_index: &[u64]) -> usize {
         let rel: Vec<u64> = global_index
             .iter()
-            .zip(&self.region.offset)
+            .zip(self.region.offset())
             .map(|(a, b)| a - b)
             .collect();
-        byte_offset(&rel, &self.region.shape, self.elem)
+        byte_offset(&rel, self.region.shape(), self.elem)
     }
 
     /// The byte range of `part` (inside the region) when it is contiguous in the buffer.
     #[must_use]
     pub fn contiguous_range(&self, part: &Region) -> Option<(usize, usize)> {
-        if !is_contiguous(&part.shape, &self.region.shape) {
+        if !is_contiguous(part.shape(), self.region.shape()) {
             return None;
         }
         let len = usize_of(part.num_elements().ok()?) * self.elem;
-        Some((self.offset_of(&part.offset), len))
+        Some((self.offset_of(part.offset()), len))
     }
 
     /// Writes zeros over `part` (global coordinates, inside the region).

@@ -96,7 +96,8 @@ pub fn flat_boxes(global_shape: &[u64], range: Range<u64>) -> Result<Vec<FlatBox
             c * strides[k]
         };
         out.push(FlatBox {
-            region: Region { offset: idx, shape },
+            // Inside the tensor: shape[k] <= global_shape[k] - idx[k], inner axes whole.
+            region: Region::from_parts_unchecked(idx, shape),
             start: pos - range.start,
         });
         pos += step;
@@ -109,12 +110,12 @@ pub fn flat_boxes(global_shape: &[u64], range: Range<u64>) -> Result<Vec<FlatBox
 /// or `None` when it is not (or is empty). The box must lie inside the tensor.
 #[must_use]
 pub fn box_flat_range(global_shape: &[u64], region: &Region) -> Option<Range<u64>> {
-    if region.is_empty() || !super::copy::is_contiguous(&region.shape, global_shape) {
+    if region.is_empty() || !super::copy::is_contiguous(region.shape(), global_shape) {
         return None;
     }
     let strides = strides(global_shape).ok()?;
     let start = region
-        .offset
+        .offset()
         .iter()
         .zip(&strides)
         .try_fold(0u64, |acc, (o, s)| acc.checked_add(o.checked_mul(*s)?))?;

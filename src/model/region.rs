@@ -57,12 +57,35 @@ pub enum RegionError {
 
 /// A box: an offset and a shape, one entry per dimension. A zero-dimensional region (both
 /// empty) is the single element of a scalar.
+///
+/// The fields are private: every region is built by a checked constructor ([`Region::new`],
+/// [`Region::within`], [`Region::whole`]), by [`Region::full`] (offset zero, so its end cannot
+/// overflow), or inside the crate from regions already valid (intersections, relative
+/// offsets). Deserializing goes through [`Region::new`], so a region read from a file or a
+/// peer holds the same invariants: offset and shape of one length, at most [`MAX_DIMS`]
+/// dimensions, and `offset + shape` fitting `u64` in every dimension.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "RegionParts")]
 pub struct Region {
     /// Start index in every dimension.
-    pub offset: Vec<u64>,
+    offset: Vec<u64>,
     /// Extent in every dimension.
-    pub shape: Vec<u64>,
+    shape: Vec<u64>,
+}
+
+/// The unchecked wire form of a [`Region`]; deserializing converts it through [`Region::new`].
+#[derive(Deserialize)]
+struct RegionParts {
+    offset: Vec<u64>,
+    shape: Vec<u64>,
+}
+
+impl TryFrom<RegionParts> for Region {
+    type Error = RegionError;
+
+    fn try_from(p: RegionParts) -> Result<Self, RegionError> {
+        Region::new(p.offset, p.shape)
+    }
 }
 
 impl fmt::Display for Region {
@@ -134,13 +157,109 @@ impl Region {
         Ok(Region { offset, shape })
     }
 
-    /// The whole of a tensor of `shape`.
+    /// A region of `offset` and `shape` that must lie inside a tensor of `global_shape`:
+    /// [`Region::new`] followed by [`Region::check_within`].
+    ///
+    /// # Errors
+    /// [`RegionError`] as [`Region::new`], or when the region does not fit `global_shape`.
+    pub fn within(
+        offset: Vec<u64>,
+        shape: Vec<u64>,
+        global_shape: &[u64],
+    ) -> Result<Self, RegionError> {
+        let r = Region::new(offset, shape)?;
+        r.check_within(global_shape)?;
+        Ok(r)
+    }
+
+    /// The whole of a tensor of `shape`, checked as [`Region::new`] checks (at most
+    /// [`MAX_DIMS`] dimensions, element count fitting `u64`).
+    ///
+    /// # Errors
+    /// [`RegionError`] on too many dimensions or overflow.
+    pub fn whole(shape: &[u64]) -> Result<Self, RegionError> {
+        Region::new(vec![0; shape.len()], shape.to_vec())
+    }
+
+    /// The whole of a tensor of `shape`. Infallible: the offset is zero, so no end overflows;
+    /// the rank and element count are those of `shape`, which callers validate with the
+    /// tensor (use [`Region::whole`] for a shape not yet checked).
     #[must_use]
     pub fn full(shape: &[u64]) -> Self {
         Region {
             offset: vec![0; shape.len()],
             shape: shape.to_vec(),
         }
+    }
+
+    /// A region from parts the caller has already validated (crate-private). Every call site
+    /// states why `offset` and `shape` have one length and `offset + shape` fits `u64`
+    /// (checked again in debug builds).
+    #[must_use]
+    pub(crate) fn from_parts_unchecked(offset: Vec<u64>, shape: Vec<u64>) -> Self {
+        debug_assert_eq!(offset.len(), shape.len());
+        debug_assert!(
+            offset
+                .iter()
+                .zip(&shape)
+                .all(|(o, s)| o.checked_add(*s).is_some())
+        );
+        Region { offset, shape }
+    }
+
+    /// This region with dimension `d` replaced by `start..start + len` (absolute indices).
+    ///
+    /// # Errors
+    /// [`RegionError::RankMismatch`] when `d` is not a dimension of the region,
+    /// [`RegionError::Overflow`] when `start + len` overflows `u64`.
+    pub fn with_axis(&self, d: usize, start: u64, len: u64) -> Result<Region, RegionError> {
+        if d >= self.ndim() {
+            return Err(RegionError::RankMismatch {
+                what: "axis",
+                got: d + 1,
+                expected: self.ndim(),
+            });
+        }
+        let mut r = self.clone();
+        r.offset[d] = start;
+        r.shape[d] = len;
+        if start.checked_add(len).is_none() {
+            return Err(RegionError::Overflow {
+                what: "region end",
+                shape: r.shape,
+            });
+        }
+        Ok(r)
+    }
+
+    /// The part of this region from `start` to `start + len` along dimension `d`, counted
+    /// from the region's offset (crate-private). The caller keeps `start + len` within the
+    /// region's extent along `d`, so the part is a sub-box of a valid region and valid too.
+    #[must_use]
+    pub(crate) fn slice_axis(&self, d: usize, start: u64, len: u64) -> Region {
+        debug_assert!(start.checked_add(len).is_some_and(|e| e <= self.shape[d]));
+        let mut r = self.clone();
+        r.offset[d] += start;
+        r.shape[d] = len;
+        r
+    }
+
+    /// Start index in every dimension.
+    #[must_use]
+    pub fn offset(&self) -> &[u64] {
+        &self.offset
+    }
+
+    /// Extent in every dimension.
+    #[must_use]
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    /// The offset and the shape, by value.
+    #[must_use]
+    pub fn into_parts(self) -> (Vec<u64>, Vec<u64>) {
+        (self.offset, self.shape)
     }
 
     /// Number of dimensions.
@@ -257,6 +376,57 @@ mod tests {
         let scalar = r(&[], &[]);
         assert_eq!(scalar.intersect(&scalar), Some(scalar.clone()));
         assert!(r(&[0], &[0]).is_empty());
+    }
+
+    #[test]
+    fn deserialize_goes_through_the_checked_constructor() {
+        let ok: Region = serde_json::from_str(r#"{"offset":[1,2],"shape":[3,4]}"#).unwrap();
+        assert_eq!(ok, r(&[1, 2], &[3, 4]));
+        assert_eq!(
+            serde_json::to_string(&ok).unwrap(),
+            r#"{"offset":[1,2],"shape":[3,4]}"#
+        );
+        for bad in [
+            r#"{"offset":[1],"shape":[3,4]}"#,
+            r#"{"offset":[18446744073709551615],"shape":[2]}"#,
+            r#"{"offset":[0,0],"shape":[18446744073709551615,3]}"#,
+        ] {
+            let err = serde_json::from_str::<Region>(bad).unwrap_err().to_string();
+            assert!(
+                err.contains("dimension") || err.contains("overflows"),
+                "{bad}: {err}"
+            );
+        }
+        let many = format!(
+            r#"{{"offset":{:?},"shape":{:?}}}"#,
+            vec![0u64; MAX_DIMS + 1],
+            vec![1u64; MAX_DIMS + 1]
+        );
+        assert!(serde_json::from_str::<Region>(&many).is_err());
+    }
+
+    #[test]
+    fn checked_constructors() {
+        assert_eq!(Region::whole(&[2, 3]).unwrap(), Region::full(&[2, 3]));
+        assert!(Region::whole(&[u64::MAX, 2]).is_err());
+        assert!(Region::whole(&vec![1; MAX_DIMS + 1]).is_err());
+        assert_eq!(
+            Region::within(vec![1], vec![2], &[3]).unwrap(),
+            r(&[1], &[2])
+        );
+        assert!(matches!(
+            Region::within(vec![2], vec![2], &[3]),
+            Err(RegionError::OutOfBounds { .. })
+        ));
+        assert!(Region::within(vec![0], vec![1, 1], &[3]).is_err());
+        let a = r(&[1, 2], &[3, 4]);
+        assert_eq!(a.with_axis(1, 5, 1).unwrap(), r(&[1, 5], &[3, 1]));
+        assert!(a.with_axis(2, 0, 1).is_err());
+        assert!(a.with_axis(0, u64::MAX, 1).is_err());
+        assert_eq!(a.slice_axis(0, 1, 2), r(&[2, 2], &[2, 4]));
+        assert_eq!(a.offset(), &[1, 2]);
+        assert_eq!(a.shape(), &[3, 4]);
+        assert_eq!(a.into_parts(), (vec![1, 2], vec![3, 4]));
     }
 
     #[test]

@@ -82,10 +82,10 @@ pub(crate) fn check_piece(
         key: key.to_string(),
         source,
     };
-    Region::new(region.offset.clone(), region.shape.clone()).map_err(wrap)?;
+    Region::new(region.offset().to_vec(), region.shape().to_vec()).map_err(wrap)?;
     region.check_within(global_shape).map_err(wrap)?;
     crate::model::region::num_elements(global_shape).map_err(wrap)?;
-    let expected = num_bytes(&region.shape, dtype.size()).map_err(wrap)?;
+    let expected = num_bytes(region.shape(), dtype.size()).map_err(wrap)?;
     if expected != len {
         return Err(TensorError::BufferSize {
             key: key.clone(),
@@ -160,18 +160,16 @@ fn bounding_box(global_shape: &[u64], boxes: &[FlatBox]) -> Region {
     let Some(first) = boxes.first() else {
         return empty_box(global_shape);
     };
-    let mut lo = first.region.offset.clone();
+    let mut lo = first.region.offset().to_vec();
     let mut hi: Vec<u64> = (0..n).map(|d| first.region.end(d)).collect();
     for b in &boxes[1..] {
         for d in 0..n {
-            lo[d] = lo[d].min(b.region.offset[d]);
+            lo[d] = lo[d].min(b.region.offset()[d]);
             hi[d] = hi[d].max(b.region.end(d));
         }
     }
-    Region {
-        shape: hi.iter().zip(&lo).map(|(h, l)| h - l).collect(),
-        offset: lo,
-    }
+    // The hull of valid boxes: lo <= hi, and every end is one of theirs.
+    Region::from_parts_unchecked(lo.clone(), hi.iter().zip(&lo).map(|(h, l)| h - l).collect())
 }
 
 /// An empty box at the origin: what a rank holding an empty flat range declares, so that it
@@ -181,10 +179,8 @@ fn empty_box(global_shape: &[u64]) -> Region {
     if let Some(first) = shape.first_mut() {
         *first = 0;
     }
-    Region {
-        offset: vec![0; global_shape.len()],
-        shape,
-    }
+    // Offset zero: no end overflows.
+    Region::from_parts_unchecked(vec![0; global_shape.len()], shape)
 }
 
 /// The boxes a flat piece is saved or loaded as: its decomposition, or one empty box for an
@@ -409,10 +405,12 @@ impl<'a> ShardedTensor<'a> {
         replica_id: u32,
     ) -> Result<Self, TensorError> {
         let key = TensorKey::new(key)?;
-        let region = Region {
-            offset: offset.to_vec(),
-            shape: local_shape.to_vec(),
-        };
+        let region = Region::new(offset.to_vec(), local_shape.to_vec()).map_err(|source| {
+            TensorError::Region {
+                key: key.to_string(),
+                source,
+            }
+        })?;
         Self::new(
             key,
             T::DTYPE,
@@ -682,10 +680,12 @@ impl<'a> LoadTarget<'a> {
         local_shape: &[u64],
     ) -> Result<Self, TensorError> {
         let key = TensorKey::new(key)?;
-        let region = Region {
-            offset: offset.to_vec(),
-            shape: local_shape.to_vec(),
-        };
+        let region = Region::new(offset.to_vec(), local_shape.to_vec()).map_err(|source| {
+            TensorError::Region {
+                key: key.to_string(),
+                source,
+            }
+        })?;
         Self::new(
             key,
             T::DTYPE,
@@ -813,7 +813,7 @@ mod tests {
             assert!(b.flat_range().is_none() && b.is_main());
             let first = u32::from_le_bytes(b.data()[..4].try_into().unwrap());
             let r = b.region();
-            assert_eq!(u64::from(first), r.offset[0] * 6 + r.offset[1]);
+            assert_eq!(u64::from(first), r.offset()[0] * 6 + r.offset()[1]);
             assert_eq!(b.data().len(), r.num_elements().unwrap() as usize * 4);
         }
         // a box piece is its own box piece
@@ -882,7 +882,7 @@ mod tests {
                 let r = b.region().clone();
                 let n = r.num_elements().unwrap();
                 for (i, chunk) in b.buf_mut().chunks_exact_mut(4).enumerate() {
-                    let flat = r.offset[0] * 6 + r.offset[1] + i as u64;
+                    let flat = r.offset()[0] * 6 + r.offset()[1] + i as u64;
                     assert!(i as u64 <= n);
                     chunk.copy_from_slice(&(flat as u32).to_le_bytes());
                 }

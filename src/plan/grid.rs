@@ -39,7 +39,7 @@ pub fn aligned_chunk_shape(global_shape: &[u64], pieces: &[&Region]) -> Vec<u64>
         .enumerate()
         .map(|(d, &dim)| {
             let g = pieces.iter().fold(0u64, |g, p| {
-                [p.offset[d], p.end(d)]
+                [p.offset()[d], p.end(d)]
                     .into_iter()
                     .filter(|&b| b > 0 && b < dim)
                     .fold(g, gcd)
@@ -58,7 +58,7 @@ pub fn coarse_chunk_shape(global_shape: &[u64], pieces: &[&Region]) -> Vec<u64> 
         .map(|d| {
             pieces
                 .iter()
-                .map(|p| p.shape[d])
+                .map(|p| p.shape()[d])
                 .max()
                 .unwrap_or(global_shape[d])
                 .max(1)
@@ -83,7 +83,7 @@ pub fn choose_chunk_shape(
 ) -> (Vec<u64>, bool) {
     let smallest_piece = pieces
         .iter()
-        .map(|p| product(&p.shape).saturating_mul(elem as u64))
+        .map(|p| product(p.shape()).saturating_mul(elem as u64))
         .filter(|&b| b > 0)
         .min()
         .unwrap_or(0);
@@ -597,7 +597,8 @@ pub fn chunk_region(global_shape: &[u64], chunk_shape: &[u64], idx: &[u64]) -> R
         .zip(global_shape)
         .map(|((o, c), g)| (*c).min(g - o))
         .collect();
-    Region { offset, shape }
+    // Clipped to the tensor: offset < global_shape, shape <= global_shape - offset.
+    Region::from_parts_unchecked(offset, shape)
 }
 
 /// The range of grid indices (start, end exclusive, per dimension) of chunks of
@@ -605,7 +606,7 @@ pub fn chunk_region(global_shape: &[u64], chunk_shape: &[u64], idx: &[u64]) -> R
 #[must_use]
 pub fn chunks_overlapping(region: &Region, chunk_shape: &[u64]) -> (Vec<u64>, Vec<u64>) {
     let lo = region
-        .offset
+        .offset()
         .iter()
         .zip(chunk_shape)
         .map(|(o, c)| o / c)
@@ -642,10 +643,11 @@ pub fn for_each_index(lo: &[u64], hi: &[u64], mut f: impl FnMut(&[u64])) {
 /// The full (unclipped) box of chunk `idx` of a grid of `chunk_shape` chunks.
 #[must_use]
 pub fn chunk_box(chunk_shape: &[u64], idx: &[u64]) -> Region {
-    Region {
-        offset: idx.iter().zip(chunk_shape).map(|(i, s)| i * s).collect(),
-        shape: chunk_shape.to_vec(),
-    }
+    // A chunk of a checked grid: its end fits u64 as the grid's does.
+    Region::from_parts_unchecked(
+        idx.iter().zip(chunk_shape).map(|(i, s)| i * s).collect(),
+        chunk_shape.to_vec(),
+    )
 }
 
 #[cfg(test)]

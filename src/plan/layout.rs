@@ -63,10 +63,10 @@ const MAGIC: &[u8; 5] = b"ZCKL1";
 
 /// Appends a box: its offsets, then its extents.
 pub(crate) fn put_region(out: &mut Vec<u8>, region: &Region) {
-    for &o in &region.offset {
+    for &o in region.offset() {
         put_varint(out, o);
     }
-    for &s in &region.shape {
+    for &s in region.shape() {
         put_varint(out, s);
     }
 }

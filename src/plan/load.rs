@@ -69,10 +69,8 @@ impl StoredGeometry {
                 .zip(&self.chunk_shape)
                 .map(|(i, s)| i * s)
                 .collect();
-            let chunk_box = Region {
-                offset: origin.clone(),
-                shape: self.chunk_shape.clone(),
-            };
+            // A chunk of the checked geometry's grid.
+            let chunk_box = Region::from_parts_unchecked(origin.clone(), self.chunk_shape.clone());
             let Some(inner) = request.intersect(&chunk_box) else {
                 return;
             };
@@ -86,14 +84,12 @@ impl StoredGeometry {
                     .zip(&origin)
                     .map(|((i, n), o)| o + i * n)
                     .collect();
-                let stored = Region {
-                    offset,
-                    shape: self.subchunk_shape.clone(),
-                };
+                // A subchunk of that chunk.
+                let stored = Region::from_parts_unchecked(offset, self.subchunk_shape.clone());
                 let Some(needed) = inner.intersect(&stored) else {
                     return;
                 };
-                let direct = needed == stored && is_contiguous(&needed.shape, &request.shape);
+                let direct = needed == stored && is_contiguous(needed.shape(), request.shape());
                 let linear = crate::model::object::linear_index(&per_shard, s);
                 subchunks.push(SubchunkRead {
                     linear,

@@ -198,6 +198,7 @@ pub fn declare(
 /// Encodes a rank's declarations for the all-gather.
 #[must_use]
 pub fn encode(decls: &[ObjectDecl]) -> Vec<u8> {
+    // Invariant: plain structs with string keys always serialize.
     serde_json::to_vec(decls).unwrap_or_default()
 }
 

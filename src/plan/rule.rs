@@ -157,7 +157,7 @@ impl Template {
                 if !ok {
                     break;
                 }
-                let (o, n) = (p.region.offset[a], p.region.shape[a]);
+                let (o, n) = (p.region.offset()[a], p.region.shape()[a]);
                 if o == 0 && n == dim {
                     axes.push(Axis::Full);
                 } else if n > 0 && o % n == 0 && o + n <= dim {
@@ -412,7 +412,7 @@ impl Template {
 /// dimensions without spanning it (a part of a flat cut finer than a row), if it is one.
 fn partial_row_range(shape: &[u64], region: &Region) -> Option<std::ops::Range<u64>> {
     let last = shape.len().checked_sub(1).filter(|&l| l >= 1)?;
-    if region.shape[last] >= shape[last] || region.shape[..last].iter().any(|&e| e != 1) {
+    if region.shape()[last] >= shape[last] || region.shape()[..last].iter().any(|&e| e != 1) {
         return None;
     }
     crate::model::flat::box_flat_range(shape, region)
@@ -449,10 +449,8 @@ pub fn grid_region(axes: &[Axis], shape: &[u64], coords: &[u64]) -> Option<Regio
             }
         }
     }
-    Some(Region {
-        offset,
-        shape: extent,
-    })
+    // Inside the tensor: every offset < dim and extent <= dim - offset.
+    Some(Region::from_parts_unchecked(offset, extent))
 }
 
 /// The coordinate slot holding `i`, adding one when there is room.
@@ -540,7 +538,7 @@ fn last_part(region: &Region, shape: &[u64], coords: &[u64]) -> Option<Vec<Axis>
     }
     let mut axes = Vec::with_capacity(shape.len());
     for (a, &dim) in shape.iter().enumerate() {
-        let (o, n) = (region.offset[a], region.shape[a]);
+        let (o, n) = (region.offset()[a], region.shape()[a]);
         if o == 0 && n == dim {
             axes.push(Axis::Full);
             continue;
@@ -902,6 +900,7 @@ impl World {
         for (i, r) in s.runs.iter().enumerate() {
             if r.start != next {
                 return Err(LayoutDecodeError {
+                    // Invariant: usize is 64 bits, so this conversion cannot fail.
                     rank: usize::try_from(next).unwrap_or(usize::MAX),
                     at: 0,
                     reason: "no description for this rank".into(),
@@ -912,6 +911,7 @@ impl World {
         }
         if next != size as u64 {
             return Err(LayoutDecodeError {
+                // Invariant: usize is 64 bits, so this conversion cannot fail.
                 rank: usize::try_from(next.min(size as u64)).unwrap_or(usize::MAX),
                 at: 0,
                 reason: format!("descriptions cover {next} ranks of {size}"),
@@ -920,6 +920,7 @@ impl World {
         let mut templates = Vec::with_capacity(s.templates.len());
         for (ti, (_, bytes)) in s.templates.iter().enumerate() {
             let lowest = runs_of[ti].first().map_or(0, |&i| {
+                // Invariant: usize is 64 bits, so this conversion cannot fail.
                 usize::try_from(s.runs[i].start).unwrap_or(usize::MAX)
             });
             let t = Template::decode(bytes, lowest)?;
@@ -927,6 +928,7 @@ impl World {
                 let r = &s.runs[i];
                 if r.coords.len() != t.slots as usize {
                     return Err(LayoutDecodeError {
+                        // Invariant: usize is 64 bits, so this conversion cannot fail.
                         rank: usize::try_from(r.start).unwrap_or(usize::MAX),
                         at: 0,
                         reason: format!(
@@ -960,6 +962,7 @@ impl World {
             let r = &self.runs[i];
             for k in 0..r.count {
                 let c = r.coords_at(k).ok_or_else(|| LayoutDecodeError {
+                    // Invariant: usize is 64 bits, so this conversion cannot fail.
                     rank: usize::try_from(r.start + k).unwrap_or(usize::MAX),
                     at: 0,
                     reason: "coordinates out of range".into(),

@@ -174,7 +174,7 @@ fn regular(w: &World, info: &TensorInfo<'_>) -> Option<(Vec<u64>, Vec<Family>)> 
             Rule::Box(r) => {
                 let mut picks = Vec::with_capacity(shape.len());
                 for (a, &s) in sizes.iter().enumerate() {
-                    let (o, n) = (r.offset[a], r.shape[a]);
+                    let (o, n) = (r.offset()[a], r.shape()[a]);
                     if o % s != 0 || n != s.min(shape[a] - o) {
                         return None;
                     }
@@ -235,10 +235,8 @@ fn part_region(shape: &[u64], sizes: &[u64], idx: &[u64]) -> Region {
         .zip(shape)
         .map(|((&o, &s), &d)| s.min(d - o))
         .collect();
-    Region {
-        offset,
-        shape: extent,
-    }
+    // Inside the tensor: extent <= dim - offset (part indices lie in the grid).
+    Region::from_parts_unchecked(offset, extent)
 }
 
 /// The part a family's rank holds, from its coordinates.
@@ -321,6 +319,7 @@ fn validate_parts(
                     .get(l)
                     .is_none_or(|h| h.main.is_empty() && h.auto.is_empty())
             })
+            // Invariant: an unbounded range always holds a part not in the finite map.
             .unwrap_or(0);
         let elem_total: u128 = shape.iter().map(|&d| u128::from(d)).product();
         let region = region_of(missing);
@@ -331,7 +330,7 @@ fn validate_parts(
                 .saturating_sub(missing_elems * (total - stored))
                 .min(elem_total),
             total: elem_total,
-            missing: region.offset,
+            missing: region.offset().to_vec(),
         });
     }
     Ok(())

@@ -268,7 +268,7 @@ fn check_coverage(
     // Sort by the first dimension and sweep: only boxes whose first-dimension ranges overlap
     // can intersect.
     let mut order: Vec<usize> = (0..mains.len()).collect();
-    let first = |i: usize| mains[i].0.offset.first().copied().unwrap_or(0);
+    let first = |i: usize| mains[i].0.offset().first().copied().unwrap_or(0);
     order.sort_by_key(|&i| (first(i), mains[i].0.clone()));
     let mut active: Vec<usize> = Vec::new();
     for &i in &order {
@@ -277,7 +277,7 @@ fn check_coverage(
             continue;
         }
         if ri.ndim() > 0 {
-            active.retain(|&j| mains[j].0.end(0) > ri.offset[0]);
+            active.retain(|&j| mains[j].0.end(0) > ri.offset()[0]);
         }
         if let Some(&j) = active.iter().find(|&&j| mains[j].0.intersect(ri).is_some()) {
             return Err(PlanError::Overlap {
@@ -293,7 +293,7 @@ fn check_coverage(
     let total: u128 = shape.iter().map(|&d| u128::from(d)).product();
     let covered: u128 = mains
         .iter()
-        .map(|(r, _)| r.shape.iter().map(|&d| u128::from(d)).product::<u128>())
+        .map(|(r, _)| r.shape().iter().map(|&d| u128::from(d)).product::<u128>())
         .sum();
     if covered != total {
         return Err(PlanError::Gap {
@@ -359,7 +359,7 @@ fn find_uncovered<'a>(shape: &[u64], boxes: impl Iterator<Item = &'a Region> + C
             .collect();
         if !boxes
             .clone()
-            .any(|b| (0..p.len()).all(|d| p[d] >= b.offset[d] && p[d] < b.end(d)))
+            .any(|b| (0..p.len()).all(|d| p[d] >= b.offset()[d] && p[d] < b.end(d)))
         {
             found = Some(p);
         }

@@ -120,6 +120,7 @@ impl ObjectEntry {
                 }
             }
             StoredScope::Sharded if grid && !size && !ws => {
+                // Invariant: this arm matched `grid`, so the member is present.
                 check_grid(key, self.grid.as_deref().unwrap_or_default(), None)
                     .map_err(|e| e.to_string())?;
             }
@@ -141,6 +142,8 @@ impl ObjectEntry {
     /// Every slot of this object, in order: the common value, each rank's, or each shard's
     /// (grid cells in C order). Lazy: a large grid or world size allocates nothing.
     pub fn slots(&self) -> impl Iterator<Item = ObjectSlot> + '_ {
+        // Invariant: entries are validated when the root metadata is parsed (`validate`): a
+        // per-rank one has `world_size`, a sharded one a grid whose product fits (`check_grid`).
         let grid: &[u64] = self.grid.as_deref().unwrap_or_default();
         let n = match self.scope {
             StoredScope::Common => 1,
@@ -298,6 +301,7 @@ pub fn write_value(
         crc32c: crc,
     };
     let doc = value_metadata(key, e, slot, bytes.len() as u64, Some(binding));
+    // Invariant: serializing a JSON value (string keys only) cannot fail.
     let doc = serde_json::to_vec_pretty(&doc).unwrap_or_default();
     let mut n = write_durable(&adir.join("zarr.json"), &[&doc])?;
     if !bytes.is_empty() {
@@ -449,6 +453,7 @@ pub fn read_value(
             ),
         });
     }
+    // Invariant: `len + 4` equals the file length just checked, and usize is 64 bits.
     let mut buf = vec![0u8; usize::try_from(len + 4).unwrap_or(usize::MAX)];
     f.read_exact(&mut buf)
         .map_err(StorageError::io("read", &path))?;

@@ -454,7 +454,7 @@ unsafe fn pread_subchunks(
     for s in &shard.subchunks {
         match entry(s.linear) {
             Some((off, n)) if s.direct => {
-                let d = dest.offset_of(&s.needed.offset);
+                let d = dest.offset_of(s.needed.offset());
                 let joins = batch.last().is_some_and(|&(_, last_d)| {
                     let file_end = batch_file_start + (sub_bytes as u64 + 4) * batch.len() as u64;
                     off == file_end
@@ -888,7 +888,7 @@ unsafe fn read_shard_mapped(
             let crc = [crc[0], crc[1], crc[2], crc[3]];
             if s.direct {
                 // SAFETY: disjoint destination ranges (caller's contract).
-                let out = unsafe { dest.slice(dest.offset_of(&s.needed.offset), slot - 4) };
+                let out = unsafe { dest.slice(dest.offset_of(s.needed.offset()), slot - 4) };
                 let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
                 for (o, d) in out.chunks_mut(CRC_BAND).zip(data.chunks(CRC_BAND)) {
                     o.copy_from_slice(d);
@@ -1053,7 +1053,10 @@ pub fn verify_shard(
                     .min(geom.chunk_shape[d] - b[d] * tile[d] * geom.subchunk_shape[d])
             })
             .collect();
-        let Some(part) = (crate::model::Region { offset, shape }).intersect(region) else {
+        // A tile of subchunks inside the chunk of the checked geometry.
+        let Some(part) =
+            crate::model::Region::from_parts_unchecked(offset, shape).intersect(region)
+        else {
             return;
         };
         result = (|| {

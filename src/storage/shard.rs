@@ -82,7 +82,7 @@ pub fn write_uncompressed(
     footer: Option<FooterFor<'_>>,
 ) -> Result<u64, StorageError> {
     let per_shard: Vec<u64> = chunk_box
-        .shape
+        .shape()
         .iter()
         .zip(subchunk_shape)
         .map(|(c, s)| c / s)
@@ -132,15 +132,15 @@ pub fn write_uncompressed(
         sub_indices.push(s.to_vec())
     });
     for s in &sub_indices {
-        let sub_box = Region {
-            offset: s
-                .iter()
+        // A subchunk of `chunk_box` in the checked geometry.
+        let sub_box = Region::from_parts_unchecked(
+            s.iter()
                 .zip(subchunk_shape)
-                .zip(&chunk_box.offset)
+                .zip(chunk_box.offset())
                 .map(|((i, n), o)| o + i * n)
                 .collect(),
-            shape: subchunk_shape.to_vec(),
-        };
+            subchunk_shape.to_vec(),
+        );
         // Where the subchunk's bytes are: one run of the source, or gathered.
         let mut runs: Vec<(usize, usize)> = Vec::new();
         for_each_run(src_box, &sub_box, &sub_box, elem, |so, _, len| {
@@ -261,10 +261,7 @@ mod tests {
                 if all_zero {
                     data.fill(0);
                 }
-                let chunk_box = Region {
-                    offset: vec![0; chunk.len()],
-                    shape: chunk.to_vec(),
-                };
+                let chunk_box = Region::new(vec![0; chunk.len()], chunk.to_vec()).unwrap();
                 let path = tmp.path().join(format!("shard{ci}{all_zero}"));
                 let written =
                     write_uncompressed(&path, &data, &chunk_box, &chunk_box, sub, elem, None)
@@ -281,15 +278,9 @@ mod tests {
     #[test]
     fn chunk_inside_a_larger_piece() {
         let tmp = tempfile::tempdir().unwrap();
-        let piece = Region {
-            offset: vec![4, 0],
-            shape: vec![4, 6],
-        };
+        let piece = Region::new(vec![4, 0], vec![4, 6]).unwrap();
         let src: Vec<u8> = (0..24u8).collect();
-        let chunk_box = Region {
-            offset: vec![4, 3],
-            shape: vec![4, 3],
-        };
+        let chunk_box = Region::new(vec![4, 3], vec![4, 3]).unwrap();
         let mut expect = vec![0u8; 12];
         crate::model::copy::copy_region(&src, &piece, &mut expect, &chunk_box, &chunk_box, 1);
         let a = tmp.path().join("a");

@@ -19,6 +19,7 @@ use crate::model::copy::copy_region;
 pub fn write_array_metadata(arr: &TensorArray) -> Result<(), StorageError> {
     create_dir_durable(arr.dir())?;
     let doc = super::array::array_metadata_for(arr.key(), arr.entry(), arr.save_id());
+    // Invariant: serializing a JSON value (string keys only) cannot fail.
     let bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
     write_durable(&arr.dir().join("zarr.json"), &[&bytes]).map(|_| ())
 }
@@ -66,6 +67,7 @@ pub fn write_shard(
     let (data, index) = encoded.split_at(
         encoded
             .len()
+            // Invariant: usize is 64 bits (the crate builds for no other target).
             .saturating_sub(usize::try_from(arr.index_bytes()).unwrap_or(usize::MAX)),
     );
     let foot = match arr.save_id() {

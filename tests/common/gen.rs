@@ -63,11 +63,11 @@ pub fn numel(shape: &[u64]) -> u64 {
 /// Calls `f` with every element index of `region`, in C order (an independent odometer: the
 /// tests do not use the library's own iteration helpers as their oracle).
 pub fn for_each_element(region: &Region, mut f: impl FnMut(&[u64])) {
-    if region.shape.contains(&0) {
+    if region.shape().contains(&0) {
         return;
     }
-    let nd = region.shape.len();
-    let mut idx = region.offset.clone();
+    let nd = region.shape().len();
+    let mut idx = region.offset().to_vec();
     loop {
         f(&idx);
         let mut d = nd;
@@ -77,10 +77,10 @@ pub fn for_each_element(region: &Region, mut f: impl FnMut(&[u64])) {
             }
             d -= 1;
             idx[d] += 1;
-            if idx[d] < region.offset[d] + region.shape[d] {
+            if idx[d] < region.offset()[d] + region.shape()[d] {
                 break;
             }
-            idx[d] = region.offset[d];
+            idx[d] = region.offset()[d];
         }
     }
 }
@@ -89,17 +89,17 @@ pub fn for_each_element(region: &Region, mut f: impl FnMut(&[u64])) {
 pub fn linear_in(index: &[u64], within: &Region) -> u64 {
     index
         .iter()
-        .zip(&within.offset)
-        .zip(&within.shape)
+        .zip(within.offset())
+        .zip(within.shape())
         .fold(0, |acc, ((i, o), s)| acc * s + (i - o))
 }
 
 /// True when `inner` lies inside `outer` (same rank).
 pub fn inside(inner: &Region, outer: &Region) -> bool {
-    inner.shape.len() == outer.shape.len()
-        && (0..inner.shape.len()).all(|d| {
-            inner.offset[d] >= outer.offset[d]
-                && inner.offset[d] + inner.shape[d] <= outer.offset[d] + outer.shape[d]
+    inner.shape().len() == outer.shape().len()
+        && (0..inner.shape().len()).all(|d| {
+            inner.offset()[d] >= outer.offset()[d]
+                && inner.offset()[d] + inner.shape()[d] <= outer.offset()[d] + outer.shape()[d]
         })
 }
 
@@ -270,17 +270,18 @@ pub fn resolve_tiling(shape: &[u64], raw: &TilingRaw) -> Vec<Region> {
                 let i = usize::from(b) % boxes.len();
                 let a = usize::from(a) % shape.len();
                 let whole = boxes[i].clone();
-                if whole.shape[a] < 2 && (1..1000).contains(&pos) {
+                if whole.shape()[a] < 2 && (1..1000).contains(&pos) {
                     continue; // no room for a cut strictly inside
                 }
-                let cut = cut_at(whole.shape[a], pos);
-                let mut lo = whole.clone();
-                lo.shape[a] = cut;
-                let mut hi = whole;
-                hi.offset[a] += cut;
-                hi.shape[a] -= cut;
-                boxes[i] = lo;
-                boxes.push(hi);
+                let cut = cut_at(whole.shape()[a], pos);
+                let (offset, shape) = whole.into_parts();
+                let mut lo = (offset.clone(), shape.clone());
+                lo.1[a] = cut;
+                let mut hi = (offset, shape);
+                hi.0[a] += cut;
+                hi.1[a] -= cut;
+                boxes[i] = Region::new(lo.0, lo.1).unwrap();
+                boxes.push(Region::new(hi.0, hi.1).unwrap());
             }
             boxes
         }
@@ -291,10 +292,7 @@ pub fn resolve_tiling(shape: &[u64], raw: &TilingRaw) -> Vec<Region> {
 fn grid_boxes(bounds: &[Vec<u64>]) -> Vec<Region> {
     let counts: Vec<u64> = bounds.iter().map(|b| b.len() as u64 - 1).collect();
     let mut out = Vec::new();
-    let all = Region {
-        offset: vec![0; counts.len()],
-        shape: counts.clone(),
-    };
+    let all = Region::new(vec![0; counts.len()], counts.clone()).unwrap();
     for_each_element(&all, |cell| {
         let offset = cell
             .iter()
@@ -306,7 +304,7 @@ fn grid_boxes(bounds: &[Vec<u64>]) -> Vec<Region> {
             .zip(bounds)
             .map(|(&c, b)| b[c as usize + 1] - b[c as usize])
             .collect();
-        out.push(Region { offset, shape });
+        out.push(Region::new(offset, shape).unwrap());
     });
     out
 }
@@ -533,7 +531,7 @@ pub fn box_in(shape: &[u64], pos: &[(u16, u16)]) -> Region {
             len.push(1 + permille(extent - o - 1, b));
         }
     }
-    Region { offset, shape: len }
+    Region::new(offset, len).unwrap()
 }
 
 /// Raw parameters of one tensor, placed as `placement` draws.

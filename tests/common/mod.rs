@@ -26,7 +26,7 @@ pub fn tensor_bytes(seed: u64, shape: &[u64], dtype: DType) -> Vec<u8> {
 
 /// The bytes of `region` cut from a full tensor.
 pub fn cut(full: &[u8], shape: &[u64], region: &Region, elem: usize) -> Vec<u8> {
-    let mut out = vec![0u8; region.shape.iter().product::<u64>() as usize * elem];
+    let mut out = vec![0u8; region.shape().iter().product::<u64>() as usize * elem];
     copy_region(full, &Region::full(shape), &mut out, region, region, elem);
     out
 }

@@ -202,8 +202,9 @@ fn layout(case: Case, m: &[Tensor], world: u64, r: u64, load: bool) -> RankLayou
                 let main = match x.split {
                     Some(axis) => {
                         let size = x.shape[axis] / tp;
-                        region.offset[axis] = t * size;
-                        region.shape[axis] = size;
+                        region = region
+                            .with_axis(axis, t * size, size)
+                            .expect("a box inside the tensor");
                         d == 0
                     }
                     None => d == 0 && t == 0,
@@ -216,9 +217,9 @@ fn layout(case: Case, m: &[Tensor], world: u64, r: u64, load: bool) -> RankLayou
                 let d0 = x.shape[0];
                 let s = d0.div_ceil(world);
                 let o = (r * s).min(d0);
-                let mut region = Region::full(&x.shape);
-                region.offset[0] = o;
-                region.shape[0] = s.min(d0 - o);
+                let region = Region::full(&x.shape)
+                    .with_axis(0, o, s.min(d0 - o))
+                    .expect("a box inside the tensor");
                 push(x, region, true);
             }
         }
@@ -233,9 +234,9 @@ fn layout(case: Case, m: &[Tensor], world: u64, r: u64, load: bool) -> RankLayou
                     }
                 };
                 let (a, b) = (cut(r), cut(r + 1));
-                let mut region = Region::full(&x.shape);
-                region.offset[0] = a;
-                region.shape[0] = b.saturating_sub(a);
+                let region = Region::full(&x.shape)
+                    .with_axis(0, a, b.saturating_sub(a))
+                    .expect("a box inside the tensor");
                 push(x, region, true);
             }
         }
@@ -251,9 +252,9 @@ fn layout(case: Case, m: &[Tensor], world: u64, r: u64, load: bool) -> RankLayou
                         }
                     }
                     _ => {
-                        let mut region = Region::full(&x.shape);
-                        region.offset[0] = x.shape[0];
-                        region.shape[0] = 0;
+                        let region = Region::full(&x.shape)
+                            .with_axis(0, x.shape[0], 0)
+                            .expect("a box inside the tensor");
                         push(x, region, true);
                     }
                 }

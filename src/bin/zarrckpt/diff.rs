@@ -557,17 +557,17 @@ mod tests {
             for r in boxes(&shape, max) {
                 let e = r.num_elements().unwrap();
                 assert!(e <= max.max(1), "{shape:?} {max}: {r}");
-                let mut idx = r.offset.clone();
+                let mut idx = r.offset().to_vec();
                 // Mark every element of the box.
                 for _ in 0..e {
                     let lin = idx.iter().zip(&shape).fold(0u64, |acc, (i, s)| acc * s + i);
                     seen[usize::try_from(lin).unwrap()] += 1;
                     for d in (0..idx.len()).rev() {
                         idx[d] += 1;
-                        if idx[d] < r.offset[d] + r.shape[d] {
+                        if idx[d] < r.offset()[d] + r.shape()[d] {
                             break;
                         }
-                        idx[d] = r.offset[d];
+                        idx[d] = r.offset()[d];
                     }
                 }
             }

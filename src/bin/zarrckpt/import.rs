@@ -131,8 +131,10 @@ fn split_first_axis(shape: &[u64], r: u64, n: u64) -> Region {
     if let Some(&dim) = shape.first() {
         let size = dim.div_ceil(n);
         let o = (r * size).min(dim);
-        region.offset[0] = o;
-        region.shape[0] = size.min(dim - o);
+        // Axis 0 exists and o + size.min(dim - o) <= dim: cannot fail.
+        region = region
+            .with_axis(0, o, size.min(dim - o))
+            .expect("a box inside the tensor");
     }
     region
 }
@@ -264,8 +266,8 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
                 (0, elem)
             } else {
                 (
-                    region.offset[0] as usize * row,
-                    region.shape[0] as usize * row,
+                    region.offset()[0] as usize * row,
+                    region.shape()[0] as usize * row,
                 )
             };
             let data = &view.data()[start..start + len];
