@@ -965,7 +965,7 @@ fn grid_examples_are_what_the_planner_chooses() {
                     .collect();
                 let smallest = refs
                     .iter()
-                    .map(|r| r.shape.iter().product::<u64>() * elem as u64)
+                    .map(|r| r.shape().iter().product::<u64>() * elem as u64)
                     .min()
                     .unwrap_or(0);
                 let g = grid::checked_grid(&shape, &parts, elem, smallest, &opts).unwrap();
