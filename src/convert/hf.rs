@@ -165,7 +165,7 @@ pub fn copy_model_files(from: &Path, out: &Path) -> Result<(), FormatError> {
 }
 
 /// Writes `config.json` into `out` unless `copy_from` gives the model's own files.
-pub(crate) fn model_files(
+fn model_files(
     out: &Path,
     copy_from: Option<&Path>,
     cfg: &serde_json::Value,
@@ -230,17 +230,74 @@ pub struct ExportReport {
     pub elapsed: Duration,
 }
 
+/// The source side of an export (HF or vLLM): the checkpoint opened, the HF config and the
+/// saved layout found, the options.
+pub(crate) struct ExportSource {
+    pub(crate) path: PathBuf,
+    pub(crate) ck: Checkpoint,
+    pub(crate) table_name: String,
+    pub(crate) cfg: serde_json::Value,
+    pub(crate) saved: Layout,
+    pub(crate) opts: ExportOptions,
+    pub(crate) started: Instant,
+}
+
+impl ExportSource {
+    /// Opens the checkpoint at `ckpt` (a Megatron checkpoint directory or its zarrckpt
+    /// folder) for an export through `table`.
+    pub(crate) fn open(
+        ckpt: &Path,
+        table: &Table,
+        opts: ExportOptions,
+    ) -> Result<ExportSource, FormatError> {
+        let started = Instant::now();
+        let ck = open_checkpoint(ckpt)?;
+        let cfg = hf_config(Some(&ck), opts.config.as_deref(), opts.copy_from.as_deref())?;
+        let saved = saved_layout(&ck, opts.layout)?;
+        Ok(ExportSource {
+            path: ckpt.to_owned(),
+            ck,
+            table_name: table.name.clone(),
+            cfg,
+            saved,
+            opts,
+            started,
+        })
+    }
+
+    /// The checkpoint's tensors.
+    pub(crate) fn inventory(&self) -> Inventory {
+        inventory(&self.ck)
+    }
+
+    /// Writes `files` of `plan` into `out`, then the model's config (and, with `copy_from`,
+    /// its other non-weight files).
+    pub(crate) fn write(
+        &self,
+        plan: &Plan,
+        files: &[super::write::OutFile],
+        out: &Path,
+    ) -> Result<ExportReport, FormatError> {
+        let planning = self.started.elapsed();
+        std::fs::create_dir_all(out).map_err(FormatError::io("create", out))?;
+        let stats = write_files(&self.ck, plan, files, out, self.opts.write)?;
+        model_files(out, self.opts.copy_from.as_deref(), &self.cfg)?;
+        Ok(ExportReport {
+            tensors: plan.dests.len(),
+            files: files.len(),
+            stats,
+            per_group: plan.bytes_per_group(),
+            planning,
+            elapsed: self.started.elapsed(),
+        })
+    }
+}
+
 /// A planned HF export of a Megatron-layout checkpoint: checked from metadata alone, nothing
 /// read or written yet.
 pub struct HfExport {
-    source: PathBuf,
-    ck: Checkpoint,
-    table_name: String,
-    cfg: serde_json::Value,
-    saved: Layout,
-    opts: ExportOptions,
+    src: ExportSource,
     plan: Plan,
-    started: Instant,
 }
 
 impl HfExport {
@@ -251,21 +308,10 @@ impl HfExport {
     /// [`FormatError::Plan`] for a refused conversion (rule, key and numbers); opening and
     /// reading errors.
     pub fn plan(ckpt: &Path, table: &Table, opts: ExportOptions) -> Result<HfExport, FormatError> {
-        let started = Instant::now();
-        let ck = open_checkpoint(ckpt)?;
-        let cfg = hf_config(Some(&ck), opts.config.as_deref(), opts.copy_from.as_deref())?;
-        let saved = saved_layout(&ck, opts.layout)?;
-        let plan = plan_hf_export(table, &cfg, saved, &inventory(&ck), opts.max_shard_bytes)?;
-        Ok(HfExport {
-            source: ckpt.to_owned(),
-            ck,
-            table_name: table.name.clone(),
-            cfg,
-            saved,
-            opts,
-            plan,
-            started,
-        })
+        let src = ExportSource::open(ckpt, table, opts)?;
+        let inv = src.inventory();
+        let plan = plan_hf_export(table, &src.cfg, src.saved, &inv, src.opts.max_shard_bytes)?;
+        Ok(HfExport { src, plan })
     }
 
     /// The plan.
@@ -298,9 +344,9 @@ impl HfExport {
             &self.plan,
             &format!(
                 "export {} -> HF ({} files) with table `{}`",
-                self.source.display(),
+                self.src.path.display(),
                 self.files(),
-                self.table_name
+                self.src.table_name
             ),
             "file",
         )
@@ -313,9 +359,9 @@ impl HfExport {
             &self.plan,
             &format!(
                 "{} as HF with table `{}` (saved at {})",
-                self.source.display(),
-                self.table_name,
-                self.saved
+                self.src.path.display(),
+                self.src.table_name,
+                self.src.saved
             ),
             "file",
         )
@@ -326,12 +372,10 @@ impl HfExport {
     /// # Errors
     /// Reading the checkpoint, writing the files.
     pub fn write(&self, out: &Path) -> Result<ExportReport, FormatError> {
-        let planning = self.started.elapsed();
-        std::fs::create_dir_all(out).map_err(FormatError::io("create", out))?;
         let files = file_per_group(&self.plan, &|g| self.file_name(g));
-        let stats = write_files(&self.ck, &self.plan, &files, out, self.opts.write)?;
-        let total: u64 = self.plan.dests.iter().map(|d| d.nbytes()).sum();
+        let mut report = self.src.write(&self.plan, &files, out)?;
         if files.len() > 1 {
+            let total: u64 = self.plan.dests.iter().map(|d| d.nbytes()).sum();
             let weight_map: BTreeMap<&str, String> = self
                 .plan
                 .dests
@@ -346,16 +390,9 @@ impl HfExport {
                 msg: e.to_string(),
             })? + "\n";
             std::fs::write(&p, text).map_err(FormatError::io("write", &p))?;
+            report.elapsed = self.src.started.elapsed();
         }
-        model_files(out, self.opts.copy_from.as_deref(), &self.cfg)?;
-        Ok(ExportReport {
-            tensors: self.plan.dests.len(),
-            files: files.len(),
-            stats,
-            per_group: self.plan.bytes_per_group(),
-            planning,
-            elapsed: self.started.elapsed(),
-        })
+        Ok(report)
     }
 
     /// The summary line of a finished export.

@@ -4,28 +4,21 @@
 //! config and tokenizer files beside them so that `LLM(model=DIR,
 //! load_format="sharded_state")` can open the folder, as vLLM's own saving script leaves it.
 
-use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::path::Path;
 
 use super::describe::describe;
 use super::error::FormatError;
-use super::hf::{ExportOptions, ExportReport, hf_config, inventory, open_checkpoint, saved_layout};
+use super::hf::{ExportOptions, ExportReport, ExportSource};
 use super::plan::{Plan, plan_vllm};
 use super::table::Table;
-use super::write::{OutFile, write_files};
-use crate::Checkpoint;
+use super::write::OutFile;
 
 /// A planned vLLM export of a Megatron-layout checkpoint: checked from metadata alone.
 pub struct VllmExport {
-    source: PathBuf,
-    ck: Checkpoint,
-    table_name: String,
+    src: ExportSource,
     version: String,
     tp: u64,
-    cfg: serde_json::Value,
-    opts: ExportOptions,
     plan: Plan,
-    started: Instant,
 }
 
 impl VllmExport {
@@ -39,25 +32,17 @@ impl VllmExport {
         tp: u64,
         opts: ExportOptions,
     ) -> Result<VllmExport, FormatError> {
-        let started = Instant::now();
-        let ck = open_checkpoint(ckpt)?;
-        let cfg = hf_config(Some(&ck), opts.config.as_deref(), opts.copy_from.as_deref())?;
-        let saved = saved_layout(&ck, opts.layout)?;
-        let plan = plan_vllm(table, &cfg, saved, &inventory(&ck), tp)?;
+        let src = ExportSource::open(ckpt, table, opts)?;
+        let plan = plan_vllm(table, &src.cfg, src.saved, &src.inventory(), tp)?;
         Ok(VllmExport {
-            source: ckpt.to_owned(),
-            ck,
-            table_name: table.name.clone(),
+            src,
             version: table
                 .vllm
                 .as_ref()
                 .and_then(|v| v.version.clone())
                 .unwrap_or_default(),
             tp,
-            cfg,
-            opts,
             plan,
-            started,
         })
     }
 
@@ -80,10 +65,10 @@ impl VllmExport {
             &self.plan,
             &format!(
                 "export {} -> vLLM TP {} ({}) with table `{}`",
-                self.source.display(),
+                self.src.path.display(),
                 self.tp,
                 self.version,
-                self.table_name
+                self.src.table_name
             ),
             "rank",
         )
@@ -99,7 +84,7 @@ impl VllmExport {
             let n = d.nbytes();
             let part = match files.last() {
                 Some(f) if f.group == d.group => {
-                    if size > 0 && size.saturating_add(n) > self.opts.max_shard_bytes {
+                    if size > 0 && size.saturating_add(n) > self.src.opts.max_shard_bytes {
                         Some(files.iter().filter(|f| f.group == d.group).count())
                     } else {
                         None
@@ -129,19 +114,7 @@ impl VllmExport {
     /// # Errors
     /// Reading the checkpoint, writing the files.
     pub fn write(&self, out: &Path) -> Result<ExportReport, FormatError> {
-        let planning = self.started.elapsed();
-        std::fs::create_dir_all(out).map_err(FormatError::io("create", out))?;
-        let files = self.files();
-        let stats = write_files(&self.ck, &self.plan, &files, out, self.opts.write)?;
-        super::hf::model_files(out, self.opts.copy_from.as_deref(), &self.cfg)?;
-        Ok(ExportReport {
-            tensors: self.plan.dests.len(),
-            files: files.len(),
-            stats,
-            per_group: self.plan.bytes_per_group(),
-            planning,
-            elapsed: self.started.elapsed(),
-        })
+        self.src.write(&self.plan, &self.files(), out)
     }
 
     /// The summary line of a finished export.
