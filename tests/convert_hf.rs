@@ -839,15 +839,13 @@ fn cli_import_export_vllm_and_refusals() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("by vLLM tp = 3"));
 }
 
-/// The tensors of each vLLM rank, over all its part files: rank -> name -> bytes, and the
-/// part files with their sizes.
-fn vllm_ranks(
-    dir: &std::path::Path,
-) -> (
-    BTreeMap<u64, BTreeMap<String, Vec<u8>>>,
-    Vec<(String, u64, usize)>,
-) {
-    let mut ranks: BTreeMap<u64, BTreeMap<String, Vec<u8>>> = BTreeMap::new();
+/// rank -> tensor name -> bytes.
+type RankTensors = BTreeMap<u64, BTreeMap<String, Vec<u8>>>;
+
+/// The tensors of each vLLM rank, over all its part files, and the part files with their
+/// data bytes and tensor counts.
+fn vllm_ranks(dir: &std::path::Path) -> (RankTensors, Vec<(String, u64, usize)>) {
+    let mut ranks: RankTensors = BTreeMap::new();
     let mut parts = Vec::new();
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();

@@ -152,6 +152,22 @@ def expand(table: Table, config: Config, *, tp: int = 1, pp: int = 1, ep: int = 
 # running conversions
 
 
+def _export(ckpt, out, map, tp, config, copy_from, max_shard_size, megatron, procs, dry_run):
+    """An HF export (``tp`` None) or a vLLM one, in the extension."""
+    return _native.export(
+        ckpt,
+        out,
+        _table_arg(map),
+        tp=tp,
+        config=config,
+        copy_from=copy_from,
+        max_shard_size=None if max_shard_size is None else str(max_shard_size),
+        layout=megatron,
+        procs=procs,
+        dry_run=dry_run,
+    )
+
+
 def export_hf(
     ckpt: str | os.PathLike,
     out: str | os.PathLike,
@@ -168,16 +184,8 @@ def export_hf(
     parallel writers, each writing whole files); returns the summary (the plan with
     ``dry_run``). ``megatron`` (``"tp=T,pp=P"``): the layout the checkpoint was saved at when
     its metadata does not say (it fixes the vocab padding)."""
-    return _native.export(
-        ckpt,
-        out,
-        _table_arg(map),
-        config=config,
-        copy_from=copy_from,
-        max_shard_size=None if max_shard_size is None else str(max_shard_size),
-        layout=megatron,
-        procs=procs,
-        dry_run=dry_run,
+    return _export(
+        ckpt, out, map, None, config, copy_from, max_shard_size, megatron, procs, dry_run
     )
 
 
@@ -225,18 +233,7 @@ def export_vllm(
     parallel writers, each writing whole ranks), with ``config.json`` (or every non-weight
     file of ``copy_from``: tokenizer, generation config) so that
     ``vllm.LLM(model=out, load_format="sharded_state")`` opens the folder."""
-    return _native.export(
-        ckpt,
-        out,
-        _table_arg(map),
-        tp=tp,
-        config=config,
-        copy_from=copy_from,
-        max_shard_size=None if max_shard_size is None else str(max_shard_size),
-        layout=megatron,
-        procs=procs,
-        dry_run=dry_run,
-    )
+    return _export(ckpt, out, map, tp, config, copy_from, max_shard_size, megatron, procs, dry_run)
 
 
 def inspect(
