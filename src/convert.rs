@@ -9,19 +9,35 @@
 //! [`plan`] per destination the source boxes; then [`exec`] fills destination buffers
 //! through [`Checkpoint::read_region`](crate::Checkpoint::read_region) (each merged source
 //! box read once) or from caller-provided source bytes.
+//!
+//! The formats' files are written and read here too, acting on a checkpoint: [`hf`]
+//! (safetensors shards and index out, an HF folder into a Megatron layout in), [`vllm`]
+//! (per-rank `sharded_state` files), all through the one safetensors writer of
+//! [`safetensors`]. The CLI and the Python package only call these.
 
 pub mod check;
+pub mod describe;
 pub mod error;
 pub mod exec;
 pub mod expand;
 pub mod expr;
 pub mod geom;
+pub mod hf;
+mod hf_import;
 pub mod plan;
+pub mod safetensors;
 pub mod table;
+pub mod validate;
+pub mod vllm;
+pub mod write;
 
 pub use check::{Direction, Inventory};
-pub use error::ConvertError;
+pub use error::{ConvertError, FormatError};
 pub use exec::{FillStats, fill_from_checkpoint, fill_from_sources};
 pub use expand::{Expanded, Layout, expand};
+pub use hf::{ExportOptions, ExportReport, HfDir, HfExport, HfImport, ImportReport};
 pub use plan::{Dest, Piece, Plan, Source, plan_hf_export, plan_megatron_import, plan_vllm};
 pub use table::Table;
+pub use validate::load_checked;
+pub use vllm::VllmExport;
+pub use write::{WriteOptions, WriteStats};

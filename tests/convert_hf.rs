@@ -839,6 +839,167 @@ fn cli_import_export_vllm_and_refusals() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("by vLLM tp = 3"));
 }
 
+/// rank -> tensor name -> bytes.
+type RankTensors = BTreeMap<u64, BTreeMap<String, Vec<u8>>>;
+
+/// The tensors of each vLLM rank, over all its part files, and the part files with their
+/// data bytes and tensor counts.
+fn vllm_ranks(dir: &std::path::Path) -> (RankTensors, Vec<(String, u64, usize)>) {
+    let mut ranks: RankTensors = BTreeMap::new();
+    let mut parts = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_owned();
+        let Some(rest) = name.strip_prefix("model-rank-") else {
+            continue;
+        };
+        let rank: u64 = rest.split('-').next().unwrap().parse().unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let data: u64 = st
+            .tensors()
+            .iter()
+            .map(|(_, v)| v.data().len() as u64)
+            .sum();
+        parts.push((name, data, st.len()));
+        for (k, v) in st.tensors() {
+            assert!(
+                ranks
+                    .entry(rank)
+                    .or_default()
+                    .insert(k.clone(), v.data().to_vec())
+                    .is_none()
+            );
+        }
+    }
+    parts.sort();
+    (ranks, parts)
+}
+
+/// `export --vllm`: `--procs` runs that many writers, `--max-shard-size` cuts each rank's
+/// tensors into parts, `--copy-from` copies the model's other files (config, tokenizer) and
+/// without it `config.json` is written, so vLLM can open the folder; the options that do not
+/// apply are refused; `import --dcp` is refused with the Python command that does it.
+#[test]
+fn cli_vllm_options_do_what_they_say() {
+    let tmp = tempfile::tempdir().unwrap();
+    let c = cfg(false);
+    let hf = tmp.path().join("hf");
+    write_hf(&hf, &c);
+    std::fs::write(hf.join("tokenizer.json"), "{\"version\": \"1.0\"}").unwrap();
+    std::fs::write(hf.join("generation_config.json"), "{\"do_sample\": false}").unwrap();
+    let mg = tmp.path().join("mg");
+    let ok = |cmd: &mut std::process::Command| {
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    ok(bin()
+        .args(["import", "--hf"])
+        .arg(&hf)
+        .args(["--map", "llama", "--megatron", "tp=2,pp=1", "--out"])
+        .arg(&mg));
+    // The defaults: one writer, one part per rank, config.json written from the checkpoint's.
+    let plain = tmp.path().join("plain");
+    ok(bin()
+        .args(["export", "--vllm", "--tp", "2", "--map", "llama"])
+        .arg(&mg)
+        .arg("--out")
+        .arg(&plain));
+    let (want, parts) = vllm_ranks(&plain);
+    assert_eq!(parts.len(), 2, "{parts:?}");
+    let cfg_back: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(plain.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg_back, c);
+    assert!(!plain.join("tokenizer.json").exists());
+    // Two writers, parts of at most 2 KB, the model's files copied.
+    let cut = tmp.path().join("cut");
+    let text = ok(bin()
+        .args([
+            "export", "--vllm", "--tp", "2", "--map", "llama", "--procs", "2",
+        ])
+        .args(["--max-shard-size", "2KB", "--copy-from"])
+        .arg(&hf)
+        .arg(&mg)
+        .arg("--out")
+        .arg(&cut));
+    assert!(text.contains(", 2 writers"), "{text}");
+    let (got, parts) = vllm_ranks(&cut);
+    assert_eq!(got, want);
+    assert!(parts.len() > 4, "{parts:?}");
+    for (name, data, tensors) in &parts {
+        assert!(
+            *data <= 2000 || *tensors == 1,
+            "{name}: {data} bytes in {tensors} tensors"
+        );
+    }
+    for r in 0..2 {
+        let n = parts
+            .iter()
+            .filter(|p| p.0.starts_with(&format!("model-rank-{r}-")))
+            .count();
+        for k in 0..n {
+            assert!(
+                cut.join(format!("model-rank-{r}-part-{k}.safetensors"))
+                    .exists()
+            );
+        }
+    }
+    for f in ["config.json", "tokenizer.json", "generation_config.json"] {
+        assert_eq!(
+            std::fs::read(cut.join(f)).unwrap(),
+            std::fs::read(hf.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    assert!(!cut.join("model.safetensors").exists());
+    // Options that do not apply are refused, not ignored.
+    let refused = |args: &[&str], what: &str| {
+        let o = bin()
+            .args(args)
+            .arg(&mg)
+            .arg("--out")
+            .arg(tmp.path().join("no"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success() && err.contains(what), "{args:?}: {err}");
+        assert!(!tmp.path().join("no").exists());
+    };
+    refused(&["export", "--tp", "2"], "--vllm");
+    refused(&["export", "--hf", "--map", "llama", "--tp", "2"], "--vllm");
+    refused(&["export", "--copy-from", "x"], "--hf");
+    refused(&["export", "--procs", "2"], "--hf");
+    refused(&["export", "--max-shard-size", "1GB"], "--hf");
+    refused(
+        &[
+            "export",
+            "--vllm",
+            "--tp",
+            "2",
+            "--map",
+            "llama",
+            "--max-shard-size",
+            "5XB",
+        ],
+        "unknown unit",
+    );
+    // DCP: refused with the command that imports it, nothing run, nothing written.
+    let o = bin()
+        .args(["import", "--dcp"])
+        .arg(&hf)
+        .arg("--out")
+        .arg(tmp.path().join("dcp"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("python -m zarrckpt.migrate"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("dcp").exists());
+}
+
 /// The spec's example table (§ 19.2) parses, validates against the schema and extends `llama`.
 #[test]
 fn the_spec_example_table_works() {

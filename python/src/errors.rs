@@ -4,8 +4,6 @@
 //! communicator travels through zarrckpt as a communication error and comes back chained
 //! (`__cause__`) to the original Python exception.
 
-use std::error::Error as _;
-
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -45,7 +43,7 @@ fn class_and_kind(e: &Error) -> (&'static str, &'static str) {
 }
 
 /// The message: the error's own text, then each cause its text does not already include.
-fn message(e: &Error) -> String {
+pub(crate) fn message(e: &dyn std::error::Error) -> String {
     let mut msg = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
@@ -67,6 +65,20 @@ pub(crate) fn to_py(py: Python<'_>, e: &Error, comm: Option<&PyComm>) -> PyErr {
         // The exception classes could not be built: still raise the message.
         Err(_) => PyRuntimeError::new_err(message(e)),
     }
+}
+
+/// A Python exception of class `class` (of `zarrckpt._errors`) with `kind` and `message`.
+pub(crate) fn new_error(py: Python<'_>, class: &str, kind: &str, message: String) -> PyErr {
+    let build = || -> PyResult<PyErr> {
+        let exc = py
+            .import("zarrckpt._errors")?
+            .getattr(class)?
+            .call1((message.clone(),))?;
+        exc.setattr("kind", kind)?;
+        exc.setattr("details", PyDict::new(py))?;
+        Ok(PyErr::from_value(exc))
+    };
+    build().unwrap_or_else(|_| PyRuntimeError::new_err(message.clone()))
 }
 
 fn build(py: Python<'_>, e: &Error, comm: Option<&PyComm>) -> PyResult<PyErr> {

@@ -10,6 +10,7 @@
 //! path) and its kind.
 
 mod comm;
+mod conversion;
 mod convert;
 mod device;
 mod errors;
@@ -485,201 +486,13 @@ impl Checkpoint {
     }
 }
 
-/// Plans a conversion (spec § 19) from metadata alone and returns the plan as JSON text.
-///
-/// `kind`: `"hf"` (export of a Megatron-layout checkpoint to HF names), `"megatron"` (import of
-/// HF tensors into a Megatron layout) or `"vllm"` (per-rank tensors for TP `tp`). `table`: a
-/// built-in name, a file path, or the JSON text of a table. `config`: the HF config.json text.
-/// `inventory`: JSON `{name: [dtype, shape]}` of the source tensors. `layout`: `tp=T,pp=P,ep=E`
-/// (the layout to write for `"megatron"`, the saved one otherwise). Refusals raise
-/// `PlanError` (kind `Convert`) naming rule, key and numbers.
-#[pyfunction]
-#[pyo3(signature = (kind, table, config, inventory, layout, tp = 1, max_shard_bytes = 5_000_000_000))]
-#[allow(clippy::too_many_arguments)]
-fn convert_plan(
-    py: Python<'_>,
-    kind: &str,
-    table: &str,
-    config: &str,
-    inventory: &str,
-    layout: &str,
-    tp: u64,
-    max_shard_bytes: u64,
-) -> PyResult<String> {
-    use pyo3::exceptions::PyValueError;
-    use zarrckpt::convert::{self, Inventory, Layout, Table};
-    let to_py =
-        |e: zarrckpt::convert::ConvertError| errors::to_py(py, &zarrckpt::Error::Convert(e), None);
-    let t = if table.trim_start().starts_with('{') {
-        Table::from_json(table)
-    } else {
-        Table::load(table)
-    }
-    .map_err(to_py)?;
-    let cfg: serde_json::Value =
-        serde_json::from_str(config).map_err(|e| PyValueError::new_err(format!("config: {e}")))?;
-    let inv: Inventory = serde_json::from_str(inventory)
-        .map_err(|e| PyValueError::new_err(format!("inventory: {e}")))?;
-    let lay: Layout = layout.parse().map_err(PyValueError::new_err)?;
-    let plan = py
-        .detach(|| match kind {
-            "hf" => Ok(convert::plan_hf_export(
-                &t,
-                &cfg,
-                lay,
-                &inv,
-                max_shard_bytes,
-            )),
-            "megatron" => Ok(convert::plan_megatron_import(&t, &cfg, lay, &inv)),
-            "vllm" => Ok(convert::plan_vllm(&t, &cfg, lay, &inv, tp)),
-            other => Err(other.to_owned()),
-        })
-        .map_err(|k| PyValueError::new_err(format!("kind `{k}`: expected hf, megatron or vllm")))?
-        .map_err(to_py)?;
-    let mut j = plan.to_json();
-    j["vllm_version"] = t.vllm.as_ref().and_then(|v| v.version.clone()).into();
-    Ok(j.to_string())
-}
-
-/// A conversion plan over a Megatron-layout checkpoint (HF export or vLLM TP `tp`), kept in
-/// Rust: `to_json()` describes it, `fill(start, stop, buffers)` fills a batch of destinations
-/// into caller-owned buffers (one `(address, nbytes)` per destination, zeroed by the caller),
-/// reading each merged source box once. An engine's own loader iterates `batches()`.
-#[pyclass(module = "zarrckpt._native")]
-struct ConversionPlan {
-    plan: zarrckpt::convert::Plan,
-    ckpt: zarrckpt::Checkpoint,
-}
-
-#[pymethods]
-impl ConversionPlan {
-    /// `kind`: `"hf"` or `"vllm"`; `table`: built-in name, path or JSON text; `checkpoint`:
-    /// the zarrckpt checkpoint directory (`CKPT/zarrckpt` of a Megatron directory); `config`:
-    /// config.json text, or None for the one the checkpoint holds; `layout`: the saved layout,
-    /// or None for the checkpoint's own.
-    #[new]
-    #[pyo3(signature = (kind, table, checkpoint, config = None, layout = None, tp = 1, max_shard_bytes = 5_000_000_000))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        kind: &str,
-        table: &str,
-        checkpoint: PathBuf,
-        config: Option<&str>,
-        layout: Option<&str>,
-        tp: u64,
-        max_shard_bytes: u64,
-    ) -> PyResult<Self> {
-        use zarrckpt::convert::{self, Inventory, Layout, Table};
-        let conv = |e: convert::ConvertError| errors::to_py(py, &zarrckpt::Error::Convert(e), None);
-        let t = if table.trim_start().starts_with('{') {
-            Table::from_json(table)
-        } else {
-            Table::load(table)
-        }
-        .map_err(conv)?;
-        let ckpt =
-            zarrckpt::Checkpoint::open(&checkpoint).map_err(|e| errors::to_py(py, &e, None))?;
-        let cfg: serde_json::Value = match config {
-            Some(c) => serde_json::from_str(c)
-                .map_err(|e| PyValueError::new_err(format!("config: {e}")))?,
-            None => ckpt.meta().user.get("hf_config").cloned().ok_or_else(|| {
-                PyValueError::new_err("the checkpoint holds no hf_config: pass config")
-            })?,
-        };
-        let lay: Layout = match layout {
-            Some(l) => l.parse().map_err(PyValueError::new_err)?,
-            None => {
-                let m = ckpt.meta().user.get("megatron");
-                let get = |k: &str| {
-                    m.and_then(|m| m.get(k))
-                        .and_then(serde_json::Value::as_u64)
-                        .unwrap_or(1)
-                };
-                Layout {
-                    tp: get("tp"),
-                    pp: get("pp"),
-                    ep: get("ep"),
-                }
-            }
-        };
-        let inv: Inventory = ckpt
-            .tensors()
-            .into_iter()
-            .map(|t| (t.key.to_string(), (t.dtype.to_string(), t.shape)))
-            .collect();
-        let plan = match kind {
-            "hf" => convert::plan_hf_export(&t, &cfg, lay, &inv, max_shard_bytes),
-            "vllm" => convert::plan_vllm(&t, &cfg, lay, &inv, tp),
-            other => {
-                return Err(PyValueError::new_err(format!(
-                    "kind `{other}`: expected hf or vllm"
-                )));
-            }
-        }
-        .map_err(conv)?;
-        Ok(ConversionPlan { plan, ckpt })
-    }
-
-    /// The plan as JSON text (see `convert_plan`).
-    fn to_json(&self) -> String {
-        self.plan.to_json().to_string()
-    }
-
-    /// Batches of destinations `(start, stop)` whose source boxes are read together.
-    fn batches(&self) -> Vec<(usize, usize)> {
-        self.plan
-            .batches()
-            .into_iter()
-            .map(|b| (b.start, b.end))
-            .collect()
-    }
-
-    /// Fills destinations `start..stop` into `buffers` (`(address, nbytes)` each, exactly the
-    /// destination's bytes); returns `(bytes_read, bytes_needed)`. The GIL is released.
-    fn fill(
-        &self,
-        py: Python<'_>,
-        start: usize,
-        stop: usize,
-        buffers: Vec<(usize, usize)>,
-    ) -> PyResult<(u64, u64)> {
-        if stop < start || stop > self.plan.dests.len() || buffers.len() != stop - start {
-            return Err(PyValueError::new_err(format!(
-                "fill({start}, {stop}): {} destinations, {} buffers",
-                self.plan.dests.len(),
-                buffers.len()
-            )));
-        }
-        let mut raws = Vec::with_capacity(buffers.len());
-        for (i, (a, n)) in buffers.iter().enumerate() {
-            let want = self.plan.dests[start + i].nbytes();
-            if *n as u64 != want {
-                return Err(PyValueError::new_err(format!(
-                    "buffer {i} ({}) holds {n} bytes, the destination {want}",
-                    self.plan.dests[start + i].name
-                )));
-            }
-            raws.push(convert::RawMut::new(*a, *n)?);
-        }
-        let result = py.detach(|| {
-            // SAFETY: the caller owns these buffers for the call and does not touch them meanwhile.
-            let mut views: Vec<&mut [u8]> = raws.iter().map(|r| unsafe { r.slice() }).collect();
-            zarrckpt::convert::fill_from_checkpoint(&self.ckpt, &self.plan, start..stop, &mut views)
-        });
-        let st = result.map_err(|e| errors::to_py(py, &e, None))?;
-        Ok((st.bytes_read, st.bytes_needed))
-    }
-}
-
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(save, m)?)?;
     m.add_function(wrap_pyfunction!(load, m)?)?;
     m.add_function(wrap_pyfunction!(check_save, m)?)?;
     m.add_function(wrap_pyfunction!(check_load, m)?)?;
-    m.add_function(wrap_pyfunction!(convert_plan, m)?)?;
-    m.add_class::<ConversionPlan>()?;
+    conversion::register(m)?;
     m.add_class::<Saver>()?;
     m.add_class::<SaveHandle>()?;
     m.add_class::<Checkpoint>()?;

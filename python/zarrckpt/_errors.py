@@ -52,6 +52,15 @@ class SaveError(ZarrckptError):
     """An asynchronous save could not start or its background writer failed."""
 
 
+class TableError(PlanError, ValueError):
+    """A conversion table that does not parse, does not validate against the schema, or whose
+    expressions or checks fail for a given config.json and layout (``zarrckpt.convert``)."""
+
+
+class ConversionError(ZarrckptError, RuntimeError):
+    """A conversion (``zarrckpt.convert``) refused (rule, key and numbers) or failed (file)."""
+
+
 __all__ = [
     "ZarrckptError",
     "InvalidArgumentError",
@@ -61,4 +70,6 @@ __all__ = [
     "KeyMismatchError",
     "MismatchError",
     "SaveError",
+    "TableError",
+    "ConversionError",
 ]

@@ -1,4 +1,5 @@
-"""Command-line entry of the importers (the Rust CLI's ``zarrckpt import --dcp`` runs it)::
+"""Command-line entry of the DCP importers (the Rust CLI's ``zarrckpt import --dcp`` refuses
+and names this command: DCP's metadata is a pickle, read here by torch)::
 
     python -m zarrckpt.migrate DIR --out CKPT [--megatron] [--ranks N] [--trust-pickles]
         [--overwrite] [--compression none|zstd|blosc]

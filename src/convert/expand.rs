@@ -1027,3 +1027,104 @@ impl Scope for CapScope<'_, '_> {
         .config(name)
     }
 }
+
+/// The keys of the Megatron `ShardedObject`s an import writes for `table` (the extra state
+/// of linear layers): `<name>/shard_<index>_<grid>` over the object's stack axes that are not
+/// in its name (`shard_0_1` without any), in stack order.
+///
+/// # Errors
+/// An expression, pattern or stack range that fails.
+pub fn object_keys(
+    table: &Table,
+    config: &serde_json::Value,
+    layout: Layout,
+) -> Result<Vec<String>, ConvertError> {
+    let env = Env::new(table, config, layout);
+    let mut out = Vec::new();
+    for o in &table.objects {
+        if let Some(w) = &o.when
+            && !env.eval_bool(w, &[])?
+        {
+            continue;
+        }
+        let pat = Pattern::parse(&o.name)?;
+        let ranges = stack_ranges(&o.stack, &env)?;
+        for idx in stack_indices(&ranges) {
+            let caps = ranges
+                .iter()
+                .zip(&idx)
+                .map(|((n, ..), &i)| {
+                    i64::try_from(i)
+                        .map(|i| (n.clone(), i))
+                        .map_err(|_| ConvertError::Expr {
+                            expr: n.clone(),
+                            msg: format!("stack index {i} exceeds 63 bits"),
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let name = pat.render(&CapScope {
+                env: &env,
+                caps: &caps,
+            })?;
+            let axes: Vec<(u64, u64)> = o
+                .stack
+                .iter()
+                .zip(ranges.iter().zip(&idx))
+                .filter(|(s, _)| !s.in_name)
+                .map(|(_, ((_, size, ..), &i))| (i, *size))
+                .collect();
+            let join = |f: fn(&(u64, u64)) -> u64| {
+                axes.iter()
+                    .map(|a| f(a).to_string())
+                    .collect::<Vec<_>>()
+                    .join(".")
+            };
+            out.push(if axes.is_empty() {
+                format!("{name}/shard_0_1")
+            } else {
+                format!("{name}/shard_{}_{}", join(|a| a.0), join(|a| a.1))
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// The value of one expression of § 19.3 for `names` (params, layout parameters, captures)
+/// and `config` (the HF config.json), outside any table.
+///
+/// # Errors
+/// [`ConvertError::Expr`] when it does not parse or evaluate.
+pub fn evaluate(
+    expr: &ExprText,
+    names: &BTreeMap<String, Value>,
+    config: &serde_json::Value,
+) -> Result<Value, ConvertError> {
+    // Integers are bound as captures (which shadow the layout's tp, pp, ep), booleans as
+    // literal params of an empty table.
+    let mut table = Table {
+        schema: None,
+        format: "zarrckpt-mapping".into(),
+        version: 1,
+        name: "expression".into(),
+        description: None,
+        extends: None,
+        params: BTreeMap::new(),
+        checks: vec![],
+        rules: vec![],
+        remove_rules: vec![],
+        remove_vllm: vec![],
+        drop: super::table::Drop::default(),
+        vllm: None,
+        objects: vec![],
+    };
+    let mut caps = Vec::new();
+    for (k, v) in names {
+        match v {
+            Value::Int(i) => caps.push((k.clone(), *i)),
+            Value::Bool(b) => {
+                table.params.insert(k.clone(), ExprText::Bool(*b));
+            }
+        }
+    }
+    Env::new(&table, config, Layout::default()).eval(expr, &caps)
+}

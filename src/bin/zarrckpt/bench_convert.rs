@@ -10,11 +10,12 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use zarrckpt::Checkpoint;
-use zarrckpt::convert::{self, Layout, Table};
+use zarrckpt::convert::safetensors::{Entry, write_file};
+use zarrckpt::convert::write::{file_per_group, write_files};
+use zarrckpt::convert::{self, FormatError, HfImport, Layout, Table, WriteOptions};
+use zarrckpt::{Checkpoint, DType};
 
 use crate::bench_plan::peak_of;
-use crate::hf;
 
 /// Arguments of `zarrckpt bench-convert`.
 #[derive(clap::Args)]
@@ -61,20 +62,20 @@ fn synth_hf(dir: &Path, hidden: u64, layers: u64) -> anyhow::Result<u64> {
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&cfg)?)?;
     let t = Table::builtin("llama")?;
     let ex = convert::expand(&t, &cfg, Layout::default())?;
-    let tensors: Vec<(String, safetensors::Dtype, Vec<u64>, u64)> =
+    let tensors: Vec<Entry> =
         ex.h.iter()
-            .map(|h| {
-                (
-                    h.name.clone(),
-                    safetensors::Dtype::BF16,
-                    h.shape.clone(),
-                    h.shape.iter().product::<u64>() * 2,
-                )
+            .map(|h| Entry {
+                name: h.name.clone(),
+                dtype: DType::BFloat16,
+                shape: h.shape.clone(),
             })
             .collect();
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let written = hf::write_safetensors(&dir.join("model.safetensors"), &tensors, |i, sink| {
-        let n = tensors[i].3 as usize;
+    let meta: serde_json::Map<String, serde_json::Value> =
+        [("format".to_string(), "pt".into())].into_iter().collect();
+    let path = dir.join("model.safetensors");
+    let written = write_file(&path, &tensors, Some(&meta), |i, sink| {
+        let n = tensors[i].shape.iter().product::<u64>() as usize * 2;
         let mut buf = vec![0u8; n];
         for c in buf.chunks_mut(8) {
             seed ^= seed << 13;
@@ -83,8 +84,7 @@ fn synth_hf(dir: &Path, hidden: u64, layers: u64) -> anyhow::Result<u64> {
             let b = seed.to_le_bytes();
             c.copy_from_slice(&b[..c.len()]);
         }
-        sink(&buf)?;
-        Ok(())
+        sink(&buf).map_err(FormatError::io("write", &path))
     })?;
     Ok(written)
 }
@@ -150,15 +150,12 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     );
     let t0 = Instant::now();
     let (r, peak) = peak_of(|| {
-        hf::import_hf(
-            &hfdir,
-            "llama",
-            &format!("tp={}", a.save_tp),
-            &mg,
-            true,
-            0,
-            false,
-        )
+        let layout = Layout {
+            tp: a.save_tp,
+            pp: 1,
+            ep: 1,
+        };
+        HfImport::plan(&hfdir, &Table::builtin("llama")?, layout)?.write(&mg, true, 0)
     });
     r?;
     println!(
@@ -171,7 +168,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let table = Table::builtin("llama")?;
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(hfdir.join("config.json"))?)?;
-    let inv = hf::ckpt_inventory(&ck);
+    let inv = convert::hf::inventory(&ck);
     let saved = Layout {
         tp: a.save_tp,
         pp: 1,
@@ -215,9 +212,15 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
                 std::fs::create_dir_all(&out)?;
                 let t = Instant::now();
                 let (r, p) = peak_of(|| {
-                    hf::write_files_with(&ck, plan, names.as_ref(), &out, &|_| true, pipeline)
+                    let files = file_per_group(plan, names.as_ref());
+                    let opts = WriteOptions {
+                        writers: 1,
+                        pipeline,
+                    };
+                    write_files(&ck, plan, &files, &out, opts)
                 });
-                let (read, w, _) = r?;
+                let st = r?;
+                let (read, w) = (st.bytes_read, st.bytes_written);
                 job_s.push(t.elapsed().as_secs_f64());
                 written = w;
                 ampl = read as f64 / w.max(1) as f64;

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use memmap2::Mmap;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 use zarrckpt::comm::run_local;
+use zarrckpt::convert::safetensors::from_safetensors;
 use zarrckpt::{Communicator, DType, Region, SaveOptions, ShardedTensor, TensorKey, save};
 
 use crate::progress;
@@ -20,9 +21,9 @@ pub struct Args {
     /// safetensors files (a multi-file model: all its shards).
     #[arg(required_unless_present_any = ["dcp", "hf"], conflicts_with_all = ["dcp", "hf"])]
     files: Vec<PathBuf>,
-    /// Import a PyTorch DCP checkpoint directory instead (`FileSystemWriter`'s format, e.g. a
-    /// torchtitan step), through the Python package: `$ZARRCKPT_PYTHON` (else `python3`) must
-    /// import `zarrckpt` and torch. Every byte is compared with the source.
+    /// A PyTorch DCP checkpoint directory: refused with the command that imports it
+    /// (`python -m zarrckpt.migrate`; DCP's metadata is a pickle, read by torch in the Python
+    /// package, never here).
     #[arg(long, value_name = "DIR", conflicts_with = "hf")]
     dcp: Option<PathBuf>,
     /// With `--dcp`, bare: DIR is a Megatron-LM `torch_dist` checkpoint (an `iter_*` directory
@@ -62,51 +63,6 @@ pub struct Args {
     compression: String,
 }
 
-/// The checkpoint data type of a safetensors data type.
-pub fn dtype_of(d: Dtype) -> Option<DType> {
-    Some(match d {
-        Dtype::BOOL => DType::Bool,
-        Dtype::U8 => DType::UInt8,
-        Dtype::I8 => DType::Int8,
-        Dtype::I16 => DType::Int16,
-        Dtype::U16 => DType::UInt16,
-        Dtype::F16 => DType::Float16,
-        Dtype::BF16 => DType::BFloat16,
-        Dtype::I32 => DType::Int32,
-        Dtype::U32 => DType::UInt32,
-        Dtype::F32 => DType::Float32,
-        Dtype::F64 => DType::Float64,
-        Dtype::I64 => DType::Int64,
-        Dtype::U64 => DType::UInt64,
-        // safetensors' F8_E4M3 is the finite-only e4m3fn of PyTorch and OCP.
-        Dtype::F8_E4M3 => DType::Float8E4M3FN,
-        Dtype::F8_E5M2 => DType::Float8E5M2,
-        _ => return None,
-    })
-}
-
-/// The safetensors data type of a checkpoint data type.
-pub fn safetensors_dtype(d: DType) -> Dtype {
-    match d {
-        DType::Bool => Dtype::BOOL,
-        DType::UInt8 => Dtype::U8,
-        DType::Int8 => Dtype::I8,
-        DType::Int16 => Dtype::I16,
-        DType::UInt16 => Dtype::U16,
-        DType::Float16 => Dtype::F16,
-        DType::BFloat16 => Dtype::BF16,
-        DType::Int32 => Dtype::I32,
-        DType::UInt32 => Dtype::U32,
-        DType::Float32 => Dtype::F32,
-        DType::Float64 => Dtype::F64,
-        DType::Int64 => Dtype::I64,
-        DType::UInt64 => Dtype::U64,
-        DType::Float8E4M3FN => Dtype::F8_E4M3,
-        DType::Float8E5M2 => Dtype::F8_E5M2,
-        _ => Dtype::U8,
-    }
-}
-
 /// Parses a compression name.
 pub fn parse_compression(s: &str) -> anyhow::Result<zarrckpt::Compression> {
     Ok(match s {
@@ -141,15 +97,30 @@ fn split_first_axis(shape: &[u64], r: u64, n: u64) -> Region {
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if let Some(dir) = &a.dcp {
-        return crate::import_dcp::run(&crate::import_dcp::Request {
-            dir,
-            out: &a.out,
-            megatron: a.megatron.is_some(),
-            ranks: a.ranks,
-            trust_pickles: a.trust_pickles,
-            overwrite: a.overwrite,
-            compression: &a.compression,
-        });
+        // DCP's `.metadata` (and Megatron's `common.pt`) are pickles, which the Rust side
+        // never unpickles; torch's own reader does it in the Python package.
+        bail!(
+            "import --dcp: a DCP checkpoint's .metadata is a Python pickle, which this tool does \
+             not read; import it with the Python package (torch's DCP reader):\n  python -m \
+             zarrckpt.migrate {} --out {}{}{}\nor from Python: zarrckpt.dcp.{}(src, out, ...)",
+            dir.display(),
+            a.out.display(),
+            if a.megatron.is_some() {
+                " --megatron"
+            } else {
+                ""
+            },
+            if a.trust_pickles {
+                " --trust-pickles"
+            } else {
+                ""
+            },
+            if a.megatron.is_some() {
+                "import_megatron"
+            } else {
+                "import_dcp"
+            },
+        );
     }
     if let Some(hf) = &a.hf {
         return crate::hf::import_hf(
@@ -193,7 +164,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             }
         }
         for (name, view) in st.tensors() {
-            let dtype = dtype_of(view.dtype()).with_context(|| {
+            let dtype = from_safetensors(view.dtype()).with_context(|| {
                 format!(
                     "{}: tensor `{name}` has unsupported dtype {:?}",
                     path.display(),

@@ -67,7 +67,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if let Some(map) = &a.map {
         return crate::hf::inspect_map(&a.ckpt, map, a.config.as_deref(), a.megatron.as_deref());
     }
-    let ckpt = Checkpoint::open(crate::hf::ckpt_dir(&a.ckpt))?;
+    let ckpt = Checkpoint::open(zarrckpt::convert::hf::ckpt_dir(&a.ckpt))?;
     let tensors = ckpt.tensors();
     let total: u64 = tensors.iter().map(|t| t.nbytes).sum();
     let chunks: u64 = tensors.iter().map(|t| t.num_chunks).sum();

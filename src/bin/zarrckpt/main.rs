@@ -12,7 +12,6 @@ mod diff;
 mod export;
 mod hf;
 mod import;
-mod import_dcp;
 mod inspect;
 mod launch;
 mod ls;
@@ -41,9 +40,9 @@ enum Command {
     /// another split, check every byte and show what was written.
     Demo(demo::Args),
     /// Write a checkpoint from safetensors files, as N ranks would (each tensor split N ways
-    /// along its first axis); from a PyTorch DCP or Megatron `torch_dist` checkpoint
-    /// (`--dcp DIR [--megatron]`, through the Python package); or, with `--hf DIR --map TABLE
-    /// --megatron tp=T,pp=P`, a Hugging Face model into a Megatron layout.
+    /// along its first axis); or, with `--hf DIR --map TABLE --megatron tp=T,pp=P`, a Hugging
+    /// Face model into a Megatron layout. (`--dcp DIR` is refused with the Python command
+    /// that imports a DCP checkpoint: its metadata is a pickle.)
     Import(import::Args),
     /// Write a checkpoint's full tensors into one safetensors file; or, with `--hf --map
     /// TABLE`, a Megatron-layout checkpoint as a Hugging Face model; or, with `--vllm --tp K`,
