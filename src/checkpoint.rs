@@ -381,7 +381,7 @@ impl Checkpoint {
             slot: slot.clone(),
             grid: None,
         };
-        let e = crate::objects::check_request(&self.dir, &self.meta(), &r)?.ok_or_else(|| {
+        let e = crate::objects::check_request(&self.dir, self.meta(), &r)?.ok_or_else(|| {
             Error::UnexpectedKeys {
                 path: self.dir.clone(),
                 keys: vec![key.clone()],

@@ -70,7 +70,6 @@ fn save3(dir: &Path, compression: Compression) {
             grid: GridOptions {
                 subchunk_target_bytes: 64,
                 min_chunk_bytes: 256,
-                ..GridOptions::default()
             },
             ..SaveOptions::default()
         };
