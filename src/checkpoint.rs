@@ -2,17 +2,14 @@
 //! a single process, and verifying every chunk.
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
-use crate::comm::LocalComm;
 use crate::coord::io_pool;
 use crate::error::{Error, Result};
-use crate::load::{LoadOptions, LoadReport};
-use crate::model::{
-    DType, Encoding, LoadTarget, ObjectRequest, ObjectSlot, ObjectValue, Region, TensorKey,
-};
+use crate::load::{LoadReport, Reader};
+use crate::model::{DType, Encoding, ObjectRequest, ObjectSlot, ObjectValue, Region, TensorKey};
 use crate::plan::grid;
 use crate::plan::load::StoredGeometry;
 use crate::storage::object::StoredScope;
@@ -23,7 +20,8 @@ use crate::storage::{CheckpointMeta, Compression, TensorArray, commit};
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
     dir: PathBuf,
-    meta: CheckpointMeta,
+    /// Executes every read (holds the index, the opened arrays and the I/O pool).
+    reader: Arc<Reader>,
 }
 
 /// What the index says about one tensor.
@@ -105,7 +103,8 @@ impl Checkpoint {
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_owned();
         let meta = commit::read_index(&dir)?;
-        Ok(Checkpoint { dir, meta })
+        let reader = Arc::new(Reader::from_index(dir.clone(), meta));
+        Ok(Checkpoint { dir, reader })
     }
 
     /// The directory.
@@ -117,13 +116,19 @@ impl Checkpoint {
     /// The index.
     #[must_use]
     pub fn meta(&self) -> &CheckpointMeta {
-        &self.meta
+        self.reader.meta()
+    }
+
+    /// The reader every read of this checkpoint goes through (no communicator).
+    #[must_use]
+    pub fn reader(&self) -> &Reader {
+        &self.reader
     }
 
     /// Every tensor, sorted by key.
     #[must_use]
     pub fn tensors(&self) -> Vec<TensorInfo> {
-        self.meta
+        self.meta()
             .tensors
             .iter()
             .map(|(key, e)| TensorInfo {
@@ -147,7 +152,7 @@ impl Checkpoint {
 
     /// The index entry of `key`.
     fn entry(&self, key: &TensorKey) -> Result<&crate::storage::TensorEntry> {
-        self.meta
+        self.meta()
             .tensors
             .get(key)
             .ok_or_else(|| Error::UnexpectedKeys {
@@ -157,34 +162,19 @@ impl Checkpoint {
             })
     }
 
-    /// Reads a box of one tensor into `buf` (single process, against the index read by
-    /// [`Checkpoint::open`]; see [`load`](crate::load()) for ranks).
+    /// Reads a box of one tensor into `buf` (single process, no communicator, against the
+    /// index read by [`Checkpoint::open`]; each array's `zarr.json` is read once, on its
+    /// first read; see [`load`](crate::load()) for ranks).
     ///
     /// # Errors
-    /// As [`load`](crate::load()).
+    /// As [`Reader::read_region`].
     pub fn read_region(
         &self,
         key: &TensorKey,
         region: &Region,
         buf: &mut [u8],
     ) -> Result<LoadReport> {
-        let e = self.entry(key)?;
-        let mut t = [LoadTarget::new(
-            key.clone(),
-            e.dtype,
-            e.shape.clone(),
-            region.clone(),
-            buf,
-        )?];
-        // Against the index read by `open` (not read again for every box).
-        crate::load::load_from_index(
-            &mut t,
-            None,
-            &self.dir,
-            &self.meta,
-            &LocalComm::single(),
-            &LoadOptions::default(),
-        )
+        self.reader.read_region(key, region, buf)
     }
 
     /// Reads a whole tensor.
@@ -276,8 +266,8 @@ impl Checkpoint {
         // checked.
         type Opened = (TensorArray, StoredGeometry, Vec<u64>, AtomicU64, AtomicU64);
         let mut tensors: Vec<Opened> = Vec::new();
-        for (key, e) in &self.meta.tensors {
-            match TensorArray::open_for(&self.dir, key, e, self.meta.save_id) {
+        for (key, e) in &self.meta().tensors {
+            match TensorArray::open_for(&self.dir, key, e, self.meta().save_id) {
                 Ok(arr) => {
                     let geom = StoredGeometry {
                         global_shape: e.shape.clone(),
@@ -335,7 +325,7 @@ impl Checkpoint {
         problems.sort_by(|a, b| (&a.key, &a.chunk).cmp(&(&b.key, &b.chunk)));
         let (object_values, object_bytes) = self.verify_objects(&mut problems);
         Ok(VerifyReport {
-            tensors: self.meta.tensors.len(),
+            tensors: self.meta().tensors.len(),
             chunks: chunks_total,
             bytes_read: counters.bytes.load(Ordering::Relaxed) + object_bytes,
             problems,
@@ -353,7 +343,7 @@ impl Checkpoint {
     /// Every object, sorted by key.
     #[must_use]
     pub fn objects(&self) -> Vec<ObjectInfo> {
-        self.meta
+        self.meta()
             .objects
             .iter()
             .map(|(key, e)| ObjectInfo {
@@ -391,20 +381,20 @@ impl Checkpoint {
             slot: slot.clone(),
             grid: None,
         };
-        let e = crate::objects::check_request(&self.dir, &self.meta, &r)?.ok_or_else(|| {
+        let e = crate::objects::check_request(&self.dir, self.meta(), &r)?.ok_or_else(|| {
             Error::UnexpectedKeys {
                 path: self.dir.clone(),
                 keys: vec![key.clone()],
                 rank: 0,
             }
         })?;
-        crate::objects::read(&self.dir, &self.meta, e, &r)
+        crate::objects::read(&self.dir, self.meta(), e, &r)
     }
 
     /// Reads every value of every object, collecting problems. Returns (values, bytes).
     fn verify_objects(&self, problems: &mut Vec<Problem>) -> (u64, u64) {
         let (mut n, mut bytes) = (0u64, 0u64);
-        for (key, e) in &self.meta.objects {
+        for (key, e) in &self.meta().objects {
             for slot in e.slots() {
                 n += 1;
                 match self.read_object(key, &slot) {

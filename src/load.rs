@@ -23,6 +23,9 @@ use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
 use crate::storage::{CheckpointMeta, TensorArray, commit};
 
 mod cast;
+mod reader;
+
+pub use reader::Reader;
 
 /// How to treat keys requested but absent ("unexpected", per rank) and keys present but
 /// requested by no rank ("missing", global), after Megatron-Core's `StrictHandling`.

@@ -410,3 +410,22 @@ fn read_only_commands_never_delete_and_recover_does() {
     let o = run(bin().arg("recover").arg(&dir));
     assert!(String::from_utf8_lossy(&o.stdout).contains("nothing to recover"));
 }
+
+#[test]
+fn bench_read_times_both_paths_over_the_same_boxes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let a = tmp.path().join("a");
+    many_tensor_checkpoint(&a, 30);
+    let out = bin()
+        .args(["bench-read", "--boxes", "60", "--rounds", "1", "--json"])
+        .arg(&a)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["boxes"], 60);
+    assert_eq!(v["tensors"], 30);
+    assert!(v["reader_s"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["collective_load_s"].as_f64().unwrap() > 0.0, "{v}");
+}

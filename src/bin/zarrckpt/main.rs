@@ -5,6 +5,7 @@ mod bench_convert;
 #[cfg(feature = "cuda")]
 mod bench_gpu;
 mod bench_plan;
+mod bench_read;
 mod corrupt;
 mod crash;
 mod demo;
@@ -68,6 +69,9 @@ enum Command {
     /// Measure conversion (HF export, vLLM reshard) against the machine's own limits, and
     /// planning alone for a DeepSeek-V3-shaped checkpoint.
     BenchConvert(bench_convert::Args),
+    /// Time many small `read_region` calls through the local reader against the collective
+    /// load on one process, same boxes, same run.
+    BenchRead(bench_read::Args),
     /// Measure one rank's planning cost (save and load) for very large simulated jobs.
     BenchPlan(bench_plan::Args),
     /// Load into and save from GPU memory against the pinned copy bandwidth and the disk
@@ -125,6 +129,7 @@ fn main() -> std::process::ExitCode {
         Command::Diff(a) => diff::run(&a),
         Command::Bench(a) => bench::run(&a),
         Command::BenchPlan(a) => bench_plan::run(&a),
+        Command::BenchRead(a) => bench_read::run(&a),
         Command::BenchConvert(a) => bench_convert::run(&a),
         #[cfg(feature = "cuda")]
         Command::BenchGpu(a) => bench_gpu::run(&a),

@@ -1,0 +1,278 @@
+//! The local reader: executes reads of boxes into the caller's buffers in one process, with
+//! no communicator. It keeps what every read of the same checkpoint needs: the index, the
+//! arrays it opened (their `zarr.json` read and checked once each) and one I/O thread pool.
+//!
+//! [`crate::Checkpoint`] reads through one; the collective [`load`](crate::load()) does its
+//! own agreement, planning and exchange and is not routed through it.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use rayon::prelude::*;
+
+use super::{LoadReport, cast, stored_geometry};
+use crate::coord::io_pool;
+use crate::error::{Error, Result};
+use crate::model::copy::DisjointBuf;
+use crate::model::{DType, LoadTarget, Region, TensorKey};
+use crate::plan::load::{ShardRead, StoredGeometry};
+use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
+use crate::storage::{CheckpointMeta, TensorArray, commit};
+
+/// One array, opened once: its `zarr.json` read and checked against the index.
+struct OpenArray {
+    arr: TensorArray,
+    geom: StoredGeometry,
+}
+
+/// Reads boxes of a committed checkpoint in one process (no communicator, no collective
+/// step). Cheap to share between threads: arrays are opened on first use and kept, and one
+/// I/O thread pool is started on the first read that spans several shard files.
+pub struct Reader {
+    dir: PathBuf,
+    meta: CheckpointMeta,
+    arrays: Mutex<HashMap<TensorKey, Arc<OpenArray>>>,
+    pool: OnceLock<rayon::ThreadPool>,
+    io_threads: usize,
+    read_method: ReadMethod,
+    opened: AtomicU64,
+}
+
+impl std::fmt::Debug for Reader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reader")
+            .field("dir", &self.dir)
+            .field("tensors", &self.meta.tensors.len())
+            .field("io_threads", &self.io_threads)
+            .field("read_method", &self.read_method)
+            .field("arrays_opened", &self.arrays_opened())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Reader {
+    /// Opens a committed checkpoint for reading (reads only the root `zarr.json`).
+    ///
+    /// # Errors
+    /// As [`crate::Checkpoint::open`].
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_owned();
+        let meta = commit::read_index(&dir)?;
+        Ok(Self::from_index(dir, meta))
+    }
+
+    /// A reader of `dir` against an index already read.
+    #[must_use]
+    pub fn from_index(dir: PathBuf, meta: CheckpointMeta) -> Self {
+        Reader {
+            dir,
+            meta,
+            arrays: Mutex::new(HashMap::new()),
+            pool: OnceLock::new(),
+            io_threads: 0,
+            read_method: ReadMethod::default(),
+            opened: AtomicU64::new(0),
+        }
+    }
+
+    /// Sets the I/O threads (0: the number of CPUs, at most 8) and how uncompressed shard
+    /// files are read.
+    #[must_use]
+    pub fn with_io(mut self, io_threads: usize, read_method: ReadMethod) -> Self {
+        self.io_threads = io_threads;
+        self.read_method = read_method;
+        self
+    }
+
+    /// The directory.
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The index.
+    #[must_use]
+    pub fn meta(&self) -> &CheckpointMeta {
+        &self.meta
+    }
+
+    /// How many arrays this reader has opened (read their `zarr.json`) so far: each at most
+    /// once, however many reads touch it.
+    #[must_use]
+    pub fn arrays_opened(&self) -> u64 {
+        self.opened.load(Ordering::Relaxed)
+    }
+
+    /// The array of `key`, opened on first use.
+    fn array(&self, key: &TensorKey) -> Result<Arc<OpenArray>> {
+        let entry = self.meta.tensors.get(key).ok_or_else(|| self.absent(key))?;
+        // A poisoned map only means another reading thread panicked: the map stays valid.
+        let mut arrays = self
+            .arrays
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(a) = arrays.get(key) {
+            return Ok(Arc::clone(a));
+        }
+        let geom = stored_geometry(&self.meta, key).ok_or_else(|| self.absent(key))?;
+        let arr = TensorArray::open_for(&self.dir, key, entry, self.meta.save_id)?;
+        self.opened.fetch_add(1, Ordering::Relaxed);
+        let a = Arc::new(OpenArray { arr, geom });
+        arrays.insert(key.clone(), Arc::clone(&a));
+        Ok(a)
+    }
+
+    fn absent(&self, key: &TensorKey) -> Error {
+        Error::UnexpectedKeys {
+            path: self.dir.clone(),
+            keys: vec![key.clone()],
+            rank: 0,
+        }
+    }
+
+    fn pool(&self) -> Result<&rayon::ThreadPool> {
+        if let Some(p) = self.pool.get() {
+            return Ok(p);
+        }
+        let p = io_pool(self.io_threads)?;
+        // Another thread may have set one meanwhile: either serves.
+        let _ = self.pool.set(p);
+        self.pool
+            .get()
+            .ok_or_else(|| Error::ThreadPool("the I/O pool was not kept".into()))
+    }
+
+    /// Reads the box `region` of `key` into `buf` (C order, the stored data type).
+    ///
+    /// # Errors
+    /// [`Error::UnexpectedKeys`] for a key the checkpoint lacks, [`Error::Tensor`] for a box
+    /// outside the tensor or a buffer of the wrong size, and the storage errors of a damaged
+    /// checkpoint (naming key, chunk and path).
+    pub fn read_region(
+        &self,
+        key: &TensorKey,
+        region: &Region,
+        buf: &mut [u8],
+    ) -> Result<LoadReport> {
+        let e = self.meta.tensors.get(key).ok_or_else(|| self.absent(key))?;
+        let mut t = [LoadTarget::new(
+            key.clone(),
+            e.dtype,
+            e.shape.clone(),
+            region.clone(),
+            buf,
+        )?];
+        self.read(&mut t)
+    }
+
+    /// Reads every target (boxes or flat ranges; a target that asks for a conversion the
+    /// stored data type allows is converted as [`load`](crate::load()) does).
+    ///
+    /// # Errors
+    /// As [`Reader::read_region`], plus [`Error::DtypeMismatch`] / [`Error::ShapeMismatch`]
+    /// for a target that disagrees with what is stored.
+    pub fn read(&self, targets: &mut [LoadTarget<'_>]) -> Result<LoadReport> {
+        if targets.iter().any(|t| t.flat_range().is_some()) {
+            let mut boxed: Vec<LoadTarget<'_>> = targets
+                .iter_mut()
+                .flat_map(LoadTarget::box_targets)
+                .collect();
+            return self.read_boxes(&mut boxed);
+        }
+        self.read_boxes(targets)
+    }
+
+    fn read_boxes(&self, targets: &mut [LoadTarget<'_>]) -> Result<LoadReport> {
+        let mut casts: Vec<Option<(DType, DType)>> = Vec::with_capacity(targets.len());
+        let mut opened = Vec::with_capacity(targets.len());
+        for t in targets.iter() {
+            let e = self
+                .meta
+                .tensors
+                .get(t.key())
+                .ok_or_else(|| self.absent(t.key()))?;
+            let cast = cast::converts_from(t, &self.meta).map(|from| (from, t.dtype()));
+            if cast.is_none() && e.dtype != t.dtype() {
+                return Err(Error::DtypeMismatch {
+                    key: t.key().clone(),
+                    rank: 0,
+                    path: self.dir.clone(),
+                    requested: t.dtype(),
+                    stored: e.dtype,
+                });
+            }
+            if e.shape != t.global_shape() {
+                return Err(Error::ShapeMismatch {
+                    key: t.key().clone(),
+                    rank: 0,
+                    path: self.dir.clone(),
+                    requested: t.global_shape().to_vec(),
+                    stored: e.shape.clone(),
+                });
+            }
+            casts.push(cast);
+            opened.push(self.array(t.key())?);
+        }
+        let loaded: u64 = targets.iter().map(|t| t.buf().len() as u64).sum();
+        let regions: Vec<Region> = targets.iter().map(|t| t.region().clone()).collect();
+        let items: Vec<(usize, ShardRead)> = regions
+            .iter()
+            .enumerate()
+            .flat_map(|(i, r)| opened[i].geom.reads_for(r).into_iter().map(move |s| (i, s)))
+            .collect();
+        let dests: Vec<DisjointBuf<'_>> = targets
+            .iter_mut()
+            .zip(&regions)
+            .map(|(t, region)| {
+                let elem = t.dtype().size();
+                DisjointBuf::new(t.buf_mut(), region, elem)
+            })
+            .collect();
+        let counters = ReadCounters::default();
+        let one = |(i, shard): &(usize, ShardRead)| -> Result<()> {
+            let OpenArray { arr, geom } = &*opened[*i];
+            // SAFETY: the shards of one target are disjoint boxes, so the items of one
+            // target write disjoint bytes of its buffer; targets own distinct buffers.
+            match casts[*i] {
+                None => with_scratch(|scratch| unsafe {
+                    read_shard(
+                        arr,
+                        geom,
+                        shard,
+                        dests[*i],
+                        scratch,
+                        &counters,
+                        self.read_method,
+                    )
+                })?,
+                Some((from, to)) => unsafe {
+                    cast::read_shard_converted(
+                        arr,
+                        geom,
+                        shard,
+                        dests[*i],
+                        from,
+                        to,
+                        &counters,
+                        self.read_method,
+                    )
+                }?,
+            }
+            Ok(())
+        };
+        if items.len() <= 1 {
+            // One shard file: read on the calling thread, no pool hand-off.
+            items.iter().try_for_each(one)?;
+        } else {
+            self.pool()?
+                .install(|| items.par_iter().try_for_each(one))?;
+        }
+        Ok(LoadReport {
+            loaded_bytes: loaded,
+            bytes_read: counters.bytes.load(Ordering::Relaxed),
+            ..LoadReport::default()
+        })
+    }
+}

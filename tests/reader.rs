@@ -1,0 +1,256 @@
+//! The local reader ([`zarrckpt::load::Reader`], behind [`Checkpoint::read_region`] and
+//! [`Checkpoint::read_tensor`]): no communicator anywhere on its path.
+//!
+//! - Random boxes of a checkpoint saved by 3 ranks (resharded on read: the boxes cut across
+//!   the saved pieces and shard files) read the same bytes through the reader as through the
+//!   collective `load`, uncompressed and compressed, and as the data that was saved.
+//! - A second read of an array does not open its `zarr.json` again: the reader counts one
+//!   open per array, and a read after the array's `zarr.json` is deleted still succeeds.
+//! - One reader serves reads from several threads at once (it is `Sync`; nothing collective
+//!   to wait on).
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::{cut, tensor_bytes};
+use zarrckpt::comm::run_local;
+use zarrckpt::load::Reader;
+use zarrckpt::{
+    Checkpoint, Communicator, Compression, DType, GridOptions, LoadOptions, LoadTarget, LocalComm,
+    Region, SaveOptions, ShardedTensor, TensorKey, load, save,
+};
+
+const T: Duration = Duration::from_secs(60);
+
+/// (key, dtype, shape, axis split over the saving ranks).
+const TENSORS: &[(&str, DType, &[u64], usize)] = &[
+    ("w", DType::Float32, &[37, 23], 0),
+    ("e", DType::UInt16, &[5, 7, 11], 2),
+    ("b", DType::Float64, &[29], 0),
+];
+
+fn full(i: usize) -> Vec<u8> {
+    let (_, dt, shape, _) = TENSORS[i];
+    tensor_bytes(i as u64 + 7, shape, dt)
+}
+
+/// Saves every tensor split over 3 ranks along its axis, with small shard files and
+/// subchunks so that a box spans several of each.
+fn save3(dir: &Path, compression: Compression) {
+    let res = run_local(3, T, |comm| {
+        let r = comm.rank() as u64;
+        let datas: Vec<(Region, Vec<u8>)> = (0..TENSORS.len())
+            .map(|i| {
+                let (_, dt, shape, axis) = TENSORS[i];
+                let region = common::piece(shape, axis, 3, r);
+                let d = cut(&full(i), shape, &region, dt.size());
+                (region, d)
+            })
+            .collect();
+        let pieces: Vec<ShardedTensor> = datas
+            .iter()
+            .enumerate()
+            .map(|(i, (region, d))| {
+                let (k, dt, shape, _) = TENSORS[i];
+                ShardedTensor::new(
+                    TensorKey::new(k).unwrap(),
+                    dt,
+                    shape.to_vec(),
+                    region.clone(),
+                    0,
+                    d,
+                )
+                .unwrap()
+            })
+            .collect();
+        let opts = SaveOptions {
+            compression,
+            grid: GridOptions {
+                subchunk_target_bytes: 64,
+                min_chunk_bytes: 256,
+            },
+            ..SaveOptions::default()
+        };
+        save(&pieces, dir, &comm, &opts)
+    });
+    for r in res {
+        r.unwrap();
+    }
+}
+
+/// A deterministic pseudo-random box of `shape` (never empty).
+fn random_box(shape: &[u64], state: &mut u64) -> Region {
+    let mut next = || {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    };
+    let (offset, size): (Vec<u64>, Vec<u64>) = shape
+        .iter()
+        .map(|&d| {
+            let o = next() % d;
+            let s = 1 + next() % (d - o);
+            (o, s)
+        })
+        .unzip();
+    Region::new(offset, size).unwrap()
+}
+
+fn check_against_load(compression: Compression) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    save3(&dir, compression);
+    let ck = Checkpoint::open(&dir).unwrap();
+    let mut state = 0x1234_5678_9abc_def1u64;
+    for (i, &(k, dt, shape, _)) in TENSORS.iter().enumerate() {
+        let key = TensorKey::new(k).unwrap();
+        let whole = full(i);
+        assert!(
+            ck.tensor(&key).unwrap().num_chunks > 1,
+            "{k}: several shard files"
+        );
+        for _ in 0..40 {
+            let region = random_box(shape, &mut state);
+            let n = region.shape().iter().product::<u64>() as usize * dt.size();
+            let mut mine = vec![0u8; n];
+            let rep = ck.read_region(&key, &region, &mut mine).unwrap();
+            assert_eq!(rep.loaded_bytes, n as u64);
+            assert!(rep.bytes_read > 0);
+            let mut collective = vec![0u8; n];
+            let mut t = [LoadTarget::new(
+                key.clone(),
+                dt,
+                shape.to_vec(),
+                region.clone(),
+                &mut collective,
+            )
+            .unwrap()];
+            load(&mut t, &dir, &LocalComm::single(), &LoadOptions::default()).unwrap();
+            assert_eq!(mine, collective, "{k} {region:?}: reader and load differ");
+            assert_eq!(
+                mine,
+                cut(&whole, shape, &region, dt.size()),
+                "{k} {region:?}: not the saved data"
+            );
+        }
+        assert_eq!(ck.read_tensor(&key).unwrap(), whole, "{k}: whole tensor");
+    }
+    // Every array opened once, however many boxes were read.
+    assert_eq!(ck.reader().arrays_opened(), TENSORS.len() as u64);
+}
+
+#[test]
+fn reader_reads_what_collective_load_reads_uncompressed() {
+    check_against_load(Compression::None);
+}
+
+#[test]
+fn reader_reads_what_collective_load_reads_zstd() {
+    check_against_load(Compression::Zstd);
+}
+
+#[test]
+fn second_read_does_not_reopen_zarr_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    save3(&dir, Compression::None);
+    let reader = Reader::open(&dir).unwrap();
+    assert_eq!(reader.arrays_opened(), 0, "opening reads only the index");
+    let key = TensorKey::new("w").unwrap();
+    let region = Region::new(vec![3, 4], vec![20, 9]).unwrap();
+    let mut a = vec![0u8; 20 * 9 * 4];
+    reader.read_region(&key, &region, &mut a).unwrap();
+    assert_eq!(reader.arrays_opened(), 1);
+    // The array's zarr.json is gone: a second read does not need it.
+    let entry = &reader.meta().tensors[&key];
+    std::fs::remove_file(dir.join(&entry.path).join("zarr.json")).unwrap();
+    let mut b = vec![0u8; a.len()];
+    reader.read_region(&key, &region, &mut b).unwrap();
+    assert_eq!(a, b);
+    assert_eq!(reader.arrays_opened(), 1, "no second open of `w`");
+    // A fresh reader does need it, and says which file is missing.
+    let fresh = Reader::open(&dir).unwrap();
+    let e = fresh.read_region(&key, &region, &mut b).unwrap_err();
+    assert!(e.to_string().contains("zarr.json"), "{e}");
+    // Another array is opened on its own first read.
+    let mut e_buf = vec![0u8; 5 * 7 * 11 * 2];
+    reader
+        .read_region(
+            &TensorKey::new("e").unwrap(),
+            &Region::full(&[5, 7, 11]),
+            &mut e_buf,
+        )
+        .unwrap();
+    assert_eq!(reader.arrays_opened(), 2);
+    assert_eq!(e_buf, full(1));
+}
+
+#[test]
+fn one_reader_serves_several_threads() {
+    fn is_sync<S: Sync + Send>(_: &S) {}
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    save3(&dir, Compression::Zstd);
+    let ck = Checkpoint::open(&dir).unwrap();
+    is_sync(ck.reader());
+    let whole = full(0);
+    std::thread::scope(|s| {
+        for t in 0..4u64 {
+            let ck = &ck;
+            let whole = &whole;
+            s.spawn(move || {
+                let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ (t + 1);
+                for _ in 0..25 {
+                    let region = random_box(&[37, 23], &mut state);
+                    let mut buf = vec![0u8; region.shape().iter().product::<u64>() as usize * 4];
+                    ck.read_region(&TensorKey::new("w").unwrap(), &region, &mut buf)
+                        .unwrap();
+                    assert_eq!(buf, cut(whole, &[37, 23], &region, 4));
+                }
+            });
+        }
+    });
+    assert_eq!(ck.reader().arrays_opened(), 1);
+}
+
+#[test]
+fn reader_refuses_wrong_dtype_shape_and_absent_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    save3(&dir, Compression::None);
+    let reader = Reader::open(&dir).unwrap();
+    let mut buf = vec![0u8; 37 * 23 * 8];
+    let t = LoadTarget::new(
+        TensorKey::new("w").unwrap(),
+        DType::Int64,
+        vec![37, 23],
+        Region::full(&[37, 23]),
+        &mut buf,
+    )
+    .unwrap();
+    let e = reader.read(&mut [t]).unwrap_err();
+    assert!(matches!(e, zarrckpt::Error::DtypeMismatch { .. }), "{e:?}");
+    let mut buf = vec![0u8; 37 * 24 * 4];
+    let t = LoadTarget::new(
+        TensorKey::new("w").unwrap(),
+        DType::Float32,
+        vec![37, 24],
+        Region::full(&[37, 24]),
+        &mut buf,
+    )
+    .unwrap();
+    let e = reader.read(&mut [t]).unwrap_err();
+    assert!(matches!(e, zarrckpt::Error::ShapeMismatch { .. }), "{e:?}");
+    let e = reader
+        .read_region(
+            &TensorKey::new("absent").unwrap(),
+            &Region::full(&[1]),
+            &mut [0u8; 4],
+        )
+        .unwrap_err();
+    assert!(matches!(e, zarrckpt::Error::UnexpectedKeys { .. }), "{e:?}");
+    assert_eq!(reader.arrays_opened(), 0, "refused before opening anything");
+}
