@@ -327,7 +327,12 @@ impl Saver {
         dir: &Path,
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
-        let ready = self.settle();
+        // A save still in flight fails here, before any collective: the background thread
+        // of that save may be using the communicator (IfBusy::Fail), and two collectives must
+        // never interleave on it. A rank that is not busy then fails in the agreement within
+        // the communicator's timeout.
+        self.settle()?;
+        let ready = Ok(());
         // Flat pieces are saved as the boxes of their decomposition.
         let boxed = crate::model::tensor::boxed_pieces(pieces);
         let pieces = &boxed[..];
@@ -349,7 +354,12 @@ impl Saver {
         dir: &Path,
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
-        let ready = self.settle();
+        // A save still in flight fails here, before any collective: the background thread
+        // of that save may be using the communicator (IfBusy::Fail), and two collectives must
+        // never interleave on it. A rank that is not busy then fails in the agreement within
+        // the communicator's timeout.
+        self.settle()?;
+        let ready = Ok(());
         // Flat pieces are saved as the boxes of their decomposition.
         let boxed = crate::model::tensor::boxed_pieces(pieces);
         let pieces = &boxed[..];
@@ -405,9 +415,10 @@ impl Saver {
         opts: &SaveOptions,
     ) -> Result<SaveHandle> {
         let t0 = Instant::now();
-        // A save still in flight (IfBusy::Fail) or a copy pool that cannot start fails every
-        // rank, in the first agreement.
-        let ready = self.settle().and_then(|()| self.threads());
+        // A save still in flight fails here, before any collective (see `save`); a copy pool
+        // that cannot start fails every rank, in the first agreement.
+        self.settle()?;
+        let ready = self.threads();
         let comm = Arc::clone(&self.comm);
         let rank = comm.rank();
         // Flat pieces are saved as the boxes of their decomposition.
