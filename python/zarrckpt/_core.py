@@ -397,6 +397,12 @@ class TorchComm:
     ``timeout`` (seconds; default ``ZARRCKPT_TIMEOUT_S`` if set, else torch's default for
     gloo groups) bounds each collective: a rank that died is noticed at once (its
     connections close), one that hangs within the timeout.
+
+    zarrckpt's core uses ``exchange`` only: its collectives (the tree all-reduce of a save's
+    or load's agreement, all-gather, broadcast, barrier) are the library's own, written over
+    point-to-point transfers, so each rank receives a few messages whatever the world size.
+    ``received_bytes`` counts the bytes this rank received from other ranks through
+    ``exchange``, ``all_gather`` and ``broadcast`` (for tests and benchmarks).
     """
 
     def __init__(self, group: Any = None, timeout: float | None = None) -> None:
@@ -415,6 +421,7 @@ class TorchComm:
         self.world_size = dist.get_world_size(group)
         self._saver: Any = None
         self._inflight: SaveHandle | None = None
+        self.received_bytes = 0
 
     # -- the group ---------------------------------------------------------------------------
 
@@ -461,6 +468,7 @@ class TorchComm:
             head[8 : 8 + k] = np.frombuffer(data, dtype=np.uint8, count=k)
         out = torch.empty(world * (8 + inline), dtype=torch.uint8)
         self._dist.all_gather_into_tensor(out, torch.from_numpy(head), group=g)
+        self.received_bytes += (world - 1) * (8 + inline)
         rows = out.numpy().reshape(world, 8 + inline)
         sizes = [int.from_bytes(rows[i, :8].tobytes(), "little") for i in range(world)]
         parts = [rows[i, 8 : 8 + min(sizes[i], inline)].tobytes() for i in range(world)]
@@ -472,6 +480,7 @@ class TorchComm:
                 tail[: n - inline] = np.frombuffer(data, dtype=np.uint8, offset=inline)
             out2 = torch.empty(world * rest, dtype=torch.uint8)
             self._dist.all_gather_into_tensor(out2, torch.from_numpy(tail), group=g)
+            self.received_bytes += (world - 1) * rest
             rows2 = out2.numpy().reshape(world, rest)
             for i in range(world):
                 if sizes[i] > inline:
@@ -500,6 +509,7 @@ class TorchComm:
             return data
         size = int.from_bytes(head[:8].tobytes(), "little")
         got = head[8 : 8 + min(size, inline)].tobytes()
+        self.received_bytes += len(head) + max(0, size - inline)
         if size > inline:
             rest = torch.empty(size - inline, dtype=torch.uint8)
             self._dist.broadcast(rest, group=g, group_src=root)
@@ -508,6 +518,14 @@ class TorchComm:
 
     def barrier(self) -> None:
         self._dist.barrier(group=self.group())
+
+    def any(self, flag: bool) -> bool:
+        """Whether any rank passed ``True`` (one byte, reduced by torch's all-reduce)."""
+        import torch
+
+        t = torch.tensor([int(flag)], dtype=torch.uint8)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group())
+        return bool(t.item())
 
     def exchange(self, sends: list[tuple[int, memoryview]], recvs: list[tuple[int, memoryview]]):
         import torch
@@ -534,6 +552,7 @@ class TorchComm:
             tag = got.get(peer, 0)
             got[peer] = tag + 1
             if len(mv):
+                self.received_bytes += len(mv)
                 t = torch.frombuffer(mv, dtype=torch.uint8)
                 works.append(self._dist.irecv(t, group=g, group_src=peer, tag=tag))
         for w in works:
@@ -637,7 +656,11 @@ def _save_device(comm: Any, dev: Any) -> Any:
     any rank has CUDA pieces (a rank without them, through a stand-in device it never uses)."""
     if comm is not None:
         try:
-            anyone = any(bytes(k) == b"\x01" for k in comm.all_gather(bytes([dev is not None])))
+            if isinstance(comm, TorchComm):
+                anyone = comm.any(dev is not None)
+            else:
+                flags = comm.all_gather(bytes([dev is not None]))
+                anyone = any(bytes(k) == b"\x01" for k in flags)
         except CommError:
             raise
         except Exception as e:

@@ -194,13 +194,9 @@ impl<'a, C: Communicator + ?Sized> Call<'a, C> {
     fn decode_error(&self, from: usize, b: &[u8]) -> CommError {
         let op = self.op.name();
         let rank = self.me;
-        let (Some(&kind), Some(peer), Some(a), Some(bb), Some(origin)) = (
-            b.first(),
-            get(b, 1),
-            get(b, 9),
-            get(b, 17),
-            get(b, 25),
-        ) else {
+        let (Some(&kind), Some(peer), Some(a), Some(bb), Some(origin)) =
+            (b.first(), get(b, 1), get(b, 9), get(b, 17), get(b, 25))
+        else {
             return self.mismatch(format!("rank {from} sent a malformed failure report"));
         };
         let text = String::from_utf8_lossy(&b[33..]);
@@ -425,7 +421,6 @@ impl<'a, C: Communicator + ?Sized> Call<'a, C> {
             Msg::Failed(e, _) => Err(e),
         }
     }
-
 }
 
 /// Combines every rank's `data` with `merge` up the tree; every rank returns the result (see
@@ -506,9 +501,7 @@ pub fn broadcast<C: Communicator + ?Sized>(
     let arg = u32::try_from(root).unwrap_or(u32::MAX);
     let call = Call::new(comm, Op::Broadcast, arg);
     if root >= world {
-        return Err(call.mismatch(format!(
-            "root {root} out of range for world size {world}"
-        )));
+        return Err(call.mismatch(format!("root {root} out of range for world size {world}")));
     }
     // Up the path from the root to rank 0 (every link carries a header naming the root, so
     // ranks passing different roots fail), then down the tree.
@@ -610,7 +603,11 @@ mod tests {
                 assert_eq!(total, want_total.to_le_bytes(), "world {world} rank {me}");
                 // Children's partial results and the result: at most 3 headers and values.
                 let msgs = tree_children(me, world).count() + usize::from(me > 0);
-                assert_eq!(bytes, (msgs * (HEADER_BYTES + 8)) as u64, "world {world} rank {me}");
+                assert_eq!(
+                    bytes,
+                    (msgs * (HEADER_BYTES + 8)) as u64,
+                    "world {world} rank {me}"
+                );
                 for (r, part) in all.iter().enumerate() {
                     let want: Vec<u8> = (0..r).map(|i| (r * 7 + i) as u8).collect();
                     assert_eq!(part, &want, "world {world} rank {me} part {r}");
@@ -635,7 +632,10 @@ mod tests {
                 c.received.load(Ordering::Relaxed)
             });
             let busiest = out.into_iter().max().unwrap_or(0);
-            assert!(busiest <= 3 * (1024 + HEADER_BYTES as u64), "world {world}: {busiest}");
+            assert!(
+                busiest <= 3 * (1024 + HEADER_BYTES as u64),
+                "world {world}: {busiest}"
+            );
         }
     }
 
@@ -774,13 +774,25 @@ mod tests {
             }) => {}
             other => panic!("{other:?}"),
         }
-        assert!(matches!(&out[1], Err(CommError::TooLarge { rank: 1, peer: 1, .. })), "{:?}", out[1]);
+        assert!(
+            matches!(
+                &out[1],
+                Err(CommError::TooLarge {
+                    rank: 1,
+                    peer: 1,
+                    ..
+                })
+            ),
+            "{:?}",
+            out[1]
+        );
     }
 
     #[test]
     fn local_comm_all_reduce_is_the_tree() {
         let out = run_local(6, DEFAULT_TIMEOUT, |c| {
-            c.all_reduce(&(c.rank() as u64).to_le_bytes(), &sum).unwrap()
+            c.all_reduce(&(c.rank() as u64).to_le_bytes(), &sum)
+                .unwrap()
         });
         assert!(out.iter().all(|v| v == &15u64.to_le_bytes()));
     }
