@@ -320,7 +320,6 @@ def test_torchrun_with_an_initialised_process_group(tmp_path):
     assert "torchrun ok 2" in out.stdout
 
 
-
 def all_reduce_job(rank, world):
     """One all-reduce through TorchComm (byte-wise maximum of 1,000 bytes per rank): whether
     the result is right, and the bytes this rank received."""
