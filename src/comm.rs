@@ -1,6 +1,13 @@
 //! How ranks talk: a small [`Communicator`] trait (bytes in, bytes out, every wait bounded by a
 //! timeout) and its implementations.
 //!
+//! A communicator is a transport: it provides its rank, the world size and point-to-point
+//! transfers ([`Communicator::exchange`]); the collectives (tree all-reduce, broadcast,
+//! all-gather, barrier) are written once on top of that, in [`collective`], and are the
+//! trait's default methods. An implementation overrides them only with an equivalent native
+//! path: [`TcpComm`] runs the same tree on its own engine, [`LocalComm`] gathers, broadcasts
+//! and waits through memory its threads share.
+//!
 //! Every method is collective: all ranks call the same methods in the same order, one at a
 //! time per communicator (calls from several threads must not overlap). A rank that dies or
 //! stops answering turns into a [`CommError`] naming it on the others within about the
@@ -13,6 +20,7 @@
 
 #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
 pub(crate) mod bounded;
+pub mod collective;
 pub mod local;
 pub mod tcp;
 
@@ -129,7 +137,8 @@ pub struct RecvBuf<'a> {
     pub buf: &'a mut [u8],
 }
 
-/// The collective operations save and load need.
+/// The transport save and load run on (rank, world size, point-to-point transfers) and the
+/// collectives they need, which default to the ones of [`collective`].
 pub trait Communicator: Send + Sync {
     /// This rank, in `0..world_size()`.
     fn rank(&self) -> usize;
@@ -138,23 +147,29 @@ pub trait Communicator: Send + Sync {
     fn world_size(&self) -> usize;
 
     /// Every rank contributes bytes; every rank receives all contributions, indexed by rank.
+    /// The default gathers them up the tree of [`collective`] and sends the whole down.
     ///
     /// # Errors
     /// [`CommError`] on timeout, a lost peer or a protocol mismatch.
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError>;
+    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        collective::all_gather(self, data)
+    }
 
-    /// `root` sends `data` (other ranks' `data` is ignored); every rank returns it.
+    /// `root` sends `data` (other ranks' `data` is ignored); every rank returns it. The
+    /// default sends it down the tree of [`collective`] with `root` at its top.
     ///
     /// # Errors
     /// As [`Communicator::all_gather`].
-    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError>;
+    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
+        collective::broadcast(self, root, data)
+    }
 
     /// Waits until every rank has arrived.
     ///
     /// # Errors
     /// As [`Communicator::all_gather`].
     fn barrier(&self) -> Result<(), CommError> {
-        self.all_gather(&[]).map(|_| ())
+        collective::barrier(self)
     }
 
     /// Every rank contributes bytes; the contributions are combined with `merge` and every
@@ -162,36 +177,23 @@ pub trait Communicator: Send + Sync {
     /// called on partial results of disjoint sets of ranks, in an order the implementation
     /// chooses); an error it returns fails the operation on every rank.
     ///
-    /// The default gathers every contribution and folds them in rank order; [`TcpComm`]
-    /// combines them up its tree, so each rank receives at most a few combined values
-    /// whatever the world size.
+    /// The default ([`collective::all_reduce`]) combines them up a binary tree over
+    /// [`Communicator::exchange`], as [`TcpComm`]'s native path does, so each rank receives at
+    /// most three combined values (plus a 16-byte header per message) whatever the world
+    /// size.
     ///
     /// # Errors
     /// As [`Communicator::all_gather`]; a failed `merge` is a [`CommError::Mismatch`].
     fn all_reduce(&self, data: &[u8], merge: &Merge<'_>) -> Result<Vec<u8>, CommError> {
-        let all = self.all_gather(data)?;
-        let mut it = all.into_iter().enumerate();
-        let Some((_, mut acc)) = it.next() else {
-            return Err(CommError::Mismatch {
-                op: "all_reduce",
-                rank: self.rank(),
-                detail: "all_gather returned no contribution, not even this rank's".into(),
-            });
-        };
-        for (r, v) in it {
-            acc = merge(&acc, &v).map_err(|e| CommError::Mismatch {
-                op: "all_reduce",
-                rank: self.rank(),
-                detail: format!("the contribution of rank {r} does not combine: {e}"),
-            })?;
-        }
-        Ok(acc)
+        collective::all_reduce(self, data, merge)
     }
 
     /// Point-to-point transfer of large buffers. For every ordered pair of ranks, the sends of
     /// one to the other and the receives of the other from the one match in order and size.
-    /// Sends and receives progress concurrently, so any such pattern completes. Every rank
-    /// calls `exchange`, possibly with nothing to do.
+    /// Sends and receives progress concurrently, so any such pattern completes. Called by
+    /// itself (a data exchange), every rank calls `exchange`, possibly with nothing to do; the
+    /// default collectives call it on the ranks of one tree link at a time, and need a message
+    /// sent in one call to be received in one call of the peer, in order per pair of ranks.
     ///
     /// # Errors
     /// As [`Communicator::all_gather`]; a size mismatch is a [`CommError::Mismatch`].

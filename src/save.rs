@@ -776,8 +776,23 @@ fn prepare_target(
         }
     };
     let target = target.unwrap_or_else(|| Target::new(dir, id, staged));
-    let seen = comm.all_gather(&[u8::from(commit::sees_nonce(&target, id))])?;
-    let ranks: Vec<usize> = (0..seen.len()).filter(|&r| seen[r] != [1]).collect();
+    // The ranks that do not see the nonce, as little-endian u64s (none, usually): an
+    // all-reduce, so each rank receives a few bytes whatever the world size.
+    let mine = if commit::sees_nonce(&target, id) {
+        Vec::new()
+    } else {
+        (comm.rank() as u64).to_le_bytes().to_vec()
+    };
+    let unseen = comm.all_reduce(&mine, &|a, b| Ok([a, b].concat()))?;
+    let mut ranks: Vec<usize> = unseen
+        .chunks(8)
+        .map(|c| {
+            let mut a = [0u8; 8];
+            a[..c.len()].copy_from_slice(c);
+            usize::try_from(u64::from_le_bytes(a)).unwrap_or(usize::MAX)
+        })
+        .collect();
+    ranks.sort_unstable();
     let prepared = Prepared { id, target, lock };
     if !ranks.is_empty() {
         commit::abandon(&prepared.target, prepared.lock.as_ref());

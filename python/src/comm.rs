@@ -2,12 +2,14 @@
 //! methods move bytes only:
 //!
 //! - `rank`, `world_size`: ints;
-//! - `all_gather(data: bytes) -> list[bytes]`, `broadcast(root: int, data: bytes) -> bytes`,
-//!   `barrier() -> None`;
 //! - `exchange(sends: list[tuple[int, memoryview]], recvs: list[tuple[int, memoryview]])`:
 //!   point-to-point transfers; the memoryviews wrap zarrckpt's own buffers (read-only for
 //!   sends, writable for receives) and are released when the call returns, so the callee
 //!   must not keep them.
+//!
+//! The collectives (all-reduce, all-gather, broadcast, barrier) are the shared tree ones of
+//! [`zarrckpt::comm::collective`] over `exchange`, so the agreement of a save or load costs
+//! each rank O(1) messages, as over the TCP communicator, not the world's descriptions.
 //!
 //! Each call re-acquires the GIL (zarrckpt calls from threads that released it, including
 //! an asynchronous save's background thread). A Python exception becomes a
@@ -19,7 +21,7 @@ use std::sync::Mutex;
 
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 use zarrckpt::comm::{RecvBuf, SendBuf};
 use zarrckpt::{CommError, Communicator};
 
@@ -114,57 +116,6 @@ impl Communicator for PyComm {
 
     fn world_size(&self) -> usize {
         self.world
-    }
-
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        Python::attach(|py| {
-            let call = || -> PyResult<Vec<Vec<u8>>> {
-                let out = self
-                    .obj
-                    .bind(py)
-                    .call_method1("all_gather", (PyBytes::new(py, data),))?;
-                let list = out.cast::<PyList>()?;
-                list.iter()
-                    .map(|b| Ok(b.cast::<PyBytes>()?.as_bytes().to_vec()))
-                    .collect()
-            };
-            let parts = call().map_err(|e| self.fail(py, "all_gather", e))?;
-            if parts.len() != self.world {
-                return Err(CommError::Mismatch {
-                    op: "all_gather",
-                    rank: self.rank,
-                    detail: format!(
-                        "the Python communicator returned {} parts for {} ranks",
-                        parts.len(),
-                        self.world
-                    ),
-                });
-            }
-            Ok(parts)
-        })
-    }
-
-    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
-        Python::attach(|py| {
-            let call = || -> PyResult<Vec<u8>> {
-                let out = self
-                    .obj
-                    .bind(py)
-                    .call_method1("broadcast", (root, PyBytes::new(py, data)))?;
-                Ok(out.cast::<PyBytes>()?.as_bytes().to_vec())
-            };
-            call().map_err(|e| self.fail(py, "broadcast", e))
-        })
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        Python::attach(|py| {
-            self.obj
-                .bind(py)
-                .call_method0("barrier")
-                .map(|_| ())
-                .map_err(|e| self.fail(py, "barrier", e))
-        })
     }
 
     fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {

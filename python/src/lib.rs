@@ -63,6 +63,28 @@ pub(crate) fn communicator(comm: Option<&Bound<'_, PyAny>>) -> PyResult<Comm> {
     })
 }
 
+/// The byte-wise maximum of every rank's `data` (all of one length) through the
+/// communicator's all-reduce, the one a save's or load's agreement runs: for tests and
+/// benchmarks of the collectives. Collective.
+#[pyfunction]
+fn all_reduce_max<'py>(
+    py: Python<'py>,
+    comm: &Bound<'py, PyAny>,
+    data: Vec<u8>,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let comm = communicator(Some(comm))?;
+    let max = |a: &[u8], b: &[u8]| -> Result<Vec<u8>, String> {
+        if a.len() != b.len() {
+            return Err(format!("{} bytes against {}", a.len(), b.len()));
+        }
+        Ok(a.iter().zip(b).map(|(x, y)| *x.max(y)).collect())
+    };
+    let out = py
+        .detach(|| comm.dynamic.all_reduce(&data, &max))
+        .map_err(|e| comm.err(py, &zarrckpt::Error::from(e)))?;
+    Ok(pyo3::types::PyBytes::new(py, &out))
+}
+
 /// Saves tensor pieces and objects (see `zarrckpt._core.save`). Collective.
 #[pyfunction]
 #[pyo3(signature = (path, pieces, objects, comm, options))]
@@ -493,6 +515,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_save, m)?)?;
     m.add_function(wrap_pyfunction!(check_load, m)?)?;
     conversion::register(m)?;
+    m.add_function(wrap_pyfunction!(all_reduce_max, m)?)?;
     m.add_class::<Saver>()?;
     m.add_class::<SaveHandle>()?;
     m.add_class::<Checkpoint>()?;

@@ -419,3 +419,29 @@ def test_torchrun_with_an_initialised_process_group(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "torchrun ok 2" in out.stdout
+
+
+def all_reduce_job(rank, world):
+    """One all-reduce through TorchComm (byte-wise maximum of 1,000 bytes per rank): whether
+    the result is right, and the bytes this rank received."""
+    from zarrckpt import _core, _native
+
+    comm = _core.communicator()
+    mine = bytes((rank * 37 + i) % 256 for i in range(1000))
+    before = comm.received_bytes
+    got = _native.all_reduce_max(comm, mine)
+    want = bytes(max((r * 37 + i) % 256 for r in range(world)) for i in range(1000))
+    return {"ok": got == want, "received": comm.received_bytes - before}
+
+
+def test_an_all_reduce_through_torchcomm_receives_a_few_messages_per_rank():
+    """The agreement's all-reduce is the library's tree over TorchComm's point-to-point
+    transfers: a rank receives its children's partial results and the result (each with a
+    16-byte header), whatever the world size; an all-gather would give each of the 9 ranks
+    the 8 others' messages."""
+    out = distributed.run(9, all_reduce_job)
+    assert all(o["ok"] for o in out), out
+    received = [o["received"] for o in out]
+    assert max(received) <= 3 * (1000 + 16), received
+    # Leaves (ranks 4 to 8) receive the result only.
+    assert received[4:] == [1000 + 16] * 5, received

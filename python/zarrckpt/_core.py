@@ -430,6 +430,12 @@ class TorchComm:
     timeout (a much larger share to write) fails the collective too: raise
     ``ZARRCKPT_TIMEOUT_S`` for such jobs. An error on one rank never waits for the timeout:
     every rank learns it at the next agreement (see the module).
+
+    zarrckpt's core uses ``exchange`` only: its collectives (the tree all-reduce of a save's
+    or load's agreement, all-gather, broadcast, barrier) are the library's own, written over
+    point-to-point transfers, so each rank receives a few messages whatever the world size.
+    ``received_bytes`` counts the bytes this rank received from other ranks through
+    ``exchange``, ``all_gather`` and ``broadcast`` (for tests and benchmarks).
     """
 
     def __init__(self, group: Any = None, timeout: float | None = None) -> None:
@@ -450,6 +456,7 @@ class TorchComm:
         self.world_size = dist.get_world_size(group)
         self._saver: Any = None
         self._inflight: SaveHandle | None = None
+        self.received_bytes = 0
 
     # -- the group ---------------------------------------------------------------------------
 
@@ -496,6 +503,7 @@ class TorchComm:
             head[8 : 8 + k] = np.frombuffer(data, dtype=np.uint8, count=k)
         out = torch.empty(world * (8 + inline), dtype=torch.uint8)
         self._dist.all_gather_into_tensor(out, torch.from_numpy(head), group=g)
+        self.received_bytes += (world - 1) * (8 + inline)
         rows = out.numpy().reshape(world, 8 + inline)
         sizes = [int.from_bytes(rows[i, :8].tobytes(), "little") for i in range(world)]
         parts = [rows[i, 8 : 8 + min(sizes[i], inline)].tobytes() for i in range(world)]
@@ -507,6 +515,7 @@ class TorchComm:
                 tail[: n - inline] = np.frombuffer(data, dtype=np.uint8, offset=inline)
             out2 = torch.empty(world * rest, dtype=torch.uint8)
             self._dist.all_gather_into_tensor(out2, torch.from_numpy(tail), group=g)
+            self.received_bytes += (world - 1) * rest
             rows2 = out2.numpy().reshape(world, rest)
             for i in range(world):
                 if sizes[i] > inline:
@@ -535,6 +544,7 @@ class TorchComm:
             return data
         size = int.from_bytes(head[:8].tobytes(), "little")
         got = head[8 : 8 + min(size, inline)].tobytes()
+        self.received_bytes += len(head) + max(0, size - inline)
         if size > inline:
             rest = torch.empty(size - inline, dtype=torch.uint8)
             self._dist.broadcast(rest, group=g, group_src=root)
@@ -543,6 +553,14 @@ class TorchComm:
 
     def barrier(self) -> None:
         self._dist.barrier(group=self.group())
+
+    def any(self, flag: bool) -> bool:
+        """Whether any rank passed ``True`` (one byte, reduced by torch's all-reduce)."""
+        import torch
+
+        t = torch.tensor([int(flag)], dtype=torch.uint8)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group())
+        return bool(t.item())
 
     def exchange(self, sends: list[tuple[int, memoryview]], recvs: list[tuple[int, memoryview]]):
         import torch
@@ -569,6 +587,7 @@ class TorchComm:
             tag = got.get(peer, 0)
             got[peer] = tag + 1
             if len(mv):
+                self.received_bytes += len(mv)
                 t = torch.frombuffer(mv, dtype=torch.uint8)
                 works.append(self._dist.irecv(t, group=g, group_src=peer, tag=tag))
         for w in works:

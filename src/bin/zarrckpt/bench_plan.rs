@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use anyhow::bail;
 use serde_json::json;
+use zarrckpt::comm::collective::tree_children;
 use zarrckpt::plan::SavePlanOptions;
 use zarrckpt::plan::exchange::ExchangePlan;
 use zarrckpt::plan::layout::{PieceDecl, RankLayout, TensorDecl};
@@ -269,10 +270,12 @@ fn leaf(case: Case, m: &[Tensor], world: u64, r: u64, load: bool) -> Vec<u8> {
     Summary::leaf(r, t.encode(), &c).encode()
 }
 
-/// The all-reduce up a binary tree rooted at rank 0 (parent of `r` is `(r - 1) / 2`), as
-/// `TcpComm` runs it: each rank merges its own description with its children's results and
-/// sends the merge up; the root's result travels down. Returns the result and the bytes each
-/// rank receives and sends.
+/// The all-reduce up the collectives' binary tree rooted at rank 0
+/// ([`zarrckpt::comm::collective::tree_children`]), as `TcpComm` runs it natively and every
+/// other communicator through `zarrckpt::comm::collective` (`TorchComm` included): each rank
+/// merges its own description with its children's results and sends the merge up; the root's
+/// result travels down. Returns the result and the payload bytes each rank receives and sends
+/// (the shared collectives add a 16-byte header per message).
 fn tree_reduce(
     world: u64,
     leaf_of: &(dyn Fn(u64) -> Vec<u8> + Sync),
@@ -288,13 +291,11 @@ fn tree_reduce(
         sent: &mut [u64],
     ) -> anyhow::Result<Vec<u8>> {
         let mut acc = leaf_of(r as u64);
-        for c in [2 * r + 1, 2 * r + 2] {
-            if c < n {
-                let child = up(c, n, leaf_of, received, sent)?;
-                received[r] += child.len() as u64;
-                sent[c] += child.len() as u64;
-                acc = Summary::merge_encoded(&acc, &child).map_err(anyhow::Error::msg)?;
-            }
+        for c in tree_children(r, n) {
+            let child = up(c, n, leaf_of, received, sent)?;
+            received[r] += child.len() as u64;
+            sent[c] += child.len() as u64;
+            acc = Summary::merge_encoded(&acc, &child).map_err(anyhow::Error::msg)?;
         }
         Ok(acc)
     }
@@ -304,7 +305,7 @@ fn tree_reduce(
         if r > 0 {
             received[r] += len;
         }
-        sent[r] += len * [2 * r + 1, 2 * r + 2].iter().filter(|&&c| c < n).count() as u64;
+        sent[r] += len * tree_children(r, n).count() as u64;
     }
     Ok((result, received, sent))
 }
