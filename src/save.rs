@@ -758,10 +758,34 @@ fn prepare_target(
     } else {
         Ok((None, None))
     };
-    let (lock, target) = agree(comm, local)?;
+    // What rank 0 prepared is undone (a staging directory removed) when another rank fails
+    // this agreement or the broadcast after it: nothing is left to clean up on error.
+    let (outcome, held) = match local {
+        Ok(held) => (Ok(()), Some(held)),
+        Err(e) => (Err(e), None),
+    };
+    let undo = |held: &Option<(Option<commit::SaveLock>, Option<Target>)>| {
+        if let Some((lock, Some(t))) = held {
+            commit::abandon(t, lock.as_ref());
+        }
+    };
+    if let Err(e) = agree(comm, outcome) {
+        undo(&held);
+        return Err(e);
+    }
     let mut msg = id.0.to_vec();
-    msg.push(u8::from(matches!(target, Some(Target::Staging { .. }))));
-    let got = comm.broadcast(0, &msg)?;
+    msg.push(u8::from(matches!(
+        held,
+        Some((_, Some(Target::Staging { .. })))
+    )));
+    let got = match comm.broadcast(0, &msg) {
+        Ok(got) => got,
+        Err(e) => {
+            undo(&held);
+            return Err(e.into());
+        }
+    };
+    let (lock, target) = held.unwrap_or((None, None));
     let (id, staged) = match got.as_slice() {
         [b @ .., s] if b.len() == 16 => {
             let mut a = [0u8; 16];

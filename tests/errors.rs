@@ -1680,8 +1680,8 @@ enum Fault {
 }
 
 /// A communicator that injects a fault at the `at`-th agreement (a one-byte all-gather `[0]`
-/// that save and load use to agree on every step's outcome: 1 layouts, 2 prepare, 3 files
-/// written, 4 commit).
+/// that save and load use to agree on every step's outcome: for a save 1 layouts, 2 the
+/// index's limits, 3 prepare (lock, staging), 4 group documents, 5 files written, 6 commit).
 struct Faulty {
     inner: Mutex<Option<LocalComm>>,
     rank: usize,
@@ -1805,7 +1805,7 @@ fn save_faulty(
 #[test]
 fn a_rank_failing_mid_save_fails_every_rank_and_nothing_commits() {
     let tmp = tempfile::tempdir().unwrap();
-    for at in 1..=3 {
+    for at in 1..=5 {
         let dir = tmp.path().join(format!("fail{at}"));
         let res = save_faulty(&dir, 3, 1, at, Fault::Report, &SaveOptions::default(), T);
         for (r, res) in res.iter().enumerate() {
@@ -1817,7 +1817,9 @@ fn a_rank_failing_mid_save_fails_every_rank_and_nothing_commits() {
             has(&e.to_string(), &["rank 1", "injected"]);
         }
         assert!(!root_json(&dir).exists(), "step {at}: committed");
-        if at > 1 {
+        // Nothing is created before the directory is prepared (step 3).
+        assert_eq!(dir.exists(), at > 2, "step {at}");
+        if at > 2 {
             let e = open_err(&dir);
             assert!(
                 matches!(storage(&e), StorageError::Incomplete { .. }),
@@ -1846,18 +1848,21 @@ fn failed_overwrite_before_prepare_keeps_the_old_checkpoint() {
     });
     assert!(res.iter().all(Result::is_err));
     assert_loads(&dir, "w", DType::Float32, &[8, 6]);
-    // A failure after prepare (the new save writes into a staging directory) leaves the
+    // A failure in or after prepare (the new save writes into a staging directory: rank 0
+    // made it when another rank fails the prepare agreement, step 3, or later) leaves the
     // previous checkpoint loadable and removes the staging directory.
-    let res = save_faulty(&dir, 2, 1, 3, Fault::Report, &opts, T);
-    assert!(res.iter().all(Result::is_err));
-    assert_loads(&dir, "w", DType::Float32, &[8, 6]);
-    let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains("staging"))
-        .collect();
-    assert!(leftovers.is_empty(), "{leftovers:?}");
+    for at in 3..=5 {
+        let res = save_faulty(&dir, 2, 1, at, Fault::Report, &opts, T);
+        assert!(res.iter().all(Result::is_err), "step {at}");
+        assert_loads(&dir, "w", DType::Float32, &[8, 6]);
+        let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains("staging"))
+            .collect();
+        assert!(leftovers.is_empty(), "step {at}: {leftovers:?}");
+    }
 }
 
 #[test]
@@ -1866,7 +1871,7 @@ fn a_rank_dying_mid_save_fails_the_others_fast() {
     let good = tmp.path().join("good");
     save_standard(&good, 2);
     let timeout = Duration::from_secs(5);
-    for at in 1..=3 {
+    for at in 1..=5 {
         let dir = tmp.path().join(format!("dead{at}"));
         let t0 = Instant::now();
         let res = save_faulty(&dir, 3, 2, at, Fault::Die, &SaveOptions::default(), timeout);
