@@ -583,6 +583,7 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
         let writer = groups[h.group]
             .iter()
             .copied()
+            // A rank given nothing yet carries 0 bytes.
             .min_by_key(|r| (load.get(r).copied().unwrap_or(0), *r))
             // Invariant: a group is the holders of a replicated part, at least two ranks.
             .unwrap_or(0);
@@ -837,6 +838,7 @@ pub fn plan_load(
             .ranks
             .iter()
             .copied()
+            // A rank given nothing yet carries 0 bytes.
             .min_by_key(|k| (load.get(k).copied().unwrap_or(0), *k))
             // Invariant: shared reads have at least two ranks (single holders are skipped).
             .unwrap_or(0);
