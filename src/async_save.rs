@@ -483,7 +483,8 @@ fn item_len(item: &ItemSource<'_>) -> usize {
     match item {
         ItemSource::Bytes(b) => b.len(),
         ItemSource::Parts { full, elem, .. } => {
-            usize::try_from(full.num_elements().unwrap_or(0)).unwrap_or(usize::MAX) * elem
+            // Invariant: a chunk box of a planned tensor, whose element count fits `u64`.
+            crate::model::usize_of(full.num_elements().unwrap_or(0)) * elem
         }
     }
 }
@@ -517,9 +518,8 @@ fn stage_sources<'a>(
                         .map(|(a, b)| a - b)
                         .collect();
                     let start = byte_offset(&rel, piece_region.shape(), elem);
-                    let len = usize::try_from(full.num_elements().unwrap_or(0))
-                        .unwrap_or(usize::MAX)
-                        * elem;
+                    // Invariant: inside the piece, whose bytes are in memory.
+                    let len = crate::model::usize_of(full.num_elements().unwrap_or(0)) * elem;
                     return ItemSource::Bytes(&piece.data()[start..start + len]);
                 }
                 return ItemSource::Parts {
@@ -628,6 +628,7 @@ fn lower_thread_priority() {
         let tid = libc::gettid();
         libc::setpriority(
             libc::PRIO_PROCESS,
+            // A thread id is positive; 0 would name the calling thread all the same.
             libc::id_t::try_from(tid).unwrap_or_default(),
             BACKGROUND_NICE,
         );
@@ -739,6 +740,7 @@ impl Background {
                         let src = &round.lease.bytes()[range.clone()];
                         let n =
                             write::write_shard(&arrays[&w.tensor], &w.chunk, src, &full, &full)?;
+                        // Invariant: a planned region lies inside its tensor.
                         let d = w.region.num_elements().unwrap_or(0) * tp.dtype.size() as u64;
                         if let Some(p) = &opts.progress {
                             p(d);

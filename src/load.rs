@@ -164,6 +164,8 @@ fn check_requests(
     let mut requested: BTreeSet<&TensorKey> = BTreeSet::new();
     let my_template = w.of_rank(me).map(|(t, _)| t);
     for (u, template) in w.templates.iter().enumerate() {
+        // Only names a rank in errors; a template no run uses (none in a world built by
+        // merging rank summaries) is named by rank 0.
         let lowest = w.some_ranks(u).first().copied().unwrap_or(0) as usize;
         let mine = my_template == Some(u);
         let mut unexpected = Vec::new();
@@ -547,6 +549,7 @@ fn read_shards(
                 let n: u64 = shard
                     .subchunks
                     .iter()
+                    // Invariant: a planned box inside a checked chunk.
                     .map(|s| s.needed.num_elements().unwrap_or(0))
                     .sum();
                 p(n * dests[*i].elem() as u64);
@@ -628,7 +631,7 @@ fn exchange_shared(
                 continue;
             }
             if dests[t].contiguous_range(&r.region).is_none() {
-                staged.push((u, vec![0u8; usize::try_from(r.bytes).unwrap_or(usize::MAX)]));
+                staged.push((u, vec![0u8; crate::model::usize_of(r.bytes)]));
             }
         }
         let mut staged_iter = staged.iter_mut();

@@ -156,6 +156,9 @@ pub(crate) fn check_request<'m>(
             stored: have.clone(),
         });
     }
+    // Invariant for the fallbacks below: the scopes match (checked above), and a parsed
+    // index gives every per-rank object a `world_size` and every sharded one a `grid`
+    // (`ObjectEntry::validate`); a common object always has its slot.
     if !e.has_slot(&r.slot) {
         return Err(match &r.slot {
             ObjectSlot::Rank(rank) => Error::ObjectRankMissing {

@@ -199,6 +199,7 @@ fn exchange_parts(
         let tp = &plan.tensors[t.tensor];
         let elem = tp.dtype.size();
         let piece = local[&(&tp.key, &t.piece)];
+        // Invariant: a planned region lies inside this rank's piece, held in memory.
         let mut buf = vec![0u8; t.region.num_elements().unwrap_or(0) as usize * elem];
         copy_region(piece.data(), &t.piece, &mut buf, &t.region, &t.region, elem);
         outgoing.push((t.to as usize, buf));
@@ -211,6 +212,7 @@ fn exchange_parts(
             w.parts
                 .iter()
                 .filter(|p| matches!(p.source, Source::Remote(_)))
+                // Invariant: a planned part lies inside a chunk of its tensor.
                 .map(|p| vec![0u8; p.region.num_elements().unwrap_or(0) as usize * elem])
                 .collect()
         })
@@ -316,6 +318,7 @@ fn write_files(
                     &src_box,
                     &full_chunk_box(tp, &w.chunk),
                 )?;
+                // Invariant: a planned region lies inside its tensor.
                 let data = w.region.num_elements().unwrap_or(0) * tp.dtype.size() as u64;
                 if let Some(p) = &opts.progress {
                     p(data);
@@ -722,7 +725,7 @@ fn check_user(dir: &Path, user: &serde_json::Map<String, serde_json::Value>) -> 
         .values()
         .map(depth)
         .max()
-        .unwrap_or(0)
+        .unwrap_or(0) // an empty `user` has no nesting
         .saturating_add(USER_LEVEL);
     if levels > MAX_JSON_DEPTH {
         return Err(Error::UserMetadata {

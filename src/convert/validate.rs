@@ -72,6 +72,7 @@ fn pattern_errors(doc: &serde_json::Value) -> Vec<String> {
         v.get(k)
             .and_then(serde_json::Value::as_array)
             .cloned()
+            // The document passed the schema: an absent list is an optional one, empty.
             .unwrap_or_default()
     };
     for (i, rule) in list(doc, "rules").iter().enumerate() {
@@ -83,6 +84,7 @@ fn pattern_errors(doc: &serde_json::Value) -> Vec<String> {
             check(h.get("name"), format!("/rules/{i}/hf/{j}/name"));
         }
     }
+    // No `vllm` section: a null value, with no tensors to check.
     let vllm = doc.get("vllm").cloned().unwrap_or_default();
     for (i, t) in list(&vllm, "tensors").iter().enumerate() {
         check(t.get("name"), format!("/vllm/tensors/{i}/name"));

@@ -40,7 +40,7 @@ impl VllmExport {
                 .vllm
                 .as_ref()
                 .and_then(|v| v.version.clone())
-                .unwrap_or_default(),
+                .unwrap_or_default(), // optional in the table: empty, as `version` says
             tp,
             plan,
         })
@@ -52,7 +52,7 @@ impl VllmExport {
         &self.plan
     }
 
-    /// The vLLM version whose layout the table writes.
+    /// The vLLM version whose layout the table writes; empty when the table names none.
     #[must_use]
     pub fn version(&self) -> &str {
         &self.version

@@ -108,7 +108,7 @@ pub(super) unsafe fn read_shard_converted(
     let (s, t) = (from.size(), to.size());
     for tile in tiles(&inner, &origin, &geom.subchunk_shape, s as u64) {
         // Invariant: a tile lies inside the target, whose byte size was checked to fit usize.
-        let n = usize::try_from(tile.num_elements().unwrap_or(0)).unwrap_or(usize::MAX);
+        let n = crate::model::usize_of(tile.num_elements().unwrap_or(0));
         if n == 0 {
             continue;
         }

@@ -96,6 +96,7 @@ impl ExchangePlan {
                     .get(key)
                     .and_then(Option::as_ref)
                     .map_or(1, |g| g.elem);
+                // Invariant: inside a declared tensor, whose element count fits `u64`.
                 let bytes = region
                     .num_elements()
                     .unwrap_or(0)
@@ -129,6 +130,7 @@ impl ExchangePlan {
                 .iter()
                 .copied()
                 .min_by_key(|&k| (load[k as usize], k))
+                // Invariant: reads with fewer than two ranks were filtered out above.
                 .unwrap_or(0);
             load[reader as usize] += r.bytes;
             r.reader = reader;

@@ -86,7 +86,8 @@ pub fn choose_chunk_shape(
         .map(|p| product(p.shape()).saturating_mul(elem as u64))
         .filter(|&b| b > 0)
         .min()
-        .unwrap_or(0);
+        .unwrap_or(0); // no non-empty piece: no smallest one
+
     choose_chunk_shape_with(global_shape, pieces, elem, smallest_piece, opts)
 }
 

@@ -262,6 +262,7 @@ impl GatheredObjects {
     pub fn from_ranks(per_rank: &[Vec<ObjectDecl>]) -> Self {
         let hashes: Vec<[u8; 16]> = per_rank.iter().map(|d| hash(&encode(d))).collect();
         let blobs: Vec<Vec<u8>> = per_rank.iter().map(|d| encode(d)).collect();
+        // Invariant: each hash is computed here from its own blob, so they match.
         Self::from_parts(&hashes, &blobs).unwrap_or_default()
     }
 }
@@ -361,7 +362,7 @@ impl ObjectPlan {
                     let holders = &groups[0];
                     let pick =
                         xxhash_rust::xxh3::xxh3_64(key.as_str().as_bytes()) % holders.len() as u64;
-                    let writer = holders[usize::try_from(pick).unwrap_or(0)];
+                    let writer = holders[crate::model::usize_of(pick)];
                     plan.writers
                         .insert((key.clone(), ObjectSlot::Common), writer);
                     PlannedScope::Common { len: *len }
@@ -414,6 +415,8 @@ impl ObjectPlan {
                         return Err(ObjectPlanError::ShardMissing {
                             key: key.clone(),
                             grid: grid.clone(),
+                            // Invariant: every key of `by_shard` lies in the grid (checked
+                            // above), so fewer keys than cells leave one cell missing.
                             index: missing.unwrap_or_default(),
                         });
                     }

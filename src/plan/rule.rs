@@ -136,6 +136,8 @@ impl Template {
             let shape = &layout.tensors[p.tensor as usize].global_shape;
             if let Some(range) = partial_row_range(shape, &p.region) {
                 let len = range.end - range.start;
+                // Invariant: a declared shape's element count fits `u64` (checked when the
+                // layout is built); 0 would only forgo the flat rule, never misdescribe.
                 let numel = crate::model::region::num_elements(shape).unwrap_or(0);
                 if range.start.is_multiple_of(len)
                     && range.end < numel
@@ -900,36 +902,52 @@ impl World {
         for (i, r) in s.runs.iter().enumerate() {
             if r.start != next {
                 return Err(LayoutDecodeError {
-                    // Invariant: usize is 64 bits, so this conversion cannot fail.
-                    rank: usize::try_from(next).unwrap_or(usize::MAX),
+                    rank: crate::model::usize_of(next),
                     at: 0,
                     reason: "no description for this rank".into(),
                 });
             }
-            next = r.start + r.count;
-            runs_of[r.template as usize].push(i);
+            // `Summary`'s fields are public: a summary built by hand (not by `decode`, which
+            // checks both) may name a missing template or run past `u64`.
+            next = r
+                .start
+                .checked_add(r.count)
+                .filter(|&n| n <= size as u64)
+                .ok_or_else(|| LayoutDecodeError {
+                    rank: crate::model::usize_of(r.start),
+                    at: 0,
+                    reason: format!(
+                        "a run of {} ranks from rank {} leaves a world of {size}",
+                        r.count, r.start
+                    ),
+                })?;
+            let Some(of) = runs_of.get_mut(r.template as usize) else {
+                return Err(LayoutDecodeError {
+                    rank: crate::model::usize_of(r.start),
+                    at: 0,
+                    reason: format!("run names template {}, which is absent", r.template),
+                });
+            };
+            of.push(i);
         }
         if next != size as u64 {
             return Err(LayoutDecodeError {
-                // Invariant: usize is 64 bits, so this conversion cannot fail.
-                rank: usize::try_from(next.min(size as u64)).unwrap_or(usize::MAX),
+                rank: crate::model::usize_of(next.min(size as u64)),
                 at: 0,
                 reason: format!("descriptions cover {next} ranks of {size}"),
             });
         }
         let mut templates = Vec::with_capacity(s.templates.len());
         for (ti, (_, bytes)) in s.templates.iter().enumerate() {
-            let lowest = runs_of[ti].first().map_or(0, |&i| {
-                // Invariant: usize is 64 bits, so this conversion cannot fail.
-                usize::try_from(s.runs[i].start).unwrap_or(usize::MAX)
-            });
+            let lowest = runs_of[ti]
+                .first()
+                .map_or(0, |&i| crate::model::usize_of(s.runs[i].start));
             let t = Template::decode(bytes, lowest)?;
             for &i in &runs_of[ti] {
                 let r = &s.runs[i];
                 if r.coords.len() != t.slots as usize {
                     return Err(LayoutDecodeError {
-                        // Invariant: usize is 64 bits, so this conversion cannot fail.
-                        rank: usize::try_from(r.start).unwrap_or(usize::MAX),
+                        rank: crate::model::usize_of(r.start),
                         at: 0,
                         reason: format!(
                             "{} coordinates for a template of {} slots",
@@ -962,8 +980,7 @@ impl World {
             let r = &self.runs[i];
             for k in 0..r.count {
                 let c = r.coords_at(k).ok_or_else(|| LayoutDecodeError {
-                    // Invariant: usize is 64 bits, so this conversion cannot fail.
-                    rank: usize::try_from(r.start + k).unwrap_or(usize::MAX),
+                    rank: crate::model::usize_of(r.start + k),
                     at: 0,
                     reason: "coordinates out of range".into(),
                 })?;
@@ -1087,6 +1104,7 @@ impl World {
         let mut slots: Vec<Option<RankLayout>> = unique.into_iter().map(Some).collect();
         let unique = order
             .iter()
+            // Invariant: `order` is a permutation, so each slot is taken exactly once.
             .map(|&u| slots[u].take().unwrap_or_default())
             .collect();
         let ranks = order
@@ -1238,5 +1256,38 @@ mod tests {
         assert!(Summary::decode(&bad, 0).is_err());
         // A summary of rank 3 alone is not a world of 4 ranks.
         assert!(World::from_summary(&s, 4).is_err());
+    }
+
+    #[test]
+    fn hand_built_summaries_past_u64_or_template_are_errors() {
+        // A valid template and its coordinates, so that only the runs are wrong.
+        let (t, c) = Template::describe(&fsdp(0, 1));
+        let t = t.encode();
+        let run = |start: u64, count: u64, template: u32| Run {
+            start,
+            count,
+            template,
+            period: count,
+            coords: c.iter().map(|&b| (b, 0)).collect(),
+        };
+        let templates = vec![(template_hash(&t), t)];
+        // Runs whose end wraps past u64 back to the world's size.
+        let wrap = Summary {
+            templates: templates.clone(),
+            runs: vec![run(0, u64::MAX, 0), run(u64::MAX, 5, 0)],
+        };
+        assert!(World::from_summary(&wrap, 4).is_err());
+        // A run naming a template that is not there.
+        let absent = Summary {
+            templates: templates.clone(),
+            runs: vec![run(0, 4, 7)],
+        };
+        assert!(World::from_summary(&absent, 4).is_err());
+        // The same runs, well formed, are a world.
+        let good = Summary {
+            templates,
+            runs: vec![run(0, 4, 0)],
+        };
+        assert!(World::from_summary(&good, 4).is_ok());
     }
 }

@@ -245,6 +245,10 @@ fn pick_part(f: &Family, coords: &[u64]) -> Vec<u64> {
         .iter()
         .map(|p| match *p {
             Pick::Fixed(v) => v,
+            // Invariant: `Template::decode` keeps every slot below the template's slot count,
+            // and `World::from_summary` gives each rank exactly that many coordinates. Were
+            // it not so, `u64::MAX` is beyond every part count, so `holders` refuses the rank
+            // before any caller reaches `part_region`.
             Pick::Slot(s) => coords.get(s as usize).copied().unwrap_or(u64::MAX),
         })
         .collect()
@@ -323,6 +327,7 @@ fn validate_parts(
             .unwrap_or(0);
         let elem_total: u128 = shape.iter().map(|&d| u128::from(d)).product();
         let region = region_of(missing);
+        // Invariant: a part lies inside its tensor, whose element count fits `u64`.
         let missing_elems = u128::from(region.num_elements().unwrap_or(0));
         return Err(PlanError::Gap {
             key: key.clone(),
@@ -498,6 +503,8 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             validate_parts(info.key, info.shape, total, parts, &region_of)?;
             valid.insert(table);
         }
+        // Part 0 is stored (`validate_parts` passed) unless the tensor has no parts (a
+        // dimension of 0): then nothing is written and rank 0 writes the metadata.
         let metadata_writer = parts.get(&0).and_then(Holders::lowest).unwrap_or(0);
         plans.push(TensorPlan {
             key: info.key.clone(),
@@ -523,11 +530,13 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
         if region.is_empty() {
             continue;
         }
+        // Invariant: a part lies inside its tensor, whose element count fits `u64`.
         let bytes = region
             .num_elements()
             .unwrap_or(0)
             .saturating_mul(elem as u64);
         let writer = if !opts.balance_replicas {
+            // Invariant: parts with neither a main nor an auto holder were skipped above.
             Some(h.main.first().or(h.auto.first()).copied().unwrap_or(0))
         } else if h.single() {
             h.lowest()
@@ -574,7 +583,9 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
         let writer = groups[h.group]
             .iter()
             .copied()
+            // A rank given nothing yet carries 0 bytes.
             .min_by_key(|r| (load.get(r).copied().unwrap_or(0), *r))
+            // Invariant: a group is the holders of a replicated part, at least two ranks.
             .unwrap_or(0);
         *load.entry(writer).or_default() += h.bytes;
         if writer == me {
@@ -602,6 +613,7 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
         for m in &mut t.metadata {
             *m = remap[*m];
         }
+        // Invariant: one entry per rank of the world, and `me` is one (`of_rank` above).
         bytes += gp.bytes_per_rank.get(me as usize).copied().unwrap_or(0);
         tasks = t;
         for (tp, &i) in gp.tensors.into_iter().zip(&remap) {
@@ -746,6 +758,7 @@ pub fn plan_load(
             let Some(f) = families.iter().find(|f| f.template == my_template) else {
                 continue;
             };
+            // Invariant: a decoded shape's element count fits `u64` (`decode_tensors` checks it).
             let numel = crate::model::region::num_elements(info.shape).unwrap_or(0);
             let Some(l) = flat_pick(f, &my_coords, info.shape, *size, numel) else {
                 continue;
@@ -784,6 +797,7 @@ pub fn plan_load(
             grid::for_each_index(&lo, &hi, |c| {
                 let chunk_box = grid::chunk_box(&geom.chunk_shape, c);
                 if let Some(inner) = region.intersect(&chunk_box) {
+                    // Invariant: inside a tensor whose element count fits `u64`.
                     let bytes = inner
                         .num_elements()
                         .unwrap_or(0)
@@ -824,7 +838,9 @@ pub fn plan_load(
             .ranks
             .iter()
             .copied()
+            // A rank given nothing yet carries 0 bytes.
             .min_by_key(|k| (load.get(k).copied().unwrap_or(0), *k))
+            // Invariant: shared reads have at least two ranks (single holders are skipped).
             .unwrap_or(0);
         *load.entry(reader).or_default() += r.bytes;
         r.reader = reader;
@@ -1000,6 +1016,7 @@ fn flat_holders(
     size: u64,
     families: &[FlatFamily],
 ) -> Result<Option<HashMap<u64, Holders>>, LayoutDecodeError> {
+    // Invariant: a decoded shape's element count fits `u64` (`decode_tensors` checks it).
     let numel = crate::model::region::num_elements(shape).unwrap_or(0);
     let n = numel.div_ceil(size);
     let mut parts: HashMap<u64, Holders> = HashMap::default();
@@ -1056,6 +1073,7 @@ struct FlatDone {
 
 /// The boxes of flat part `i` of parts of `size` (none beyond the tensor).
 fn flat_part_boxes(shape: &[u64], size: u64, i: u64) -> Vec<Region> {
+    // `None` only for a part beyond the tensor, which has no boxes.
     super::rule::flat_part_regions(shape, size, i).unwrap_or_default()
 }
 
@@ -1121,6 +1139,7 @@ fn plan_flat(
         return Ok(None);
     };
     let shape = info.shape;
+    // Invariant: a decoded shape's element count fits `u64` (`decode_tensors` checks it).
     let numel = crate::model::region::num_elements(shape).unwrap_or(0);
     let parts = &tables[table];
     let n = numel.div_ceil(size);
@@ -1138,6 +1157,9 @@ fn plan_flat(
         parts
             .get(&l)
             .and_then(|h| h.main.first().or(h.auto.first()).copied())
+            // Invariant: asked only for parts below `n`, each of which has a main or auto
+            // holder once `validate_parts` passed (or for part 0 of a tensor with no
+            // elements, whose metadata rank 0 writes).
             .unwrap_or(0)
     };
     let elem = info.dtype.size();
@@ -1177,6 +1199,7 @@ fn plan_flat(
     let boxes = flat_part_boxes(shape, size, l);
     done.bytes = boxes
         .iter()
+        // Invariant: inside a tensor whose element count fits `u64`.
         .map(|b| b.num_elements().unwrap_or(0))
         .sum::<u64>()
         .saturating_mul(elem as u64);

@@ -268,6 +268,7 @@ fn check_coverage(
     // Sort by the first dimension and sweep: only boxes whose first-dimension ranges overlap
     // can intersect.
     let mut order: Vec<usize> = (0..mains.len()).collect();
+    // A scalar's box has no first dimension: every such box starts at 0.
     let first = |i: usize| mains[i].0.offset().first().copied().unwrap_or(0);
     order.sort_by_key(|&i| (first(i), mains[i].0.clone()));
     let mut active: Vec<usize> = Vec::new();
@@ -313,6 +314,7 @@ fn check_coverage(
 fn smallest_holding_bytes(mains: &[(&Region, &[u32])], elem: usize) -> u64 {
     let mut per_layout: HashMap<u32, u64> = HashMap::new();
     for (region, layouts) in mains {
+        // Invariant: a main box lies inside its tensor, whose element count fits `u64`.
         let bytes = region
             .num_elements()
             .unwrap_or(0)
@@ -326,6 +328,7 @@ fn smallest_holding_bytes(mains: &[(&Region, &[u32])], elem: usize) -> u64 {
         .into_values()
         .filter(|&b| b > 0)
         .min()
+        // No rank holds any bytes: 0, as documented above.
         .unwrap_or(0)
 }
 
@@ -364,6 +367,8 @@ fn find_uncovered<'a>(shape: &[u64], boxes: impl Iterator<Item = &'a Region> + C
             found = Some(p);
         }
     });
+    // Only an error's detail: empty when the candidates, capped at 64 per dimension, miss
+    // the uncovered element.
     found.unwrap_or_default()
 }
 
@@ -458,6 +463,7 @@ impl SavePlan {
     pub fn write_balance(&self) -> f64 {
         let n = self.bytes_per_rank.len().max(1) as f64;
         let total: u64 = self.bytes_per_rank.iter().sum();
+        // No ranks: total is 0 too, handled below.
         let max = self.bytes_per_rank.iter().copied().max().unwrap_or(0);
         if total == 0 {
             1.0
@@ -599,6 +605,7 @@ fn validate(
                 .iter()
                 .map(|&u| g.ranks[u as usize].len())
                 .sum();
+            // Invariant: a piece lies inside its tensor, whose element count fits `u64`.
             let bytes = region
                 .num_elements()
                 .unwrap_or(0)
@@ -701,6 +708,7 @@ fn tensor_grid(
 fn chunk_writer(parts: &[(&PiecePlan, Region)]) -> u32 {
     let mut best: Option<(u64, &PiecePlan)> = None;
     for (p, part) in parts {
+        // Invariant: a part of a chunk, inside a tensor whose element count fits `u64`.
         let n = part.num_elements().unwrap_or(0);
         if best.is_none_or(|(bn, _)| n > bn) {
             best = Some((n, p));

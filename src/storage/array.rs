@@ -346,6 +346,7 @@ impl TensorArray {
     pub fn footer_bytes(&self) -> u64 {
         match self.save_id {
             Some(_) => footer_len(self.entry.chunk_shape.len(), self.subchunks_per_shard())
+                // A footer too large to size is larger than any file: readers refuse it.
                 .unwrap_or(u64::MAX),
             None => 0,
         }

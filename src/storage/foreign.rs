@@ -53,6 +53,7 @@ pub fn read_array(dir: &Path) -> Result<ForeignArray, StorageError> {
         .data_type()
         .name_v3()
         .map(|n| n.into_owned())
+        // A type with no v3 name is no known name: refused just below.
         .unwrap_or_default();
     let dtype = DType::from_name(&name).ok_or_else(|| StorageError::Malformed {
         path: dir.join("zarr.json"),

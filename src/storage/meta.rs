@@ -175,7 +175,7 @@ impl TensorEntry {
     #[must_use]
     pub fn nbytes(&self) -> u64 {
         num_elements(&self.shape)
-            .unwrap_or(u64::MAX)
+            .unwrap_or(u64::MAX) // saturating, as documented
             .saturating_mul(self.dtype.size() as u64)
     }
 }
@@ -376,6 +376,7 @@ impl CheckpointMeta {
             "node_type": "group",
             "attributes": { ATTRIBUTE: self },
         });
+        // Invariant: serializing a JSON value (string keys only) cannot fail.
         serde_json::to_vec_pretty(&doc).unwrap_or_default()
     }
 
@@ -399,6 +400,7 @@ impl CheckpointMeta {
                 key: key.clone(),
                 limit,
             })?;
+            // Too many chunks to count is over the limit below.
             chunks = chunks.saturating_add(t.num_chunks().unwrap_or(u64::MAX));
         }
         if chunks > MAX_CHUNKS_PER_CHECKPOINT {

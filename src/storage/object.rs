@@ -453,8 +453,8 @@ pub fn read_value(
             ),
         });
     }
-    // Invariant: `len + 4` equals the file length just checked, and usize is 64 bits.
-    let mut buf = vec![0u8; usize::try_from(len + 4).unwrap_or(usize::MAX)];
+    // `len + 4` equals the file length just checked.
+    let mut buf = vec![0u8; crate::model::usize_of(len + 4)];
     f.read_exact(&mut buf)
         .map_err(StorageError::io("read", &path))?;
     let split = buf.len() - 4;

@@ -71,6 +71,13 @@ fn corrupt(arr: &TensorArray, chunk: &[u64], detail: String) -> StorageError {
     }
 }
 
+/// The CRC32C a digest computed. Invariant: a CRC32 digest's value fits 32 bits (`crc_fast`
+/// widens it to `u64`), so the cast keeps every bit.
+#[allow(clippy::cast_possible_truncation)]
+fn crc32_value(digest: &crc_fast::Digest) -> u32 {
+    digest.finalize() as u32
+}
+
 /// `(offset, nbytes)` of every subchunk of a shard; `None` for absent (all-zero) ones.
 type ShardIndex = Vec<Option<(u64, u64)>>;
 
@@ -144,11 +151,11 @@ fn open_shard_index(
             ),
         ));
     }
-    let mut encoded = vec![0u8; usize::try_from(tail).unwrap_or(usize::MAX)];
+    let mut encoded = vec![0u8; crate::model::usize_of(tail)];
     file.read_exact_at(&mut encoded, len - tail)
         .map_err(StorageError::io("read", &path))?;
     counters.add(tail);
-    let (footer, encoded) = encoded.split_at(usize::try_from(foot).unwrap_or(usize::MAX));
+    let (footer, encoded) = encoded.split_at(crate::model::usize_of(foot));
     let index = arr.decode_index(chunk, encoded)?;
     let crcs = check_shard_footer(arr, chunk, footer)?;
     if let Some(c) = &crcs {
@@ -341,7 +348,7 @@ fn preadv_exact(file: &File, iovs: &mut [libc::iovec], mut offset: u64) -> std::
             }
             return Err(e);
         }
-        let mut n = usize::try_from(n).unwrap_or(0);
+        let mut n = n.unsigned_abs(); // `n >= 0` here
         if n == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
@@ -413,8 +420,8 @@ unsafe fn pread_subchunks(
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
     let path = arr.chunk_path(&shard.chunk);
-    let sub_bytes = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX);
-    let entry = |linear: u64| index[usize::try_from(linear).unwrap_or(usize::MAX)];
+    let sub_bytes = crate::model::usize_of(geom.subchunk_bytes());
+    let entry = |linear: u64| index[crate::model::usize_of(linear)];
 
     // Batches of direct subchunks adjacent both in the file and in the destination.
     let mut batch: Vec<(u64, usize)> = Vec::new(); // (linear, dest offset)
@@ -694,9 +701,9 @@ unsafe fn compressed_subchunks(
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
     let path = arr.chunk_path(&shard.chunk);
-    let sub_bytes = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX);
+    let sub_bytes = crate::model::usize_of(geom.subchunk_bytes());
     for s in &shard.subchunks {
-        match index[usize::try_from(s.linear).unwrap_or(usize::MAX)] {
+        match index[crate::model::usize_of(s.linear)] {
             None => {
                 // SAFETY: disjoint destination ranges (caller's contract).
                 unsafe { dest.zero(&s.needed) };
@@ -709,7 +716,7 @@ unsafe fn compressed_subchunks(
                         format!("subchunk {} is only {n} bytes", s.linear),
                     ));
                 }
-                scratch.resize(usize::try_from(n).unwrap_or(usize::MAX), 0);
+                scratch.resize(crate::model::usize_of(n), 0);
                 file.read_exact_at(scratch, off)
                     .map_err(StorageError::io("read", &path))?;
                 counters.add(n);
@@ -838,13 +845,13 @@ unsafe fn read_shard_mapped(
 ) -> Result<(), StorageError> {
     let (file, index, footer) = open_shard(arr, geom, shard, counters)?;
     let footer = footer.as_deref();
-    let slot = usize::try_from(geom.subchunk_bytes()).unwrap_or(usize::MAX) + 4;
+    let slot = crate::model::usize_of(geom.subchunk_bytes()) + 4;
     let page = page_size();
     // Present subchunks with their file offsets, in plan order (file order for zarrckpt's
     // own files); absent ones are zeros.
     let mut present: Vec<(&SubchunkRead, u64)> = Vec::with_capacity(shard.subchunks.len());
     for s in &shard.subchunks {
-        match index[usize::try_from(s.linear).unwrap_or(usize::MAX)] {
+        match index[crate::model::usize_of(s.linear)] {
             Some((off, _)) => present.push((s, off)),
             // SAFETY: disjoint destination ranges (caller's contract).
             None => unsafe { dest.zero(&s.needed) },
@@ -864,7 +871,7 @@ unsafe fn read_shard_mapped(
         }
         let (window, later) = rest.split_at(n);
         rest = later;
-        let len = usize::try_from(hi - lo).unwrap_or(usize::MAX);
+        let len = crate::model::usize_of(hi - lo);
         let Ok(map) = Mapping::new(&file, lo, len) else {
             // No mapping (an odd filesystem, or no address space): read these by `pread`.
             let part = ShardRead {
@@ -880,7 +887,7 @@ unsafe fn read_shard_mapped(
             continue;
         };
         let bytes = map.bytes();
-        let at = |off: u64| usize::try_from(off - lo).unwrap_or(usize::MAX);
+        let at = |off: u64| crate::model::usize_of(off - lo);
         let mut whole: Vec<(&SubchunkRead, usize, [u8; 4])> = Vec::new();
         let mut partial: Vec<(&SubchunkRead, usize)> = Vec::new();
         for &(s, off) in window {
@@ -894,7 +901,7 @@ unsafe fn read_shard_mapped(
                     o.copy_from_slice(d);
                     digest.update(o);
                 }
-                let computed = u32::try_from(digest.finalize()).unwrap_or(0);
+                let computed = crc32_value(&digest);
                 check_crc_value(arr, shard, s.linear, computed, crc, footer)?;
             } else if s.needed == s.stored {
                 whole.push((s, at(off), crc));
@@ -952,6 +959,7 @@ unsafe fn scatter_checked(
         .collect();
     let longest = lists.iter().flatten().map(|r| r.2).max().unwrap_or(1);
     let band = (CRC_BAND / longest.max(1)).max(1);
+    // No subchunks: no bands to run.
     let most = lists.iter().map(Vec::len).max().unwrap_or(0);
     let mut digests: Vec<crc_fast::Digest> = subs
         .iter()
@@ -974,7 +982,7 @@ unsafe fn scatter_checked(
         i += band;
     }
     for (&(s, _, stored), digest) in subs.iter().zip(&digests) {
-        let computed = u32::try_from(digest.finalize()).unwrap_or(0);
+        let computed = crc32_value(digest);
         check_crc_value(arr, shard, s.linear, computed, stored, footer)?;
     }
     Ok(())
@@ -1060,9 +1068,10 @@ pub fn verify_shard(
             return;
         };
         result = (|| {
-            let n = usize::try_from(part.num_elements().unwrap_or(u64::MAX))
+            let n = part
+                .num_elements()
                 .ok()
-                .and_then(|n| n.checked_mul(geom.elem))
+                .and_then(|n| crate::model::usize_of(n).checked_mul(geom.elem))
                 .ok_or_else(|| corrupt(arr, chunk, "box size overflows".into()))?;
             buf.clear();
             buf.resize(n, 0);

@@ -58,6 +58,7 @@ pub fn write_shard(
     let bytes = if src_box == chunk_box {
         src
     } else {
+        // Invariant: a chunk box lies inside its tensor, whose byte size fits memory here.
         let mut buf = vec![0u8; chunk_box.num_elements().unwrap_or(0) as usize * elem];
         copy_region(src, src_box, &mut buf, chunk_box, chunk_box, elem);
         owned = buf;
@@ -67,8 +68,7 @@ pub fn write_shard(
     let (data, index) = encoded.split_at(
         encoded
             .len()
-            // Invariant: usize is 64 bits (the crate builds for no other target).
-            .saturating_sub(usize::try_from(arr.index_bytes()).unwrap_or(usize::MAX)),
+            .saturating_sub(crate::model::usize_of(arr.index_bytes())),
     );
     let foot = match arr.save_id() {
         Some(id) => compressed_footer(arr, chunk, id, data, index)?,
@@ -106,6 +106,8 @@ fn compressed_footer(
                 let c = data.get(end.checked_sub(4)?..end)?;
                 Some(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             })
+            // An absent subchunk's footer entry is 0 (spec); a present entry lies inside
+            // `data`, which this writer has just encoded with this index.
             .unwrap_or(0);
         crcs.push(crc);
     }
