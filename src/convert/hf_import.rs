@@ -103,7 +103,7 @@ impl HfDir {
         })
     }
 
-    /// The files, in the order [`HfTensor::file`] counts them.
+    /// The files, in the order `HfTensor::file` counts them.
     #[must_use]
     pub fn files(&self) -> &[PathBuf] {
         &self.files
