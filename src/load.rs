@@ -504,6 +504,35 @@ fn shard_reads(
     items
 }
 
+/// Reads one planned shard of a target into its buffer, converting between float types when
+/// `cast` asks (`(stored, target)`): the one step the collective load and the local
+/// [`Reader`] both execute per shard.
+///
+/// # Safety
+/// Concurrent calls must write disjoint bytes: the shards of one target are disjoint boxes,
+/// and targets own distinct buffers.
+pub(crate) unsafe fn read_item(
+    arr: &crate::storage::TensorArray,
+    geom: &crate::plan::load::StoredGeometry,
+    shard: &ShardRead,
+    dest: DisjointBuf<'_>,
+    cast: Option<(crate::model::DType, crate::model::DType)>,
+    counters: &ReadCounters,
+    method: crate::storage::read::ReadMethod,
+) -> Result<()> {
+    match cast {
+        // SAFETY: forwarded to the caller.
+        None => with_scratch(|scratch| unsafe {
+            read_shard(arr, geom, shard, dest, scratch, counters, method)
+        })?,
+        // SAFETY: forwarded to the caller.
+        Some((from, to)) => unsafe {
+            cast::read_shard_converted(arr, geom, shard, dest, from, to, counters, method)
+        }?,
+    }
+    Ok(())
+}
+
 /// Reads the shard items in parallel on the I/O pool, straight into the requests' buffers.
 fn read_shards(
     arrays: &OpenArrays<'_>,
@@ -520,31 +549,17 @@ fn read_shards(
             let (arr, geom) = &arrays[&requests[*i].0];
             // SAFETY: the shards of one target are disjoint boxes, so the items of one
             // target write disjoint bytes of its buffer; targets own distinct buffers.
-            match casts[*i] {
-                None => with_scratch(|scratch| unsafe {
-                    read_shard(
-                        arr,
-                        geom,
-                        shard,
-                        dests[*i],
-                        scratch,
-                        counters,
-                        opts.read_method,
-                    )
-                })?,
-                Some((from, to)) => unsafe {
-                    cast::read_shard_converted(
-                        arr,
-                        geom,
-                        shard,
-                        dests[*i],
-                        from,
-                        to,
-                        counters,
-                        opts.read_method,
-                    )
-                }?,
-            }
+            unsafe {
+                read_item(
+                    arr,
+                    geom,
+                    shard,
+                    dests[*i],
+                    casts[*i],
+                    counters,
+                    opts.read_method,
+                )
+            }?;
             if let Some(p) = &opts.progress {
                 let n: u64 = shard
                     .subchunks

@@ -12,13 +12,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use rayon::prelude::*;
 
-use super::{LoadReport, cast, stored_geometry};
+use super::{LoadReport, cast, read_item, stored_geometry};
 use crate::coord::io_pool;
 use crate::error::{Error, Result};
 use crate::model::copy::DisjointBuf;
 use crate::model::{DType, LoadTarget, Region, TensorKey};
 use crate::plan::load::{ShardRead, StoredGeometry};
-use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
+use crate::storage::read::{ReadCounters, ReadMethod};
 use crate::storage::{CheckpointMeta, TensorArray, commit};
 
 /// One array, opened once: its `zarr.json` read and checked against the index.
@@ -235,32 +235,17 @@ impl Reader {
             let OpenArray { arr, geom } = &*opened[*i];
             // SAFETY: the shards of one target are disjoint boxes, so the items of one
             // target write disjoint bytes of its buffer; targets own distinct buffers.
-            match casts[*i] {
-                None => with_scratch(|scratch| unsafe {
-                    read_shard(
-                        arr,
-                        geom,
-                        shard,
-                        dests[*i],
-                        scratch,
-                        &counters,
-                        self.read_method,
-                    )
-                })?,
-                Some((from, to)) => unsafe {
-                    cast::read_shard_converted(
-                        arr,
-                        geom,
-                        shard,
-                        dests[*i],
-                        from,
-                        to,
-                        &counters,
-                        self.read_method,
-                    )
-                }?,
+            unsafe {
+                read_item(
+                    arr,
+                    geom,
+                    shard,
+                    dests[*i],
+                    casts[*i],
+                    &counters,
+                    self.read_method,
+                )
             }
-            Ok(())
         };
         if items.len() <= 1 {
             // One shard file: read on the calling thread, no pool hand-off.

@@ -350,6 +350,20 @@ struct Held {
     group: usize,
 }
 
+/// The plan entry of a tensor the general planner takes over (its grid is chosen there).
+fn placeholder(info: &TensorInfo<'_>) -> TensorPlan {
+    TensorPlan {
+        key: info.key.clone(),
+        dtype: info.dtype,
+        global_shape: info.shape.to_vec(),
+        chunk_shape: Vec::new(),
+        subchunk_shape: Vec::new(),
+        aligned: false,
+        pieces: Vec::new(),
+        metadata_writer: 0,
+    }
+}
+
 /// Plans a save for rank `me` of the world described by `w`.
 ///
 /// # Errors
@@ -445,16 +459,7 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
         }
         let Some((sizes, families)) = regular(w, info) else {
             general.push(ix);
-            plans.push(TensorPlan {
-                key: info.key.clone(),
-                dtype: info.dtype,
-                global_shape: info.shape.to_vec(),
-                chunk_shape: Vec::new(),
-                subchunk_shape: Vec::new(),
-                aligned: false,
-                pieces: Vec::new(),
-                metadata_writer: 0,
-            });
+            plans.push(placeholder(info));
             continue;
         };
         let n = part_counts(info.shape, &sizes);
@@ -474,16 +479,7 @@ pub fn plan_save(w: &World, me: u32, opts: &SavePlanOptions) -> Result<RankPlan,
             opts.grid.subchunk_target_bytes,
         ) else {
             general.push(ix);
-            plans.push(TensorPlan {
-                key: info.key.clone(),
-                dtype: info.dtype,
-                global_shape: info.shape.to_vec(),
-                chunk_shape: Vec::new(),
-                subchunk_shape: Vec::new(),
-                aligned: false,
-                pieces: Vec::new(),
-                metadata_writer: 0,
-            });
+            plans.push(placeholder(info));
             continue;
         };
         let key = (n.clone(), families);
