@@ -248,7 +248,7 @@ impl CheckpointMeta {
             path: path.to_owned(),
             reason,
         };
-        let root = parse_json(bytes).map_err(|e| malformed(format!("not JSON: {e}")))?;
+        let mut root = parse_json(bytes).map_err(|e| malformed(format!("not JSON: {e}")))?;
         if root.get("zarr_format") != Some(&serde_json::Value::from(3))
             || root.get("node_type") != Some(&"group".into())
         {
@@ -257,7 +257,12 @@ impl CheckpointMeta {
                 reason: "the root zarr.json is not a Zarr v3 group".into(),
             });
         }
-        let Some(attr) = root.get("attributes").and_then(|a| a.get(ATTRIBUTE)) else {
+        // Taken out of the document (not cloned): the index may be hundreds of MiB.
+        let Some(mut attr) = root
+            .get_mut("attributes")
+            .and_then(|a| a.get_mut(ATTRIBUTE))
+            .map(serde_json::Value::take)
+        else {
             return Err(StorageError::NotACheckpoint {
                 path: path.to_owned(),
                 reason: format!("the root group has no `{ATTRIBUTE}` attribute"),
@@ -285,7 +290,6 @@ impl CheckpointMeta {
                 supported: format!("{FORMAT_MAJOR}.x"),
             });
         }
-        let mut attr = attr.clone();
         if minor < SAVE_ID_MINOR
             && let Some(a) = attr.as_object_mut()
         {
