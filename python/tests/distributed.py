@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -78,3 +80,28 @@ def run(
             msgs = [o.get("trace", o.get("error")) for o in outcomes if not o["ok"]]
             raise AssertionError("ranks failed:\n" + "\n".join(msgs))
         return [o["result"] for o in outcomes]
+
+
+def torchrun(
+    script: os.PathLike | str, *args: Any, nproc: int = 2, cwd: Any = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Starts ``script`` (with ``args``) under torchrun on ``nproc`` CPU processes, gloo over
+    loopback and one thread each, as a user would; returns the finished process."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(script),
+            *map(str, args),
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )

@@ -6,8 +6,6 @@ errors on every rank, and torchrun."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import distributed
@@ -400,23 +398,7 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
 def test_torchrun_with_an_initialised_process_group(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-            str(tmp_path / "ckpt"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    out = distributed.torchrun(script, tmp_path / "ckpt")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "torchrun ok 2" in out.stdout
 

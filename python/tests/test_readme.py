@@ -4,11 +4,10 @@ first run's checkpoints). The README's Rust examples run as doc tests (`cargo te
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+import distributed
 
 import zarrckpt
 
@@ -28,24 +27,8 @@ def test_the_readme_has_its_python_example():
 def test_the_readme_python_example_runs_under_torchrun(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(python_blocks()[0])
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     for run in range(2):
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                str(script),
-            ],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
+        out = distributed.torchrun(script, cwd=tmp_path)
         assert out.returncode == 0, f"run {run}:\n{out.stdout}\n{out.stderr}"
         ck = zarrckpt.open(tmp_path / "ckpt" / "step-1200")
         assert ck.world_size == 2

@@ -554,14 +554,6 @@ class TorchComm:
     def barrier(self) -> None:
         self._dist.barrier(group=self.group())
 
-    def any(self, flag: bool) -> bool:
-        """Whether any rank passed ``True`` (one byte, reduced by torch's all-reduce)."""
-        import torch
-
-        t = torch.tensor([int(flag)], dtype=torch.uint8)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self.group())
-        return bool(t.item())
-
     def exchange(self, sends: list[tuple[int, memoryview]], recvs: list[tuple[int, memoryview]]):
         import torch
 
