@@ -310,26 +310,55 @@ impl CudaDevice {
         let dev_pitch = fit("device pitch", c.device_pitch)?;
         let dev_slice = fit("device slice pitch", c.device_slice_pitch)?;
         if c.depth > 1 && dev_pitch > 0 && dev_slice % dev_pitch == 0 {
-            let mut p: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+            // Built field by field: `CUmemorytype` has no zero value, so a zeroed struct is
+            // undefined behaviour (Rust aborts on it).
             let (host_t, dev_t) = (
                 sys::CUmemorytype::CU_MEMORYTYPE_HOST,
                 sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
             );
+            let (src_t, dst_t) = if to_device {
+                (host_t, dev_t)
+            } else {
+                (dev_t, host_t)
+            };
+            let mut p = sys::CUDA_MEMCPY3D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcZ: 0,
+                srcLOD: 0,
+                srcMemoryType: src_t,
+                srcHost: std::ptr::null(),
+                srcDevice: 0,
+                srcArray: std::ptr::null_mut(),
+                reserved0: std::ptr::null_mut(),
+                srcPitch: 0,
+                srcHeight: 0,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstZ: 0,
+                dstLOD: 0,
+                dstMemoryType: dst_t,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: 0,
+                dstArray: std::ptr::null_mut(),
+                reserved1: std::ptr::null_mut(),
+                dstPitch: 0,
+                dstHeight: 0,
+                WidthInBytes: 0,
+                Height: 0,
+                Depth: 0,
+            };
             if to_device {
-                p.srcMemoryType = host_t;
                 p.srcHost = h as *const c_void;
                 p.srcPitch = c.host_pitch;
                 p.srcHeight = c.height;
-                p.dstMemoryType = dev_t;
                 p.dstDevice = c.device;
                 p.dstPitch = dev_pitch;
                 p.dstHeight = dev_slice / dev_pitch;
             } else {
-                p.srcMemoryType = dev_t;
                 p.srcDevice = c.device;
                 p.srcPitch = dev_pitch;
                 p.srcHeight = dev_slice / dev_pitch;
-                p.dstMemoryType = host_t;
                 p.dstHost = h.cast::<c_void>();
                 p.dstPitch = c.host_pitch;
                 p.dstHeight = c.height;
@@ -343,21 +372,43 @@ impl CudaDevice {
         }
         // 2-D copies, one per slice.
         for z in 0..c.depth {
-            let mut p: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
             let hz = unsafe { h.add(z * c.host_slice_pitch) };
             let dz = c.device + z as u64 * c.device_slice_pitch;
+            let (host_t, dev_t) = (
+                sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+                sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            );
+            let (src_t, dst_t) = if to_device {
+                (host_t, dev_t)
+            } else {
+                (dev_t, host_t)
+            };
+            let mut p = sys::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
+                srcMemoryType: src_t,
+                srcHost: std::ptr::null(),
+                srcDevice: 0,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: 0,
+                dstXInBytes: 0,
+                dstY: 0,
+                dstMemoryType: dst_t,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: 0,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: 0,
+                WidthInBytes: 0,
+                Height: 0,
+            };
             if to_device {
-                p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
                 p.srcHost = hz as *const c_void;
                 p.srcPitch = c.host_pitch;
-                p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
                 p.dstDevice = dz;
                 p.dstPitch = dev_pitch;
             } else {
-                p.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
                 p.srcDevice = dz;
                 p.srcPitch = dev_pitch;
-                p.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_HOST;
                 p.dstHost = hz.cast::<c_void>();
                 p.dstPitch = c.host_pitch;
             }
