@@ -64,8 +64,8 @@ pub mod comm;
 pub mod convert;
 mod coord;
 pub mod device;
+mod devmem;
 pub mod error;
-pub mod launch;
 pub mod load;
 pub mod manager;
 pub mod model;
@@ -80,8 +80,6 @@ pub mod state;
 pub mod plan;
 #[doc(hidden)]
 pub mod storage;
-#[doc(hidden)]
-pub mod synth;
 
 pub use async_save::{IfBusy, SaveHandle, Saver, SaverOptions};
 pub use checkpoint::{Checkpoint, ObjectInfo, Problem, TensorInfo};

@@ -2,6 +2,7 @@
 //! No I/O, no zarrs, no network.
 
 pub mod cache;
+mod convert;
 pub mod exchange;
 pub mod grid;
 pub mod layout;
@@ -10,9 +11,12 @@ pub mod objects;
 pub mod rule;
 pub mod ruled;
 pub mod save;
+mod strict;
 
+pub use convert::ConvertError;
 pub use grid::GridOptions;
 pub use layout::{GatheredLayouts, LayoutDecodeError, PieceDecl, RankLayout, TensorDecl};
+pub use strict::StrictMode;
 pub use save::{PlanError, SavePlan, SavePlanOptions, TensorPlan};
 
 /// The hash map of the planners: keys come from the job's own ranks and the maps are hot

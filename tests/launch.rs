@@ -6,7 +6,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use zarrckpt::launch::{LaunchError, LaunchOptions, Sink, launch};
+// The launcher belongs to the CLI (`zarrckpt launch`); its source is included here.
+#[allow(dead_code)]
+#[path = "../src/bin/zarrckpt/launcher.rs"]
+mod launcher;
+
+use launcher::{LaunchError, LaunchOptions, Sink, launch};
 
 fn sh(script: &str) -> Vec<OsString> {
     vec!["sh".into(), "-c".into(), script.into()]

@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use zarrckpt::comm::run_local;
-use zarrckpt::synth::SynthModel;
+use crate::synth::SynthModel;
 use zarrckpt::{Checkpoint, Communicator, LoadOptions, SaveOptions, load, save};
 
 use crate::inspect::human;
-use zarrckpt::synth::{Held, Topology, Wanted};
+use crate::synth::{Held, Topology, Wanted};
 
 /// Arguments of `zarrckpt demo`.
 #[derive(clap::Args)]

@@ -4,7 +4,7 @@ use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use zarrckpt::launch::{LaunchError, LaunchOptions, launch};
+use crate::launcher::{LaunchError, LaunchOptions, launch};
 
 /// Arguments of `zarrckpt launch`.
 #[derive(clap::Args)]

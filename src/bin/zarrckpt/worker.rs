@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use serde_json::json;
-use zarrckpt::synth::{Held, SynthModel, Topology, Wanted};
+use crate::synth::{Held, SynthModel, Topology, Wanted};
 use zarrckpt::{
     Communicator, LoadOptions, ReadMethod, SaveOptions, Saver, SaverOptions, StrictMode, TcpComm,
     load, save,
