@@ -1,4 +1,6 @@
-//! Device memory (GPU) as load targets and save sources.
+//! Device memory (GPU) as load targets and save sources: the device engines, over the device
+//! memory layer (the [`Device`] trait and its drivers, re-exported here from a layer beneath
+//! save and load, so that the crate's `Error` can carry a [`DeviceError`]).
 //!
 //! A [`Device`] moves bytes between page-locked ("pinned") host memory and device memory,
 //! asynchronously, in pitched 2-D / 3-D copies ([`copy::Pitched`]). On top of it:
@@ -25,6 +27,7 @@ pub mod nccl;
 mod save;
 use crate::devmem::sim;
 
+pub use crate::devmem::{Device, DeviceError, DeviceView, Fence, FreePinned, PinnedBuf};
 pub use copy::{Pitched, ViewError};
 #[cfg(feature = "cuda")]
 pub use cuda::CudaDevice;
@@ -35,4 +38,3 @@ pub use load::{
 pub use nccl::NcclComm;
 pub use save::{DevicePiece, DeviceSaveHandle, DeviceSaver};
 pub use sim::SimDevice;
-pub use crate::devmem::{Device, DeviceError, DeviceView, Fence, FreePinned, PinnedBuf};

@@ -16,8 +16,8 @@ mod strict;
 pub use convert::ConvertError;
 pub use grid::GridOptions;
 pub use layout::{GatheredLayouts, LayoutDecodeError, PieceDecl, RankLayout, TensorDecl};
-pub use strict::StrictMode;
 pub use save::{PlanError, SavePlan, SavePlanOptions, TensorPlan};
+pub use strict::StrictMode;
 
 /// The hash map of the planners: keys come from the job's own ranks and the maps are hot
 /// (an irregular layout puts world x tensors entries in them), so a fast hasher

@@ -4,9 +4,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use crate::synth::SynthModel;
 use anyhow::{Context, bail};
 use zarrckpt::comm::run_local;
-use crate::synth::SynthModel;
 use zarrckpt::{Checkpoint, Communicator, LoadOptions, SaveOptions, load, save};
 
 use crate::inspect::human;

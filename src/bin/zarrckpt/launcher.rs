@@ -72,6 +72,7 @@ impl Default for LaunchOptions {
 
 /// A launch in which every rank exited with status 0.
 #[derive(Debug, Clone)]
+#[allow(dead_code)] // the port and statuses are read by tests/launch.rs, not by the CLI
 pub struct ExitSummary {
     /// The `MASTER_PORT` the ranks used.
     pub master_port: u16,
