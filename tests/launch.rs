@@ -23,10 +23,12 @@ type Captured = Arc<Mutex<Vec<u8>>>;
 fn captured() -> (LaunchOptions, Captured, Captured) {
     let (out, out_buf) = Sink::memory();
     let (err, err_buf) = Sink::memory();
-    let mut opts = LaunchOptions::default();
-    opts.stdout = out;
-    opts.stderr = err;
-    opts.timeout = Some(Duration::from_secs(60));
+    let opts = LaunchOptions {
+        stdout: out,
+        stderr: err,
+        timeout: Some(Duration::from_secs(60)),
+        ..Default::default()
+    };
     (opts, out_buf, err_buf)
 }
 

@@ -581,16 +581,16 @@ fn cycles(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
     s.out
 }
 
-/// Problems of one crate: cycles among siblings (and, for the library, layer violations).
-/// Returns (problems, known cycles seen, top-level graph).
-fn check(
-    c: &Crate,
-    layered: bool,
-) -> (
+/// Problems of one crate (cycles among siblings and, for the library, layer violations), the
+/// known cycles seen, and the top-level graph.
+type Checked = (
     Vec<String>,
     Vec<Vec<String>>,
     BTreeMap<String, BTreeSet<String>>,
-) {
+);
+
+/// Checks one crate (the layers only where `layered`).
+fn check(c: &Crate, layered: bool) -> Checked {
     let mut problems = Vec::new();
     let edges = c.edges();
     // Sibling graphs: parent -> (child -> children it imports), with the sites of each edge.
@@ -677,23 +677,23 @@ fn check(
             if f == t {
                 continue;
             }
-            if let (Some(rf), Some(rt)) = (rank(f), rank(t)) {
-                if rt > rf {
-                    let why = if rt.0 > rf.0 {
-                        format!(
-                            "layer `{}` imports layer `{}`",
-                            LAYERS[rf.0].0, LAYERS[rt.0].0
-                        )
-                    } else {
-                        "an engine imports a later engine (see ENGINES)".to_owned()
-                    };
-                    problems.push(format!(
-                        "library: upward import {} -> {} at {}:{line}: {why}",
-                        show(from),
-                        show(to),
-                        file.display()
-                    ));
-                }
+            if let (Some(rf), Some(rt)) = (rank(f), rank(t))
+                && rt > rf
+            {
+                let why = if rt.0 > rf.0 {
+                    format!(
+                        "layer `{}` imports layer `{}`",
+                        LAYERS[rf.0].0, LAYERS[rt.0].0
+                    )
+                } else {
+                    "an engine imports a later engine (see ENGINES)".to_owned()
+                };
+                problems.push(format!(
+                    "library: upward import {} -> {} at {}:{line}: {why}",
+                    show(from),
+                    show(to),
+                    file.display()
+                ));
             }
         }
     }

@@ -227,8 +227,10 @@ fn run_ranks(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<(Vec<Valu
         let exe = std::env::current_exe()?;
         let mut cmd: Vec<OsString> = vec![exe.into(), "worker".into()];
         cmd.extend(worker_args(&w));
-        let mut opts = crate::launcher::LaunchOptions::default();
-        opts.stdout = crate::launcher::Sink::Stderr;
+        let opts = crate::launcher::LaunchOptions {
+            stdout: crate::launcher::Sink::Stderr,
+            ..Default::default()
+        };
         crate::launcher::launch(world as usize, &cmd, &opts).context("launching the ranks")?;
         let reports = (0..world)
             .map(|r| {

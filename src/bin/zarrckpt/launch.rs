@@ -31,11 +31,13 @@ pub struct Args {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
-    let mut opts = LaunchOptions::default();
-    opts.master_port = a.master_port;
-    opts.grace = Duration::from_secs(a.grace);
-    opts.timeout = a.timeout.map(Duration::from_secs);
-    opts.fail_fast = !a.no_fail_fast;
+    let opts = LaunchOptions {
+        master_port: a.master_port,
+        grace: Duration::from_secs(a.grace),
+        timeout: a.timeout.map(Duration::from_secs),
+        fail_fast: !a.no_fail_fast,
+        ..Default::default()
+    };
     match launch(a.n, &a.command, &opts) {
         Ok(summary) => {
             eprintln!(
