@@ -16,8 +16,6 @@ use std::fmt;
 use std::ptr::NonNull;
 
 pub use copy::{Pitched, ViewError};
-#[cfg(feature = "cuda")]
-pub use cuda::CudaDevice;
 
 /// What went wrong with a device.
 #[derive(Debug, thiserror::Error)]
