@@ -15,11 +15,16 @@
 //! them (spread by bytes), and when loading, each data-parallel group reads each box once and
 //! shares it.
 
+// The synthetic GPT-like state is the CLI's (`zarrckpt demo` and `zarrckpt bench` use it).
+#[allow(dead_code)]
+#[path = "../src/bin/zarrckpt/synth.rs"]
+mod synth;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
-use zarrckpt::synth::{Held, SynthModel, Topology, Wanted};
+use synth::{Held, SynthModel, Topology, Wanted};
 use zarrckpt::{Communicator, LoadOptions, SaveOptions, StrictMode, TcpComm};
 
 #[derive(Parser)]

@@ -30,7 +30,7 @@ pub enum Error {
     Tensor(#[from] TensorError),
     /// A device (GPU) copy or view failed.
     #[error(transparent)]
-    Device(#[from] crate::device::DeviceError),
+    Device(#[from] crate::devmem::DeviceError),
     /// A key is invalid.
     #[error(transparent)]
     Key(#[from] KeyError),
@@ -123,7 +123,7 @@ pub enum Error {
     },
     /// A conversion was refused (spec § 19.5: rule, key and numbers named).
     #[error(transparent)]
-    Convert(#[from] crate::convert::ConvertError),
+    Convert(#[from] crate::plan::ConvertError),
     /// The I/O thread pool could not be created.
     #[error("could not start the I/O thread pool: {0}")]
     ThreadPool(String),

@@ -53,8 +53,11 @@
 //! # Ok::<(), zarrckpt::Error>(())
 //! ```
 //!
-//! Modules hidden from these docs (`plan`, `storage`, `synth`, `model::copy`) are internals
-//! the CLI, tests and benches use; they carry no stability promise.
+//! The modules follow the layers of the README's "Architecture" section: [`model`] (types, no
+//! I/O) -> [`plan`] (pure decisions) -> storage, [`comm`] and device memory (I/O behind traits)
+//! -> the engines ([`save()`], [`load()`], [`device`], [`convert`], [`manager`], ...) -> the
+//! front doors (the `zarrckpt` CLI and the Python package). `storage` is hidden from these
+//! docs (no stability promise yet) though public for the CLI, tests and benches.
 #![cfg(target_endian = "little")]
 #![warn(missing_docs)]
 
@@ -64,8 +67,8 @@ pub mod comm;
 pub mod convert;
 mod coord;
 pub mod device;
+mod devmem;
 pub mod error;
-pub mod launch;
 pub mod load;
 pub mod manager;
 pub mod model;
@@ -74,14 +77,11 @@ pub mod save;
 mod stage;
 pub mod state;
 
-// Internals: public only so that the CLI, the tests, the fuzz targets and the benches can
-// reach them; not part of the supported API (no stability promise, hidden from the docs).
-#[doc(hidden)]
 pub mod plan;
+// The storage layer is public for the CLI, the tests, the fuzz targets and the benches, but
+// hidden from the docs until its `Store` seam (issue 21 item 1) gives it an API to promise.
 #[doc(hidden)]
 pub mod storage;
-#[doc(hidden)]
-pub mod synth;
 
 pub use async_save::{IfBusy, SaveHandle, Saver, SaverOptions};
 pub use checkpoint::{Checkpoint, ObjectInfo, Problem, TensorInfo};

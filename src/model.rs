@@ -1,7 +1,6 @@
 //! The data model: data types, validated keys, regions and tensor pieces. No I/O.
 
 pub mod convert;
-#[doc(hidden)]
 pub mod copy;
 pub mod dtype;
 pub mod flat;

@@ -6,7 +6,12 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use zarrckpt::launch::{LaunchError, LaunchOptions, Sink, launch};
+// The launcher belongs to the CLI (`zarrckpt launch`); its source is included here.
+#[allow(dead_code)]
+#[path = "../src/bin/zarrckpt/launcher.rs"]
+mod launcher;
+
+use launcher::{LaunchError, LaunchOptions, Sink, launch};
 
 fn sh(script: &str) -> Vec<OsString> {
     vec!["sh".into(), "-c".into(), script.into()]
@@ -18,10 +23,12 @@ type Captured = Arc<Mutex<Vec<u8>>>;
 fn captured() -> (LaunchOptions, Captured, Captured) {
     let (out, out_buf) = Sink::memory();
     let (err, err_buf) = Sink::memory();
-    let mut opts = LaunchOptions::default();
-    opts.stdout = out;
-    opts.stderr = err;
-    opts.timeout = Some(Duration::from_secs(60));
+    let opts = LaunchOptions {
+        stdout: out,
+        stderr: err,
+        timeout: Some(Duration::from_secs(60)),
+        ..Default::default()
+    };
     (opts, out_buf, err_buf)
 }
 

@@ -65,7 +65,7 @@ SAVE_WORLD, LOAD_WORLD = 4, 3
 
 
 # ---------------------------------------------------------------------------------------------
-# the model (SynthModel::gpt of src/synth.rs, row-parallel axis 1)
+# the model (SynthModel::gpt of src/bin/zarrckpt/synth.rs, row-parallel axis 1)
 
 
 def gpt(target_bytes: int, h: int = HIDDEN) -> list[tuple[str, torch.dtype, tuple, int | None]]:

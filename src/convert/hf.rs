@@ -440,5 +440,3 @@ pub fn parse_layout(s: &str) -> Result<Layout, FormatError> {
         msg,
     })
 }
-
-pub use super::hf_import::{HfDir, HfImport, ImportReport};

@@ -227,9 +227,11 @@ fn run_ranks(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<(Vec<Valu
         let exe = std::env::current_exe()?;
         let mut cmd: Vec<OsString> = vec![exe.into(), "worker".into()];
         cmd.extend(worker_args(&w));
-        let mut opts = zarrckpt::launch::LaunchOptions::default();
-        opts.stdout = zarrckpt::launch::Sink::Stderr;
-        zarrckpt::launch::launch(world as usize, &cmd, &opts).context("launching the ranks")?;
+        let opts = crate::launcher::LaunchOptions {
+            stdout: crate::launcher::Sink::Stderr,
+            ..Default::default()
+        };
+        crate::launcher::launch(world as usize, &cmd, &opts).context("launching the ranks")?;
         let reports = (0..world)
             .map(|r| {
                 let p = report.with_extension(format!("{r}"));

@@ -4,13 +4,13 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use crate::synth::SynthModel;
 use anyhow::{Context, bail};
 use zarrckpt::comm::run_local;
-use zarrckpt::synth::SynthModel;
 use zarrckpt::{Checkpoint, Communicator, LoadOptions, SaveOptions, load, save};
 
 use crate::inspect::human;
-use zarrckpt::synth::{Held, Topology, Wanted};
+use crate::synth::{Held, Topology, Wanted};
 
 /// Arguments of `zarrckpt demo`.
 #[derive(clap::Args)]

@@ -4,7 +4,7 @@ use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use zarrckpt::launch::{LaunchError, LaunchOptions, launch};
+use crate::launcher::{LaunchError, LaunchOptions, launch};
 
 /// Arguments of `zarrckpt launch`.
 #[derive(clap::Args)]
@@ -31,11 +31,13 @@ pub struct Args {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
-    let mut opts = LaunchOptions::default();
-    opts.master_port = a.master_port;
-    opts.grace = Duration::from_secs(a.grace);
-    opts.timeout = a.timeout.map(Duration::from_secs);
-    opts.fail_fast = !a.no_fail_fast;
+    let opts = LaunchOptions {
+        master_port: a.master_port,
+        grace: Duration::from_secs(a.grace),
+        timeout: a.timeout.map(Duration::from_secs),
+        fail_fast: !a.no_fail_fast,
+        ..Default::default()
+    };
     match launch(a.n, &a.command, &opts) {
         Ok(summary) => {
             eprintln!(

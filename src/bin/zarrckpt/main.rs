@@ -15,10 +15,12 @@ mod hf;
 mod import;
 mod inspect;
 mod launch;
+mod launcher;
 mod ls;
 mod progress;
 mod recover;
 mod rss;
+mod synth;
 mod verify;
 mod worker;
 

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use crate::synth::{Held, SynthModel, Topology, Wanted};
 use anyhow::Context;
 use serde_json::json;
-use zarrckpt::synth::{Held, SynthModel, Topology, Wanted};
 use zarrckpt::{
     Communicator, LoadOptions, ReadMethod, SaveOptions, Saver, SaverOptions, StrictMode, TcpComm,
     load, save,

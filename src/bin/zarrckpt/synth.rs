@@ -1,8 +1,8 @@
 //! Synthetic model states with deterministic contents: for demos, benchmarks, examples and
 //! tests. Any rank can generate (or check) any box of any tensor without holding the rest.
 
-use crate::model::copy::for_each_run;
-use crate::model::{DType, LoadTarget, Region, ShardedTensor, TensorKey};
+use zarrckpt::model::copy::for_each_run;
+use zarrckpt::model::{DType, LoadTarget, Region, ShardedTensor, TensorKey};
 
 /// One tensor of a synthetic model and how tensor parallelism splits it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,7 +36,9 @@ impl SynthTensor {
             let dim = self.shape[axis];
             let size = dim.div_ceil(tp.max(1));
             let o = (tp_rank * size).min(dim);
-            r = r.slice_axis(axis, o, size.min(dim - o));
+            r = r
+                .with_axis(axis, o, size.min(dim - o))
+                .expect("the split axis is an axis of the tensor, the part within it");
         }
         r
     }
@@ -284,7 +286,7 @@ impl Topology {
 /// Bytes of a box of a synthetic tensor (a model's tensor: its bytes fit in memory, or the
 /// benchmark could not run at all).
 fn bytes_of(region: &Region, dtype: DType) -> usize {
-    crate::model::region::num_bytes(region.shape(), dtype.size())
+    zarrckpt::model::region::num_bytes(region.shape(), dtype.size())
         .expect("a synthetic tensor's box fits in memory")
 }
 
@@ -401,7 +403,7 @@ mod tests {
                     t.fill(&reg, &mut b);
                     assert_eq!(t.check(&reg, &b), None);
                     let mut expect = vec![0u8; b.len()];
-                    crate::model::copy::copy_region(
+                    zarrckpt::model::copy::copy_region(
                         &whole,
                         &full,
                         &mut expect,

@@ -1,11 +1,18 @@
 //! A local launcher, like `torchrun --standalone`: starts N copies of a command with the
-//! environment [`crate::comm::TcpComm::from_env`] reads, forwards their output with a
+//! environment [`zarrckpt::TcpComm::from_env`] reads, forwards their output with a
 //! `[rank N] ` prefix, and fails fast: when one rank fails, the others are stopped.
+//!
+//! It belongs to the CLI (`zarrckpt launch`, `zarrckpt bench`), not to the library; the
+//! tests include this file (`tests/launch.rs`).
 //!
 //! Each child runs in a process group of its own (so that stopping it also stops what it
 //! started), gets `SIGTERM` when its launcher dies (Linux), and reads no standard input.
 
+// Explicit paths, so that the tests that include this file (`tests/launch.rs`) find the
+// submodules too.
+#[path = "launcher/output.rs"]
 mod output;
+#[path = "launcher/signals.rs"]
 mod signals;
 
 use std::ffi::OsString;
@@ -65,6 +72,7 @@ impl Default for LaunchOptions {
 
 /// A launch in which every rank exited with status 0.
 #[derive(Debug, Clone)]
+#[allow(dead_code)] // the port and statuses are read by tests/launch.rs, not by the CLI
 pub struct ExitSummary {
     /// The `MASTER_PORT` the ranks used.
     pub master_port: u16,

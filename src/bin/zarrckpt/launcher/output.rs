@@ -14,6 +14,7 @@ pub enum Sink {
     /// The launcher's standard error.
     Stderr,
     /// Any writer, shared by all ranks (each line is written whole under the lock).
+    #[allow(dead_code)] // tests/launch.rs captures output with it; the CLI forwards to stdio
     Writer(Arc<Mutex<dyn Write + Send>>),
 }
 
@@ -30,6 +31,7 @@ impl std::fmt::Debug for Sink {
 impl Sink {
     /// A sink collecting everything in memory, and a handle to read it back.
     #[must_use]
+    #[allow(dead_code)] // used by tests/launch.rs
     pub fn memory() -> (Sink, Arc<Mutex<Vec<u8>>>) {
         let buf = Arc::new(Mutex::new(Vec::new()));
         (Sink::Writer(buf.clone()), buf)
