@@ -13,6 +13,7 @@ pub mod meta;
 pub mod object;
 pub mod read;
 pub mod shard;
+pub mod store;
 pub mod write;
 
 pub use array::TensorArray;
