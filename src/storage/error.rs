@@ -133,7 +133,7 @@ pub enum StorageError {
         /// The directory.
         path: PathBuf,
     },
-    /// An object that is not there ([`crate::storage::store::Store::head`] and reads).
+    /// An object that is not there (a store's `head` and reads).
     #[error("{}: no such object", path.display())]
     NotFound {
         /// The object.

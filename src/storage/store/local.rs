@@ -433,17 +433,24 @@ impl Store for LocalStore {
         let mut out = ListResult::default();
         for e in entries {
             let e = e.map_err(StorageError::io("list", &dir))?;
-            let Some(name) = e.file_name().to_str().map(str::to_owned) else {
-                continue;
-            };
+            let name = e.file_name().to_string_lossy().into_owned();
             let location = join(prefix, &name);
-            // Follows symbolic links, as the file system's readers do.
-            match fs::metadata(e.path()) {
-                Ok(m) if m.is_dir() => out.common_prefixes.push(location),
-                Ok(m) if m.is_file() => out.objects.push(object_meta(location, &m)),
-                Ok(_) => {}
-                Err(err) if not_found_is(&err) => {}
+            // Follows symbolic links, as the file system's readers do; any entry that is not
+            // a directory (a dangling link, a special file) is listed as an object, so that a
+            // listing never hides an entry.
+            let m = match fs::metadata(e.path()) {
+                Ok(m) => m,
+                Err(err) if not_found_is(&err) => match fs::symlink_metadata(e.path()) {
+                    Ok(m) => m,
+                    Err(err) if not_found_is(&err) => continue,
+                    Err(err) => return Err(StorageError::io("stat", e.path())(err)),
+                },
                 Err(err) => return Err(StorageError::io("stat", e.path())(err)),
+            };
+            if m.is_dir() {
+                out.common_prefixes.push(location);
+            } else {
+                out.objects.push(object_meta(location, &m));
             }
         }
         out.common_prefixes.sort();
