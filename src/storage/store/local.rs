@@ -596,6 +596,7 @@ fn check_version(path: &Path, expected: &UpdateVersion) -> Result<(), StorageErr
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
 
