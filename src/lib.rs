@@ -78,6 +78,8 @@ pub mod state;
 // reach them; not part of the supported API (no stability promise, hidden from the docs).
 #[doc(hidden)]
 pub mod plan;
+#[cfg(feature = "object-store")]
+pub mod remote;
 #[doc(hidden)]
 pub mod storage;
 #[doc(hidden)]

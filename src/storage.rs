@@ -12,6 +12,8 @@ pub mod fsio;
 pub mod meta;
 pub mod object;
 pub mod read;
+#[cfg(feature = "object-store")]
+pub mod remote;
 pub mod shard;
 pub mod write;
 
