@@ -446,8 +446,59 @@ impl TensorArray {
         self.root.join(self.array.chunk_key(chunk).as_str())
     }
 
-    /// Encodes one whole shard with zarrs. `bytes` holds the full chunk shape in C order
-    /// (edge chunks padded with zeros).
+    /// The store location (relative to the checkpoint's root) of the shard at grid index
+    /// `chunk`.
+    #[must_use]
+    pub fn chunk_location(&self, chunk: &[u64]) -> String {
+        self.array.chunk_key(chunk).as_str().to_owned()
+    }
+
+    /// The store location (relative to the checkpoint's root) of the array's `zarr.json`.
+    #[must_use]
+    pub fn metadata_location(&self) -> String {
+        format!("{}/zarr.json", self.entry.path)
+    }
+
+    /// The checkpoint's root directory.
+    #[must_use]
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Encodes one subchunk (`raw`, its bytes in C order) with the array's inner codecs, as
+    /// zarrs' sharding encoder does for each subchunk: the result ends with the crc32c of
+    /// the bytes before it. `linear` is its index in the shard at grid index `chunk` (for
+    /// messages).
+    ///
+    /// # Errors
+    /// [`StorageError::Zarr`] when zarrs fails to encode.
+    pub fn encode_subchunk(
+        &self,
+        chunk: &[u64],
+        linear: u64,
+        raw: &[u8],
+    ) -> Result<Vec<u8>, StorageError> {
+        let shape = nonzero(&self.entry.subchunk_shape);
+        let options = CodecOptions::default().with_concurrent_target(1);
+        self.inner_chain
+            .encode(
+                ArrayBytes::from(raw),
+                &shape,
+                &to_zarrs(self.entry.dtype),
+                &zero_fill(self.entry.dtype),
+                &options,
+            )
+            .map(Cow::into_owned)
+            .map_err(|e| StorageError::Zarr {
+                key: self.key.to_string(),
+                path: self.chunk_path(chunk),
+                source: format!("subchunk {linear}: {e}").into(),
+            })
+    }
+
+    /// Encodes one whole shard with zarrs' sharding encoder (no footer): the reference the
+    /// shard writer ([`super::shard`]) is tested against. `bytes` holds the full chunk shape
+    /// in C order (edge chunks padded with zeros).
     ///
     /// # Errors
     /// [`StorageError::Zarr`] when zarrs fails to encode.

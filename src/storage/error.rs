@@ -133,6 +133,44 @@ pub enum StorageError {
         /// The directory.
         path: PathBuf,
     },
+    /// An object that is not there (a store's `head` and reads).
+    #[error("{}: no such object", path.display())]
+    NotFound {
+        /// The object.
+        path: PathBuf,
+    },
+    /// A put if absent found an object already there.
+    #[error("{}: an object is already there (put if absent)", path.display())]
+    ObjectExists {
+        /// The object.
+        path: PathBuf,
+    },
+    /// A put if match found another version of the object (or none).
+    #[error("{}: the object is not at the expected version ({expected}): {found}", path.display())]
+    Precondition {
+        /// The object.
+        path: PathBuf,
+        /// The version the put expected.
+        expected: String,
+        /// What is there instead.
+        found: String,
+    },
+    /// The store cannot do this (a capability it lacks).
+    #[error("{}: this store does not support {op}", path.display())]
+    Unsupported {
+        /// The operation.
+        op: &'static str,
+        /// The object or prefix.
+        path: PathBuf,
+    },
+    /// A location that is not a valid store key.
+    #[error("invalid store location {location:?}: {reason}")]
+    BadLocation {
+        /// The location.
+        location: String,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 impl StorageError {

@@ -13,7 +13,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::shard::crc32c;
+use super::checksum::crc32c;
 use crate::model::TensorKey;
 
 /// The footer's first 8 bytes.

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+pub use super::doc::{ATTRIBUTE, MAX_ARRAY_JSON_BYTES, parse_json, read_metadata_file};
 use super::error::StorageError;
 use super::footer::SaveId;
 use crate::model::region::{MAX_DIMS, num_elements};
@@ -22,8 +23,6 @@ pub const SAVE_ID_MINOR: u32 = 1;
 /// The first minor version whose object arrays carry the save id and their value's CRC-32C
 /// in their attributes (spec section 16.3); readers check them from this version on.
 pub const OBJECT_SAVE_ID_MINOR: u32 = 2;
-/// The attribute holding the checkpoint's metadata in the root group.
-pub const ATTRIBUTE: &str = "zarrckpt";
 /// Most subchunks one shard may have (its index is 16 bytes per subchunk).
 pub const MAX_SUBCHUNKS_PER_SHARD: u64 = crate::plan::grid::MAX_SUBCHUNKS_PER_SHARD;
 /// Most shard files one tensor may have.
@@ -98,31 +97,6 @@ pub enum IndexLimit {
         entries: usize,
     },
 }
-/// Most bytes of an array's `zarr.json` a reader accepts (zarrckpt's own or a foreign one).
-pub const MAX_ARRAY_JSON_BYTES: u64 = 16 << 20;
-
-/// Reads a metadata file of at most `max` bytes, without allocating more than that whatever
-/// the file's size (a huge or sparse file is refused after reading `max + 1` bytes).
-///
-/// # Errors
-/// [`StorageError::Io`] when it cannot be read (the I/O error's kind is kept, so a caller can
-/// tell a missing file), [`StorageError::Malformed`] when it is larger than `max`.
-pub fn read_metadata_file(path: &Path, max: u64) -> Result<Vec<u8>, StorageError> {
-    use std::io::Read;
-    let file = std::fs::File::open(path).map_err(StorageError::io("read", path))?;
-    let mut bytes = Vec::new();
-    file.take(max.saturating_add(1))
-        .read_to_end(&mut bytes)
-        .map_err(StorageError::io("read", path))?;
-    if bytes.len() as u64 > max {
-        return Err(StorageError::Malformed {
-            path: path.to_owned(),
-            reason: format!("the file is larger than the {max} bytes a reader accepts"),
-        });
-    }
-    Ok(bytes)
-}
-
 /// The group holding tensors.
 pub const TENSORS_GROUP: &str = "tensors";
 
@@ -203,18 +177,6 @@ pub struct CheckpointMeta {
     /// Every object (non-tensor state), by key (format 1.1; absent means none).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub objects: BTreeMap<TensorKey, super::object::ObjectEntry>,
-}
-
-/// Parses a metadata document (a root or array `zarr.json`) as spec section 4.1 requires:
-/// RFC 8259 JSON text (so no `NaN`, `Infinity`, comments or trailing commas) encoded as UTF-8
-/// without a byte-order mark, in which no object has two members of the same name (names
-/// compared after unescaping), no number is beyond a binary64 and arrays and objects nest at
-/// most [`crate::model::json::MAX_JSON_DEPTH`] levels ([`crate::model::json::parse_strict`]).
-///
-/// # Errors
-/// A description of the first violation.
-pub fn parse_json(bytes: &[u8]) -> Result<serde_json::Value, String> {
-    crate::model::json::parse_strict(bytes)
 }
 
 /// The path of a tensor's array: `tensors/` followed by the key's node path.

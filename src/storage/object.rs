@@ -5,16 +5,16 @@
 
 use std::collections::BTreeSet;
 use std::fs;
-use std::io::Read;
+use std::io::{IoSlice, Read};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use super::doc::ATTRIBUTE;
 use super::error::StorageError;
 use super::footer::SaveId;
-use super::fsio::{create_dir_durable, fsync_dir, write_durable};
-use super::meta::ATTRIBUTE;
+use super::store::{LocalStore, Store, join};
 use crate::model::TensorKey;
 use crate::model::object::{Encoding, MAX_OBJECT_BYTES, MAX_OBJECT_SLOTS, ObjectSlot, check_grid};
 
@@ -276,7 +276,7 @@ pub fn write_groups<'a>(
     if !any {
         return Ok(());
     }
-    super::commit::write_group_documents(dir, &groups)
+    super::groups::write_group_documents(dir, &groups)
 }
 
 /// Writes one value: its array's `zarr.json` and, unless it is empty, its one chunk file `c.0`
@@ -293,8 +293,23 @@ pub fn write_value(
     bytes: &[u8],
     save_id: SaveId,
 ) -> Result<u64, StorageError> {
-    let adir = dir.join(e.value_path(slot));
-    create_dir_durable(&adir)?;
+    write_value_to(&LocalStore::new(dir), key, e, slot, bytes, save_id)
+}
+
+/// [`write_value`] into `store` (holding the checkpoint at its root).
+///
+/// # Errors
+/// I/O errors naming the object.
+pub fn write_value_to(
+    store: &dyn Store,
+    key: &TensorKey,
+    e: &ObjectEntry,
+    slot: &ObjectSlot,
+    bytes: &[u8],
+    save_id: SaveId,
+) -> Result<u64, StorageError> {
+    let adir = e.value_path(slot);
+    store.create_prefix(&adir)?;
     let crc = crc32c::crc32c(bytes);
     let binding = ObjectBinding {
         save_id,
@@ -303,11 +318,21 @@ pub fn write_value(
     let doc = value_metadata(key, e, slot, bytes.len() as u64, Some(binding));
     // Invariant: serializing a JSON value (string keys only) cannot fail.
     let doc = serde_json::to_vec_pretty(&doc).unwrap_or_default();
-    let mut n = write_durable(&adir.join("zarr.json"), &[&doc])?;
+    let write_durable = |name: &str, parts: &[&[u8]]| -> Result<u64, StorageError> {
+        let loc = join(&adir, name);
+        let mut w = store.put_multipart(&loc)?;
+        let iov: Vec<IoSlice> = parts.iter().map(|p| IoSlice::new(p)).collect();
+        w.write_vectored(&iov)?;
+        let n = w.written();
+        w.finish()?;
+        store.sync(&loc)?;
+        Ok(n)
+    };
+    let mut n = write_durable("zarr.json", &[&doc])?;
     if !bytes.is_empty() {
-        n += write_durable(&adir.join("c.0"), &[bytes, &crc.to_le_bytes()])?;
+        n += write_durable("c.0", &[bytes, &crc.to_le_bytes()])?;
     }
-    fsync_dir(&adir)?;
+    store.sync_prefix(&adir)?;
     Ok(n)
 }
 
@@ -337,9 +362,9 @@ pub fn read_value(
         path: json_path.clone(),
         reason: format!("object `{key}` ({slot}): {reason}"),
     };
-    let raw = super::meta::read_metadata_file(&json_path, MAX_VALUE_JSON_BYTES)?;
+    let raw = super::doc::read_metadata_file(&json_path, MAX_VALUE_JSON_BYTES)?;
     let doc: Value =
-        super::meta::parse_json(&raw).map_err(|err| malformed(format!("not JSON: {err}")))?;
+        super::doc::parse_json(&raw).map_err(|err| malformed(format!("not JSON: {err}")))?;
     let len = match doc
         .get("shape")
         .and_then(Value::as_array)

@@ -1,86 +1,118 @@
-//! Writing uncompressed shards straight from the caller's memory.
+//! The one shard writer, for every codec.
 //!
-//! For arrays whose inner codecs are `bytes` + `crc32c` (no compression), a shard is the
-//! concatenation, in C order, of every subchunk that is not all zeros, each followed by the
-//! crc32c of its bytes, then the index: one little-endian `(offset, nbytes)` u64 pair per
-//! subchunk (`u64::MAX` twice for an omitted one) and the index's own crc32c. That is exactly
-//! what zarrs' `sharding_indexed` encoder produces with C subchunk order (a test checks the
-//! two byte for byte); here the subchunks go to the file with vectored writes directly from
-//! the source buffer, checksummed in place, with no intermediate copy of the shard, except
-//! for subchunks that are not contiguous in the source (gathered into a small staging buffer).
+//! A shard is the concatenation, in C order, of every subchunk that is not all zeros (the fill
+//! value), each encoded by the array's inner codecs (`bytes`, then `zstd` or `blosc` where the
+//! array is compressed, then `crc32c`, which appends the crc32c of the bytes before it); then,
+//! for a format 1.1 array, the shard footer ([`super::footer`]); then the index: one
+//! little-endian `(offset, nbytes)` u64 pair per subchunk (`u64::MAX` twice for an omitted
+//! one) and the index's own crc32c. Without the footer, that is exactly what zarrs'
+//! `sharding_indexed` encoder produces with C subchunk order (tests check the two byte for
+//! byte, for every compression).
+//!
+//! Everything goes to the store through one [`MultipartWrite`], vectored: uncompressed
+//! subchunks straight from the source buffer, checksummed in place, with no intermediate copy
+//! of the shard (subchunks that are not contiguous in the source are gathered into a small
+//! staging buffer first); compressed subchunks as the encoder returns them. The footer's
+//! per-subchunk crc32c values are those just computed (for a compressed subchunk, the crc32c
+//! its `crc32c` codec appended), so no index is decoded to build it.
 
-use std::fs::{File, OpenOptions};
-use std::io::{IoSlice, Write};
-use std::os::unix::io::AsRawFd;
-use std::path::Path;
+use std::io::IoSlice;
 
 use super::error::StorageError;
-use crate::model::Region;
+use super::footer::SaveId;
+use super::store::MultipartWrite;
 use crate::model::copy::for_each_run;
+use crate::model::{Region, TensorKey};
 use crate::plan::grid;
 
-/// crc32c (Castagnoli), hardware accelerated.
-#[must_use]
-pub fn crc32c(data: &[u8]) -> u32 {
-    // Crc32Iscsi is CRC-32C; the result fits in 32 bits.
-    u32::try_from(crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, data)).unwrap_or(0)
-}
+pub use super::checksum::crc32c;
+pub use super::store::local::start_writeback;
 
-/// Staging capacity for gathered (non-contiguous) subchunks and the batch size of one
-/// vectored write.
+/// Staging capacity for gathered (non-contiguous) subchunks and for encoded subchunks held
+/// before one vectored write.
 const STAGING_BYTES: usize = 8 << 20;
-/// Most slices passed to one `writev`.
-const MAX_IOV: usize = 512;
+/// Segments held before one vectored write.
+const MAX_SEGS: usize = 2048;
+
+/// What a shard footer binds the shard to: the save id, the tensor key and the chunk's grid
+/// index.
+pub type FooterFor<'a> = (SaveId, &'a TensorKey, &'a [u64]);
+
+/// Encodes one subchunk (its raw bytes, in C order) with the array's inner codecs, the
+/// trailing crc32c included; called with the subchunk's linear index in the shard.
+pub type EncodeSubchunk<'a> = &'a dyn Fn(u64, &[u8]) -> Result<Vec<u8>, StorageError>;
+
+/// One shard's geometry and encoding.
+#[derive(Clone, Copy)]
+pub struct ShardSpec<'a> {
+    /// The subchunk (inner chunk) shape.
+    pub subchunk_shape: &'a [u64],
+    /// Bytes per element.
+    pub elem: usize,
+    /// The inner codecs for a compressed array; `None` when they are `bytes` + `crc32c`.
+    pub encode: Option<EncodeSubchunk<'a>>,
+    /// The footer (format 1.1 arrays), or none (1.0).
+    pub footer: Option<FooterFor<'a>>,
+}
 
 enum Seg {
-    /// A contiguous range of the source.
-    Src(usize, usize),
-    /// A range of the staging buffer.
-    Staged(usize, usize),
+    /// A contiguous range of the source, and its crc32c.
+    Src(usize, usize, [u8; 4]),
+    /// A range of the staging buffer, and its crc32c.
+    Staged(usize, usize, [u8; 4]),
+    /// An encoded subchunk, its crc32c included.
+    Encoded(Vec<u8>),
 }
 
-/// Writes `iov` completely.
-fn write_all_vectored(
-    file: &mut File,
-    mut iov: &mut [IoSlice<'_>],
-    path: &Path,
-) -> Result<(), StorageError> {
-    while !iov.is_empty() {
-        let n = iov.len().min(MAX_IOV);
-        match file.write_vectored(&iov[..n]) {
-            Ok(0) => {
-                return Err(StorageError::io("write", path)(
-                    std::io::ErrorKind::WriteZero.into(),
-                ));
+/// The segments of a shard waiting for one vectored write.
+struct Pending<'s> {
+    src: &'s [u8],
+    staging: Vec<u8>,
+    segs: Vec<Seg>,
+    held: usize,
+}
+
+impl Pending<'_> {
+    fn flush(&mut self, out: &mut dyn MultipartWrite) -> Result<(), StorageError> {
+        let mut iov: Vec<IoSlice> = Vec::with_capacity(self.segs.len() * 2);
+        for seg in &self.segs {
+            match seg {
+                Seg::Src(a, b, crc) => {
+                    iov.push(IoSlice::new(&self.src[*a..*b]));
+                    iov.push(IoSlice::new(crc));
+                }
+                Seg::Staged(a, b, crc) => {
+                    iov.push(IoSlice::new(&self.staging[*a..*b]));
+                    iov.push(IoSlice::new(crc));
+                }
+                Seg::Encoded(v) => iov.push(IoSlice::new(v)),
             }
-            Ok(written) => IoSlice::advance_slices(&mut iov, written),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(StorageError::io("write", path)(e)),
         }
+        out.write_vectored(&iov)?;
+        self.segs.clear();
+        self.staging.clear();
+        self.held = 0;
+        Ok(())
     }
-    Ok(())
 }
 
-/// Writes the shard holding `chunk_box` (the full, unclipped chunk) of an uncompressed array
-/// to `path`, taking the data from `src`, a C-order buffer holding `src_box` (which contains
-/// `chunk_box`). Starts writeback of the file; the caller fsyncs it before committing. With
-/// `footer` (save id, tensor key, chunk grid index) the shard footer of format 1.1 goes
-/// between the last subchunk and the index. Returns the bytes written.
+/// Writes the shard holding `chunk_box` (the full, unclipped chunk) to `out`, taking the data
+/// from `src`, a C-order buffer holding `src_box` (which contains `chunk_box`). Does not
+/// finish `out`. Returns the bytes written.
 ///
 /// # Errors
-/// I/O errors naming the path.
+/// Encoding or I/O errors (naming the tensor, chunk and object).
 ///
 /// # Panics
 /// If `src` is smaller than `src_box` or `chunk_box` is not inside it (caller bugs).
-pub fn write_uncompressed(
-    path: &Path,
+pub fn write_shard(
+    out: &mut dyn MultipartWrite,
     src: &[u8],
     src_box: &Region,
     chunk_box: &Region,
-    subchunk_shape: &[u64],
-    elem: usize,
-    footer: Option<FooterFor<'_>>,
+    spec: &ShardSpec<'_>,
 ) -> Result<u64, StorageError> {
+    let (subchunk_shape, elem) = (spec.subchunk_shape, spec.elem);
     let per_shard: Vec<u64> = chunk_box
         .shape()
         .iter()
@@ -89,49 +121,24 @@ pub fn write_uncompressed(
         .collect();
     let n_sub = per_shard.iter().product::<u64>() as usize;
     let sub_bytes = subchunk_shape.iter().product::<u64>() as usize * elem;
-    let zero_crc = crc32c(&vec![0u8; sub_bytes.min(1 << 20)]);
-    let zero_crc = if sub_bytes <= 1 << 20 {
-        Some(zero_crc)
-    } else {
-        None
-    };
+    // The crc32c of an all-zero subchunk, to skip the zero test of most subchunks.
+    let zero_crc = (sub_bytes <= 1 << 20).then(|| crc32c(&vec![0u8; sub_bytes]));
 
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(path)
-        .map_err(StorageError::io("create", path))?;
     let mut index: Vec<u8> = Vec::with_capacity(n_sub * 16 + 4);
     let mut offset: u64 = 0;
-    let mut staging: Vec<u8> = Vec::with_capacity(STAGING_BYTES.min(n_sub * sub_bytes));
-    let mut segs: Vec<(Seg, [u8; 4])> = Vec::new();
-    let mut crcs: Vec<u32> = Vec::with_capacity(if footer.is_some() { n_sub } else { 0 });
-
-    let flush = |file: &mut File,
-                 segs: &mut Vec<(Seg, [u8; 4])>,
-                 staging: &mut Vec<u8>|
-     -> Result<(), StorageError> {
-        let mut iov: Vec<IoSlice> = Vec::with_capacity(segs.len() * 2);
-        for (seg, crc) in segs.iter() {
-            let data = match *seg {
-                Seg::Src(a, b) => &src[a..b],
-                Seg::Staged(a, b) => &staging[a..b],
-            };
-            iov.push(IoSlice::new(data));
-            iov.push(IoSlice::new(crc));
-        }
-        write_all_vectored(file, &mut iov, path)?;
-        segs.clear();
-        staging.clear();
-        Ok(())
+    let mut crcs: Vec<u32> = Vec::with_capacity(if spec.footer.is_some() { n_sub } else { 0 });
+    let mut p = Pending {
+        src,
+        staging: Vec::with_capacity(STAGING_BYTES.min(n_sub * sub_bytes)),
+        segs: Vec::new(),
+        held: 0,
     };
 
     let mut sub_indices = Vec::with_capacity(n_sub);
     grid::for_each_index(&vec![0; per_shard.len()], &per_shard, |s| {
-        sub_indices.push(s.to_vec())
+        sub_indices.push(s.to_vec());
     });
-    for s in &sub_indices {
+    for (linear, s) in sub_indices.iter().enumerate() {
         // A subchunk of `chunk_box` in the checked geometry.
         let sub_box = Region::from_parts_unchecked(
             s.iter()
@@ -144,74 +151,84 @@ pub fn write_uncompressed(
         // Where the subchunk's bytes are: one run of the source, or gathered.
         let mut runs: Vec<(usize, usize)> = Vec::new();
         for_each_run(src_box, &sub_box, &sub_box, elem, |so, _, len| {
-            runs.push((so, len))
+            runs.push((so, len));
         });
-        let seg = if let [(so, len)] = runs[..] {
-            Seg::Src(so, so + len)
+        let (a, b, staged) = if let [(so, len)] = runs[..] {
+            (so, so + len, false)
         } else {
-            if staging.len() + sub_bytes > staging.capacity() && !staging.is_empty() {
-                flush(&mut file, &mut segs, &mut staging)?;
+            if p.staging.len() + sub_bytes > p.staging.capacity() && !p.staging.is_empty() {
+                p.flush(out)?;
             }
-            let start = staging.len();
+            let start = p.staging.len();
             for (so, len) in &runs {
-                staging.extend_from_slice(&src[*so..so + len]);
+                p.staging.extend_from_slice(&src[*so..so + len]);
             }
-            Seg::Staged(start, staging.len())
+            (start, p.staging.len(), true)
         };
-        let data = match seg {
-            Seg::Src(a, b) => &src[a..b],
-            Seg::Staged(a, b) => &staging[a..b],
+        let data = if staged { &p.staging[a..b] } else { &src[a..b] };
+        let (all_zero, seg, crc, len) = match spec.encode {
+            None => {
+                let crc = crc32c(data);
+                let zero = zero_crc.is_none_or(|z| z == crc) && data.iter().all(|&x| x == 0);
+                let seg = if staged {
+                    Seg::Staged(a, b, crc.to_le_bytes())
+                } else {
+                    Seg::Src(a, b, crc.to_le_bytes())
+                };
+                (zero, seg, crc, sub_bytes + 4)
+            }
+            Some(encode) => {
+                if data.iter().all(|&x| x == 0) {
+                    (true, Seg::Encoded(Vec::new()), 0, 0)
+                } else {
+                    let enc = encode(linear as u64, data)?;
+                    let crc = enc
+                        .len()
+                        .checked_sub(4)
+                        .and_then(|at| enc.get(at..))
+                        .map_or(0, |c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                    let n = enc.len();
+                    if staged {
+                        // The raw bytes are encoded: the staging space is free again.
+                        p.staging.truncate(a);
+                    }
+                    (false, Seg::Encoded(enc), crc, n)
+                }
+            }
         };
-        let crc = crc32c(data);
-        let all_zero = zero_crc.is_none_or(|z| z == crc) && data.iter().all(|&b| b == 0);
         if all_zero {
-            if let Seg::Staged(a, _) = seg {
-                staging.truncate(a);
+            if staged {
+                p.staging.truncate(a);
             }
             index.extend_from_slice(&u64::MAX.to_le_bytes());
             index.extend_from_slice(&u64::MAX.to_le_bytes());
-            if footer.is_some() {
+            if spec.footer.is_some() {
                 crcs.push(0);
             }
             continue;
         }
         index.extend_from_slice(&offset.to_le_bytes());
-        index.extend_from_slice(&(sub_bytes as u64 + 4).to_le_bytes());
-        offset += sub_bytes as u64 + 4;
-        if footer.is_some() {
+        index.extend_from_slice(&(len as u64).to_le_bytes());
+        offset += len as u64;
+        if spec.footer.is_some() {
             crcs.push(crc);
         }
-        segs.push((seg, crc.to_le_bytes()));
-        if segs.len() * 2 >= MAX_IOV * 8 {
-            flush(&mut file, &mut segs, &mut staging)?;
+        if let Seg::Encoded(_) = seg {
+            p.held += len;
+        }
+        p.segs.push(seg);
+        if p.segs.len() >= MAX_SEGS || p.held >= STAGING_BYTES {
+            p.flush(out)?;
         }
     }
-    flush(&mut file, &mut segs, &mut staging)?;
+    p.flush(out)?;
     let crc = crc32c(&index);
     index.extend_from_slice(&crc.to_le_bytes());
-    let foot = footer.map_or_else(Vec::new, |f| super::footer::encode(f.0, f.1, f.2, &crcs));
-    let mut tail = [IoSlice::new(&foot), IoSlice::new(&index)];
-    write_all_vectored(&mut file, &mut tail, path)?;
-    start_writeback(&file);
+    let foot = spec
+        .footer
+        .map_or_else(Vec::new, |f| super::footer::encode(f.0, f.1, f.2, &crcs));
+    out.write_vectored(&[IoSlice::new(&foot), IoSlice::new(&index)])?;
     Ok(offset + foot.len() as u64 + index.len() as u64)
-}
-
-/// What a shard footer binds the shard to: the save id, the tensor key and the chunk's grid
-/// index.
-pub type FooterFor<'a> = (
-    super::footer::SaveId,
-    &'a crate::model::TensorKey,
-    &'a [u64],
-);
-
-/// Asks the kernel to start writing the file's dirty pages now (without waiting), so the
-/// disk works while later files are produced; the fsync before commit then waits less.
-pub fn start_writeback(file: &File) {
-    // SAFETY: a valid descriptor; the call only schedules I/O. Failure is harmless (the later
-    // fsync does the work), so the result is ignored.
-    unsafe {
-        libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE);
-    }
 }
 
 #[cfg(test)]
@@ -220,11 +237,29 @@ mod tests {
     use crate::model::{DType, TensorKey};
     use crate::storage::array::TensorArray;
     use crate::storage::meta::{Compression, TensorEntry, tensor_path};
+    use crate::storage::store::{LocalStore, Store};
 
-    /// Our writer and zarrs' sharding encoder produce the same bytes.
+    fn write_to(
+        store: &LocalStore,
+        loc: &str,
+        src: &[u8],
+        src_box: &Region,
+        chunk_box: &Region,
+        spec: &ShardSpec<'_>,
+    ) -> Vec<u8> {
+        let mut w = store.put_multipart(loc).unwrap();
+        let n = write_shard(&mut *w, src, src_box, chunk_box, spec).unwrap();
+        w.finish().unwrap();
+        let bytes = store.get(loc, u64::MAX).unwrap();
+        assert_eq!(n as usize, bytes.len());
+        bytes
+    }
+
+    /// Our writer and zarrs' sharding encoder produce the same bytes, for every compression.
     #[test]
     fn identical_to_zarrs_encoding() {
         let tmp = tempfile::tempdir().unwrap();
+        let store = LocalStore::new(tmp.path());
         type Case<'a> = (DType, &'a [u64], &'a [u64], &'a [u64]);
         let cases: &[Case] = &[
             (DType::Float32, &[8, 6], &[4, 6], &[1, 6]),
@@ -233,43 +268,61 @@ mod tests {
             (DType::Int64, &[], &[], &[]),
             (DType::Float8E4M3FN, &[7], &[7], &[7]),
             (DType::Bool, &[9, 2], &[3, 2], &[3, 1]),
+            (DType::Float32, &[64, 32], &[64, 32], &[16, 8]),
         ];
-        for (ci, (dtype, shape, chunk, sub)) in cases.iter().enumerate() {
-            let key = TensorKey::new(format!("t{ci}")).unwrap();
-            let entry = TensorEntry {
-                path: tensor_path(&key),
-                dtype: *dtype,
-                shape: shape.to_vec(),
-                chunk_shape: chunk.to_vec(),
-                subchunk_shape: sub.to_vec(),
-                compression: Compression::None,
-            };
-            let arr = TensorArray::create(tmp.path(), &key, &entry).unwrap();
-            assert!(arr.uncompressed());
-            let elem = dtype.size();
-            let n: u64 = chunk.iter().product();
-            // deterministic data, with the second subchunk (if any) all zero
-            let mut data: Vec<u8> = (0..n as usize * elem)
-                .map(|i| (i * 7 + ci + 1) as u8)
-                .collect();
-            let sub_bytes = sub.iter().product::<u64>() as usize * elem;
-            let contiguous_second = sub.first().is_some_and(|_| chunk[1..] == sub[1..]);
-            if contiguous_second && data.len() >= 2 * sub_bytes {
-                data[sub_bytes..2 * sub_bytes].fill(0);
-            }
-            for all_zero in [false, true] {
-                if all_zero {
-                    data.fill(0);
+        for compression in [Compression::None, Compression::Zstd, Compression::Blosc] {
+            for (ci, (dtype, shape, chunk, sub)) in cases.iter().enumerate() {
+                let key = TensorKey::new(format!("t{ci}")).unwrap();
+                let entry = TensorEntry {
+                    path: tensor_path(&key),
+                    dtype: *dtype,
+                    shape: shape.to_vec(),
+                    chunk_shape: chunk.to_vec(),
+                    subchunk_shape: sub.to_vec(),
+                    compression,
+                };
+                let arr = TensorArray::create(tmp.path(), &key, &entry).unwrap();
+                assert_eq!(arr.uncompressed(), compression == Compression::None);
+                let elem = dtype.size();
+                let n: u64 = chunk.iter().product();
+                // deterministic data, compressible in part, with the second subchunk (if
+                // any) all zero
+                let mut data: Vec<u8> = (0..n as usize * elem)
+                    .map(|i| {
+                        if i % 5 == 0 {
+                            (i * 7 + ci + 1) as u8
+                        } else {
+                            3
+                        }
+                    })
+                    .collect();
+                let sub_bytes = sub.iter().product::<u64>() as usize * elem;
+                let contiguous_second = sub.first().is_some_and(|_| chunk[1..] == sub[1..]);
+                if contiguous_second && data.len() >= 2 * sub_bytes {
+                    data[sub_bytes..2 * sub_bytes].fill(0);
                 }
-                let chunk_box = Region::new(vec![0; chunk.len()], chunk.to_vec()).unwrap();
-                let path = tmp.path().join(format!("shard{ci}{all_zero}"));
-                let written =
-                    write_uncompressed(&path, &data, &chunk_box, &chunk_box, sub, elem, None)
-                        .unwrap();
-                let ours = std::fs::read(&path).unwrap();
-                assert_eq!(written as usize, ours.len());
-                let theirs = arr.encode_chunk(&vec![0; chunk.len()], &data).unwrap();
-                assert_eq!(ours, theirs.as_ref(), "case {ci} all_zero {all_zero}");
+                let grid = vec![0; chunk.len()];
+                for all_zero in [false, true] {
+                    if all_zero {
+                        data.fill(0);
+                    }
+                    let chunk_box = Region::new(vec![0; chunk.len()], chunk.to_vec()).unwrap();
+                    let encode = |l: u64, raw: &[u8]| arr.encode_subchunk(&grid, l, raw);
+                    let spec = ShardSpec {
+                        subchunk_shape: sub,
+                        elem,
+                        encode: (!arr.uncompressed()).then_some(&encode as EncodeSubchunk),
+                        footer: None,
+                    };
+                    let loc = format!("shard{ci}{all_zero}{compression:?}");
+                    let ours = write_to(&store, &loc, &data, &chunk_box, &chunk_box, &spec);
+                    let theirs = arr.encode_chunk(&grid, &data).unwrap();
+                    assert_eq!(
+                        ours,
+                        theirs.as_ref(),
+                        "case {ci} all_zero {all_zero} {compression:?}"
+                    );
+                }
             }
         }
     }
@@ -278,15 +331,20 @@ mod tests {
     #[test]
     fn chunk_inside_a_larger_piece() {
         let tmp = tempfile::tempdir().unwrap();
+        let store = LocalStore::new(tmp.path());
         let piece = Region::new(vec![4, 0], vec![4, 6]).unwrap();
         let src: Vec<u8> = (0..24u8).collect();
         let chunk_box = Region::new(vec![4, 3], vec![4, 3]).unwrap();
         let mut expect = vec![0u8; 12];
         crate::model::copy::copy_region(&src, &piece, &mut expect, &chunk_box, &chunk_box, 1);
-        let a = tmp.path().join("a");
-        let b = tmp.path().join("b");
-        write_uncompressed(&a, &src, &piece, &chunk_box, &[2, 3], 1, None).unwrap();
-        write_uncompressed(&b, &expect, &chunk_box, &chunk_box, &[2, 3], 1, None).unwrap();
-        assert_eq!(std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
+        let spec = ShardSpec {
+            subchunk_shape: &[2, 3],
+            elem: 1,
+            encode: None,
+            footer: None,
+        };
+        let a = write_to(&store, "a", &src, &piece, &chunk_box, &spec);
+        let b = write_to(&store, "b", &expect, &chunk_box, &chunk_box, &spec);
+        assert_eq!(a, b);
     }
 }
