@@ -421,3 +421,106 @@ fn reading_a_missing_or_damaged_checkpoint_names_the_key() {
         "{e}"
     );
 }
+
+#[test]
+fn the_storage_seam_on_seaweedfs() {
+    use zarrckpt::storage::StorageError;
+    use zarrckpt::storage::store::{Store, UpdateVersion};
+    if s3_server::skipped("the_storage_seam_on_seaweedfs") {
+        return;
+    }
+    let ropts = RemoteOptions {
+        part_size: 5 << 20,
+        parts_in_flight: 2,
+        ..s3_opts()
+    };
+    let s = RemoteStore::open(&s3_url("seam"), &ropts).unwrap();
+    let r = Store::put_if_absent(&s, "k", &[b"ab", b"c"]).unwrap();
+    assert!(matches!(
+        Store::put_if_absent(&s, "k", &[b"x"]),
+        Err(StorageError::ObjectExists { .. })
+    ));
+    let wrong = UpdateVersion {
+        e_tag: Some("\"0123\"".into()),
+        version: None,
+    };
+    assert!(matches!(
+        Store::put_if_match(&s, "k", &[b"x"], &wrong),
+        Err(StorageError::Precondition { .. })
+    ));
+    Store::put_if_match(&s, "k", &[b"xyz"], &r.update_version()).unwrap();
+    // A 12 MiB object in 5 MiB parts, at most 2 in flight; then ranged reads across parts.
+    let big: Vec<u8> = (0..12u32 << 20).map(|i| (i % 251) as u8).collect();
+    let mut w = Store::put_multipart(&s, "d/big").unwrap();
+    for piece in big.chunks(3 << 20) {
+        w.write(piece).unwrap();
+    }
+    w.finish().unwrap();
+    let ranges = [
+        0..10,
+        (5 << 20) - 3..(5 << 20) + 3,
+        (12 << 20) - 1..12 << 20,
+    ];
+    let got = Store::get_ranges(&s, "d/big", &ranges).unwrap();
+    for (g, r) in got.iter().zip(&ranges) {
+        assert_eq!(g.as_slice(), &big[r.start as usize..r.end as usize]);
+    }
+    assert_eq!(Store::head(&s, "d/big").unwrap().size, 12 << 20);
+    let l = Store::list_with_delimiter(&s, "").unwrap();
+    assert_eq!(l.common_prefixes, vec!["d".to_string()]);
+    assert!(matches!(
+        Store::head(&s, "nope"),
+        Err(StorageError::NotFound { .. })
+    ));
+}
+
+#[test]
+fn the_cli_copies_inspects_verifies_lists_and_collects() {
+    if s3_server::skipped("the_cli_copies_inspects_verifies_lists_and_collects") {
+        return;
+    }
+    let _ = s3_opts(); // the server is up and answers signed requests
+    let tmp = tempfile::tempdir().unwrap();
+    let local = tmp.path().join("ckpt");
+    run_local(2, Duration::from_secs(60), |comm| {
+        let st = RankState::new(2, comm.rank() as u64, 5);
+        save(&st.sharded(), &local, &comm, &SaveOptions::default()).unwrap();
+    });
+    let url = s3_url("cli/step-5");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_zarrckpt"))
+            .args(args)
+            .envs(server().env())
+            .env("TMPDIR", tmp.path())
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "zarrckpt {args:?}: {text}");
+        text
+    };
+    let local_s = local.to_str().unwrap();
+    assert!(run(&["cp", local_s, &url]).contains("committed generation"));
+    run(&["cp", local_s, &url, "--overwrite"]);
+    assert!(run(&["verify", &url]).contains("OK:"));
+    assert!(run(&["inspect", &url]).contains("model.rows.weight"));
+    let ls = run(&["ls", &s3_url("cli")]);
+    assert!(
+        ls.contains("step-5") && ls.contains("1 checkpoint(s)"),
+        "{ls}"
+    );
+    let back = tmp.path().join("back");
+    run(&["cp", &url, back.to_str().unwrap()]);
+    state::check(&back, 5);
+    let diff = std::process::Command::new(env!("CARGO_BIN_EXE_zarrckpt"))
+        .args(["diff", local_s, &url])
+        .envs(server().env())
+        .status()
+        .unwrap();
+    assert!(diff.success());
+    let gc = run(&["gc", &url]);
+    assert!(gc.contains("removed 1 generation(s)"), "{gc}");
+}

@@ -132,7 +132,8 @@ impl RemoteStore {
     }
 
     /// The key of an object path relative to the checkpoint's prefix.
-    fn relative(&self, path: &ObjPath) -> String {
+    #[must_use]
+    pub fn relative_key(&self, path: &ObjPath) -> String {
         let s = path.as_ref();
         if self.url.prefix.is_empty() {
             s.to_string()
@@ -150,6 +151,13 @@ impl RemoteStore {
             key: key.clone(),
             source,
         }
+    }
+
+    /// Enters the shared runtime's context (for calls that spawn tasks, such as
+    /// `WriteMultipart::write`), until the guard is dropped.
+    #[must_use]
+    pub fn enter(&self) -> tokio::runtime::EnterGuard<'static> {
+        runtime().enter()
     }
 
     /// Runs a future on the shared runtime.
@@ -238,7 +246,7 @@ impl RemoteStore {
             let mut s = self.store.list(Some(&path));
             while let Some(m) = s.next().await {
                 let m = m.map_err(self.err("LIST", sub))?;
-                out.push((self.relative(&m.location), m.size));
+                out.push((self.relative_key(&m.location), m.size));
             }
             out.sort();
             Ok(out)
@@ -262,12 +270,15 @@ impl RemoteStore {
                 })
                 .await
                 .map_err(self.err("LIST", ""))?;
-            let mut dirs: Vec<String> =
-                r.common_prefixes.iter().map(|p| self.relative(p)).collect();
+            let mut dirs: Vec<String> = r
+                .common_prefixes
+                .iter()
+                .map(|p| self.relative_key(p))
+                .collect();
             let mut objs: Vec<String> = r
                 .objects
                 .iter()
-                .map(|m| self.relative(&m.location))
+                .map(|m| self.relative_key(&m.location))
                 .collect();
             dirs.sort();
             objs.sort();
