@@ -155,7 +155,6 @@ impl RemoteStore {
 
     /// Enters the shared runtime's context (for calls that spawn tasks, such as
     /// `WriteMultipart::write`), until the guard is dropped.
-    #[must_use]
     pub fn enter(&self) -> tokio::runtime::EnterGuard<'static> {
         runtime().enter()
     }
