@@ -524,3 +524,50 @@ fn the_cli_copies_inspects_verifies_lists_and_collects() {
     let gc = run(&["gc", &url]);
     assert!(gc.contains("removed 1 generation(s)"), "{gc}");
 }
+
+/// tensorstore (from the test venv: `$ZARRCKPT_PYTHON`, else `<repo>/.venv/bin/python`) reads a
+/// committed generation straight from SeaweedFS, as the spec's section 20.2 says.
+#[test]
+fn tensorstore_reads_a_committed_generation_from_s3() {
+    if s3_server::skipped("tensorstore_reads_a_committed_generation_from_s3") {
+        return;
+    }
+    let python = s3_server::venv_binary("python", "ZARRCKPT_PYTHON");
+    let (url, ropts) = (s3_url("tensorstore"), s3_opts());
+    save_state(&url, 2, 4, &ropts, false).remove(0).unwrap();
+    let store = RemoteStore::open(&url, &ropts).unwrap();
+    let generation = remote::resolve(&store).unwrap().generation;
+    let key = zarrckpt::TensorKey::new(state::specs()[0].key).unwrap();
+    let path = format!(
+        "tensorstore/generations/{generation}/{}/",
+        zarrckpt::storage::meta::tensor_path(&key)
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("tensor.bin");
+    let script = format!(
+        r#"
+import tensorstore as ts
+spec = {{"driver": "zarr3", "kvstore": {{"driver": "s3", "bucket": "{bucket}", "path": "{path}",
+        "endpoint": "{endpoint}", "aws_region": "us-east-1", "aws_credentials": {{"type": "environment"}}}}}}
+a = ts.open(spec, read=True).result()
+open("{out}", "wb").write(a.read().result().tobytes())
+"#,
+        bucket = s3_server::BUCKET,
+        endpoint = server().endpoint(),
+        out = out.display()
+    );
+    let o = std::process::Command::new(python)
+        .args(["-c", &script])
+        .envs(server().env())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "tensorstore failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        std::fs::read(&out).unwrap() == state::full(0, 4),
+        "tensorstore read other bytes"
+    );
+}
