@@ -137,7 +137,24 @@ impl S3Server {
         let out = std::fs::File::create(&log).expect("create weed.log");
         let err = out.try_clone().expect("dup log");
         let arg = |k: &str, v: String| format!("-{k}={v}");
-        let child = Command::new(weed)
+        // `weed` runs under a small `sh` watchdog that kills it (and removes its sockets) when
+        // this test process is gone or the watchdog gets SIGTERM: the server lives in a
+        // static, which is never dropped.
+        let socks: Vec<String> = p
+            .iter()
+            .flat_map(|port| {
+                ["master", "volume", "filer", "s3", "admin"]
+                    .map(|kind| format!("/tmp/seaweedfs-{kind}-grpc-{port}.sock"))
+            })
+            .collect();
+        let child = Command::new("sh")
+            .arg("-c")
+            .arg(WATCHDOG)
+            .arg("zarrckpt-weed-watchdog")
+            .arg(weed)
+            .env("ZARRCKPT_PARENT", std::process::id().to_string())
+            .env("ZARRCKPT_SOCKS", socks.join(" "))
+            .env("ZARRCKPT_DIR", dir.path())
             .arg("mini")
             .arg(arg("dir", data.display().to_string()))
             .args([
@@ -219,21 +236,32 @@ impl S3Server {
         std::fs::read_to_string(self.dir.path().join("weed.log")).unwrap_or_default()
     }
 
-    /// The server's pid.
+    /// The pid of the watchdog that runs the server.
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
 }
 
+/// Runs `"$@"` (weed) in the background and kills it when the process `$ZARRCKPT_PARENT` is
+/// gone or on SIGTERM, then removes the sockets in `$ZARRCKPT_SOCKS` and its data directory
+/// `$ZARRCKPT_DIR`.
+const WATCHDOG: &str = r#"
+stop() { kill -9 "$w" 2>/dev/null; wait "$w" 2>/dev/null; rm -f $ZARRCKPT_SOCKS; rm -rf "$ZARRCKPT_DIR"; exit 0; }
+trap stop TERM INT HUP
+"$@" &
+w=$!
+while kill -0 "$ZARRCKPT_PARENT" 2>/dev/null && kill -0 "$w" 2>/dev/null; do sleep 0.5; done
+stop
+"#;
+
 impl Drop for S3Server {
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        // SIGTERM to the watchdog (by its pid), which kills weed and removes the sockets.
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status();
         let _ = self.child.wait();
-        for port in &self.ports {
-            for kind in ["master", "volume", "filer", "s3", "admin"] {
-                let _ = std::fs::remove_file(format!("/tmp/seaweedfs-{kind}-grpc-{port}.sock"));
-            }
-        }
     }
 }
 
