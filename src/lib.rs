@@ -78,6 +78,8 @@ mod stage;
 pub mod state;
 
 pub mod plan;
+#[cfg(feature = "object-store")]
+pub mod remote;
 // The storage layer is public for the CLI, the tests, the fuzz targets and the benches, but
 // hidden from the docs until its `Store` seam (issue 21 item 1) gives it an API to promise.
 #[doc(hidden)]

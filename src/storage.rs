@@ -15,6 +15,8 @@ pub mod groups;
 pub mod meta;
 pub mod object;
 pub mod read;
+#[cfg(feature = "object-store")]
+pub mod remote;
 pub mod shard;
 pub mod store;
 pub mod write;

@@ -44,6 +44,7 @@ const ENGINES: &[&str] = &[
     "load",
     "async_save",
     "checkpoint",
+    "remote",
     "state",
     "device",
     "manager",

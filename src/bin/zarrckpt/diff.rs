@@ -400,8 +400,9 @@ fn describe(key: &TensorKey, d: &TensorDiff) -> String {
 }
 
 fn diff(a: &Args) -> anyhow::Result<ExitCode> {
-    let ca = Checkpoint::open(&a.a)?;
-    let cb = Checkpoint::open(&a.b)?;
+    let (la, lb) = (crate::remote::local(&a.a)?, crate::remote::local(&a.b)?);
+    let ca = Checkpoint::open(la.path())?;
+    let cb = Checkpoint::open(lb.path())?;
     let side_bytes = (a.memory_mib << 20) / 2;
     let ta = ca.tensors();
     let tb = cb.tensors();

@@ -62,9 +62,10 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if a.tp.is_some() && !a.vllm {
         anyhow::bail!("--tp is vLLM's tensor parallel size: it needs --vllm");
     }
+    let local = crate::remote::local(&a.ckpt)?;
     if a.hf || a.vllm {
         let req = crate::hf::Export {
-            ckpt: &a.ckpt,
+            ckpt: local.path(),
             map: a.map.as_deref().unwrap_or_default(),
             out: &a.out,
             config: a.config.as_deref(),
@@ -79,7 +80,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             _ => crate::hf::export_hf(&req),
         };
     }
-    let ckpt = Checkpoint::open(&a.ckpt)?;
+    let ckpt = Checkpoint::open(local.path())?;
     let infos = ckpt.tensors();
     let total: u64 = infos.iter().map(|t| t.nbytes).sum();
     let pb = progress::bytes(total, "export");

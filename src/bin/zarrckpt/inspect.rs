@@ -64,14 +64,16 @@ pub fn human(b: u64) -> String {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
+    let local = crate::remote::local(&a.ckpt)?;
+    let path = local.path();
     if let Some(map) = &a.map {
-        return crate::hf::inspect_map(&a.ckpt, map, a.config.as_deref(), a.megatron.as_deref());
+        return crate::hf::inspect_map(path, map, a.config.as_deref(), a.megatron.as_deref());
     }
-    let ckpt = Checkpoint::open(zarrckpt::convert::hf::ckpt_dir(&a.ckpt))?;
+    let ckpt = Checkpoint::open(zarrckpt::convert::hf::ckpt_dir(path))?;
     let tensors = ckpt.tensors();
     let total: u64 = tensors.iter().map(|t| t.nbytes).sum();
     let chunks: u64 = tensors.iter().map(|t| t.num_chunks).sum();
-    let on_disk = dir_bytes(&a.ckpt);
+    let on_disk = dir_bytes(path);
     let meta = ckpt.meta();
     let objects = ckpt.objects();
     if a.json {

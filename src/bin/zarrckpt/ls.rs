@@ -14,6 +14,10 @@ pub struct Args {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
+    #[cfg(feature = "object-store")]
+    if zarrckpt::remote::is_url(&a.root.to_string_lossy()) {
+        return crate::remote::ls(&a.root.to_string_lossy());
+    }
     let m = CheckpointManager::new(&a.root, ManagerOptions::default());
     let steps = m.steps()?;
     let latest = m.latest()?;

@@ -19,6 +19,11 @@ mod launcher;
 mod ls;
 mod progress;
 mod recover;
+#[cfg(feature = "object-store")]
+mod remote;
+#[cfg(not(feature = "object-store"))]
+#[path = "remote_off.rs"]
+mod remote;
 mod rss;
 mod synth;
 mod verify;
@@ -58,6 +63,15 @@ enum Command {
     Ls(ls::Args),
     /// Read every chunk, check every checksum and that every chunk exists.
     Verify(verify::Args),
+    /// Copy a committed checkpoint between a directory and an object-store URL
+    /// (`s3://bucket/prefix`, `gs://`, `az://`): to a URL as a new generation committed by a
+    /// pointer move (spec section 20), from a URL into a new directory.
+    #[cfg(feature = "object-store")]
+    Cp(remote::CpArgs),
+    /// Remove the old generations of a checkpoint on an object store (`--keep N` committed
+    /// ones kept, the current one included; `--dry-run` lists them).
+    #[cfg(feature = "object-store")]
+    Gc(remote::GcArgs),
     /// Apply the recovery rules to a checkpoint an interrupted save left behind (restore a
     /// parked previous checkpoint, remove staging leftovers) under the save lock;
     /// `--dry-run` lists what it would do. Read-only commands never delete anything.
@@ -127,6 +141,10 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(a) => inspect::run(&a),
         Command::Ls(a) => ls::run(&a),
         Command::Verify(a) => verify::run(&a),
+        #[cfg(feature = "object-store")]
+        Command::Cp(a) => remote::cp(&a),
+        #[cfg(feature = "object-store")]
+        Command::Gc(a) => remote::gc(&a),
         Command::Recover(a) => recover::run(&a),
         Command::Diff(a) => diff::run(&a),
         Command::Bench(a) => bench::run(&a),

@@ -19,7 +19,8 @@ pub struct Args {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
-    let ckpt = Checkpoint::open(&a.ckpt)?;
+    let local = crate::remote::local(&a.ckpt)?;
+    let ckpt = Checkpoint::open(local.path())?;
     let total: u64 = ckpt.tensors().iter().map(|t| t.nbytes).sum();
     let pb = progress::bytes(total, "verify");
     let t0 = Instant::now();

@@ -1,0 +1,20 @@
+//! Object stores (feature `object-store`): S3, GCS, Azure and in-memory stores through the
+//! `object_store` crate, and the object-store profile of the commit (spec section
+//! "Object-store profile of the commit"): a fresh generation per save, its manifest and root
+//! written with put-if-absent once every object is durable, and a pointer moved with
+//! put-if-match. Readers resolve the pointer and trust only the manifest.
+
+pub mod client;
+pub mod error;
+pub mod generation;
+pub mod probe;
+pub mod store;
+pub mod url;
+
+pub use client::{Condition, PutOutcome, RemoteStore};
+pub use error::RemoteError;
+pub use generation::{
+    GcReport, Manifest, ManifestEntry, Pointer, PointerState, Resolved, gc, resolve,
+};
+pub use probe::{ProbeResult, probe, require_conditional_writes};
+pub use url::{RemoteOptions, RemoteUrl, Scheme, is_url};

@@ -1,0 +1,476 @@
+//! The object-store profile of the commit (spec "Object-store profile of the commit"): every
+//! save writes a fresh generation `generations/<id>/` and never reuses a key or deletes during
+//! the save; the manifest (every object's key, size and crc32c) and then the generation's root
+//! `zarr.json` are written with put-if-absent once every object is durable; the pointer
+//! `zarrckpt.pointer.json` is then moved to the new generation with put-if-match on the ETag
+//! it had when the save began (put-if-absent for the first commit). Readers resolve the
+//! pointer and trust only the manifest (no listing on load). Old generations are removed only
+//! by [`gc`], after the pointer moved.
+
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+
+use super::client::{Condition, PutOutcome, RemoteStore};
+use super::error::RemoteError;
+
+/// The pointer object, directly under the checkpoint's prefix.
+pub const POINTER: &str = "zarrckpt.pointer.json";
+/// The folder of the generations, under the checkpoint's prefix.
+pub const GENERATIONS: &str = "generations";
+/// The manifest, in a generation's folder.
+pub const MANIFEST: &str = "zarrckpt.manifest.json";
+/// The root document of a generation (the checkpoint's index), written last.
+pub const ROOT: &str = "zarr.json";
+
+/// The pointer's content.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pointer {
+    /// Format version of the pointer (1).
+    pub zarrckpt_pointer: u32,
+    /// The committed generation's id.
+    pub generation: String,
+}
+
+/// The pointer as read, with the ETag a move is conditioned on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PointerState {
+    /// Its content.
+    pub pointer: Pointer,
+    /// Its ETag.
+    pub etag: Option<String>,
+}
+
+/// One object of a generation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestEntry {
+    /// Its key relative to the generation's folder (`tensors/w/c/0/0`).
+    pub key: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// The crc32c of its bytes.
+    pub crc32c: u32,
+}
+
+/// The manifest: every object of a generation but the manifest itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version of the manifest (1).
+    pub zarrckpt_manifest: u32,
+    /// The generation's id.
+    pub generation: String,
+    /// The objects, sorted by key; the root `zarr.json` among them.
+    pub objects: Vec<ManifestEntry>,
+}
+
+/// A fresh generation id: milliseconds since the epoch (13 digits, so ids sort by time) and 64
+/// random bits.
+#[must_use]
+pub fn new_generation() -> String {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    let id = crate::storage::footer::SaveId::random().hex();
+    format!("{ms:013}-{}", &id[..16])
+}
+
+/// True for a well-formed generation id (no `/`, no dots: safe as one path segment).
+#[must_use]
+pub fn valid_generation(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
+/// The key of `rel` in generation `generation`.
+#[must_use]
+pub fn generation_key(generation: &str, rel: &str) -> String {
+    if rel.is_empty() {
+        format!("{GENERATIONS}/{generation}")
+    } else {
+        format!("{GENERATIONS}/{generation}/{rel}")
+    }
+}
+
+/// Reads the pointer (`None`: no checkpoint committed here).
+///
+/// # Errors
+/// [`RemoteError::Request`]; [`RemoteError::Corrupt`] for a pointer that does not parse or
+/// names a malformed generation.
+pub fn read_pointer(store: &RemoteStore) -> Result<Option<PointerState>, RemoteError> {
+    let Some((bytes, etag)) = store.get(POINTER)? else {
+        return Ok(None);
+    };
+    let corrupt = |detail: String| RemoteError::Corrupt {
+        key: store.url().url_of(POINTER),
+        detail,
+    };
+    let pointer: Pointer = serde_json::from_slice(&bytes)
+        .map_err(|e| corrupt(format!("not a zarrckpt pointer: {e}")))?;
+    if pointer.zarrckpt_pointer != 1 || !valid_generation(&pointer.generation) {
+        return Err(corrupt(format!(
+            "pointer version {} naming generation {:?}: not understood",
+            pointer.zarrckpt_pointer, pointer.generation
+        )));
+    }
+    Ok(Some(PointerState { pointer, etag }))
+}
+
+/// The files of a local checkpoint directory, relative, sorted, that a generation holds: all
+/// but the commit's local leftovers (the nonce, temporary root files).
+///
+/// # Errors
+/// [`RemoteError::Io`].
+pub fn local_files(dir: &Path) -> Result<Vec<String>, RemoteError> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<(), RemoteError> {
+        for e in std::fs::read_dir(dir).map_err(|e| RemoteError::io(dir, e))? {
+            let e = e.map_err(|e| RemoteError::io(dir, e))?;
+            let path = e.path();
+            let ty = e.file_type().map_err(|e| RemoteError::io(&path, e))?;
+            if ty.is_dir() {
+                walk(root, &path, out)?;
+            } else if ty.is_file() {
+                let rel = path
+                    .strip_prefix(root)
+                    .unwrap_or(&path)
+                    .to_string_lossy()
+                    .into_owned();
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                if name.starts_with(".zarrckpt-nonce") || name.starts_with(".zarr.json.tmp-") {
+                    continue;
+                }
+                out.push(rel);
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out)?;
+    out.sort();
+    Ok(out)
+}
+
+/// Uploads `files` (relative to `dir`) into generation `generation`, at most
+/// `concurrency` at once; returns their manifest entries.
+///
+/// # Errors
+/// The first failed upload's error (the others are finished or dropped; nothing is deleted).
+pub fn upload_files(
+    store: &RemoteStore,
+    generation: &str,
+    dir: &Path,
+    files: &[String],
+) -> Result<Vec<ManifestEntry>, RemoteError> {
+    let n = store.options().concurrency.max(1);
+    store.block_on(async {
+        let mut tasks = futures::stream::iter(files.iter().map(|rel| async move {
+            let key = generation_key(generation, rel);
+            let (size, crc32c) = store.upload_file(&key, &dir.join(rel)).await?;
+            Ok::<_, RemoteError>(ManifestEntry {
+                key: rel.clone(),
+                size,
+                crc32c,
+            })
+        }))
+        .buffer_unordered(n);
+        let mut out = Vec::with_capacity(files.len());
+        while let Some(r) = tasks.next().await {
+            out.push(r?);
+        }
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    })
+}
+
+/// Commits generation `generation`, whose objects (all but the root) are durable and listed
+/// in `entries`: writes the manifest and the root `zarr.json` (from `root_local`) with
+/// put-if-absent, then moves the pointer from `previous` (the state read when the save began;
+/// `None`: the first commit) with put-if-match (put-if-absent).
+///
+/// # Errors
+/// [`RemoteError::Conflict`] when another save moved the pointer first (or wrote the first
+/// one); [`RemoteError::Corrupt`] when the manifest or root key exists already (a generation
+/// id reused); [`RemoteError::Request`], [`RemoteError::Io`].
+pub fn commit_generation(
+    store: &RemoteStore,
+    generation: &str,
+    mut entries: Vec<ManifestEntry>,
+    root_local: &Path,
+    previous: Option<&PointerState>,
+) -> Result<(), RemoteError> {
+    let root = std::fs::read(root_local).map_err(|e| RemoteError::io(root_local, e))?;
+    entries.push(ManifestEntry {
+        key: ROOT.to_string(),
+        size: root.len() as u64,
+        crc32c: crc32c::crc32c(&root),
+    });
+    entries.sort_by(|a, b| a.key.cmp(&b.key));
+    let manifest = Manifest {
+        zarrckpt_manifest: 1,
+        generation: generation.to_string(),
+        objects: entries,
+    };
+    let bytes = serde_json::to_vec(&manifest).expect("a manifest serialises");
+    put_new(
+        store,
+        &generation_key(generation, MANIFEST),
+        Bytes::from(bytes),
+    )?;
+    put_new(store, &generation_key(generation, ROOT), Bytes::from(root))?;
+    let pointer = Pointer {
+        zarrckpt_pointer: 1,
+        generation: generation.to_string(),
+    };
+    let data = Bytes::from(serde_json::to_vec(&pointer).expect("a pointer serialises"));
+    let cond = match previous {
+        None => Condition::Absent,
+        Some(p) if store.options().allow_unconditional => {
+            let _ = p;
+            Condition::None
+        }
+        Some(PointerState { etag: Some(e), .. }) => Condition::Matches(e.clone()),
+        Some(PointerState { etag: None, .. }) => {
+            return Err(RemoteError::Corrupt {
+                key: store.url().url_of(POINTER),
+                detail: "the store reported no ETag for the pointer, so it cannot be moved conditionally".into(),
+            });
+        }
+    };
+    match store.put(POINTER, data, &cond)? {
+        PutOutcome::Written(_) => Ok(()),
+        PutOutcome::Exists | PutOutcome::Changed => Err(RemoteError::Conflict {
+            url: store.url().url(),
+            generation: generation.to_string(),
+        }),
+    }
+}
+
+fn put_new(store: &RemoteStore, key: &str, data: Bytes) -> Result<(), RemoteError> {
+    let cond = if store.options().allow_unconditional {
+        Condition::None
+    } else {
+        Condition::Absent
+    };
+    match store.put(key, data, &cond)? {
+        PutOutcome::Written(_) => Ok(()),
+        _ => Err(RemoteError::Corrupt {
+            key: store.url().url_of(key),
+            detail: "the object exists already: a generation id was reused".into(),
+        }),
+    }
+}
+
+/// A resolved checkpoint: the committed generation and its manifest.
+#[derive(Clone, Debug)]
+pub struct Resolved {
+    /// The committed generation's id.
+    pub generation: String,
+    /// Its manifest.
+    pub manifest: Manifest,
+}
+
+impl Resolved {
+    /// The generation's folder URL (what tensorstore or zarr-python open directly).
+    #[must_use]
+    pub fn generation_url(&self, store: &RemoteStore) -> String {
+        store.url().url_of(&generation_key(&self.generation, ""))
+    }
+
+    /// The total size of the generation's objects.
+    #[must_use]
+    pub fn bytes(&self) -> u64 {
+        self.manifest.objects.iter().map(|e| e.size).sum()
+    }
+}
+
+/// Resolves the pointer and reads the committed generation's manifest (no listing).
+///
+/// # Errors
+/// [`RemoteError::NotFound`] without a pointer; [`RemoteError::Corrupt`] for a manifest that
+/// is missing, does not parse, names another generation, or has unsafe keys.
+pub fn resolve(store: &RemoteStore) -> Result<Resolved, RemoteError> {
+    let Some(p) = read_pointer(store)? else {
+        return Err(RemoteError::NotFound {
+            url: store.url().url(),
+            pointer: store.url().url_of(POINTER),
+        });
+    };
+    let generation = p.pointer.generation;
+    let key = generation_key(&generation, MANIFEST);
+    let corrupt = |detail: String| RemoteError::Corrupt {
+        key: store.url().url_of(&key),
+        detail,
+    };
+    let Some((bytes, _)) = store.get(&key)? else {
+        return Err(corrupt(
+            "the pointer names a generation without a manifest".into(),
+        ));
+    };
+    let manifest: Manifest = serde_json::from_slice(&bytes)
+        .map_err(|e| corrupt(format!("not a zarrckpt manifest: {e}")))?;
+    if manifest.zarrckpt_manifest != 1 || manifest.generation != generation {
+        return Err(corrupt(format!(
+            "manifest version {} of generation {:?}, expected version 1 of {generation:?}",
+            manifest.zarrckpt_manifest, manifest.generation
+        )));
+    }
+    for e in &manifest.objects {
+        if e.key.is_empty()
+            || e.key.starts_with('/')
+            || e.key
+                .split('/')
+                .any(|s| s.is_empty() || s == "." || s == "..")
+        {
+            return Err(corrupt(format!("unsafe object key {:?}", e.key)));
+        }
+    }
+    if !manifest.objects.iter().any(|e| e.key == ROOT) {
+        return Err(corrupt("the manifest lists no root zarr.json".into()));
+    }
+    Ok(Resolved {
+        generation,
+        manifest,
+    })
+}
+
+/// Downloads every object of a resolved generation into `dest` (created; must not exist),
+/// checking each against its manifest size and crc32c, at most `concurrency` at once. The
+/// objects go into a temporary sibling first, renamed to `dest` once all arrived, so `dest`
+/// never holds part of a generation.
+///
+/// # Errors
+/// [`RemoteError::Request`], [`RemoteError::Corrupt`] naming the object, [`RemoteError::Io`].
+pub fn download(store: &RemoteStore, resolved: &Resolved, dest: &Path) -> Result<(), RemoteError> {
+    let parent = dest.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(|e| RemoteError::io(parent, e))?;
+    let tmp = parent.join(format!(
+        ".{}.fetch-{}",
+        dest.file_name()
+            .map_or_else(|| "generation".into(), |n| n.to_string_lossy().into_owned()),
+        crate::storage::footer::SaveId::random().hex()
+    ));
+    let result = download_into(store, resolved, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, dest).map_err(|e| RemoteError::io(dest, e)));
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn download_into(store: &RemoteStore, resolved: &Resolved, tmp: &Path) -> Result<(), RemoteError> {
+    std::fs::create_dir_all(tmp).map_err(|e| RemoteError::io(tmp, e))?;
+    let mut dirs: Vec<PathBuf> = resolved
+        .manifest
+        .objects
+        .iter()
+        .filter_map(|e| tmp.join(&e.key).parent().map(Path::to_path_buf))
+        .collect();
+    dirs.sort();
+    dirs.dedup();
+    for d in &dirs {
+        std::fs::create_dir_all(d).map_err(|e| RemoteError::io(d, e))?;
+    }
+    let n = store.options().concurrency.max(1);
+    let generation = &resolved.generation;
+    store.block_on(async {
+        let mut tasks =
+            futures::stream::iter(resolved.manifest.objects.iter().map(|e| async move {
+                store
+                    .download_file(
+                        &generation_key(generation, &e.key),
+                        &tmp.join(&e.key),
+                        e.size,
+                        e.crc32c,
+                    )
+                    .await
+            }))
+            .buffer_unordered(n);
+        while let Some(r) = tasks.next().await {
+            r?;
+        }
+        Ok(())
+    })
+}
+
+/// What [`gc`] removed (or would remove).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// The committed generation (kept).
+    pub current: Option<String>,
+    /// Generations kept besides the current one.
+    pub kept: Vec<String>,
+    /// Generations removed.
+    pub removed: Vec<String>,
+    /// Objects deleted.
+    pub objects: usize,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// Removes old generations: every generation whose id sorts before the committed one (older
+/// saves, saves that lost a race or crashed), except the `keep - 1` newest of them that were
+/// committed (have a root `zarr.json`). Generations newer than the committed one (a save in
+/// progress) are left alone. Leftover probe keys are removed too. With `dry_run` nothing is
+/// deleted.
+///
+/// Multipart uploads a crashed writer left open are not visible through `object_store`; give
+/// the bucket a lifecycle rule that aborts incomplete multipart uploads after a day (S3
+/// `AbortIncompleteMultipartUpload`); uploads that fail while the writer lives are aborted by it.
+///
+/// # Errors
+/// [`RemoteError::Request`]; [`RemoteError::Corrupt`] for a malformed pointer.
+pub fn gc(store: &RemoteStore, keep: usize, dry_run: bool) -> Result<GcReport, RemoteError> {
+    let current = read_pointer(store)?.map(|p| p.pointer.generation);
+    let objects = store.list(GENERATIONS)?;
+    let mut by_gen: std::collections::BTreeMap<String, Vec<(String, u64)>> = Default::default();
+    for (key, size) in objects {
+        let Some(rest) = key.strip_prefix(&format!("{GENERATIONS}/")) else {
+            continue;
+        };
+        let Some((g, rel)) = rest.split_once('/') else {
+            continue;
+        };
+        by_gen
+            .entry(g.to_string())
+            .or_default()
+            .push((rel.to_string(), size));
+    }
+    let mut report = GcReport {
+        current: current.clone(),
+        ..GcReport::default()
+    };
+    let Some(cur) = current else {
+        // Nothing committed: nothing is known to be old.
+        return Ok(report);
+    };
+    let older: Vec<&String> = by_gen
+        .keys()
+        .filter(|g| g.as_str() < cur.as_str())
+        .collect();
+    let mut committed_kept = 0usize;
+    for g in older.into_iter().rev() {
+        let objs = &by_gen[g];
+        let committed = objs.iter().any(|(rel, _)| rel == ROOT);
+        if committed && committed_kept + 1 < keep {
+            committed_kept += 1;
+            report.kept.push(g.clone());
+            continue;
+        }
+        for (rel, size) in objs {
+            if !dry_run {
+                store.delete(&generation_key(g, rel))?;
+            }
+            report.objects += 1;
+            report.bytes += size;
+        }
+        report.removed.push(g.clone());
+    }
+    for key in store.list_level()?.1 {
+        if key.starts_with(super::probe::PROBE_PREFIX) && !dry_run {
+            store.delete(&key)?;
+        }
+    }
+    report.removed.sort();
+    Ok(report)
+}

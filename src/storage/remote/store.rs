@@ -1,0 +1,303 @@
+//! The storage seam ([`crate::storage::store::Store`]) on an object store: whole-object puts
+//! with put-if-absent / put-if-match, a bounded multipart writer, coalesced ranged gets,
+//! listing and deletes, all through `object_store`. No rename, no locks, no directories: the
+//! commit on such a store is the generation + pointer profile of [`super::generation`].
+
+use std::io::IoSlice;
+use std::ops::Range;
+use std::path::PathBuf;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::{PutPayload, WriteMultipart};
+
+use super::client::RemoteStore;
+use crate::storage::error::StorageError;
+use crate::storage::store::{
+    Capabilities, ListResult, MultipartWrite, ObjectMeta, PutMode, PutResult, Store, check_location,
+};
+
+fn io(op: &'static str, path: PathBuf) -> impl FnOnce(object_store::Error) -> StorageError {
+    move |e| match e {
+        object_store::Error::NotFound { .. } => StorageError::NotFound { path },
+        e => StorageError::Io {
+            op,
+            path,
+            source: std::io::Error::other(e),
+        },
+    }
+}
+
+fn meta_of(store: &RemoteStore, m: &object_store::ObjectMeta) -> ObjectMeta {
+    ObjectMeta {
+        location: store.relative_key(&m.location),
+        size: m.size,
+        e_tag: m.e_tag.clone(),
+        version: m.version.clone(),
+    }
+}
+
+impl Store for RemoteStore {
+    fn display_path(&self, location: &str) -> PathBuf {
+        PathBuf::from(self.url().url_of(location))
+    }
+
+    fn put_opts(
+        &self,
+        location: &str,
+        payload: &[&[u8]],
+        mode: PutMode,
+    ) -> Result<PutResult, StorageError> {
+        check_location(location)?;
+        let path = self.display_path(location);
+        let data: PutPayload = payload.iter().map(|p| Bytes::copy_from_slice(p)).collect();
+        let expected = match &mode {
+            PutMode::Update(v) => v.e_tag.clone().unwrap_or_default(),
+            _ => String::new(),
+        };
+        let om = match mode {
+            PutMode::Overwrite => object_store::PutMode::Overwrite,
+            PutMode::Create => object_store::PutMode::Create,
+            PutMode::Update(v) => object_store::PutMode::Update(object_store::UpdateVersion {
+                e_tag: v.e_tag,
+                version: v.version,
+            }),
+        };
+        let key = self.path(location);
+        let r = self.block_on(self.inner().put_opts(&key, data, om.into()));
+        match r {
+            Ok(r) => Ok(PutResult {
+                e_tag: r.e_tag,
+                version: r.version,
+            }),
+            Err(object_store::Error::AlreadyExists { .. }) if expected.is_empty() => {
+                Err(StorageError::ObjectExists { path })
+            }
+            Err(
+                object_store::Error::Precondition { .. }
+                | object_store::Error::AlreadyExists { .. },
+            ) => {
+                if expected.is_empty() {
+                    Err(StorageError::ObjectExists { path })
+                } else {
+                    Err(StorageError::Precondition {
+                        path,
+                        expected,
+                        found: "another version, or no object".into(),
+                    })
+                }
+            }
+            Err(e) => Err(io("PUT", path)(e)),
+        }
+    }
+
+    fn put_multipart(&self, location: &str) -> Result<Box<dyn MultipartWrite + '_>, StorageError> {
+        check_location(location)?;
+        let path = self.display_path(location);
+        let key = self.path(location);
+        let upload = self
+            .block_on(self.inner().put_multipart(&key))
+            .map_err(io("multipart PUT", path.clone()))?;
+        let part = self.options().part_size.max(5 << 20);
+        Ok(Box::new(RemoteMultipart {
+            store: self,
+            path,
+            w: Some(WriteMultipart::new_with_chunk_size(upload, part)),
+            written: 0,
+        }))
+    }
+
+    fn get_ranges(
+        &self,
+        location: &str,
+        ranges: &[Range<u64>],
+    ) -> Result<Vec<Vec<u8>>, StorageError> {
+        check_location(location)?;
+        let path = self.display_path(location);
+        let key = self.path(location);
+        let got = self
+            .block_on(self.inner().get_ranges(&key, ranges))
+            .map_err(io("GET", path))?;
+        Ok(got.into_iter().map(|b| b.to_vec()).collect())
+    }
+
+    fn head(&self, location: &str) -> Result<ObjectMeta, StorageError> {
+        check_location(location)?;
+        let key = self.path(location);
+        let m = self
+            .block_on(self.inner().head(&key))
+            .map_err(io("HEAD", self.display_path(location)))?;
+        Ok(meta_of(self, &m))
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StorageError> {
+        let key = self.path(prefix);
+        let path = self.display_path(prefix);
+        let mut out = self.block_on(async {
+            let mut s = self.inner().list(Some(&key));
+            let mut out = Vec::new();
+            while let Some(m) = s.next().await {
+                out.push(meta_of(self, &m.map_err(io("LIST", path.clone()))?));
+            }
+            Ok::<_, StorageError>(out)
+        })?;
+        out.sort_by(|a, b| a.location.cmp(&b.location));
+        Ok(out)
+    }
+
+    fn list_with_delimiter(&self, prefix: &str) -> Result<ListResult, StorageError> {
+        let key = self.path(prefix);
+        let r = self
+            .block_on(self.inner().list_with_delimiter(Some(&key)))
+            .map_err(io("LIST", self.display_path(prefix)))?;
+        let mut common_prefixes: Vec<String> = r
+            .common_prefixes
+            .iter()
+            .map(|p| self.relative_key(p))
+            .collect();
+        let mut objects: Vec<ObjectMeta> = r.objects.iter().map(|m| meta_of(self, m)).collect();
+        common_prefixes.sort();
+        objects.sort_by(|a, b| a.location.cmp(&b.location));
+        Ok(ListResult {
+            common_prefixes,
+            objects,
+        })
+    }
+
+    fn delete(&self, location: &str) -> Result<(), StorageError> {
+        check_location(location)?;
+        match self.block_on(self.inner().delete(&self.path(location))) {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(io("DELETE", self.display_path(location))(e)),
+        }
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            conditional_put: !self.options().allow_unconditional,
+            ..Capabilities::default()
+        }
+    }
+}
+
+/// A multipart upload with at most `parts_in_flight` parts of `part_size` in flight.
+struct RemoteMultipart<'a> {
+    store: &'a RemoteStore,
+    path: PathBuf,
+    w: Option<WriteMultipart>,
+    written: u64,
+}
+
+impl MultipartWrite for RemoteMultipart<'_> {
+    fn write_vectored(&mut self, parts: &[IoSlice<'_>]) -> Result<(), StorageError> {
+        let n = self
+            .store
+            .options()
+            .parts_in_flight
+            .max(1)
+            .saturating_sub(1);
+        let Some(w) = self.w.as_mut() else {
+            return Err(StorageError::Unsupported {
+                op: "write after finish",
+                path: self.path.clone(),
+            });
+        };
+        for p in parts {
+            self.store
+                .block_on(w.wait_for_capacity(n))
+                .map_err(io("multipart PUT", self.path.clone()))?;
+            let _in_runtime = self.store.enter();
+            w.write(p);
+            self.written += p.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn written(&self) -> u64 {
+        self.written
+    }
+
+    fn finish(mut self: Box<Self>) -> Result<PutResult, StorageError> {
+        let w = self.w.take().expect("finish once");
+        let r = self
+            .store
+            .block_on(w.finish())
+            .map_err(io("multipart PUT", self.path.clone()))?;
+        Ok(PutResult {
+            e_tag: r.e_tag,
+            version: r.version,
+        })
+    }
+
+    fn abort(mut self: Box<Self>) -> Result<(), StorageError> {
+        match self.w.take() {
+            Some(w) => self
+                .store
+                .block_on(w.abort())
+                .map_err(io("multipart abort", self.path.clone())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for RemoteMultipart<'_> {
+    fn drop(&mut self) {
+        if let Some(w) = self.w.take() {
+            let _ = self.store.block_on(w.abort());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::remote::RemoteOptions;
+    use crate::storage::store::UpdateVersion;
+
+    #[test]
+    fn the_seam_on_an_in_memory_object_store() {
+        let s = RemoteStore::open("memory://seam/ckpt", &RemoteOptions::default()).unwrap();
+        let r = Store::put_if_absent(&s, "a/x", &[b"he", b"llo"]).unwrap();
+        assert!(matches!(
+            Store::put_if_absent(&s, "a/x", &[b"no"]),
+            Err(StorageError::ObjectExists { .. })
+        ));
+        let wrong = UpdateVersion {
+            e_tag: Some("\"nope\"".into()),
+            version: None,
+        };
+        assert!(matches!(
+            Store::put_if_match(&s, "a/x", &[b"no"], &wrong),
+            Err(StorageError::Precondition { .. })
+        ));
+        Store::put_if_match(&s, "a/x", &[b"HELLO"], &r.update_version()).unwrap();
+        assert_eq!(
+            Store::get_ranges(&s, "a/x", &[1..3, 0..5]).unwrap(),
+            vec![b"EL".to_vec(), b"HELLO".to_vec()]
+        );
+        assert_eq!(Store::head(&s, "a/x").unwrap().size, 5);
+        let mut w = Store::put_multipart(&s, "a/b/big").unwrap();
+        w.write(&vec![7u8; 3 << 20]).unwrap();
+        w.write_vectored(&[IoSlice::new(&[1, 2]), IoSlice::new(&[3])])
+            .unwrap();
+        assert_eq!(w.written(), (3 << 20) + 3);
+        w.finish().unwrap();
+        assert_eq!(Store::head(&s, "a/b/big").unwrap().size, (3 << 20) + 3);
+        let l = Store::list_with_delimiter(&s, "a").unwrap();
+        assert_eq!(l.common_prefixes, vec!["a/b".to_string()]);
+        assert_eq!(
+            l.objects
+                .iter()
+                .map(|o| o.location.as_str())
+                .collect::<Vec<_>>(),
+            vec!["a/x"]
+        );
+        assert_eq!(Store::list(&s, "").unwrap().len(), 2);
+        Store::delete(&s, "a/x").unwrap();
+        assert!(matches!(
+            Store::head(&s, "a/x"),
+            Err(StorageError::NotFound { .. })
+        ));
+        assert!(!Store::capabilities(&s).rename && Store::capabilities(&s).conditional_put);
+    }
+}

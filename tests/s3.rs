@@ -1,0 +1,573 @@
+//! Checkpoints on object stores: against a real S3 server on loopback (SeaweedFS, started here;
+//! see `tests/common/s3.rs`) and the in-memory store. Round trips bit-identical to the local
+//! path, the generation + pointer commit (two concurrent writers: exactly one commits; a
+//! failed overwrite keeps the old checkpoint), multipart uploads, a rank's failure named on
+//! every rank, gc, and the conditional-write probe (SeaweedFS passes, the JuiceFS gateway is
+//! refused).
+
+mod common;
+#[path = "common/s3.rs"]
+mod s3_server;
+
+use std::path::Path;
+use std::sync::{Arc, Barrier, OnceLock};
+use std::time::Duration;
+
+use common::state::{self, RankState};
+use zarrckpt::comm::run_local;
+use zarrckpt::remote::{self, RemoteError, RemoteOptions, RemoteStore, SaveTarget};
+use zarrckpt::{Checkpoint, Communicator, Error, LocalComm, SaveOptions, save};
+
+/// One SeaweedFS for the whole test binary (each test uses its own prefix).
+fn server() -> &'static s3_server::S3Server {
+    static SERVER: OnceLock<s3_server::S3Server> = OnceLock::new();
+    SERVER.get_or_init(s3_server::S3Server::start)
+}
+
+/// Options reaching `endpoint` with the test credentials (no environment variables: the tests
+/// run in parallel threads).
+fn opts_for(endpoint: &str) -> RemoteOptions {
+    RemoteOptions {
+        config: vec![
+            ("aws_endpoint".into(), endpoint.into()),
+            ("aws_access_key_id".into(), s3_server::ACCESS_KEY.into()),
+            ("aws_secret_access_key".into(), s3_server::SECRET_KEY.into()),
+            ("aws_region".into(), "us-east-1".into()),
+            ("aws_allow_http".into(), "true".into()),
+        ],
+        max_retries: 3,
+        retry_timeout: Duration::from_secs(30),
+        ..RemoteOptions::default()
+    }
+}
+
+/// The S3 options, after waiting until the server answers signed requests (the bucket is
+/// created just after the port opens).
+fn s3_opts() -> RemoteOptions {
+    static READY: OnceLock<()> = OnceLock::new();
+    let opts = opts_for(&server().endpoint());
+    READY.get_or_init(|| {
+        let store = RemoteStore::open(&format!("s3://{}/ready", s3_server::BUCKET), &opts).unwrap();
+        let start = std::time::Instant::now();
+        while let Err(e) = store.list("") {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "SeaweedFS answers no signed LIST after 60 s: {e}\n{}",
+                server().log()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    });
+    opts
+}
+
+fn s3_url(name: &str) -> String {
+    format!("s3://{}/{name}", s3_server::BUCKET)
+}
+
+/// Saves the test state of `step` with `world` in-process ranks to `url`.
+fn save_state(
+    url: &str,
+    world: usize,
+    step: u64,
+    ropts: &RemoteOptions,
+    overwrite: bool,
+) -> Vec<zarrckpt::Result<String>> {
+    let staging = tempfile::tempdir().unwrap();
+    let target = SaveTarget {
+        overwrite,
+        staging_root: Some(staging.path().to_path_buf()),
+    };
+    run_local(world, Duration::from_secs(60), |comm| {
+        let st = RankState::new(world as u64, comm.rank() as u64, step);
+        remote::save_to_url(url, &comm, ropts, &target, |dir| {
+            save(&st.sharded(), dir, &comm, &SaveOptions::default())
+        })
+        .map(|s| s.generation)
+    })
+}
+
+/// Every tensor of two checkpoint directories, read whole, is bit-identical.
+fn same_tensors(a: &Path, b: &Path) {
+    let (ca, cb) = (Checkpoint::open(a).unwrap(), Checkpoint::open(b).unwrap());
+    let keys: Vec<_> = ca.tensors().iter().map(|t| t.key.clone()).collect();
+    assert_eq!(
+        keys,
+        cb.tensors()
+            .iter()
+            .map(|t| t.key.clone())
+            .collect::<Vec<_>>()
+    );
+    for k in keys {
+        assert!(
+            ca.read_tensor(&k).unwrap() == cb.read_tensor(&k).unwrap(),
+            "tensor `{k}` differs"
+        );
+    }
+}
+
+fn round_trip(url: &str, ropts: &RemoteOptions) {
+    for r in save_state(url, 2, 3, ropts, false) {
+        r.unwrap();
+    }
+    let local = tempfile::tempdir().unwrap();
+    let dir = local.path().join("ckpt");
+    run_local(2, Duration::from_secs(60), |comm| {
+        let st = RankState::new(2, comm.rank() as u64, 3);
+        save(&st.sharded(), &dir, &comm, &SaveOptions::default()).unwrap();
+    });
+    let fetched = remote::fetch_url(url, ropts, None).unwrap();
+    state::check(fetched.dir(), 3);
+    same_tensors(fetched.dir(), &dir);
+    let report = Checkpoint::open(fetched.dir())
+        .unwrap()
+        .verify(2, None)
+        .unwrap();
+    assert!(
+        report.problems.is_empty() && report.chunks > 0,
+        "{:?}",
+        report.problems
+    );
+}
+
+#[test]
+fn s3_round_trip_is_bit_identical_to_local() {
+    if s3_server::skipped("s3_round_trip_is_bit_identical_to_local") {
+        return;
+    }
+    round_trip(&s3_url("round-trip"), &s3_opts());
+}
+
+#[test]
+fn memory_round_trip_is_bit_identical_to_local() {
+    round_trip("memory://rt/a/b", &RemoteOptions::default());
+}
+
+#[test]
+fn an_existing_checkpoint_is_kept_without_overwrite_and_replaced_with_it() {
+    if s3_server::skipped("an_existing_checkpoint_is_kept_without_overwrite_and_replaced_with_it") {
+        return;
+    }
+    let (url, ropts) = (s3_url("overwrite"), s3_opts());
+    let g1 = save_state(&url, 1, 1, &ropts, false).remove(0).unwrap();
+    let e = save_state(&url, 1, 2, &ropts, false).remove(0).unwrap_err();
+    assert!(
+        matches!(e, Error::Remote(RemoteError::Exists { .. })),
+        "{e}"
+    );
+    // A save that fails after staging (here: the local save itself) commits nothing.
+    let staging = tempfile::tempdir().unwrap();
+    let target = SaveTarget {
+        overwrite: true,
+        staging_root: Some(staging.path().to_path_buf()),
+    };
+    let comm = LocalComm::single();
+    let failed = remote::save_to_url(
+        &url,
+        &comm,
+        &ropts,
+        &target,
+        |_dir| -> zarrckpt::Result<()> {
+            Err(Error::RemoteFailure {
+                rank: 0,
+                message: "injected".into(),
+            })
+        },
+    );
+    assert!(failed.is_err());
+    state::check(remote::fetch_url(&url, &ropts, None).unwrap().dir(), 1);
+    let g2 = save_state(&url, 2, 2, &ropts, true).remove(0).unwrap();
+    assert!(g2 > g1);
+    let f = remote::fetch_url(&url, &ropts, None).unwrap();
+    assert_eq!(f.resolved().generation, g2);
+    state::check(f.dir(), 2);
+    // gc removes the old generation, keeps the committed one.
+    let store = RemoteStore::open(&url, &ropts).unwrap();
+    let report = remote::gc(&store, 1, false).unwrap();
+    assert_eq!(report.removed, vec![g1.clone()]);
+    assert_eq!(report.current.as_deref(), Some(g2.as_str()));
+    assert!(store.list(&format!("generations/{g1}")).unwrap().is_empty());
+    state::check(remote::fetch_url(&url, &ropts, None).unwrap().dir(), 2);
+}
+
+#[test]
+fn two_concurrent_writers_exactly_one_commits() {
+    if s3_server::skipped("two_concurrent_writers_exactly_one_commits") {
+        return;
+    }
+    let ropts = s3_opts();
+    for round in 0..20u64 {
+        let url = s3_url(&format!("race/{round}"));
+        // Both writers read the (absent) pointer before either commits: the barrier is inside
+        // the local save, which runs after the pointer was read.
+        let barrier = Arc::new(Barrier::new(2));
+        let results: Vec<zarrckpt::Result<String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2u64)
+                .map(|w| {
+                    let (barrier, url, ropts) = (Arc::clone(&barrier), url.clone(), ropts.clone());
+                    s.spawn(move || {
+                        let staging = tempfile::tempdir().unwrap();
+                        let target = SaveTarget {
+                            overwrite: false,
+                            staging_root: Some(staging.path().to_path_buf()),
+                        };
+                        let comm = LocalComm::single();
+                        let st = RankState::new(1, 0, 10 + w);
+                        remote::save_to_url(&url, &comm, &ropts, &target, |dir| {
+                            barrier.wait();
+                            save(&st.sharded(), dir, &comm, &SaveOptions::default())
+                        })
+                        .map(|s| s.generation)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let won: Vec<usize> = (0..2).filter(|&i| results[i].is_ok()).collect();
+        assert_eq!(won.len(), 1, "round {round}: {results:?}");
+        let lost = results[1 - won[0]].as_ref().unwrap_err();
+        assert!(
+            matches!(lost, Error::Remote(RemoteError::Conflict { .. })),
+            "round {round}: {lost}"
+        );
+        assert!(
+            lost.to_string().contains("another save committed"),
+            "{lost}"
+        );
+        let f = remote::fetch_url(&url, &ropts, None).unwrap();
+        state::check(f.dir(), 10 + won[0] as u64);
+    }
+}
+
+#[test]
+fn large_shards_go_as_multipart_uploads() {
+    if s3_server::skipped("large_shards_go_as_multipart_uploads") {
+        return;
+    }
+    let ropts = RemoteOptions {
+        multipart_threshold: 6 << 20,
+        part_size: 5 << 20,
+        parts_in_flight: 2,
+        ..s3_opts()
+    };
+    let url = s3_url("multipart");
+    // One 16 MiB tensor in one shard: 4 parts of 5 MiB (the last shorter).
+    let key = zarrckpt::TensorKey::new("big").unwrap();
+    let shape = vec![4u64 << 20];
+    let full = common::tensor_bytes(7, &shape, zarrckpt::DType::Float32);
+    let staging = tempfile::tempdir().unwrap();
+    let target = SaveTarget {
+        overwrite: false,
+        staging_root: Some(staging.path().to_path_buf()),
+    };
+    let comm = LocalComm::single();
+    let t = zarrckpt::ShardedTensor::new(
+        key.clone(),
+        zarrckpt::DType::Float32,
+        shape.clone(),
+        zarrckpt::Region::full(&shape),
+        0,
+        &full,
+    )
+    .unwrap();
+    remote::save_to_url(&url, &comm, &ropts, &target, |dir| {
+        save(&[t], dir, &comm, &SaveOptions::default())
+    })
+    .unwrap();
+    let f = remote::fetch_url(&url, &ropts, None).unwrap();
+    let biggest = f
+        .resolved()
+        .manifest
+        .objects
+        .iter()
+        .map(|e| e.size)
+        .max()
+        .unwrap();
+    assert!(
+        biggest > 6 << 20,
+        "the shard ({biggest} bytes) should exceed the threshold"
+    );
+    assert!(
+        Checkpoint::open(f.dir())
+            .unwrap()
+            .read_tensor(&key)
+            .unwrap()
+            == full
+    );
+}
+
+#[test]
+fn a_rank_whose_upload_fails_is_named_on_every_rank() {
+    if s3_server::skipped("a_rank_whose_upload_fails_is_named_on_every_rank") {
+        return;
+    }
+    let (url, ropts) = (s3_url("rank-failure"), s3_opts());
+    let staging = tempfile::tempdir().unwrap();
+    let target = SaveTarget {
+        overwrite: false,
+        staging_root: Some(staging.path().to_path_buf()),
+    };
+    // Rank 1 reaches the store through a port where nothing listens (a permanent failure of
+    // its uploads after its retries); rank 0 reaches SeaweedFS.
+    let dead_port = s3_server::free_ports(1)[0];
+    let broken = RemoteOptions {
+        max_retries: 1,
+        retry_timeout: Duration::from_secs(5),
+        ..opts_for(&format!("http://127.0.0.1:{dead_port}"))
+    };
+    let results = run_local(2, Duration::from_secs(60), |comm| {
+        let st = RankState::new(2, comm.rank() as u64, 1);
+        let ropts = if comm.rank() == 1 { &broken } else { &ropts };
+        remote::save_to_url(&url, &comm, ropts, &target, |dir| {
+            save(&st.sharded(), dir, &comm, &SaveOptions::default())
+        })
+    });
+    for (rank, r) in results.iter().enumerate() {
+        let e = r.as_ref().unwrap_err();
+        let text = e.to_string();
+        if rank == 0 {
+            assert!(
+                matches!(e, Error::RemoteFailure { rank: 1, .. }),
+                "rank 0: {text}"
+            );
+        }
+        // Both name the failing key (its full URL) and the cause.
+        assert!(
+            text.contains(&format!("{url}/generations/")),
+            "rank {rank}: {text}"
+        );
+        assert!(text.contains("PUT"), "rank {rank}: {text}");
+    }
+    let store = RemoteStore::open(&url, &ropts).unwrap();
+    assert!(
+        zarrckpt::storage::remote::generation::read_pointer(&store)
+            .unwrap()
+            .is_none()
+    );
+}
+
+#[test]
+fn the_probe_passes_seaweedfs_and_refuses_the_juicefs_gateway() {
+    if s3_server::skipped("the_probe_passes_seaweedfs_and_refuses_the_juicefs_gateway") {
+        return;
+    }
+    let store = RemoteStore::open(&s3_url("probe"), &s3_opts()).unwrap();
+    let r = remote::probe(&store).unwrap();
+    assert!(r.if_none_match && r.if_match, "{r:?}");
+
+    let jfs = s3_server::JuiceGateway::start();
+    let jopts = opts_for(&jfs.endpoint());
+    let url = s3_url("probe");
+    let store = RemoteStore::open(&url, &jopts).unwrap();
+    // The gateway answers signed requests a moment after its port opens.
+    let start = std::time::Instant::now();
+    while store.list("").is_err() && start.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let r = remote::probe(&store).unwrap();
+    assert!(
+        !r.if_none_match && !r.if_match,
+        "the JuiceFS gateway was expected to ignore both: {r:?}"
+    );
+    let e = save_state(&url, 1, 1, &jopts, false).remove(0).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        matches!(e, Error::Remote(RemoteError::Unconditional { .. })),
+        "{text}"
+    );
+    assert!(text.contains(&jfs.endpoint()), "{text}");
+    // Under the explicit flag the save goes through on the generation id alone.
+    let allowed = RemoteOptions {
+        allow_unconditional: true,
+        ..jopts
+    };
+    save_state(&url, 1, 1, &allowed, false).remove(0).unwrap();
+    state::check(remote::fetch_url(&url, &allowed, None).unwrap().dir(), 1);
+}
+
+#[test]
+fn reading_a_missing_or_damaged_checkpoint_names_the_key() {
+    let ropts = RemoteOptions::default();
+    let e = remote::fetch_url("memory://damaged/none", &ropts, None).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("memory://damaged/none/zarrckpt.pointer.json"),
+        "{e}"
+    );
+    let url = "memory://damaged/ckpt";
+    save_state(url, 1, 1, &ropts, false).remove(0).unwrap();
+    let store = RemoteStore::open(url, &ropts).unwrap();
+    let g = remote::fetch_url(url, &ropts, None)
+        .unwrap()
+        .resolved()
+        .generation
+        .clone();
+    // Flip a byte of the largest object: the fetch checks it against the manifest's crc32c.
+    let store_objects = remote::fetch_url(url, &ropts, None)
+        .unwrap()
+        .resolved()
+        .manifest
+        .objects
+        .clone();
+    let biggest = store_objects.iter().max_by_key(|e| e.size).unwrap();
+    let key = format!("generations/{g}/{}", biggest.key);
+    let (bytes, _) = store.get(&key).unwrap().unwrap();
+    let mut b = bytes.to_vec();
+    b[0] ^= 1;
+    store.put(&key, b.into(), &remote::Condition::None).unwrap();
+    let e = remote::fetch_url(url, &ropts, None).unwrap_err();
+    assert!(
+        e.to_string().contains(&key) && e.to_string().contains("crc32c"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_storage_seam_on_seaweedfs() {
+    use zarrckpt::storage::StorageError;
+    use zarrckpt::storage::store::{Store, UpdateVersion};
+    if s3_server::skipped("the_storage_seam_on_seaweedfs") {
+        return;
+    }
+    let ropts = RemoteOptions {
+        part_size: 5 << 20,
+        parts_in_flight: 2,
+        ..s3_opts()
+    };
+    let s = RemoteStore::open(&s3_url("seam"), &ropts).unwrap();
+    let r = Store::put_if_absent(&s, "k", &[b"ab", b"c"]).unwrap();
+    assert!(matches!(
+        Store::put_if_absent(&s, "k", &[b"x"]),
+        Err(StorageError::ObjectExists { .. })
+    ));
+    let wrong = UpdateVersion {
+        e_tag: Some("\"0123\"".into()),
+        version: None,
+    };
+    assert!(matches!(
+        Store::put_if_match(&s, "k", &[b"x"], &wrong),
+        Err(StorageError::Precondition { .. })
+    ));
+    Store::put_if_match(&s, "k", &[b"xyz"], &r.update_version()).unwrap();
+    // A 12 MiB object in 5 MiB parts, at most 2 in flight; then ranged reads across parts.
+    let big: Vec<u8> = (0..12u32 << 20).map(|i| (i % 251) as u8).collect();
+    let mut w = Store::put_multipart(&s, "d/big").unwrap();
+    for piece in big.chunks(3 << 20) {
+        w.write(piece).unwrap();
+    }
+    w.finish().unwrap();
+    let ranges = [
+        0..10,
+        (5 << 20) - 3..(5 << 20) + 3,
+        (12 << 20) - 1..12 << 20,
+    ];
+    let got = Store::get_ranges(&s, "d/big", &ranges).unwrap();
+    for (g, r) in got.iter().zip(&ranges) {
+        assert_eq!(g.as_slice(), &big[r.start as usize..r.end as usize]);
+    }
+    assert_eq!(Store::head(&s, "d/big").unwrap().size, 12 << 20);
+    let l = Store::list_with_delimiter(&s, "").unwrap();
+    assert_eq!(l.common_prefixes, vec!["d".to_string()]);
+    assert!(matches!(
+        Store::head(&s, "nope"),
+        Err(StorageError::NotFound { .. })
+    ));
+}
+
+#[test]
+fn the_cli_copies_inspects_verifies_lists_and_collects() {
+    if s3_server::skipped("the_cli_copies_inspects_verifies_lists_and_collects") {
+        return;
+    }
+    let _ = s3_opts(); // the server is up and answers signed requests
+    let tmp = tempfile::tempdir().unwrap();
+    let local = tmp.path().join("ckpt");
+    run_local(2, Duration::from_secs(60), |comm| {
+        let st = RankState::new(2, comm.rank() as u64, 5);
+        save(&st.sharded(), &local, &comm, &SaveOptions::default()).unwrap();
+    });
+    let url = s3_url("cli/step-5");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_zarrckpt"))
+            .args(args)
+            .envs(server().env())
+            .env("TMPDIR", tmp.path())
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "zarrckpt {args:?}: {text}");
+        text
+    };
+    let local_s = local.to_str().unwrap();
+    assert!(run(&["cp", local_s, &url]).contains("committed generation"));
+    run(&["cp", local_s, &url, "--overwrite"]);
+    assert!(run(&["verify", &url]).contains("OK:"));
+    assert!(run(&["inspect", &url]).contains("model.rows.weight"));
+    let ls = run(&["ls", &s3_url("cli")]);
+    assert!(
+        ls.contains("step-5") && ls.contains("1 checkpoint(s)"),
+        "{ls}"
+    );
+    let back = tmp.path().join("back");
+    run(&["cp", &url, back.to_str().unwrap()]);
+    state::check(&back, 5);
+    let diff = std::process::Command::new(env!("CARGO_BIN_EXE_zarrckpt"))
+        .args(["diff", local_s, &url])
+        .envs(server().env())
+        .status()
+        .unwrap();
+    assert!(diff.success());
+    let gc = run(&["gc", &url]);
+    assert!(gc.contains("removed 1 generation(s)"), "{gc}");
+}
+
+/// tensorstore (from the test venv: `$ZARRCKPT_PYTHON`, else `<repo>/.venv/bin/python`) reads a
+/// committed generation straight from SeaweedFS, as the spec's section 20.2 says.
+#[test]
+fn tensorstore_reads_a_committed_generation_from_s3() {
+    if s3_server::skipped("tensorstore_reads_a_committed_generation_from_s3") {
+        return;
+    }
+    let python = s3_server::venv_binary("python", "ZARRCKPT_PYTHON");
+    let (url, ropts) = (s3_url("tensorstore"), s3_opts());
+    save_state(&url, 2, 4, &ropts, false).remove(0).unwrap();
+    let store = RemoteStore::open(&url, &ropts).unwrap();
+    let generation = remote::resolve(&store).unwrap().generation;
+    let key = zarrckpt::TensorKey::new(state::specs()[0].key).unwrap();
+    let path = format!(
+        "tensorstore/generations/{generation}/{}/",
+        zarrckpt::storage::meta::tensor_path(&key)
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("tensor.bin");
+    let script = format!(
+        r#"
+import tensorstore as ts
+spec = {{"driver": "zarr3", "kvstore": {{"driver": "s3", "bucket": "{bucket}", "path": "{path}",
+        "endpoint": "{endpoint}", "aws_region": "us-east-1", "aws_credentials": {{"type": "environment"}}}}}}
+a = ts.open(spec, read=True).result()
+open("{out}", "wb").write(a.read().result().tobytes())
+"#,
+        bucket = s3_server::BUCKET,
+        endpoint = server().endpoint(),
+        out = out.display()
+    );
+    let o = std::process::Command::new(python)
+        .args(["-c", &script])
+        .envs(server().env())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "tensorstore failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        std::fs::read(&out).unwrap() == state::full(0, 4),
+        "tensorstore read other bytes"
+    );
+}
