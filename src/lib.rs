@@ -99,7 +99,7 @@ pub use model::{
 };
 pub use plan::objects::ObjectPlanError;
 pub use plan::{GridOptions, LayoutDecodeError, PlanError};
-pub use save::{Progress, SaveOptions, SaveReport, save, save_with_objects};
+pub use save::{Progress, SaveOptions, SaveReport, SaveRequest, save, save_with_objects};
 pub use state::{load_state, save_state};
 pub use storage::object::StoredScope;
 pub use storage::read::ReadMethod;

@@ -14,7 +14,13 @@ pub struct Args {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
-    let m = CheckpointManager::new(&a.root, ManagerOptions::default());
+    // Listing is local: a one-process saver that never saves.
+    let one = std::sync::Arc::new(zarrckpt::LocalComm::single());
+    let m = CheckpointManager::new(
+        &a.root,
+        zarrckpt::Saver::new(one),
+        ManagerOptions::default(),
+    );
     let steps = m.steps()?;
     let latest = m.latest()?;
     println!("{:>12}  {:<10}  {:>12}  dir", "step", "state", "bytes");
