@@ -489,22 +489,27 @@ pub(crate) fn save_direct(
     let objects = objects
         .map(|o| crate::objects::agree_on_objects(o, comm))
         .transpose()?;
-    let mut report = save_agreed(dir, comm, opts, &agreed, objects.as_ref())?;
+    // The same collectives in the same order as a staged save (`crate::Saver::save_async`):
+    // ranks of one save may take either path (only some holding device pieces).
+    let received = exchange_unaligned(comm, &agreed, &agreed.plan.tasks, None)?;
+    let mut report = save_agreed(dir, comm, opts, &agreed, &received, objects.as_ref())?;
     report.gathered_bytes += objects.map_or(0, |o| o.gathered_bytes);
     Ok(report)
 }
 
-/// Steps 2 to 5 of a save, once the ranks agreed on the plan (and on the objects, if any).
-pub(crate) fn save_agreed(
+/// Steps 2, 4 and 5 of a save, once the ranks agreed on the plan (and on the objects, if any)
+/// and the unaligned parts travelled (step 3, `received`).
+fn save_agreed(
     dir: &Path,
     comm: &dyn Communicator,
     opts: &SaveOptions,
     agreed: &AgreedLayout<'_, '_>,
+    received: &[Vec<Vec<u8>>],
     objects: Option<&AgreedObjects<'_>>,
 ) -> Result<SaveReport> {
     let tasks = &agreed.plan.tasks;
     let prepared = prepare_directory(dir, comm, &agreed.plan.plan, objects, opts)?;
-    let outcome = write_and_commit(comm, &prepared, agreed, tasks, objects, opts);
+    let outcome = write_and_commit(comm, &prepared, agreed, received, objects, opts);
     if outcome.is_err() {
         prepared.abandon();
     }
@@ -517,19 +522,18 @@ fn write_and_commit(
     comm: &dyn Communicator,
     prepared: &Prepared,
     agreed: &AgreedLayout<'_, '_>,
-    tasks: &RankTasks,
+    received: &[Vec<Vec<u8>>],
     objects: Option<&AgreedObjects<'_>>,
     opts: &SaveOptions,
 ) -> Result<(u64, u64)> {
     let dir = prepared.dir();
     let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
-    let received = exchange_unaligned(comm, agreed, tasks, None)?;
     let written = write_files(
         dir,
         &agreed.plan.plan,
-        tasks,
+        &agreed.plan.tasks,
         &agreed.local,
-        &received,
+        received,
         opts,
         prepared.id,
     )
