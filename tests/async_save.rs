@@ -579,3 +579,71 @@ fn bytemuck_f32(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding and any bytes are valid u8.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
+
+/// The checkpoint manager over a saver: every step saved in the background with tensors and
+/// objects; the commit, the `latest` pointer and retention follow in the background thread;
+/// resuming loads the latest step's tensors and objects on every rank.
+#[test]
+fn manager_saves_steps_in_the_background_and_resumes() {
+    use zarrckpt::{
+        CheckpointManager, LoadOptions, LoadTarget, ManagerOptions, ObjectRequest, ObjectValue,
+        StateObject,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("run");
+    let results = run_local(2, TIMEOUT, |comm| {
+        let comm = shared(comm);
+        let r = comm.rank() as u64;
+        let opts = ManagerOptions {
+            keep_last: 2,
+            keep_every: None,
+        };
+        let mut m = CheckpointManager::new(&root, Saver::new(Arc::clone(&comm)), opts);
+        for step in 1..=4u64 {
+            let mut data: Vec<f32> = (0..6).map(|i| (step * 100 + r * 6 + i) as f32).collect();
+            let piece =
+                ShardedTensor::from_slice("w", &[4, 3], &[2 * r, 0], &data, &[2, 3], 0).unwrap();
+            let request = SaveRequest::new().with_tensors([piece]).with_objects([
+                StateObject::common("step", serde_json::json!(step)).unwrap(),
+                StateObject::per_rank("rng", vec![(step + r) as u8; 4]).unwrap(),
+            ]);
+            let h = m
+                .save_async(step, &request, &SaveOptions::default())
+                .unwrap();
+            drop(request);
+            data.iter_mut().for_each(|x| *x = -1.0); // training goes on
+            h.wait().unwrap();
+        }
+        assert_eq!(m.latest().unwrap(), Some(4));
+        let kept: Vec<u64> = m.steps().unwrap().iter().map(|s| s.step).collect();
+        assert_eq!(kept, vec![3, 4]);
+        let mut whole = vec![0f32; 12];
+        let mut t = [LoadTarget::from_slice("w", &[4, 3], &[0, 0], &mut whole, &[4, 3]).unwrap()];
+        let requests = [
+            ObjectRequest::common("step").unwrap(),
+            ObjectRequest::rank("rng", r).unwrap(),
+        ];
+        let (step, report) = m
+            .load_latest(&mut t, &requests, &LoadOptions::default())
+            .unwrap()
+            .unwrap();
+        assert_eq!(step, 4);
+        assert_eq!(
+            report.objects,
+            vec![
+                Some(ObjectValue::Json(serde_json::json!(4))),
+                Some(ObjectValue::Bytes(vec![(4 + r) as u8; 4]))
+            ]
+        );
+        drop(t);
+        whole
+    });
+    let want: Vec<f32> = (0..12).map(|i| (400 + i) as f32).collect();
+    for got in results {
+        assert_eq!(got, want);
+    }
+    assert_eq!(
+        std::fs::read_to_string(root.join("latest")).unwrap(),
+        "step-00000004\n"
+    );
+}

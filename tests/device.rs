@@ -599,3 +599,72 @@ fn saves_strided_device_pieces() {
 fn async_save_from_device_snapshots_before_returning() {
     save_from_device(true);
 }
+
+/// One rank holds its rows of a tensor in device memory, the other in host memory: both save
+/// through the same `Saver` calls (synchronous and asynchronous) and the tensor reads back
+/// whole. A layout error among device pieces (an overlap) is returned by the call itself, on
+/// every rank, before anything is staged or written.
+#[test]
+fn ranks_with_and_without_device_pieces_save_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = [8u64, 6];
+    let full = global(&shape, 4, 9);
+    let results = run_local(2, Duration::from_secs(30), |comm| {
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let r = comm.rank();
+        let dev = Arc::new(SimDevice::new());
+        let mut saver = Saver::new(Arc::clone(&comm));
+        let rows = split(&shape, 0, r, 2);
+        let mine = cut(&full, &shape, &rows, 4);
+        let key = TensorKey::new("w").unwrap();
+        let request = if r == 0 {
+            let base = dev.alloc(mine.len());
+            dev.write(base, &mine).unwrap();
+            let view = unsafe { DeviceView::contiguous(base, rows.shape()) };
+            let p = DevicePiece::new(key.clone(), DType::Float32, shape.to_vec(), rows, 0, view)
+                .unwrap();
+            SaveRequest::new().with_device_tensors(dev.clone(), [p])
+        } else {
+            let p = ShardedTensor::new(key.clone(), DType::Float32, shape.to_vec(), rows, 0, &mine)
+                .unwrap();
+            SaveRequest::new().with_tensors([p])
+        };
+        let opts = SaveOptions::default();
+        saver.save(&request, &dir.path().join("sync"), &opts)?;
+        saver
+            .save_async(&request, &dir.path().join("async"), &opts)?
+            .wait()?;
+        // Rank 1 also claims rank 0's rows, as a device piece: an overlap.
+        let base = dev.alloc(full.len());
+        dev.write(base, &full).unwrap();
+        let all = Region::full(&shape);
+        let view = unsafe { DeviceView::contiguous(base, &shape) };
+        let bad = if r == 1 {
+            let p = DevicePiece::new(key, DType::Float32, shape.to_vec(), all, 0, view).unwrap();
+            SaveRequest::new().with_device_tensors(dev.clone(), [p])
+        } else {
+            request
+        };
+        let e = saver
+            .save_async(&bad, &dir.path().join("bad"), &opts)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(matches!(e, Error::Plan(_)), "rank {r}: {e}");
+        Ok::<_, Error>(())
+    });
+    for r in results {
+        r.unwrap();
+    }
+    for sub in ["sync", "async"] {
+        let ck = zarrckpt::Checkpoint::open(dir.path().join(sub)).unwrap();
+        let mut got = vec![0u8; full.len()];
+        ck.read_region(
+            &TensorKey::new("w").unwrap(),
+            &Region::full(&shape),
+            &mut got,
+        )
+        .unwrap();
+        assert!(got == full, "{sub}");
+    }
+    assert!(!dir.path().join("bad").join("zarr.json").exists());
+}
