@@ -415,7 +415,7 @@ fn objects_are_saved_asynchronously_with_the_tensors() {
         let rank = comm.rank() as u64;
         let mut saver = Saver::new(Arc::clone(&comm));
         let state = RankState::new(3, rank, 1);
-        let mut objects = vec![
+        let mut objects = [
             StateObject::common("iteration", serde_json::json!(1000)).unwrap(),
             StateObject::per_rank("rng", vec![rank as u8; 8]).unwrap(),
         ];
