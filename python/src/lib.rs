@@ -273,6 +273,7 @@ impl Saver {
     /// Saves synchronously (`Saver::save`), objects included, reusing the agreed plan while
     /// the structure is unchanged. The caller waits for a save in flight first.
     #[pyo3(signature = (path, pieces, objects, options, device_pieces=None, device=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature's arguments
     fn save(
         &self,
         py: Python<'_>,
@@ -299,6 +300,7 @@ impl Saver {
     /// Starts an asynchronous save (`Saver::save_async`): returns once the pieces are
     /// staged, with every planning error.
     #[pyo3(signature = (path, pieces, objects, options, device_pieces=None, device=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature's arguments
     fn save_async(
         &self,
         py: Python<'_>,
