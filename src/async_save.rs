@@ -1,13 +1,20 @@
-//! Asynchronous saves and repeated saves of the same structure: [`Saver`].
+//! The saver: [`Saver`], with [`Saver::save`] and [`Saver::save_async`] of a
+//! [`SaveRequest`] (host tensors, device tensors, objects, or a nested state dict).
 //!
-//! A [`Saver`] owns what repeated saves share: the communicator, a bounded staging pool
-//! reused from save to save, and the plan the ranks last agreed on.
+//! A [`Saver`] owns what repeated saves share: the communicator, one bounded staging pool
+//! reused from save to save (host memory, or page-locked memory of the device when the
+//! request has device pieces), and the plan the ranks last agreed on.
 //!
 //! [`Saver::save_async`] plans (collectively, reusing the last plan when no rank's structure
-//! changed), copies the chunks this rank writes into staging memory, hands them to a
-//! background thread and returns a [`SaveHandle`]. The background thread writes the shard
-//! files, makes them durable and takes part in the commit; its outcome, including any error,
-//! comes back from [`SaveHandle::wait`]. A save that fails on any rank commits nothing.
+//! changed) and agrees on the objects, so that every planning error (an invalid layout,
+//! objects that disagree across ranks, a rank that died) is returned by the call itself;
+//! then it copies (or downloads, from device memory) the chunks this rank writes into
+//! staging memory, hands them to a background thread and returns a [`SaveHandle`]. The
+//! background thread writes the shard files, makes them durable and takes part in the
+//! commit; its outcome, including any I/O error, comes back from [`SaveHandle::wait`]. A
+//! save that fails on any rank commits nothing. [`Saver::save`] writes host pieces straight
+//! from the caller's buffers, and runs a request with device pieces through the same staging
+//! as `save_async`, waiting for it.
 //!
 //! # Who may use the communicator when
 //! The communicator is shared (`Arc<dyn Communicator>`) between the caller and the
@@ -31,12 +38,12 @@ use crate::comm::Communicator;
 use crate::coord::agree;
 use crate::error::{Error, Result};
 use crate::model::copy::{byte_offset, is_contiguous};
-use crate::model::{ShardedTensor, StateObject};
+use crate::objects::AgreedObjects;
 use crate::plan::cache::CachedPlan;
 use crate::plan::ruled::RankPlan;
 use crate::plan::save::{RankTasks, SavePlan, Source};
-use crate::save::{self as steps, AgreedLayout, SaveOptions, SaveReport};
-use crate::stage::{self, ItemSource, Lease, StagingPool};
+use crate::save::{self as steps, AgreedLayout, SaveOptions, SaveReport, SaveRequest, Sources};
+use crate::stage::{self, ItemSource, Lease, PartSource, StagingPool};
 use crate::storage::{fsio, write};
 
 /// What a new save does while the previous asynchronous save of the same [`Saver`] is still
@@ -56,9 +63,11 @@ pub enum IfBusy {
 /// How a [`Saver`] stages.
 #[derive(Debug, Clone)]
 pub struct SaverOptions {
-    /// Cap on staging memory, in bytes (default 4 GiB). A rank's chunks beyond it are staged
-    /// in rounds, the caller waiting only for the writes that free the memory it needs next.
-    /// The pool may exceed the cap only to hold one chunk larger than half of it.
+    /// Cap on staging memory, in bytes (default 4 GiB), host or page-locked alike. A rank's
+    /// chunks beyond it are staged in rounds, the caller waiting only for the writes that
+    /// free the memory it needs next. The pool may exceed the cap only to hold one chunk
+    /// larger than half of it (plus, for a chunk assembled from parts of device pieces, room
+    /// to download those parts).
     pub staging_bytes: u64,
     /// Threads copying into staging memory; 0 picks the machine's cores (at most 8).
     pub copy_threads: usize,
@@ -210,7 +219,7 @@ struct StagedRound {
 /// ```no_run
 /// use std::sync::Arc;
 /// use std::time::Duration;
-/// use zarrckpt::{Communicator, SaveOptions, Saver, ShardedTensor, run_local};
+/// use zarrckpt::{Communicator, SaveOptions, SaveRequest, Saver, ShardedTensor, run_local};
 ///
 /// run_local(2, Duration::from_secs(60), |comm| {
 ///     let comm: Arc<dyn Communicator> = Arc::new(comm);
@@ -220,7 +229,8 @@ struct StagedRound {
 ///     for step in 0..3 {
 ///         let piece = ShardedTensor::from_slice("w", &[4, 3], &[2 * r, 0], &weights, &[2, 3], 0)?;
 ///         let dir = format!("ckpt/step-{step}");
-///         let handle = saver.save_async(&[piece], dir.as_ref(), &SaveOptions::default())?;
+///         let request = SaveRequest::new().with_tensors([piece]);
+///         let handle = saver.save_async(&request, dir.as_ref(), &SaveOptions::default())?;
 ///         weights.iter_mut().for_each(|w| *w += 1.0); // training goes on at once
 ///         handle.wait()?; // or poll `handle.is_done()` and wait later
 ///     }
@@ -304,6 +314,14 @@ impl Saver {
         Ok(())
     }
 
+    /// Waits for a save in flight, if any (its outcome stays with its handle).
+    pub(crate) fn wait_idle(&mut self) {
+        if let Some((job, _)) = self.in_flight.take() {
+            drop(job.wait_finished());
+        }
+        self.pool.wait_idle();
+    }
+
     fn threads(&mut self) -> Result<Arc<rayon::ThreadPool>> {
         if let Some(t) = &self.threads {
             return Ok(Arc::clone(t));
@@ -316,103 +334,81 @@ impl Saver {
         Ok(t)
     }
 
-    /// Saves synchronously, as [`crate::save()`], reusing the agreed plan while no rank's
-    /// structure changed.
+    /// Saves `request` into the checkpoint at `dir` and returns once it is committed. Every
+    /// rank calls it (or every rank [`Saver::save_async`]) for a given save, with its own
+    /// request, in the same order on every rank.
+    ///
+    /// Host pieces are written straight from the caller's buffers (as [`crate::save()`]);
+    /// a request with device pieces runs through the saver's staging as
+    /// [`Saver::save_async`] does, and waits for it. The agreed plan is reused while no
+    /// rank's structure changed.
     ///
     /// # Errors
-    /// As [`crate::save()`]; [`Error::SaveInFlight`] as [`Saver::save_async`].
+    /// As [`crate::save()`], plus [`Error::Object`] / [`Error::ObjectPlan`] for objects that
+    /// are invalid or disagree across ranks, [`Error::Device`] when a download from device
+    /// memory fails, and [`Error::SaveInFlight`] as [`Saver::save_async`].
     pub fn save(
         &mut self,
-        pieces: &[ShardedTensor<'_>],
+        request: &SaveRequest<'_>,
         dir: &Path,
         opts: &SaveOptions,
     ) -> Result<SaveReport> {
+        if !request.device_tensors.is_empty() {
+            return self.start(request, dir, opts, None)?.wait();
+        }
         // A save still in flight fails here, before any collective: the background thread
         // of that save may be using the communicator (IfBusy::Fail), and two collectives must
         // never interleave on it. A rank that is not busy then fails in the agreement within
         // the communicator's timeout.
         self.settle()?;
-        let ready = Ok(());
-        // Flat pieces are saved as the boxes of their decomposition.
-        let boxed = crate::model::tensor::boxed_pieces(pieces);
-        let pieces = &boxed[..];
-        let agreed =
-            steps::agree_on_layout_cached(ready, pieces, &*self.comm, opts, &mut self.cache)?;
-        steps::save_agreed(dir, &*self.comm, opts, &agreed, None)
+        steps::save_direct(
+            &request.tensors,
+            request.objects.as_deref(),
+            dir,
+            &*self.comm,
+            opts,
+            Some(&mut self.cache),
+        )
     }
 
-    /// Saves synchronously with objects, as [`crate::save_with_objects`], reusing the agreed
-    /// plan while no rank's structure changed. Every rank calls it (or every rank
-    /// [`Saver::save`]) for a given save; an empty `objects` is fine.
+    /// Starts a save of `request` and returns once this rank's part of it is staged (host
+    /// pieces copied, device pieces downloaded, objects taken); writing, fsync and commit go
+    /// on in the background. The caller may change or free its tensors and objects as soon
+    /// as this returns: what is saved is what they held during the call.
     ///
     /// # Errors
-    /// As [`crate::save_with_objects`]; [`Error::SaveInFlight`] as [`Saver::save_async`].
-    pub fn save_with_objects(
-        &mut self,
-        pieces: &[ShardedTensor<'_>],
-        objects: &[StateObject],
-        dir: &Path,
-        opts: &SaveOptions,
-    ) -> Result<SaveReport> {
-        // A save still in flight fails here, before any collective: the background thread
-        // of that save may be using the communicator (IfBusy::Fail), and two collectives must
-        // never interleave on it. A rank that is not busy then fails in the agreement within
-        // the communicator's timeout.
-        self.settle()?;
-        let ready = Ok(());
-        // Flat pieces are saved as the boxes of their decomposition.
-        let boxed = crate::model::tensor::boxed_pieces(pieces);
-        let pieces = &boxed[..];
-        let agreed =
-            steps::agree_on_layout_cached(ready, pieces, &*self.comm, opts, &mut self.cache)?;
-        let objects = crate::objects::agree_on_objects(objects, &*self.comm)?;
-        let mut report = steps::save_agreed(dir, &*self.comm, opts, &agreed, Some(&objects))?;
-        report.gathered_bytes += objects.gathered_bytes;
-        Ok(report)
-    }
-
-    /// Starts a save and returns once this rank's part of the state is staged in host memory;
-    /// writing, fsync and commit go on in the background. The caller may change or free its
-    /// tensors as soon as this returns: what is saved is what they held during the call.
-    ///
-    /// # Errors
-    /// Planning errors as [`crate::save()`] (an invalid layout, a rank that died) are returned
-    /// here; errors of the background work come from [`SaveHandle::wait`].
+    /// Every error that planning can know is returned here, on every rank: an invalid
+    /// layout or objects (as [`Saver::save`]), a rank that died, a failed download.
+    /// Errors of the background work (I/O, the commit) come from [`SaveHandle::wait`].
     /// [`Error::SaveInFlight`] when the previous save is still in flight and the policy is
     /// [`IfBusy::Fail`].
     pub fn save_async(
         &mut self,
-        pieces: &[ShardedTensor<'_>],
+        request: &SaveRequest<'_>,
         dir: &Path,
         opts: &SaveOptions,
     ) -> Result<SaveHandle> {
-        self.start(pieces, None, dir, opts)
+        self.start(request, dir, opts, None)
     }
 
-    /// [`Saver::save_async`] with objects (non-tensor state, as [`crate::save_with_objects`]):
-    /// they are copied during the call, so the caller may change them once it returns, and
-    /// agreed on and written in the background with the tensors, in the same commit. Every
-    /// rank calls it (or every rank [`Saver::save_async`]) for a given save.
-    ///
-    /// # Errors
-    /// As [`Saver::save_async`]; objects that do not agree across ranks fail the save on
-    /// every rank, from [`SaveHandle::wait`].
-    pub fn save_async_with_objects(
+    /// [`Saver::save_async`], running `after` in the background thread once the save is
+    /// committed on every rank (its error, agreed across ranks, becomes the save's).
+    pub(crate) fn save_async_then(
         &mut self,
-        pieces: &[ShardedTensor<'_>],
-        objects: &[StateObject],
+        request: &SaveRequest<'_>,
         dir: &Path,
         opts: &SaveOptions,
+        after: AfterCommit,
     ) -> Result<SaveHandle> {
-        self.start(pieces, Some(objects.to_vec()), dir, opts)
+        self.start(request, dir, opts, Some(after))
     }
 
     fn start(
         &mut self,
-        pieces: &[ShardedTensor<'_>],
-        objects: Option<Vec<StateObject>>,
+        request: &SaveRequest<'_>,
         dir: &Path,
         opts: &SaveOptions,
+        after: Option<AfterCommit>,
     ) -> Result<SaveHandle> {
         let t0 = Instant::now();
         // A save still in flight fails here, before any collective (see `save`); a copy pool
@@ -422,22 +418,43 @@ impl Saver {
         let comm = Arc::clone(&self.comm);
         let rank = comm.rank();
         // Flat pieces are saved as the boxes of their decomposition.
-        let boxed = crate::model::tensor::boxed_pieces(pieces);
-        let pieces = &boxed[..];
+        let boxed = crate::model::tensor::boxed_pieces(&request.tensors);
+        let src = Sources {
+            host: &boxed,
+            device: &request.device_tensors,
+            reader: request.device.as_ref(),
+        };
         let (threads, ready) = match ready {
             Ok(t) => (Some(t), Ok(())),
             Err(e) => (None, Err(e)),
         };
-        let agreed = steps::agree_on_layout_cached(ready, pieces, &*comm, opts, &mut self.cache)?;
+        let agreed = steps::agree_on_layout_cached(ready, src, &*comm, opts, &mut self.cache)?;
+        let objects = request
+            .objects
+            .as_deref()
+            .map(|o| crate::objects::agree_on_objects(o, &*comm).map(AgreedObjects::into_owned))
+            .transpose()?;
         let threads = threads.ok_or_else(|| Error::ThreadPool("no copy pool".into()))?;
         let plan = Arc::clone(&agreed.plan);
         let tasks = plan.tasks.clone();
         // Unaligned parts travel now, from the caller's buffers, while the communicator is
         // still the caller's; what arrives is staged with the rest.
-        let received = steps::exchange_unaligned(&*comm, &agreed, &tasks)?;
-        let items = stage_sources(&plan.plan, &tasks, &agreed.local, &received);
-        let sizes: Vec<usize> = items.iter().map(item_len).collect();
+        let pool = &self.pool;
+        let mut download = |piece: &crate::device::DevicePiece, region: &crate::model::Region| {
+            let device = agreed.reader.ok_or_else(|| {
+                crate::device::DeviceError::Unavailable("no device for device pieces".into())
+            })?;
+            Ok(stage::download(pool, device, piece, region)?)
+        };
+        let received = steps::exchange_unaligned(&*comm, &agreed, &tasks, Some(&mut download))?;
+        let items = stage_sources(&plan.plan, &tasks, &agreed, &received);
+        let sizes: Vec<usize> = items.iter().map(|i| i.len() + i.scratch()).collect();
         let rounds = stage::pack(&sizes, self.pool.arena_cap());
+        let device = items
+            .iter()
+            .any(ItemSource::reads_device)
+            .then_some(agreed.reader)
+            .flatten();
 
         let job = Arc::new(Job::default());
         let (tx, rx) = sync_channel::<StagedRound>(stage::ARENAS);
@@ -447,9 +464,10 @@ impl Saver {
             plan: Arc::clone(&plan),
             tasks: tasks.clone(),
             opts: opts.clone(),
-            report: ReportParts::of(&agreed),
+            report: ReportParts::of(&agreed, objects.as_ref()),
             lower_priority: self.opts.lower_priority,
             objects,
+            after,
         };
         let finisher = Finisher {
             job: Arc::clone(&job),
@@ -469,8 +487,24 @@ impl Saver {
                 detail: format!("could not start the background writer: {e}"),
             })?;
         self.in_flight = Some((Arc::clone(&job), dir.to_owned()));
-        let staged = stage_rounds(&self.pool, &threads, &items, &sizes, &rounds, &tx);
+        let staging = Staging {
+            pool: &self.pool,
+            threads: &threads,
+            device,
+        };
+        let staged = staging.rounds(&items, &sizes, &rounds, &tx);
         drop(tx);
+        // A failed download fails the save on every rank: this rank's writer never gets every
+        // chunk and fails its agreement, so the others fail from `wait`; here the download's
+        // error is returned, once the writer is done with the communicator.
+        let staged = match staged {
+            Ok(n) => n,
+            Err(e) => {
+                drop(job.wait_finished());
+                self.in_flight = None;
+                return Err(e.into());
+            }
+        };
         Ok(SaveHandle {
             job,
             blocked: t0.elapsed(),
@@ -479,24 +513,20 @@ impl Saver {
     }
 }
 
-fn item_len(item: &ItemSource<'_>) -> usize {
-    match item {
-        ItemSource::Bytes(b) => b.len(),
-        ItemSource::Parts { full, elem, .. } => {
-            // Invariant: a chunk box of a planned tensor, whose element count fits `u64`.
-            crate::model::usize_of(full.num_elements().unwrap_or(0)) * elem
-        }
-    }
-}
+/// Work a save runs in its background thread once committed on every rank (the manager's
+/// pointer and retention), given the communicator; its outcome is agreed on by the saver.
+pub(crate) type AfterCommit = Box<dyn FnOnce(&dyn Communicator) -> Result<()> + Send>;
 
-/// Where each chunk this rank writes comes from: a contiguous run of a local piece, or a box
-/// assembled from local pieces and received parts (zero-padded at the tensor's edge).
+/// Where each chunk this rank writes comes from: a contiguous run of a local piece, a box of
+/// a device piece, or a box assembled from local pieces and received parts (zero-padded at
+/// the tensor's edge).
 fn stage_sources<'a>(
     plan: &'a SavePlan,
     tasks: &'a RankTasks,
-    local: &'a steps::PieceIndex<'a, 'a>,
+    agreed: &'a AgreedLayout<'a, 'a>,
     received: &'a [Vec<Vec<u8>>],
 ) -> Vec<ItemSource<'a>> {
+    let (local, device) = (&agreed.local, &agreed.device);
     tasks
         .writes
         .iter()
@@ -508,38 +538,52 @@ fn stage_sources<'a>(
             if let [part] = w.parts.as_slice()
                 && let Source::Local(piece_region) = &part.source
                 && w.region == full
-                && let Some(piece) = local.get(&(&tp.key, piece_region))
             {
-                if is_contiguous(full.shape(), piece_region.shape()) {
-                    let rel: Vec<u64> = full
-                        .offset()
-                        .iter()
-                        .zip(piece_region.offset())
-                        .map(|(a, b)| a - b)
-                        .collect();
-                    let start = byte_offset(&rel, piece_region.shape(), elem);
-                    // Invariant: inside the piece, whose bytes are in memory.
-                    let len = crate::model::usize_of(full.num_elements().unwrap_or(0)) * elem;
-                    return ItemSource::Bytes(&piece.data()[start..start + len]);
+                if let Some(piece) = local.get(&(&tp.key, piece_region)) {
+                    if is_contiguous(full.shape(), piece_region.shape()) {
+                        let rel: Vec<u64> = full
+                            .offset()
+                            .iter()
+                            .zip(piece_region.offset())
+                            .map(|(a, b)| a - b)
+                            .collect();
+                        let start = byte_offset(&rel, piece_region.shape(), elem);
+                        // Invariant: inside the piece, whose bytes are in memory.
+                        let len = crate::model::usize_of(full.num_elements().unwrap_or(0)) * elem;
+                        return ItemSource::Bytes(&piece.data()[start..start + len]);
+                    }
+                    return ItemSource::Parts {
+                        parts: vec![(PartSource::Host(piece.data(), piece.region()), full.clone())],
+                        full,
+                        elem,
+                        covered: true,
+                    };
                 }
-                return ItemSource::Parts {
-                    parts: vec![(piece.data(), piece.region(), full.clone())],
-                    full,
-                    elem,
-                    covered: true,
-                };
+                if let Some(piece) = device.get(&(&tp.key, piece_region)) {
+                    return ItemSource::Device { piece, full };
+                }
             }
             let mut remote = recv.into_iter().flatten();
             let parts = w
                 .parts
                 .iter()
                 .filter_map(|part| match &part.source {
-                    Source::Local(piece_region) => local
-                        .get(&(&tp.key, piece_region))
-                        .map(|p| (p.data(), p.region(), part.region.clone())),
-                    Source::Remote(_) => remote
-                        .next()
-                        .map(|d| (d.as_slice(), &part.region, part.region.clone())),
+                    Source::Local(piece_region) => {
+                        let at = (&tp.key, piece_region);
+                        match (local.get(&at), device.get(&at)) {
+                            (Some(p), _) => {
+                                Some((PartSource::Host(p.data(), p.region()), part.region.clone()))
+                            }
+                            (None, Some(p)) => Some((PartSource::Device(p), part.region.clone())),
+                            (None, None) => None,
+                        }
+                    }
+                    Source::Remote(_) => remote.next().map(|d| {
+                        (
+                            PartSource::Host(d.as_slice(), &part.region),
+                            part.region.clone(),
+                        )
+                    }),
                 })
                 .collect();
             ItemSource::Parts {
@@ -552,36 +596,59 @@ fn stage_sources<'a>(
         .collect()
 }
 
-/// Copies the rounds into arenas and sends them to the writer; stops early if the writer
-/// gave up (its error comes from `wait`). Returns the bytes staged.
-fn stage_rounds(
-    pool: &Arc<StagingPool>,
-    threads: &rayon::ThreadPool,
-    items: &[ItemSource<'_>],
-    sizes: &[usize],
-    rounds: &[Range<usize>],
-    tx: &SyncSender<StagedRound>,
-) -> u64 {
-    let mut staged = 0u64;
-    for round in rounds {
-        let mut at = 0usize;
-        let ranges: Vec<Range<usize>> = sizes[round.clone()]
+/// The staging of one save: the pool, the copy threads, and the device whose page-locked
+/// memory the arenas must be when chunks download from it.
+struct Staging<'s> {
+    pool: &'s Arc<StagingPool>,
+    threads: &'s rayon::ThreadPool,
+    device: Option<&'s Arc<dyn crate::device::Device>>,
+}
+
+impl Staging<'_> {
+    /// Fills the rounds into arenas and sends them to the writer; stops early if the writer
+    /// gave up (its error comes from `wait`). Returns the bytes staged.
+    fn rounds(
+        &self,
+        items: &[ItemSource<'_>],
+        sizes: &[usize],
+        rounds: &[Range<usize>],
+        tx: &SyncSender<StagedRound>,
+    ) -> std::result::Result<u64, crate::device::DeviceError> {
+        let mut staged = 0u64;
+        let largest = rounds
             .iter()
-            .map(|&s| {
-                let r = at..at + s;
-                at += s;
-                r
-            })
-            .collect();
-        let mut lease = pool.take(at);
-        stage::fill(lease.bytes_mut(), &ranges, &items[round.clone()], threads);
-        staged += at as u64;
-        let items = round.clone().zip(ranges).collect();
-        if tx.send(StagedRound { lease, items }).is_err() {
-            break;
+            .map(|r| sizes[r.clone()].iter().sum::<usize>())
+            .max()
+            .unwrap_or(0);
+        for round in rounds {
+            let mut at = 0usize;
+            let ranges: Vec<Range<usize>> = sizes[round.clone()]
+                .iter()
+                .map(|&s| {
+                    let r = at..at + s;
+                    at += s;
+                    r
+                })
+                .collect();
+            let mut lease = self.pool.take(at, largest, self.device)?;
+            stage::fill(&mut lease, &ranges, &items[round.clone()], self.threads)?;
+            staged += ranges
+                .iter()
+                .zip(&items[round.clone()])
+                .map(|(_, i)| i.len() as u64)
+                .sum::<u64>();
+            let items = round
+                .clone()
+                .zip(ranges)
+                .zip(&items[round.clone()])
+                .map(|((wi, r), item)| (wi, r.start..r.start + item.len()))
+                .collect();
+            if tx.send(StagedRound { lease, items }).is_err() {
+                break;
+            }
         }
+        Ok(staged)
     }
-    staged
 }
 
 /// What the report says about planning (the plan itself travels separately).
@@ -593,10 +660,10 @@ struct ReportParts {
 }
 
 impl ReportParts {
-    fn of(agreed: &AgreedLayout<'_, '_>) -> Self {
+    fn of(agreed: &AgreedLayout<'_, '_>, objects: Option<&AgreedObjects<'_>>) -> Self {
         ReportParts {
             plan_time: agreed.plan_time,
-            gathered_bytes: agreed.gathered_bytes,
+            gathered_bytes: agreed.gathered_bytes + objects.map_or(0, |o| o.gathered_bytes),
             plan_reused: agreed.reused,
             balance: agreed.balance,
         }
@@ -612,8 +679,10 @@ struct Background {
     opts: SaveOptions,
     report: ReportParts,
     lower_priority: bool,
-    /// The objects, copied when the save started; agreed on and written here.
-    objects: Option<Vec<StateObject>>,
+    /// The objects, agreed on when the save started (they own copies of the values).
+    objects: Option<AgreedObjects<'static>>,
+    /// Run once the save is committed.
+    after: Option<AfterCommit>,
 }
 
 /// The nice value of background writer threads with [`SaverOptions::lower_priority`].
@@ -648,23 +717,12 @@ fn writer_pool(threads: usize, lower_priority: bool) -> Result<rayon::ThreadPool
 }
 
 impl Background {
-    fn run(self, rx: Receiver<StagedRound>) -> Result<SaveReport> {
+    fn run(mut self, rx: Receiver<StagedRound>) -> Result<SaveReport> {
         if self.lower_priority {
             lower_thread_priority();
         }
         let comm = &*self.comm;
-        let objects = match self
-            .objects
-            .as_deref()
-            .map(|o| crate::objects::agree_on_objects(o, comm))
-            .transpose()
-        {
-            Ok(o) => o,
-            Err(e) => {
-                drop(rx);
-                return Err(e);
-            }
-        };
+        let objects = self.objects.take();
         let prepared = match steps::prepare_directory(
             &self.dir,
             comm,
@@ -702,6 +760,10 @@ impl Background {
             prepared.abandon();
         }
         let (data_bytes, file_bytes) = outcome?;
+        drop(prepared);
+        if let Some(after) = self.after.take() {
+            agree(comm, after(comm))?;
+        }
         Ok(SaveReport {
             tensors: self.plan.plan.tensors.len(),
             chunks_written: self.tasks.writes.len(),
@@ -710,8 +772,7 @@ impl Background {
             write_balance: self.report.balance,
             assigned_bytes: self.plan.bytes,
             plan_time: self.report.plan_time,
-            gathered_bytes: self.report.gathered_bytes
-                + objects.as_ref().map_or(0, |o| o.gathered_bytes),
+            gathered_bytes: self.report.gathered_bytes,
             plan_reused: self.report.plan_reused,
         })
     }

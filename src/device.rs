@@ -8,9 +8,10 @@
 //!   column strips) through a bounded, reused pool of two pinned staging buffers: while one
 //!   buffer's bytes are copied to the device, storage reads fill the other. A tensor larger
 //!   than a buffer is cut into slabs ([`copy::slabs`]); no full-tensor host copy is made.
-//! - [`DeviceSaver`] saves device views: device-to-host into a pinned snapshot (reused across
-//!   saves), then the ordinary collective save; its asynchronous form blocks only for the
-//!   device-to-host copy.
+//! - [`DevicePiece`]: a box of a tensor in a device view, saved by [`crate::Saver`] (in a
+//!   [`crate::SaveRequest`]): the saver downloads the chunks it writes straight into its
+//!   bounded, reused page-locked staging memory, so an asynchronous save blocks only for
+//!   that download.
 //!
 //! Two devices implement the trait: [`SimDevice`], host memory posing as a device with
 //! deferred copies (used by the tests: a buffer reused before its copy finished shows up as
@@ -36,5 +37,5 @@ pub use load::{
 };
 #[cfg(feature = "nccl")]
 pub use nccl::NcclComm;
-pub use save::{DevicePiece, DeviceSaveHandle, DeviceSaver};
+pub use save::DevicePiece;
 pub use sim::SimDevice;

@@ -15,10 +15,12 @@
 //! - [`save()`] and [`load()`] are collective: every rank of a [`Communicator`] calls them
 //!   ([`run_local`] runs ranks as threads; [`TcpComm`] joins processes and hosts the way
 //!   torchrun configures PyTorch).
-//! - [`Saver`] saves the same job repeatedly: in the background ([`Saver::save_async`]
-//!   returns once the state is copied to bounded, reused host memory; [`SaveHandle::wait`]
-//!   gives the outcome), and with the layout agreed once and then checked with a
-//!   constant-size exchange while it is unchanged.
+//! - [`Saver`] saves a [`SaveRequest`] (host tensors, device tensors, objects, a nested
+//!   state dict): synchronously, or in the background ([`Saver::save_async`] returns once
+//!   the state is staged in one bounded, reused budget, with every planning error;
+//!   [`SaveHandle::wait`] gives the outcome), with the layout agreed once and then checked
+//!   with a constant-size exchange while it is unchanged. [`CheckpointManager`] wraps it:
+//!   one checkpoint per step, a `latest` pointer, keep-N, resume.
 //! - [`Checkpoint::open`] inspects, reads and verifies a checkpoint without a job.
 //! - The whole training state: objects ([`StateObject`]: configuration, iteration, RNG
 //!   states; JSON or bytes, common, per-rank or sharded) with [`save_with_objects`] /
@@ -101,7 +103,7 @@ pub use model::{
 };
 pub use plan::objects::ObjectPlanError;
 pub use plan::{GridOptions, LayoutDecodeError, PlanError};
-pub use save::{Progress, SaveOptions, SaveReport, save, save_with_objects};
+pub use save::{Progress, SaveOptions, SaveReport, SaveRequest, save, save_with_objects};
 pub use state::{load_state, save_state};
 pub use storage::object::StoredScope;
 pub use storage::read::ReadMethod;

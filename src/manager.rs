@@ -3,15 +3,21 @@
 //! `ROOT/latest` naming the latest committed step (replaced atomically), resume from the
 //! latest committed step (skipping incomplete ones), and retention of the last N steps (and
 //! every K-th), older steps being removed only once a newer one is committed.
+//!
+//! The manager wraps a [`Saver`]: a step saves a whole [`SaveRequest`] (host and device
+//! tensors, objects, a nested state dict), synchronously or in the background, and the
+//! pointer and retention follow the commit in either case.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use crate::async_save::{SaveHandle, Saver};
 use crate::comm::Communicator;
 use crate::coord::agree;
 use crate::error::{Error, Result};
-use crate::load::{LoadOptions, LoadReport, load};
-use crate::model::{LoadTarget, ShardedTensor};
-use crate::save::{SaveOptions, SaveReport, save};
+use crate::load::{LoadOptions, LoadReport, load_with_objects};
+use crate::model::{LoadTarget, ObjectRequest, StateDict};
+use crate::save::{SaveOptions, SaveReport, SaveRequest};
 use crate::storage::commit;
 use crate::storage::fsio;
 use crate::storage::{CheckpointMeta, StorageError};
@@ -43,9 +49,46 @@ pub struct StepInfo {
     pub bytes: u64,
 }
 
-/// Checkpoints of a training run, one per step, under one root directory.
-#[derive(Debug, Clone)]
+/// Checkpoints of a training run, one per step, under one root directory, saved through a
+/// [`Saver`]. Every rank creates its own manager over the same root, with a saver on its own
+/// communicator, and calls the same methods in the same order (the listing methods,
+/// [`CheckpointManager::steps`] and [`CheckpointManager::latest`], are local).
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use zarrckpt::{
+///     CheckpointManager, Communicator, ManagerOptions, SaveOptions, SaveRequest, Saver,
+///     ShardedTensor, StateObject, run_local,
+/// };
+///
+/// run_local(2, Duration::from_secs(60), |comm| {
+///     let comm: Arc<dyn Communicator> = Arc::new(comm);
+///     let r = comm.rank() as u64;
+///     let opts = ManagerOptions { keep_last: 2, keep_every: None };
+///     let mut manager = CheckpointManager::new("run", Saver::new(Arc::clone(&comm)), opts);
+///     let weights = vec![r as f32; 6];
+///     for step in [100, 200, 300] {
+///         let piece = ShardedTensor::from_slice("w", &[4, 3], &[2 * r, 0], &weights, &[2, 3], 0)?;
+///         let request = SaveRequest::new()
+///             .with_tensors([piece])
+///             .with_objects([StateObject::common("step", serde_json::json!(step))?]);
+///         // Returns once staged; the `latest` pointer and retention follow the commit.
+///         manager.save_async(step, &request, &SaveOptions::default())?.wait()?;
+///     }
+///     assert_eq!(manager.latest()?, Some(300));
+///     Ok::<(), zarrckpt::Error>(())
+/// });
+/// ```
+#[derive(Debug)]
 pub struct CheckpointManager {
+    root: Root,
+    saver: Saver,
+}
+
+/// The root and its rules: what a background save needs to publish a step.
+#[derive(Debug, Clone)]
+struct Root {
     root: PathBuf,
     opts: ManagerOptions,
 }
@@ -75,32 +118,192 @@ fn tree_bytes(p: &Path) -> u64 {
 }
 
 impl CheckpointManager {
-    /// A manager over `root` (created by the first save).
+    /// A manager over `root` (created by the first save), saving through `saver`.
     #[must_use]
-    pub fn new(root: impl AsRef<Path>, opts: ManagerOptions) -> Self {
+    pub fn new(root: impl AsRef<Path>, saver: Saver, opts: ManagerOptions) -> Self {
         CheckpointManager {
-            root: root.as_ref().to_owned(),
-            opts,
+            root: Root {
+                root: root.as_ref().to_owned(),
+                opts,
+            },
+            saver,
         }
     }
 
     /// The root directory.
     #[must_use]
     pub fn root(&self) -> &Path {
-        &self.root
+        &self.root.root
+    }
+
+    /// The saver (its communicator, whether a save is in flight).
+    #[must_use]
+    pub fn saver(&self) -> &Saver {
+        &self.saver
     }
 
     /// The directory of `step`: `ROOT/step-` and the step with at least 8 digits.
     #[must_use]
     pub fn step_dir(&self, step: u64) -> PathBuf {
-        self.root.join(format!("{STEP_PREFIX}{step:08}"))
+        self.root.step_dir(step)
     }
 
     /// Every step directory under the root, by increasing step, with its state and size.
+    /// Local (no collective).
     ///
     /// # Errors
     /// I/O errors listing the root (an absent root has no steps).
     pub fn steps(&self) -> Result<Vec<StepInfo>> {
+        self.root.steps()
+    }
+
+    /// The latest committed step: the one the pointer file names if it is committed and no
+    /// later committed step exists, else the highest committed step found by a scan.
+    /// Incomplete steps (crashed or running saves) are skipped. Local (no collective).
+    ///
+    /// # Errors
+    /// I/O errors listing the root.
+    pub fn latest(&self) -> Result<Option<u64>> {
+        self.root.latest()
+    }
+
+    /// The index of the latest committed step.
+    ///
+    /// # Errors
+    /// As [`CheckpointManager::latest`], and index errors.
+    pub fn latest_meta(&self) -> Result<Option<(u64, CheckpointMeta)>> {
+        match self.latest()? {
+            Some(step) => Ok(Some((step, commit::read_index(&self.step_dir(step))?))),
+            None => Ok(None),
+        }
+    }
+
+    /// Removes steps older than `newest` (committed) that the rules do not keep: committed
+    /// steps beyond the last `keep_last` (unless a multiple of `keep_every`) and incomplete
+    /// steps whose save is not running. Never removes the step the pointer names. Local.
+    ///
+    /// # Errors
+    /// I/O errors naming the path.
+    pub fn apply_retention(&self, newest: u64) -> Result<()> {
+        self.root.apply_retention(newest)
+    }
+
+    /// Saves `request` as `step` (every rank calls it, as [`Saver::save`]), then, on rank 0,
+    /// points `latest` at it (unless a later step is already committed) and applies the
+    /// retention rules to older steps. A step is only ever removed after a newer one is
+    /// committed.
+    ///
+    /// # Errors
+    /// As [`Saver::save`]; I/O errors of the pointer update or the removals (on every rank).
+    pub fn save(
+        &mut self,
+        step: u64,
+        request: &SaveRequest<'_>,
+        opts: &SaveOptions,
+    ) -> Result<SaveReport> {
+        let report = self.saver.save(request, &self.root.step_dir(step), opts)?;
+        let comm = Arc::clone(self.saver.communicator());
+        agree(&*comm, self.root.publish_on(&*comm, step))?;
+        Ok(report)
+    }
+
+    /// Starts saving `request` as `step` (as [`Saver::save_async`]: returns once this rank's
+    /// part is staged, with every planning error). The background thread commits the step,
+    /// then points `latest` at it and applies retention as [`CheckpointManager::save`] does;
+    /// [`SaveHandle::wait`] reports the outcome of all of it.
+    ///
+    /// # Errors
+    /// As [`Saver::save_async`].
+    pub fn save_async(
+        &mut self,
+        step: u64,
+        request: &SaveRequest<'_>,
+        opts: &SaveOptions,
+    ) -> Result<SaveHandle> {
+        let root = self.root.clone();
+        let dir = root.step_dir(step);
+        self.saver.save_async_then(
+            request,
+            &dir,
+            opts,
+            Box::new(move |comm| root.publish_on(comm, step)),
+        )
+    }
+
+    /// Loads the latest committed step into `targets` and `objects` (every rank calls it, as
+    /// [`crate::load_with_objects`]; an empty `objects` is fine): rank 0 picks the step and
+    /// tells the others. Waits for a save in flight first. Returns the step and the report
+    /// (with the objects' values), or `None` when the root holds no committed step.
+    ///
+    /// # Errors
+    /// As [`crate::load_with_objects`].
+    pub fn load_latest(
+        &mut self,
+        targets: &mut [LoadTarget<'_>],
+        objects: &[ObjectRequest],
+        opts: &LoadOptions,
+    ) -> Result<Option<(u64, LoadReport)>> {
+        let Some(step) = self.agreed_latest()? else {
+            return Ok(None);
+        };
+        let comm = Arc::clone(self.saver.communicator());
+        let report = load_with_objects(targets, objects, &self.step_dir(step), &*comm, opts)?;
+        Ok(Some((step, report)))
+    }
+
+    /// Loads the latest committed step into a nested state dict (as [`crate::load_state`]).
+    /// Waits for a save in flight first; `None` when the root holds no committed step.
+    ///
+    /// # Errors
+    /// As [`crate::load_state`].
+    pub fn load_latest_state(
+        &mut self,
+        state: &mut StateDict<'_>,
+        opts: &LoadOptions,
+    ) -> Result<Option<(u64, LoadReport)>> {
+        let Some(step) = self.agreed_latest()? else {
+            return Ok(None);
+        };
+        let comm = Arc::clone(self.saver.communicator());
+        let report = crate::state::load_state(state, &self.step_dir(step), &*comm, opts)?;
+        Ok(Some((step, report)))
+    }
+
+    /// The latest committed step as rank 0 sees it, told to every rank (collective: every
+    /// rank calls it), after any save in flight: what a resume loads, through
+    /// [`CheckpointManager::load_latest`] or any other load of [`CheckpointManager::step_dir`].
+    ///
+    /// # Errors
+    /// I/O errors listing the root (on every rank), communication errors.
+    pub fn agreed_latest(&mut self) -> Result<Option<u64>> {
+        self.saver.wait_idle();
+        let comm = Arc::clone(self.saver.communicator());
+        let mine = if comm.rank() == 0 {
+            self.latest()
+        } else {
+            Ok(None)
+        };
+        let picked = agree(&*comm, mine)?;
+        let msg = picked.map_or_else(Vec::new, |s| s.to_le_bytes().to_vec());
+        let got = comm.broadcast(0, &msg)?;
+        match got.as_slice() {
+            [] => Ok(None),
+            b => Ok(Some(u64::from_le_bytes(b.try_into().map_err(|_| {
+                Error::RemoteFailure {
+                    rank: 0,
+                    message: "malformed step broadcast".into(),
+                }
+            })?))),
+        }
+    }
+}
+
+impl Root {
+    fn step_dir(&self, step: u64) -> PathBuf {
+        self.root.join(format!("{STEP_PREFIX}{step:08}"))
+    }
+
+    fn steps(&self) -> Result<Vec<StepInfo>> {
         let entries = match std::fs::read_dir(&self.root) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -132,13 +335,7 @@ impl CheckpointManager {
         commit::read_index(&dir).is_ok().then_some(step)
     }
 
-    /// The latest committed step: the one the pointer file names if it is committed and no
-    /// later committed step exists, else the highest committed step found by a scan.
-    /// Incomplete steps (crashed or running saves) are skipped.
-    ///
-    /// # Errors
-    /// I/O errors listing the root.
-    pub fn latest(&self) -> Result<Option<u64>> {
+    fn latest(&self) -> Result<Option<u64>> {
         let scanned = self
             .steps()?
             .into_iter()
@@ -151,42 +348,12 @@ impl CheckpointManager {
         })
     }
 
-    /// The index of the latest committed step.
-    ///
-    /// # Errors
-    /// As [`CheckpointManager::latest`], and index errors.
-    pub fn latest_meta(&self) -> Result<Option<(u64, CheckpointMeta)>> {
-        match self.latest()? {
-            Some(step) => Ok(Some((step, commit::read_index(&self.step_dir(step))?))),
-            None => Ok(None),
+    /// Rank 0's part after a committed save of `step` (a no-op on other ranks): the
+    /// pointer, then retention. The caller agrees on the outcome.
+    fn publish_on(&self, comm: &dyn Communicator, step: u64) -> Result<()> {
+        if comm.rank() != 0 {
+            return Ok(());
         }
-    }
-
-    /// Saves `step` (every rank calls it, as [`save`]), then, on rank 0, points `latest` at
-    /// it (unless a later step is already committed) and applies the retention rules to older
-    /// steps. A step is only ever removed after a newer one is committed.
-    ///
-    /// # Errors
-    /// As [`save`]; I/O errors of the pointer update or the removals (on every rank).
-    pub fn save(
-        &self,
-        step: u64,
-        pieces: &[ShardedTensor<'_>],
-        comm: &dyn Communicator,
-        opts: &SaveOptions,
-    ) -> Result<SaveReport> {
-        let report = save(pieces, &self.step_dir(step), comm, opts)?;
-        let after = if comm.rank() == 0 {
-            self.publish(step)
-        } else {
-            Ok(())
-        };
-        agree(comm, after)?;
-        Ok(report)
-    }
-
-    /// Rank 0's part after a committed save of `step`: the pointer, then retention.
-    fn publish(&self, step: u64) -> Result<()> {
         if self.pointed().is_none_or(|p| p <= step) {
             let name = format!("{STEP_PREFIX}{step:08}\n");
             fsio::replace_durable(&self.root.join(LATEST_FILE), name.as_bytes())?;
@@ -200,7 +367,7 @@ impl CheckpointManager {
     ///
     /// # Errors
     /// I/O errors naming the path.
-    pub fn apply_retention(&self, newest: u64) -> Result<()> {
+    fn apply_retention(&self, newest: u64) -> Result<()> {
         if self.opts.keep_last == 0 {
             return Ok(());
         }
@@ -233,37 +400,6 @@ impl CheckpointManager {
             }
         }
         Ok(())
-    }
-
-    /// Loads the latest committed step into `targets` (every rank calls it, as [`load`]):
-    /// rank 0 picks the step and tells the others. Returns the step, or `None` when the root
-    /// holds no committed step.
-    ///
-    /// # Errors
-    /// As [`load`].
-    pub fn load_latest(
-        &self,
-        targets: &mut [LoadTarget<'_>],
-        comm: &dyn Communicator,
-        opts: &LoadOptions,
-    ) -> Result<Option<(u64, LoadReport)>> {
-        let mine = if comm.rank() == 0 {
-            self.latest()
-        } else {
-            Ok(None)
-        };
-        let picked = agree(comm, mine)?;
-        let msg = picked.map_or_else(Vec::new, |s| s.to_le_bytes().to_vec());
-        let got = comm.broadcast(0, &msg)?;
-        let step = match got.as_slice() {
-            [] => return Ok(None),
-            b => u64::from_le_bytes(b.try_into().map_err(|_| Error::RemoteFailure {
-                rank: 0,
-                message: "malformed step broadcast".into(),
-            })?),
-        };
-        let report = load(targets, &self.step_dir(step), comm, opts)?;
-        Ok(Some((step, report)))
     }
 }
 

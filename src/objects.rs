@@ -18,9 +18,24 @@ use crate::storage::object::{self as store, ObjectEntry, StoredScope};
 /// The agreed object plan and this rank's objects with their stored bytes.
 pub(crate) struct AgreedObjects<'o> {
     plan: ObjectPlan,
-    local: Vec<(&'o StateObject, Vec<u8>)>,
+    local: Vec<(std::borrow::Cow<'o, StateObject>, Vec<u8>)>,
     /// Bytes this rank received in the object all-gathers.
     pub(crate) gathered_bytes: u64,
+}
+
+impl AgreedObjects<'_> {
+    /// The same, owning its objects (an asynchronous save writes them in the background).
+    pub(crate) fn into_owned(self) -> AgreedObjects<'static> {
+        AgreedObjects {
+            plan: self.plan,
+            local: self
+                .local
+                .into_iter()
+                .map(|(o, b)| (std::borrow::Cow::Owned(o.into_owned()), b))
+                .collect(),
+            gathered_bytes: self.gathered_bytes,
+        }
+    }
 }
 
 /// Save step: every rank describes its objects (values replaced by digests), the
@@ -55,7 +70,11 @@ pub(crate) fn agree_on_objects<'o>(
     sorted.sort_by(|a, b| a.key().cmp(b.key()));
     Ok(AgreedObjects {
         plan,
-        local: sorted.into_iter().zip(values).collect(),
+        local: sorted
+            .into_iter()
+            .map(std::borrow::Cow::Borrowed)
+            .zip(values)
+            .collect(),
         gathered_bytes,
     })
 }

@@ -1,4 +1,8 @@
-//! The save front door: every rank calls [`save`] with the pieces it holds.
+//! The collective save: agreeing on the layout, preparing the directory, writing the shard
+//! files and committing ([`save`] and [`crate::Saver`] run these steps), and the one value a
+//! rank saves ([`SaveRequest`]).
+
+mod request;
 
 use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
@@ -10,6 +14,7 @@ use rayon::prelude::*;
 
 use crate::comm::{Communicator, RecvBuf, SendBuf};
 use crate::coord::{BoxDecl, agree, all_reduce_u64, combine, describe, io_pool, rank_layout};
+use crate::device::{Device, DevicePiece};
 use crate::error::{Error, Result};
 use crate::model::copy::copy_region;
 use crate::model::{Region, ShardedTensor, StateObject, TensorKey};
@@ -25,6 +30,7 @@ use crate::storage::meta::tensor_path;
 use crate::storage::{CheckpointMeta, Compression, TensorArray, TensorEntry, commit, fsio, write};
 
 pub use crate::coord::Progress;
+pub use request::SaveRequest;
 
 /// How to save.
 #[derive(Clone)]
@@ -100,31 +106,68 @@ pub struct SaveReport {
 /// Local pieces by (key, region).
 pub(crate) type PieceIndex<'p, 'a> = HashMap<(&'p TensorKey, &'p Region), &'p ShardedTensor<'a>>;
 
-/// This rank's layout, and an index from (key, region) to its local pieces.
-fn local_layout<'p, 'a>(
-    pieces: &'p [ShardedTensor<'a>],
-) -> Result<(RankLayout, PieceIndex<'p, 'a>)> {
-    let mut by_box = HashMap::with_capacity(pieces.len());
-    for p in pieces {
-        if by_box.insert((p.key(), p.region()), p).is_some() {
-            return Err(Error::InconsistentPieces {
-                key: p.key().clone(),
-                detail: format!("this rank holds the piece {} twice", p.region()),
-            });
+/// Local pieces in device memory by (key, region).
+pub(crate) type DeviceIndex<'p> = HashMap<(&'p TensorKey, &'p Region), &'p DevicePiece>;
+
+/// What a rank saves, borrowed: host pieces (boxes only), device pieces and their device.
+#[derive(Clone, Copy)]
+pub(crate) struct Sources<'p, 'a> {
+    pub(crate) host: &'p [ShardedTensor<'a>],
+    pub(crate) device: &'p [DevicePiece],
+    pub(crate) reader: Option<&'p Arc<dyn Device>>,
+}
+
+impl<'p, 'a> Sources<'p, 'a> {
+    /// Host pieces only.
+    pub(crate) fn host(host: &'p [ShardedTensor<'a>]) -> Self {
+        Sources {
+            host,
+            device: &[],
+            reader: None,
         }
     }
-    let layout = rank_layout(
-        pieces.iter().map(|p| BoxDecl {
-            key: p.key(),
-            dtype: p.dtype(),
-            global_shape: p.global_shape(),
-            region: p.region(),
-            main: p.is_main(),
-            auto: p.is_auto_replica(),
-        }),
-        "pieces",
-    )?;
-    Ok((layout, by_box))
+}
+
+/// This rank's layout, and indexes from (key, region) to its local pieces.
+fn local_layout<'p, 'a>(
+    src: Sources<'p, 'a>,
+) -> Result<(RankLayout, PieceIndex<'p, 'a>, DeviceIndex<'p>)> {
+    let twice = |key: &TensorKey, region: &Region| Error::InconsistentPieces {
+        key: key.clone(),
+        detail: format!("this rank holds the piece {region} twice"),
+    };
+    let mut by_box = HashMap::with_capacity(src.host.len());
+    for p in src.host {
+        if by_box.insert((p.key(), p.region()), p).is_some() {
+            return Err(twice(p.key(), p.region()));
+        }
+    }
+    let mut on_device = HashMap::with_capacity(src.device.len());
+    for p in src.device {
+        if by_box.contains_key(&(p.key(), p.region()))
+            || on_device.insert((p.key(), p.region()), p).is_some()
+        {
+            return Err(twice(p.key(), p.region()));
+        }
+    }
+    let host = src.host.iter().map(|p| BoxDecl {
+        key: p.key(),
+        dtype: p.dtype(),
+        global_shape: p.global_shape(),
+        region: p.region(),
+        main: p.is_main(),
+        auto: p.is_auto_replica(),
+    });
+    let device = src.device.iter().map(|p| BoxDecl {
+        key: p.key(),
+        dtype: p.dtype(),
+        global_shape: p.global_shape(),
+        region: p.region(),
+        main: p.replica() == crate::model::Replica::Id(0),
+        auto: p.replica() == crate::model::Replica::Auto,
+    });
+    let layout = rank_layout(host.chain(device), "pieces")?;
+    Ok((layout, by_box, on_device))
 }
 
 pub(crate) fn entry_of(tp: &TensorPlan, compression: Compression) -> TensorEntry {
@@ -186,22 +229,55 @@ fn chunk_source<'a>(
     (Cow::Owned(buf), full)
 }
 
+/// Reads a box of a device piece into host memory (the saver's staging does it).
+pub(crate) type Download<'d> = &'d mut dyn FnMut(&DevicePiece, &Region) -> Result<Vec<u8>>;
+
+/// The bytes of `region` of a local piece, for a peer: copied from a host piece, or
+/// downloaded from a device piece.
+fn send_bytes(
+    agreed: &AgreedLayout<'_, '_>,
+    download: &mut Option<Download<'_>>,
+    key: &TensorKey,
+    piece: &Region,
+    region: &Region,
+    elem: usize,
+) -> Result<Vec<u8>> {
+    if let Some(p) = agreed.local.get(&(key, piece)) {
+        // Invariant: a planned region lies inside this rank's piece, held in memory.
+        let len = crate::model::usize_of(region.num_elements().unwrap_or(0)) * elem;
+        let mut buf = vec![0u8; len];
+        copy_region(p.data(), piece, &mut buf, region, region, elem);
+        return Ok(buf);
+    }
+    match (agreed.device.get(&(key, piece)), download) {
+        (Some(p), Some(download)) => download(p, region),
+        _ => Err(Error::InconsistentPieces {
+            key: key.clone(),
+            detail: format!("the plan sends part of {piece}, which this rank does not hold"),
+        }),
+    }
+}
+
 /// Sends and receives the parts of unaligned chunks. Returns, per write, the received parts
 /// in order.
 fn exchange_parts(
     comm: &dyn Communicator,
-    plan: &SavePlan,
+    agreed: &AgreedLayout<'_, '_>,
     tasks: &RankTasks,
-    local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
+    mut download: Option<Download<'_>>,
 ) -> Result<Vec<Vec<Vec<u8>>>> {
+    let plan = &agreed.plan.plan;
     let mut outgoing: Vec<(usize, Vec<u8>)> = Vec::with_capacity(tasks.sends.len());
     for t in &tasks.sends {
         let tp = &plan.tensors[t.tensor];
-        let elem = tp.dtype.size();
-        let piece = local[&(&tp.key, &t.piece)];
-        // Invariant: a planned region lies inside this rank's piece, held in memory.
-        let mut buf = vec![0u8; t.region.num_elements().unwrap_or(0) as usize * elem];
-        copy_region(piece.data(), &t.piece, &mut buf, &t.region, &t.region, elem);
+        let buf = send_bytes(
+            agreed,
+            &mut download,
+            &tp.key,
+            &t.piece,
+            &t.region,
+            tp.dtype.size(),
+        )?;
         outgoing.push((t.to as usize, buf));
     }
     let mut received: Vec<Vec<Vec<u8>>> = tasks
@@ -338,6 +414,11 @@ fn write_files(
 
 /// Saves this rank's pieces into the checkpoint at `dir`. Every rank of `comm` calls it.
 ///
+/// A one-shot save of host tensors, written straight from the caller's buffers. It is
+/// [`crate::Saver::save`] of a [`SaveRequest`] of these pieces, without a saver's state:
+/// repeated saves, asynchronous saves, device pieces and objects go through a
+/// [`crate::Saver`].
+///
 /// The ranks agree on the global layout (validated: every rank agrees on each tensor's data
 /// type and global shape, main replicas cover every element exactly once), each rank writes
 /// only the shard files assigned to it (replicated pieces once, spread over their holders by
@@ -361,11 +442,14 @@ pub fn save(
     comm: &dyn Communicator,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    save_impl(pieces, None, dir, comm, opts)
+    save_direct(pieces, None, dir, comm, opts, None)
 }
 
 /// Saves tensor pieces as [`save`] does, and objects (non-tensor state: common, per-rank and
 /// sharded values, JSON or bytes) in the same checkpoint and commit. Every rank calls it.
+///
+/// A shorthand kept for existing callers: the same as a one-shot [`crate::Saver::save`] of
+/// `SaveRequest::new().with_tensors(..).with_objects(..)`.
 ///
 /// Common objects must have the same value on every rank declaring them, per-rank objects
 /// are declared by every rank, and every shard of a sharded object's grid by some rank (its
@@ -381,39 +465,51 @@ pub fn save_with_objects(
     comm: &dyn Communicator,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    save_impl(pieces, Some(objects), dir, comm, opts)
+    save_direct(pieces, Some(objects), dir, comm, opts, None)
 }
 
-fn save_impl(
+/// A save of host pieces (and objects, when given) written straight from the caller's
+/// buffers: [`save`], and [`crate::Saver::save`] of a request without device pieces (with
+/// its plan cache).
+pub(crate) fn save_direct(
     pieces: &[ShardedTensor<'_>],
     objects: Option<&[StateObject]>,
     dir: &Path,
     comm: &dyn Communicator,
     opts: &SaveOptions,
+    cache: Option<&mut Option<CachedPlan>>,
 ) -> Result<SaveReport> {
     // Flat pieces are saved as the boxes of their decomposition.
     let boxed = crate::model::tensor::boxed_pieces(pieces);
-    let pieces = &boxed[..];
-    let agreed = agree_on_layout(pieces, comm, opts)?;
+    let src = Sources::host(&boxed);
+    let agreed = match cache {
+        Some(cached) => agree_on_layout_cached(Ok(()), src, comm, opts, cached)?,
+        None => agree_on_layout(src, comm, opts)?,
+    };
     let objects = objects
         .map(|o| crate::objects::agree_on_objects(o, comm))
         .transpose()?;
-    let mut report = save_agreed(dir, comm, opts, &agreed, objects.as_ref())?;
+    // The same collectives in the same order as a staged save (`crate::Saver::save_async`):
+    // ranks of one save may take either path (only some holding device pieces).
+    let received = exchange_unaligned(comm, &agreed, &agreed.plan.tasks, None)?;
+    let mut report = save_agreed(dir, comm, opts, &agreed, &received, objects.as_ref())?;
     report.gathered_bytes += objects.map_or(0, |o| o.gathered_bytes);
     Ok(report)
 }
 
-/// Steps 2 to 5 of a save, once the ranks agreed on the plan (and on the objects, if any).
-pub(crate) fn save_agreed(
+/// Steps 2, 4 and 5 of a save, once the ranks agreed on the plan (and on the objects, if any)
+/// and the unaligned parts travelled (step 3, `received`).
+fn save_agreed(
     dir: &Path,
     comm: &dyn Communicator,
     opts: &SaveOptions,
     agreed: &AgreedLayout<'_, '_>,
+    received: &[Vec<Vec<u8>>],
     objects: Option<&AgreedObjects<'_>>,
 ) -> Result<SaveReport> {
     let tasks = &agreed.plan.tasks;
     let prepared = prepare_directory(dir, comm, &agreed.plan.plan, objects, opts)?;
-    let outcome = write_and_commit(comm, &prepared, agreed, tasks, objects, opts);
+    let outcome = write_and_commit(comm, &prepared, agreed, received, objects, opts);
     if outcome.is_err() {
         prepared.abandon();
     }
@@ -426,19 +522,18 @@ fn write_and_commit(
     comm: &dyn Communicator,
     prepared: &Prepared,
     agreed: &AgreedLayout<'_, '_>,
-    tasks: &RankTasks,
+    received: &[Vec<Vec<u8>>],
     objects: Option<&AgreedObjects<'_>>,
     opts: &SaveOptions,
 ) -> Result<(u64, u64)> {
     let dir = prepared.dir();
     let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
-    let received = exchange_unaligned(comm, agreed, tasks)?;
     let written = write_files(
         dir,
         &agreed.plan.plan,
-        tasks,
+        &agreed.plan.tasks,
         &agreed.local,
-        &received,
+        received,
         opts,
         prepared.id,
     )
@@ -458,6 +553,9 @@ fn write_and_commit(
 pub(crate) struct AgreedLayout<'p, 'a> {
     pub(crate) plan: Arc<RankPlan>,
     pub(crate) local: PieceIndex<'p, 'a>,
+    pub(crate) device: DeviceIndex<'p>,
+    /// The device the device pieces are read from.
+    pub(crate) reader: Option<&'p Arc<dyn Device>>,
     pub(crate) plan_time: Duration,
     pub(crate) gathered_bytes: u64,
     /// Largest assigned bytes of a rank over the mean.
@@ -527,17 +625,19 @@ fn write_balance(comm: &dyn Communicator, bytes: u64) -> Result<f64> {
 /// communicator's tree (an all-reduce whose result grows with the distinct rules, not the
 /// world), and every rank validates the same world and derives its own part of the plan.
 fn agree_on_layout<'p, 'a>(
-    pieces: &'p [ShardedTensor<'a>],
+    src: Sources<'p, 'a>,
     comm: &dyn Communicator,
     opts: &SaveOptions,
 ) -> Result<AgreedLayout<'p, 'a>> {
     let t0 = Instant::now();
-    let (layout, local) = agree(comm, local_layout(pieces))?;
+    let (layout, local, device) = agree(comm, local_layout(src))?;
     let (leaf, _) = own_description(comm, &layout);
     let (plan, _, gathered_bytes, balance) = plan_from_world(comm, &leaf, &plan_options(opts))?;
     Ok(AgreedLayout {
         plan: Arc::new(plan),
         local,
+        device,
+        reader: src.reader,
         plan_time: t0.elapsed(),
         gathered_bytes,
         balance,
@@ -559,7 +659,7 @@ fn agree_on_layout<'p, 'a>(
 /// collective, so that a rank failing there fails every rank.
 pub(crate) fn agree_on_layout_cached<'p, 'a>(
     ready: Result<()>,
-    pieces: &'p [ShardedTensor<'a>],
+    src: Sources<'p, 'a>,
     comm: &dyn Communicator,
     opts: &SaveOptions,
     cached: &mut Option<CachedPlan>,
@@ -569,7 +669,7 @@ pub(crate) fn agree_on_layout_cached<'p, 'a>(
     let offered = cached
         .as_ref()
         .filter(|c| c.fits(comm.world_size(), &plan_opts));
-    let (layout, local) = agree(comm, ready.and_then(|()| local_layout(pieces)))?;
+    let (layout, local, device) = agree(comm, ready.and_then(|()| local_layout(src)))?;
     let (leaf, own) = own_description(comm, &layout);
     let check = cache::check_message(offered, own);
     let reduced = comm.all_reduce(&check, &cache::merge_checks)?;
@@ -594,6 +694,8 @@ pub(crate) fn agree_on_layout_cached<'p, 'a>(
     Ok(AgreedLayout {
         plan,
         local,
+        device,
+        reader: src.reader,
         plan_time: t0.elapsed(),
         gathered_bytes,
         balance,
@@ -639,21 +741,20 @@ pub(crate) fn prepare_directory(
 }
 
 /// Step 3: the parts of chunks that are not aligned with pieces travel to their chunk's
-/// writer. Returns, per write of this rank, the received parts in order.
+/// writer (parts of device pieces read through `download`). Returns, per write of this rank,
+/// the received parts in order.
 pub(crate) fn exchange_unaligned(
     comm: &dyn Communicator,
     agreed: &AgreedLayout<'_, '_>,
     tasks: &RankTasks,
+    download: Option<Download<'_>>,
 ) -> Result<Vec<Vec<Vec<u8>>>> {
     if agreed.plan.plan.tensors.iter().all(|t| t.aligned) {
         return Ok(vec![Vec::new(); tasks.writes.len()]);
     }
     // Agreed on, so that a rank whose exchange failed cannot fall out of step with the
     // others' next collective.
-    agree(
-        comm,
-        exchange_parts(comm, &agreed.plan.plan, tasks, &agreed.local),
-    )
+    agree(comm, exchange_parts(comm, agreed, tasks, download))
 }
 
 /// Step 5: once every rank's files are durable, rank 0 writes the index (with the save id)

@@ -1,5 +1,5 @@
-//! Staging for asynchronous saves: bounded host memory, reused across saves, filled with
-//! parallel copies.
+//! The saver's staging engine: bounded memory, reused across saves, filled with parallel
+//! host copies and device downloads.
 //!
 //! A [`StagingPool`] owns [`ARENAS`] arenas, each at most half of the byte cap (or one chunk,
 //! when a single chunk is larger than that). The chunks a rank writes are packed, in order,
@@ -10,12 +10,16 @@
 //! the caller wait only for the writes that free the memory it needs next. Arenas keep their
 //! memory between saves: repeated saves of the same state allocate nothing and copy into
 //! pages that are already resident.
+//!
+//! An arena is host memory, or page-locked memory of a [`Device`] when the save has pieces
+//! in device memory: their chunks are downloaded straight into it (one budget for both).
 
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use rayon::prelude::*;
 
+use crate::device::{Device, DeviceError, DevicePiece, PinnedBuf};
 use crate::model::Region;
 use crate::model::copy::copy_region;
 
@@ -28,11 +32,59 @@ const COPY_BLOCK: usize = 4 << 20;
 /// Default byte cap of a pool: 4 GiB.
 pub const DEFAULT_STAGING_BYTES: u64 = 4 << 30;
 
+/// The memory of one arena.
+enum Arena {
+    /// Host memory.
+    Host(Vec<u8>),
+    /// Page-locked memory of a device (device pieces download into it).
+    Pinned {
+        buf: PinnedBuf,
+        device: Arc<dyn Device>,
+    },
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Arena::Host(v) => write!(f, "Host({})", v.len()),
+            Arena::Pinned { buf, .. } => write!(f, "Pinned({})", buf.len()),
+        }
+    }
+}
+
+impl Arena {
+    fn len(&self) -> usize {
+        match self {
+            Arena::Host(v) => v.len(),
+            Arena::Pinned { buf, .. } => buf.len(),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Arena::Host(v) => v,
+            Arena::Pinned { buf, .. } => buf,
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Arena::Host(v) => v,
+            Arena::Pinned { buf, .. } => buf,
+        }
+    }
+}
+
+/// Whether two handles name the same device object.
+fn same_device(a: &Arc<dyn Device>, b: &Arc<dyn Device>) -> bool {
+    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
+}
+
 /// Bounded staging memory, reused across saves.
 #[derive(Debug)]
 pub struct StagingPool {
     arena_cap: usize,
-    state: Mutex<Vec<Vec<u8>>>,
+    state: Mutex<Vec<Arena>>,
     freed: Condvar,
 }
 
@@ -45,15 +97,20 @@ impl StagingPool {
         let share = crate::model::usize_of(cap / ARENAS as u64);
         StagingPool {
             arena_cap: share.max(1),
-            state: Mutex::new((0..ARENAS).map(|_| Vec::new()).collect()),
+            state: Mutex::new((0..ARENAS).map(|_| Arena::Host(Vec::new())).collect()),
             freed: Condvar::new(),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<Vec<u8>>> {
+    fn lock(&self) -> MutexGuard<'_, Vec<Arena>> {
         self.state
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn give_back(&self, arena: Arena) {
+        self.lock().push(arena);
+        self.freed.notify_all();
     }
 
     /// The largest round one arena holds.
@@ -62,12 +119,25 @@ impl StagingPool {
         self.arena_cap
     }
 
-    /// Takes a free arena, at least `len` bytes long, waiting until the writer gives one back.
-    /// The arena comes back to the pool when the returned [`Lease`] is dropped.
-    #[must_use]
-    pub fn take(self: &Arc<Self>, len: usize) -> Lease {
+    /// Takes a free arena, at least `len` bytes long (grown to `reserve` when it must grow:
+    /// the largest round of the save, so that both arenas are sized once), waiting until the
+    /// writer gives one back:
+    /// page-locked memory of `device` when given (device pieces download into it), else
+    /// host memory (a page-locked arena kept from an earlier save serves as well). The arena
+    /// comes back to the pool when the returned [`Lease`] is dropped.
+    ///
+    /// # Errors
+    /// [`DeviceError`] when page-locked memory cannot be allocated (the arena slot goes back
+    /// to the pool, empty).
+    pub fn take(
+        self: &Arc<Self>,
+        len: usize,
+        reserve: usize,
+        device: Option<&Arc<dyn Device>>,
+    ) -> Result<Lease, DeviceError> {
+        let grown = len.max(reserve).max(1);
         let mut free = self.lock();
-        let mut buf = loop {
+        let arena = loop {
             if let Some(b) = free.pop() {
                 break b;
             }
@@ -77,20 +147,48 @@ impl StagingPool {
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
         };
         drop(free);
-        if buf.len() < len {
-            // Grows once; later saves of the same state find it long enough.
-            buf.resize(len, 0);
-        }
-        Lease {
-            buf,
+        let arena = match (arena, device) {
+            (Arena::Pinned { buf, device: d }, Some(want))
+                if buf.len() >= len && same_device(&d, want) =>
+            {
+                Arena::Pinned { buf, device: d }
+            }
+            (old, Some(want)) => {
+                // Grows once (the old arena is freed first); later saves of the same state
+                // find it long enough.
+                drop(old);
+                match want.pinned(grown) {
+                    Ok(buf) => Arena::Pinned {
+                        buf,
+                        device: Arc::clone(want),
+                    },
+                    Err(e) => {
+                        self.give_back(Arena::Host(Vec::new()));
+                        return Err(e);
+                    }
+                }
+            }
+            (Arena::Pinned { buf, device }, None) if buf.len() >= len => {
+                Arena::Pinned { buf, device }
+            }
+            (Arena::Pinned { .. }, None) => Arena::Host(vec![0; grown]),
+            (Arena::Host(mut v), None) => {
+                if v.len() < len {
+                    v.resize(grown, 0);
+                }
+                Arena::Host(v)
+            }
+        };
+        Ok(Lease {
+            arena: Some(arena),
             pool: Arc::clone(self),
-        }
+        })
     }
 
     /// Bytes the pool holds now (arenas out on lease count as they were when taken back).
     #[must_use]
     pub fn held_bytes(&self) -> usize {
-        self.lock().iter().map(Vec::capacity).sum()
+        self.lock().iter().map(Arena::len).sum()
     }
 
     /// Waits until every arena is back (no round in flight).
@@ -109,7 +207,7 @@ impl StagingPool {
 /// caller waiting for memory never waits forever).
 #[derive(Debug)]
 pub struct Lease {
-    buf: Vec<u8>,
+    arena: Option<Arena>,
     pool: Arc<StagingPool>,
 }
 
@@ -117,20 +215,28 @@ impl Lease {
     /// The arena's bytes.
     #[must_use]
     pub fn bytes(&self) -> &[u8] {
-        &self.buf
+        self.arena.as_ref().map_or(&[], Arena::bytes)
     }
 
     /// The arena's bytes, mutably.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.buf
+        self.arena.as_mut().map_or(&mut [], Arena::bytes_mut)
+    }
+
+    /// The device whose page-locked memory this arena is, if it is.
+    fn device(&self) -> Option<&Arc<dyn Device>> {
+        match &self.arena {
+            Some(Arena::Pinned { device, .. }) => Some(device),
+            _ => None,
+        }
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        let buf = std::mem::take(&mut self.buf);
-        self.pool.lock().push(buf);
-        self.pool.freed.notify_all();
+        if let Some(a) = self.arena.take() {
+            self.pool.give_back(a);
+        }
     }
 }
 
@@ -153,13 +259,30 @@ pub fn pack(sizes: &[usize], arena_cap: usize) -> Vec<Range<usize>> {
     rounds
 }
 
+/// Where one part of an assembled item comes from.
+#[derive(Debug)]
+pub enum PartSource<'a> {
+    /// A host buffer holding the box `src_box`.
+    Host(&'a [u8], &'a Region),
+    /// A piece in device memory: the part's box is downloaded into the item's scratch space
+    /// first.
+    Device(&'a DevicePiece),
+}
+
 /// Where one staged item's bytes come from.
 #[derive(Debug)]
 pub enum ItemSource<'a> {
     /// Exactly these bytes (one contiguous run of a caller's buffer).
     Bytes(&'a [u8]),
+    /// The box `full` of a device piece, downloaded whole (`elem` bytes per element).
+    Device {
+        /// The piece.
+        piece: &'a DevicePiece,
+        /// The item's box, inside the piece's.
+        full: Region,
+    },
     /// The box `full` (C order, `elem` bytes per element), zero-filled unless `covered`,
-    /// then each part `(src, src_box, region)` copied into it.
+    /// then each part `(source, region)` copied into it.
     Parts {
         /// The item's box.
         full: Region,
@@ -167,29 +290,112 @@ pub enum ItemSource<'a> {
         elem: usize,
         /// True when the parts cover the whole box (no zero fill needed).
         covered: bool,
-        /// Source buffer, the box it holds, and the box to copy.
-        parts: Vec<(&'a [u8], &'a Region, Region)>,
+        /// Where each part comes from, and the box to copy.
+        parts: Vec<(PartSource<'a>, Region)>,
     },
+}
+
+fn box_bytes(region: &Region, elem: usize) -> usize {
+    // Invariant: a box of a planned tensor, whose element count fits `u64`.
+    crate::model::usize_of(region.num_elements().unwrap_or(0)) * elem
+}
+
+impl ItemSource<'_> {
+    /// Bytes the item takes in the chunk file's layout.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        match self {
+            ItemSource::Bytes(b) => b.len(),
+            ItemSource::Device { piece, full } => box_bytes(full, piece.dtype().size()),
+            ItemSource::Parts { full, elem, .. } => box_bytes(full, *elem),
+        }
+    }
+
+    /// Bytes of scratch space after the item: its device parts, downloaded before assembly.
+    #[must_use]
+    pub fn scratch(&self) -> usize {
+        match self {
+            ItemSource::Parts { parts, elem, .. } => parts
+                .iter()
+                .filter(|(s, _)| matches!(s, PartSource::Device(_)))
+                .map(|(_, r)| box_bytes(r, *elem))
+                .sum(),
+            _ => 0,
+        }
+    }
+
+    /// Whether the item reads device memory.
+    #[must_use]
+    pub fn reads_device(&self) -> bool {
+        matches!(self, ItemSource::Device { .. }) || self.scratch() > 0
+    }
 }
 
 enum Job<'d, 's> {
     Copy(&'d mut [u8], &'s [u8]),
-    Assemble(&'d mut [u8], &'s ItemSource<'s>),
+    Assemble(&'d mut [u8], &'d [u8], &'s ItemSource<'s>),
 }
 
-/// Fills `arena` with `items`, item `i` at `ranges[i]` (ascending, disjoint), copying in
-/// parallel on `threads`: contiguous items in blocks, assembled items whole.
+/// The pitched downloads of the device items of a round into an arena.
+fn downloads(
+    ranges: &[Range<usize>],
+    items: &[ItemSource<'_>],
+) -> Result<Vec<crate::device::Pitched>, DeviceError> {
+    let mut copies = Vec::new();
+    for (r, item) in ranges.iter().zip(items) {
+        match item {
+            ItemSource::Device { piece, full } => copies.extend(piece.copies(full, r.start)?),
+            ItemSource::Parts { parts, elem, .. } => {
+                let mut at = r.start + item.len();
+                for (src, region) in parts {
+                    if let PartSource::Device(piece) = src {
+                        copies.extend(piece.copies(region, at)?);
+                        at += box_bytes(region, *elem);
+                    }
+                }
+            }
+            ItemSource::Bytes(_) => {}
+        }
+    }
+    Ok(copies)
+}
+
+/// Fills the lease's arena with `items`, item `i` at the front of `ranges[i]` (ascending,
+/// disjoint; each [`ItemSource::len`] plus [`ItemSource::scratch`] long): device downloads
+/// first (waited for), then host copies in parallel on `threads` (contiguous items in
+/// blocks, assembled items whole).
+///
+/// # Errors
+/// [`DeviceError`] when a download fails, or when items read device memory but the arena
+/// is not page-locked memory of their device.
 ///
 /// # Panics
 /// If a range lies outside the arena or does not match its item's size (a caller bug).
 pub fn fill(
-    arena: &mut [u8],
+    lease: &mut Lease,
     ranges: &[Range<usize>],
     items: &[ItemSource<'_>],
     threads: &rayon::ThreadPool,
-) {
+) -> Result<(), DeviceError> {
+    let copies = downloads(ranges, items)?;
+    if !copies.is_empty() {
+        let device = lease.device().cloned().ok_or_else(|| {
+            DeviceError::Unavailable("device pieces need a page-locked staging arena".into())
+        })?;
+        let arena = lease.bytes_mut();
+        // SAFETY: the copies' host ranges lie in the arena (its items' ranges, checked
+        // against its length below by the slicing of the host pass), which is page-locked
+        // memory of `device` and borrowed mutably until the wait returns; the device ranges
+        // are the pieces' views (DeviceView::new's contract).
+        assert!(
+            ranges.last().is_none_or(|r| r.end <= arena.len()),
+            "staged range"
+        );
+        let fence = unsafe { device.to_host(arena.as_mut_ptr(), &copies) }?;
+        device.wait(fence)?;
+    }
     let mut jobs: Vec<Job<'_, '_>> = Vec::new();
-    let mut rest = arena;
+    let mut rest = lease.bytes_mut();
     let mut at = 0;
     for (r, item) in ranges.iter().zip(items) {
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(r.start - at);
@@ -203,30 +409,78 @@ pub fn fill(
                     jobs.push(Job::Copy(d, s));
                 }
             }
-            ItemSource::Parts { .. } => jobs.push(Job::Assemble(dst, item)),
+            ItemSource::Device { .. } => {}
+            ItemSource::Parts { .. } => {
+                let (d, scratch) = dst.split_at_mut(item.len());
+                jobs.push(Job::Assemble(d, scratch, item));
+            }
         }
     }
     threads.install(|| {
         jobs.into_par_iter().for_each(|job| match job {
             Job::Copy(d, s) => d.copy_from_slice(s),
-            Job::Assemble(d, item) => {
-                if let ItemSource::Parts {
-                    full,
-                    elem,
-                    covered,
-                    parts,
-                } = item
-                {
-                    if !covered {
-                        d.fill(0);
-                    }
-                    for (src, src_box, region) in parts {
-                        copy_region(src, src_box, d, full, region, *elem);
-                    }
-                }
-            }
+            Job::Assemble(d, scratch, item) => assemble(d, scratch, item),
         });
     });
+    Ok(())
+}
+
+/// Assembles a [`ItemSource::Parts`] item into `d`, its device parts read from `scratch`.
+fn assemble(d: &mut [u8], scratch: &[u8], item: &ItemSource<'_>) {
+    let ItemSource::Parts {
+        full,
+        elem,
+        covered,
+        parts,
+    } = item
+    else {
+        return;
+    };
+    if !covered {
+        d.fill(0);
+    }
+    let mut at = 0;
+    for (src, region) in parts {
+        match src {
+            PartSource::Host(src, src_box) => copy_region(src, src_box, d, full, region, *elem),
+            PartSource::Device(_) => {
+                let n = box_bytes(region, *elem);
+                copy_region(&scratch[at..at + n], region, d, full, region, *elem);
+                at += n;
+            }
+        }
+    }
+}
+
+/// Downloads `region` (inside the piece's box) of a device piece into a new host buffer,
+/// through an arena of the pool (page-locked memory of `device`, reused across saves): the
+/// parts of unaligned chunks a rank sends to their writers.
+///
+/// # Errors
+/// [`DeviceError`] when the arena cannot be allocated or the download fails.
+pub fn download(
+    pool: &Arc<StagingPool>,
+    device: &Arc<dyn Device>,
+    piece: &DevicePiece,
+    region: &Region,
+) -> Result<Vec<u8>, DeviceError> {
+    let len = box_bytes(region, piece.dtype().size());
+    let copies = piece.copies(region, 0)?;
+    let mut lease = pool.take(len, len, Some(device))?;
+    let arena = lease.bytes_mut();
+    assert!(
+        arena.len() >= len,
+        "arena of {} bytes for {len}",
+        arena.len()
+    );
+    if !copies.is_empty() {
+        // SAFETY: the host ranges lie in the first `len` bytes of the arena, page-locked
+        // memory of `device` borrowed mutably until the wait returns; the device ranges are
+        // the piece's view (DeviceView::new's contract).
+        let fence = unsafe { device.to_host(arena.as_mut_ptr(), &copies) }?;
+        device.wait(fence)?;
+    }
+    Ok(arena[..len].to_vec())
 }
 
 /// A thread pool for staging copies: `threads` threads, or the machine's cores (at most 8)
@@ -256,17 +510,17 @@ mod tests {
         let pool = Arc::new(StagingPool::new(64));
         assert_eq!(pool.arena_cap(), 32);
         for _ in 0..5 {
-            let a = pool.take(20);
-            let b = pool.take(32);
+            let a = pool.take(20, 0, None).unwrap();
+            let b = pool.take(32, 0, None).unwrap();
             assert_eq!((a.bytes().len(), b.bytes().len()), (20, 32));
         }
         // Only what the largest rounds needed, kept for the next save.
         assert_eq!(pool.held_bytes(), 52);
         // A waiting taker gets the arena another thread gives back.
-        let a = pool.take(1);
-        let b = pool.take(1);
+        let a = pool.take(1, 0, None).unwrap();
+        let b = pool.take(1, 0, None).unwrap();
         let p2 = Arc::clone(&pool);
-        let t = std::thread::spawn(move || p2.take(8).bytes().len());
+        let t = std::thread::spawn(move || p2.take(8, 0, None).unwrap().bytes().len());
         std::thread::sleep(std::time::Duration::from_millis(20));
         drop(a);
         assert!(t.join().unwrap() >= 20);
@@ -288,12 +542,15 @@ mod tests {
                 full: full.clone(),
                 elem: 1,
                 covered: false,
-                parts: vec![(&piece, &pbox, pbox.clone())],
+                parts: vec![(PartSource::Host(&piece, &pbox), pbox.clone())],
             },
         ];
-        let mut arena = vec![0xAAu8; big.len() + 3 + 16];
+        let pool = Arc::new(StagingPool::new(1 << 30));
+        let mut lease = pool.take(big.len() + 3 + 16, 0, None).unwrap();
+        lease.bytes_mut().fill(0xAA);
         let ranges = [0..big.len(), big.len() + 3..big.len() + 19];
-        fill(&mut arena, &ranges, &items, &threads);
+        fill(&mut lease, &ranges, &items, &threads).unwrap();
+        let arena = lease.bytes();
         assert_eq!(&arena[..big.len()], &big[..]);
         assert_eq!(&arena[big.len()..big.len() + 3], &[0xAA; 3]);
         let mut expect: Vec<u8> = (1..=8).collect();

@@ -1,5 +1,5 @@
-//! The state-dict front doors: [`save_state`] flattens a nested [`StateDict`] into tensor
-//! pieces and objects and saves them in one checkpoint; [`load_state`] flattens the same
+//! The state-dict front doors: [`save_state`] flattens a nested [`StateDict`] into a
+//! [`SaveRequest`] (tensor pieces and objects) and saves it in one checkpoint; [`load_state`] flattens the same
 //! structure of load targets and objects, loads, and fills the leaves in place.
 
 use std::path::Path;
@@ -9,48 +9,36 @@ use crate::coord::agree;
 use crate::error::{Error, Result};
 use crate::load::{LoadOptions, LoadReport, load_with_objects};
 use crate::model::state::{StateDict, StateError, StateValue};
-use crate::model::{LoadTarget, ObjectRequest, ObjectValue, ShardedTensor, StateObject, TensorKey};
-use crate::save::{SaveOptions, SaveReport, save_with_objects};
-
-/// Flattens a state dict to save: tensor pieces and objects under their flattened keys;
-/// scalars become common JSON objects.
-fn to_save<'a>(state: &StateDict<'a>) -> Result<(Vec<ShardedTensor<'a>>, Vec<StateObject>)> {
-    let mut pieces = Vec::new();
-    let mut objects = Vec::new();
-    for (key, leaf) in state.flatten()? {
-        match leaf {
-            StateValue::Tensor(t) => pieces.push(t.rekeyed(key)?),
-            StateValue::Object(o) => objects.push(o.clone().with_key(key)),
-            StateValue::Scalar(v) => objects.push(StateObject::common(key.as_str(), v.clone())?),
-            other => {
-                return Err(StateError::WrongLeaf {
-                    key,
-                    found: other.kind(),
-                    wanted: "a tensor piece, an object or a scalar",
-                }
-                .into());
-            }
-        }
-    }
-    Ok((pieces, objects))
-}
+use crate::model::{LoadTarget, ObjectRequest, ObjectValue, TensorKey};
+use crate::save::{SaveOptions, SaveReport, SaveRequest};
 
 /// Saves a nested state dict: every leaf under its flattened key (`/`-joined path, list
 /// positions in decimal; see [`crate::model::state`]). Tensor pieces are saved as by
-/// [`crate::save()`], objects and scalars as by [`save_with_objects`]. Every rank calls it
-/// with its own state dict of the same structure (the leaves it holds).
+/// [`crate::save()`], objects and scalars as by [`crate::save_with_objects`]. Every rank calls
+/// it with its own state dict of the same structure (the leaves it holds).
+///
+/// A shorthand for a one-shot save of [`SaveRequest::from_state`] that agrees on the
+/// flattening first, so that a rank whose state dict does not flatten fails every rank;
+/// repeated and asynchronous saves of a state dict go through a [`crate::Saver`].
 ///
 /// # Errors
 /// [`Error::State`] for a state dict that does not flatten (bad map keys, colliding paths,
-/// load targets among the leaves), and the errors of [`save_with_objects`].
+/// load targets among the leaves), and the errors of [`crate::save_with_objects`].
 pub fn save_state(
     state: &StateDict<'_>,
     dir: &Path,
     comm: &dyn Communicator,
     opts: &SaveOptions,
 ) -> Result<SaveReport> {
-    let (pieces, objects) = agree(comm, to_save(state))?;
-    save_with_objects(&pieces, &objects, dir, comm, opts)
+    let request = agree(comm, SaveRequest::from_state(state))?;
+    crate::save::save_direct(
+        &request.tensors,
+        request.objects.as_deref(),
+        dir,
+        comm,
+        opts,
+        None,
+    )
 }
 
 /// What a flattened load asks for.

@@ -9,8 +9,8 @@ use std::time::Duration;
 use common::state::{RankState, check};
 use zarrckpt::comm::run_local;
 use zarrckpt::{
-    Checkpoint, Communicator, DType, Error, IfBusy, Region, SaveOptions, Saver, SaverOptions,
-    ShardedTensor, TensorKey,
+    Checkpoint, Communicator, DType, Error, IfBusy, Region, SaveOptions, SaveRequest, Saver,
+    SaverOptions, ShardedTensor, TensorKey,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(60);
@@ -30,7 +30,7 @@ fn mutations_after_return_do_not_change_what_is_saved() {
             let mut saver = Saver::new(Arc::clone(&comm));
             let mut state = RankState::new(world, rank, 1);
             let h = saver
-                .save_async(&state.sharded(), &dir, &SaveOptions::default())
+                .save_async(&state.sharded().into(), &dir, &SaveOptions::default())
                 .unwrap();
             // Training goes on at once: every byte the caller holds changes.
             state.scribble(0xEE);
@@ -81,7 +81,11 @@ fn state_larger_than_the_cap_is_staged_in_rounds() {
                 .collect();
             let dir = tmp.path().join(format!("step{step}"));
             let h = saver
-                .save_async(&pieces, &dir, &SaveOptions::default())
+                .save_async(
+                    &SaveRequest::from(&pieces[..]),
+                    &dir,
+                    &SaveOptions::default(),
+                )
                 .unwrap();
             assert_eq!(h.staged_bytes(), 64 << 10);
             drop(pieces);
@@ -137,7 +141,11 @@ fn twenty_async_saves_keep_memory_flat() {
                 .unwrap(),
             );
             let h = saver
-                .save_async(&pieces, &dir, &SaveOptions::default())
+                .save_async(
+                    &SaveRequest::from(&pieces[..]),
+                    &dir,
+                    &SaveOptions::default(),
+                )
                 .unwrap();
             drop(pieces);
             state.scribble(step as u8);
@@ -182,7 +190,7 @@ fn errors_surface_on_wait_and_commit_nothing() {
         let mut saver = Saver::new(Arc::clone(&comm));
         let state = RankState::new(2, rank, 1);
         let h = saver
-            .save_async(&state.sharded(), &dir, &SaveOptions::default())
+            .save_async(&state.sharded().into(), &dir, &SaveOptions::default())
             .unwrap();
         h.wait()
     });
@@ -210,7 +218,9 @@ fn errors_surface_on_wait_and_commit_nothing() {
             ..SaveOptions::default()
         };
         let state = RankState::new(2, rank, 1);
-        let h = saver.save_async(&state.sharded(), &dir2, &opts).unwrap();
+        let h = saver
+            .save_async(&state.sharded().into(), &dir2, &opts)
+            .unwrap();
         if rank == 1 {
             gate.wait_reached();
             // Rank 0 may still be writing into the tree: retry until it is gone.
@@ -283,12 +293,12 @@ fn a_second_save_waits_or_fails_as_asked() {
         let mut saver = Saver::with_options(Arc::clone(&comm), opts);
         let state = RankState::new(2, rank, 1);
         let first = saver
-            .save_async(&state.sharded(), &tmp.path().join("a"), &slow)
+            .save_async(&state.sharded().into(), &tmp.path().join("a"), &slow)
             .unwrap();
         assert!(saver.is_busy() && !first.is_done());
         let e = saver
             .save_async(
-                &state.sharded(),
+                &state.sharded().into(),
                 &tmp.path().join("b"),
                 &SaveOptions::default(),
             )
@@ -318,7 +328,7 @@ fn a_second_save_waits_or_fails_as_asked() {
         let mut saver = Saver::new(Arc::clone(&comm));
         let s1 = RankState::new(2, rank, 1);
         let first = saver
-            .save_async(&s1.sharded(), &tmp.path().join("c"), &slow)
+            .save_async(&s1.sharded().into(), &tmp.path().join("c"), &slow)
             .unwrap();
         let releaser = {
             let gate = Arc::clone(&gate);
@@ -330,7 +340,7 @@ fn a_second_save_waits_or_fails_as_asked() {
         let s2 = RankState::new(2, rank, 2);
         let second = saver
             .save_async(
-                &s2.sharded(),
+                &s2.sharded().into(),
                 &tmp.path().join("d"),
                 &SaveOptions::default(),
             )
@@ -367,7 +377,7 @@ fn over_tcp_the_background_owns_the_communicator_until_done() {
             let mut state = RankState::new(world as u64, rank, step);
             let dir = tmp.path().join(format!("tcp{step}"));
             let h = saver
-                .save_async(&state.sharded(), &dir, &SaveOptions::default())
+                .save_async(&state.sharded().into(), &dir, &SaveOptions::default())
                 .unwrap();
             state.scribble(0x11);
             let rep = h.wait().unwrap();
@@ -391,9 +401,10 @@ fn over_tcp_the_background_owns_the_communicator_until_done() {
     }
 }
 
-/// Objects go with an asynchronous save: copied during the call (the caller may change them
-/// at once), agreed on and written in the background, committed with the tensors; a common
-/// value that differs between ranks fails the save on every rank and commits nothing.
+/// Objects go with an asynchronous save: copied and agreed on during the call (the caller
+/// may change them at once), written in the background, committed with the tensors; a common
+/// value that differs between ranks fails the call itself on every rank (a planning error,
+/// not left for `wait`) and commits nothing.
 #[test]
 fn objects_are_saved_asynchronously_with_the_tensors() {
     use zarrckpt::{ObjectSlot, ObjectValue, StateObject};
@@ -404,12 +415,13 @@ fn objects_are_saved_asynchronously_with_the_tensors() {
         let rank = comm.rank() as u64;
         let mut saver = Saver::new(Arc::clone(&comm));
         let state = RankState::new(3, rank, 1);
-        let mut objects = vec![
+        let mut objects = [
             StateObject::common("iteration", serde_json::json!(1000)).unwrap(),
             StateObject::per_rank("rng", vec![rank as u8; 8]).unwrap(),
         ];
+        let request = SaveRequest::from(state.sharded()).with_objects(objects.iter().cloned());
         let h = saver
-            .save_async_with_objects(&state.sharded(), &objects, &dir, &SaveOptions::default())
+            .save_async(&request, &dir, &SaveOptions::default())
             .unwrap();
         // Training goes on: the caller's objects change at once.
         objects[0] = StateObject::common("iteration", serde_json::json!(1001)).unwrap();
@@ -437,12 +449,18 @@ fn objects_are_saved_asynchronously_with_the_tensors() {
         let mut saver = Saver::new(Arc::clone(&comm));
         let state = RankState::new(3, rank, 1);
         let objects = [StateObject::common("iteration", serde_json::json!(rank)).unwrap()];
+        let request = SaveRequest::from(state.sharded()).with_objects(objects);
+        // A planning error: returned by the call itself, not left for `wait`.
         saver
-            .save_async_with_objects(&state.sharded(), &objects, &bad, &SaveOptions::default())
-            .and_then(zarrckpt::SaveHandle::wait)
+            .save_async(&request, &bad, &SaveOptions::default())
+            .map(|_| ())
     });
     for r in results {
         let e = r.unwrap_err();
+        assert!(
+            matches!(e, Error::ObjectPlan(_) | Error::RemoteFailure { .. }),
+            "{e}"
+        );
         assert!(e.to_string().contains("iteration"), "{e}");
     }
     assert!(Checkpoint::open(&bad).is_err(), "nothing committed");
@@ -467,12 +485,14 @@ fn flat_pieces_save_through_a_saver() {
             let mut saver = Saver::new(Arc::clone(&comm));
             if asynchronous {
                 saver
-                    .save_async(&[piece], &dir, &SaveOptions::default())
+                    .save_async(&vec![piece].into(), &dir, &SaveOptions::default())
                     .unwrap()
                     .wait()
                     .unwrap();
             } else {
-                saver.save(&[piece], &dir, &SaveOptions::default()).unwrap();
+                saver
+                    .save(&vec![piece].into(), &dir, &SaveOptions::default())
+                    .unwrap();
             }
         });
         let ck = Checkpoint::open(&dir).unwrap();
@@ -490,7 +510,7 @@ fn flat_pieces_save_through_a_saver() {
 
 #[test]
 fn synchronous_saves_with_objects_reuse_the_plan() {
-    // Every rank calls `Saver::save_with_objects`, one of them with no objects at all: the
+    // Every rank saves a request with objects, one of them with no objects at all: the
     // ranks stay in step, the second save reuses the plan, and the objects read back.
     let tmp = tempfile::tempdir().unwrap();
     let data: Vec<f32> = (0..12).map(|i| i as f32).collect();
@@ -521,16 +541,14 @@ fn synchronous_saves_with_objects_reuse_the_plan() {
                 objects.clear();
             }
             let mut saver = Saver::new(Arc::clone(&comm));
+            let request = SaveRequest::new()
+                .with_tensors([piece])
+                .with_objects(objects);
             let first = saver
-                .save_with_objects(
-                    std::slice::from_ref(&piece),
-                    &objects,
-                    &dir.join("a"),
-                    &SaveOptions::default(),
-                )
+                .save(&request, &dir.join("a"), &SaveOptions::default())
                 .unwrap();
             let second = saver
-                .save_with_objects(&[piece], &objects, &dir.join("b"), &SaveOptions::default())
+                .save(&request, &dir.join("b"), &SaveOptions::default())
                 .unwrap();
             (first.plan_reused, second.plan_reused)
         });
@@ -560,4 +578,72 @@ fn synchronous_saves_with_objects_reuse_the_plan() {
 fn bytemuck_f32(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding and any bytes are valid u8.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// The checkpoint manager over a saver: every step saved in the background with tensors and
+/// objects; the commit, the `latest` pointer and retention follow in the background thread;
+/// resuming loads the latest step's tensors and objects on every rank.
+#[test]
+fn manager_saves_steps_in_the_background_and_resumes() {
+    use zarrckpt::{
+        CheckpointManager, LoadOptions, LoadTarget, ManagerOptions, ObjectRequest, ObjectValue,
+        StateObject,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("run");
+    let results = run_local(2, TIMEOUT, |comm| {
+        let comm = shared(comm);
+        let r = comm.rank() as u64;
+        let opts = ManagerOptions {
+            keep_last: 2,
+            keep_every: None,
+        };
+        let mut m = CheckpointManager::new(&root, Saver::new(Arc::clone(&comm)), opts);
+        for step in 1..=4u64 {
+            let mut data: Vec<f32> = (0..6).map(|i| (step * 100 + r * 6 + i) as f32).collect();
+            let piece =
+                ShardedTensor::from_slice("w", &[4, 3], &[2 * r, 0], &data, &[2, 3], 0).unwrap();
+            let request = SaveRequest::new().with_tensors([piece]).with_objects([
+                StateObject::common("step", serde_json::json!(step)).unwrap(),
+                StateObject::per_rank("rng", vec![(step + r) as u8; 4]).unwrap(),
+            ]);
+            let h = m
+                .save_async(step, &request, &SaveOptions::default())
+                .unwrap();
+            drop(request);
+            data.iter_mut().for_each(|x| *x = -1.0); // training goes on
+            h.wait().unwrap();
+        }
+        assert_eq!(m.latest().unwrap(), Some(4));
+        let kept: Vec<u64> = m.steps().unwrap().iter().map(|s| s.step).collect();
+        assert_eq!(kept, vec![3, 4]);
+        let mut whole = vec![0f32; 12];
+        let mut t = [LoadTarget::from_slice("w", &[4, 3], &[0, 0], &mut whole, &[4, 3]).unwrap()];
+        let requests = [
+            ObjectRequest::common("step").unwrap(),
+            ObjectRequest::rank("rng", r).unwrap(),
+        ];
+        let (step, report) = m
+            .load_latest(&mut t, &requests, &LoadOptions::default())
+            .unwrap()
+            .unwrap();
+        assert_eq!(step, 4);
+        assert_eq!(
+            report.objects,
+            vec![
+                Some(ObjectValue::Json(serde_json::json!(4))),
+                Some(ObjectValue::Bytes(vec![(4 + r) as u8; 4]))
+            ]
+        );
+        drop(t);
+        whole
+    });
+    let want: Vec<f32> = (0..12).map(|i| (400 + i) as f32).collect();
+    for got in results {
+        assert_eq!(got, want);
+    }
+    assert_eq!(
+        std::fs::read_to_string(root.join("latest")).unwrap(),
+        "step-00000004\n"
+    );
 }

@@ -279,8 +279,10 @@ fn a_second_save_to_the_same_path_fails_cleanly_on_every_rank() {
 fn manager_keeps_the_last_n_and_resumes_from_the_latest_complete_step() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("run");
-    let m = CheckpointManager::new(
+    let one: std::sync::Arc<dyn zarrckpt::Communicator> = std::sync::Arc::new(LocalComm::single());
+    let mut m = CheckpointManager::new(
         &root,
+        zarrckpt::Saver::new(one),
         ManagerOptions {
             keep_last: 2,
             keep_every: Some(4),
@@ -297,7 +299,7 @@ fn manager_keeps_the_last_n_and_resumes_from_the_latest_complete_step() {
             &d,
         )
         .unwrap()];
-        m.save(step, &p, &LocalComm::single(), &SaveOptions::default())
+        m.save(step, &p.to_vec().into(), &SaveOptions::default())
             .unwrap();
     }
     let steps: Vec<u64> = m.steps().unwrap().iter().map(|s| s.step).collect();
@@ -318,7 +320,7 @@ fn manager_keeps_the_last_n_and_resumes_from_the_latest_complete_step() {
     )
     .unwrap()];
     let (step, _) = m
-        .load_latest(&mut t, &LocalComm::single(), &LoadOptions::default())
+        .load_latest(&mut t, &[], &LoadOptions::default())
         .unwrap()
         .unwrap();
     assert_eq!(step, 6);

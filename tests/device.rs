@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use zarrckpt::comm::run_local;
 use zarrckpt::device::{
-    DevicePiece, DeviceSaver, DeviceStaging, DeviceTarget, DeviceView, SimDevice, load_to_device,
+    DevicePiece, DeviceStaging, DeviceTarget, DeviceView, SimDevice, load_to_device,
 };
 use zarrckpt::{
-    Communicator, DType, Error, LoadOptions, LoadTarget, Region, SaveOptions, ShardedTensor,
-    StrictMode, TensorKey, load, save,
+    Communicator, DType, Error, LoadOptions, LoadTarget, Region, SaveOptions, SaveRequest, Saver,
+    SaverOptions, ShardedTensor, StrictMode, TensorKey, load, save,
 };
 
 /// A tensor's full contents: element i holds the low bytes of `i * 2654435761 ^ seed`.
@@ -439,8 +439,10 @@ fn bad_device_requests_fail_on_every_rank() {
     );
 }
 
-/// Saves from device memory (pieces as column strips of padded device buffers) with 2
-/// ranks, synchronously or asynchronously; loads on the host and compares.
+/// Saves from device memory (pieces as column strips of padded device buffers, which the
+/// chunk grid does not follow: parts travel between ranks and chunks are assembled) with 2
+/// ranks through a `Saver`, synchronously or asynchronously, with a staging cap small enough
+/// for several rounds; loads on the host and compares.
 fn save_from_device(asynchronous: bool) {
     let dir = tempfile::tempdir().unwrap();
     let ts = tensors();
@@ -452,7 +454,11 @@ fn save_from_device(asynchronous: bool) {
     let results = run_local(world, Duration::from_secs(30), |comm| {
         let comm: Arc<dyn Communicator> = Arc::new(comm);
         let dev = Arc::new(SimDevice::new());
-        let mut saver = DeviceSaver::new(dev.clone(), Arc::clone(&comm));
+        let staging = SaverOptions {
+            staging_bytes: 2048,
+            ..SaverOptions::default()
+        };
+        let mut saver = Saver::with_options(Arc::clone(&comm), staging);
         let r = comm.rank();
         let mut pieces = Vec::new();
         let mut buffers = Vec::new();
@@ -492,16 +498,18 @@ fn save_from_device(asynchronous: bool) {
             );
         }
         let opts = SaveOptions::default();
+        let request = SaveRequest::new().with_device_tensors(dev.clone(), pieces.clone());
+        let mut written = 0;
+        let mut pinned = 0;
         for round in 0..2 {
             let path = dir.path().join(format!("step{round}"));
             if asynchronous {
-                let h = saver.save_async(&[], &pieces, &[], &path, &opts)?;
+                let h = saver.save_async(&request, &path, &opts)?;
                 // The caller may change device memory as soon as the call returns.
                 for (base, len) in &buffers {
                     dev.write(*base, &vec![0x55u8; *len]).unwrap();
                 }
-                assert_eq!(h.device_bytes() as usize, pieces_bytes(&ts, r, world));
-                h.wait()?;
+                written = h.wait()?.data_bytes;
                 // Put the data back for the next round.
                 for ((base, _), (t, f)) in buffers.iter().zip(ts.iter().zip(&fulls)) {
                     let elem = t.dtype.size();
@@ -523,16 +531,21 @@ fn save_from_device(asynchronous: bool) {
                     dev.write(*base, &image).unwrap();
                 }
             } else {
-                saver.save(&[], &pieces, &[], &path, &opts)?;
+                written = saver.save(&request, &path, &opts)?.data_bytes;
             }
+            // Staging is reused: no page-locked allocation after the first save.
+            if round == 0 {
+                pinned = dev.pinned_allocations();
+                assert!(pinned > 0);
+            }
+            assert_eq!(dev.pinned_allocations(), pinned, "round {round}");
         }
-        // The snapshot is reused: one pinned allocation for both saves.
-        assert_eq!(dev.pinned_allocations(), 1);
-        Ok::<_, Error>(())
+        Ok::<_, Error>(written)
     });
-    for r in results {
-        r.unwrap();
-    }
+    // Every element was written once, by one rank.
+    let written: u64 = results.into_iter().map(Result::unwrap).sum();
+    let total: u64 = (0..world).map(|r| pieces_bytes(&ts, r, world) as u64).sum();
+    assert_eq!(written, total);
     // Load each step on the host, whole, and compare.
     for round in 0..2 {
         let path = dir.path().join(format!("step{round}"));
@@ -585,4 +598,73 @@ fn saves_strided_device_pieces() {
 #[test]
 fn async_save_from_device_snapshots_before_returning() {
     save_from_device(true);
+}
+
+/// One rank holds its rows of a tensor in device memory, the other in host memory: both save
+/// through the same `Saver` calls (synchronous and asynchronous) and the tensor reads back
+/// whole. A layout error among device pieces (an overlap) is returned by the call itself, on
+/// every rank, before anything is staged or written.
+#[test]
+fn ranks_with_and_without_device_pieces_save_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = [8u64, 6];
+    let full = global(&shape, 4, 9);
+    let results = run_local(2, Duration::from_secs(30), |comm| {
+        let comm: Arc<dyn Communicator> = Arc::new(comm);
+        let r = comm.rank();
+        let dev = Arc::new(SimDevice::new());
+        let mut saver = Saver::new(Arc::clone(&comm));
+        let rows = split(&shape, 0, r, 2);
+        let mine = cut(&full, &shape, &rows, 4);
+        let key = TensorKey::new("w").unwrap();
+        let request = if r == 0 {
+            let base = dev.alloc(mine.len());
+            dev.write(base, &mine).unwrap();
+            let view = unsafe { DeviceView::contiguous(base, rows.shape()) };
+            let p = DevicePiece::new(key.clone(), DType::Float32, shape.to_vec(), rows, 0, view)
+                .unwrap();
+            SaveRequest::new().with_device_tensors(dev.clone(), [p])
+        } else {
+            let p = ShardedTensor::new(key.clone(), DType::Float32, shape.to_vec(), rows, 0, &mine)
+                .unwrap();
+            SaveRequest::new().with_tensors([p])
+        };
+        let opts = SaveOptions::default();
+        saver.save(&request, &dir.path().join("sync"), &opts)?;
+        saver
+            .save_async(&request, &dir.path().join("async"), &opts)?
+            .wait()?;
+        // Rank 1 also claims rank 0's rows, as a device piece: an overlap.
+        let base = dev.alloc(full.len());
+        dev.write(base, &full).unwrap();
+        let all = Region::full(&shape);
+        let view = unsafe { DeviceView::contiguous(base, &shape) };
+        let bad = if r == 1 {
+            let p = DevicePiece::new(key, DType::Float32, shape.to_vec(), all, 0, view).unwrap();
+            SaveRequest::new().with_device_tensors(dev.clone(), [p])
+        } else {
+            request
+        };
+        let e = saver
+            .save_async(&bad, &dir.path().join("bad"), &opts)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(matches!(e, Error::Plan(_)), "rank {r}: {e}");
+        Ok::<_, Error>(())
+    });
+    for r in results {
+        r.unwrap();
+    }
+    for sub in ["sync", "async"] {
+        let ck = zarrckpt::Checkpoint::open(dir.path().join(sub)).unwrap();
+        let mut got = vec![0u8; full.len()];
+        ck.read_region(
+            &TensorKey::new("w").unwrap(),
+            &Region::full(&shape),
+            &mut got,
+        )
+        .unwrap();
+        assert!(got == full, "{sub}");
+    }
+    assert!(!dir.path().join("bad").join("zarr.json").exists());
 }

@@ -159,7 +159,7 @@ fn save_rows_by(
                 let comm: Arc<dyn Communicator> = Arc::new(comm);
                 let mut saver = Saver::new(comm);
                 saver
-                    .save_async(&[st], dir, &opts)
+                    .save_async(&vec![st].into(), dir, &opts)
                     .and_then(zarrckpt::SaveHandle::wait)
                     .map(|_| ())
             }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use zarrckpt::comm::run_local;
 use zarrckpt::device::{
-    CudaDevice, Device, DevicePiece, DeviceSaver, DeviceStaging, DeviceTarget, DeviceView, Pitched,
+    CudaDevice, Device, DevicePiece, DeviceStaging, DeviceTarget, DeviceView, Pitched,
     load_to_device,
 };
 use zarrckpt::{
@@ -127,7 +127,7 @@ fn saves_from_device_memory() {
     upload(&dev, base, &data);
     let key = TensorKey::new("x").unwrap();
     let comm: Arc<dyn Communicator> = Arc::new(zarrckpt::LocalComm::single());
-    let mut saver = DeviceSaver::new(dev.clone(), comm.clone());
+    let mut saver = zarrckpt::Saver::new(comm.clone());
     let piece = DevicePiece::new(
         key.clone(),
         DType::BFloat16,
@@ -137,23 +137,12 @@ fn saves_from_device_memory() {
         unsafe { DeviceView::contiguous(base, &shape) },
     )
     .unwrap();
+    let request = zarrckpt::SaveRequest::new().with_device_tensors(dev.clone(), [piece]);
     saver
-        .save(
-            &[],
-            std::slice::from_ref(&piece),
-            &[],
-            &dir.path().join("a"),
-            &SaveOptions::default(),
-        )
+        .save(&request, &dir.path().join("a"), &SaveOptions::default())
         .unwrap();
     let h = saver
-        .save_async(
-            &[],
-            &[piece],
-            &[],
-            &dir.path().join("b"),
-            &SaveOptions::default(),
-        )
+        .save_async(&request, &dir.path().join("b"), &SaveOptions::default())
         .unwrap();
     upload(&dev, base, &vec![0u8; n]); // changing device memory after the call is fine
     h.wait().unwrap();

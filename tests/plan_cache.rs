@@ -27,13 +27,13 @@ fn unchanged_structure_reuses_the_plan_with_a_constant_size_check() {
             let dir = tmp.path().join(format!("s{step}"));
             let rep = if step == 2 {
                 saver
-                    .save_async(&state.sharded(), &dir, &SaveOptions::default())
+                    .save_async(&state.sharded().into(), &dir, &SaveOptions::default())
                     .unwrap()
                     .wait()
                     .unwrap()
             } else {
                 saver
-                    .save(&state.sharded(), &dir, &SaveOptions::default())
+                    .save(&state.sharded().into(), &dir, &SaveOptions::default())
                     .unwrap()
             };
             out.push((rep.plan_reused, rep.gathered_bytes));
@@ -78,7 +78,7 @@ fn a_change_on_one_rank_falls_back_to_the_full_validated_agreement() {
         let opts = SaveOptions::default();
         let s1 = RankState::new(WORLD as u64, rank, 1);
         let r = saver
-            .save(&s1.sharded(), &tmp.path().join("a"), &opts)
+            .save(&s1.sharded().into(), &tmp.path().join("a"), &opts)
             .unwrap();
         assert!(!r.plan_reused);
 
@@ -86,7 +86,7 @@ fn a_change_on_one_rank_falls_back_to_the_full_validated_agreement() {
         let s2 = RankState::new(WORLD as u64, rank, 2);
         let r = saver
             .save(
-                &with_extra(&s2, &extra, rank, 3),
+                &with_extra(&s2, &extra, rank, 3).into(),
                 &tmp.path().join("b"),
                 &opts,
             )
@@ -96,7 +96,7 @@ fn a_change_on_one_rank_falls_back_to_the_full_validated_agreement() {
         // Unchanged again: reused.
         let r = saver
             .save(
-                &with_extra(&s2, &extra, rank, 3),
+                &with_extra(&s2, &extra, rank, 3).into(),
                 &tmp.path().join("c"),
                 &opts,
             )
@@ -125,7 +125,7 @@ fn a_change_on_one_rank_falls_back_to_the_full_validated_agreement() {
             .unwrap();
         }
         let e = saver
-            .save_async(&bad, &tmp.path().join("d"), &opts)
+            .save_async(&bad.into(), &tmp.path().join("d"), &opts)
             .unwrap_err();
         assert!(
             matches!(&e, Error::Plan(PlanError::Overlap { key, .. }) if key.as_str() == "model.rows.weight"),
@@ -136,7 +136,7 @@ fn a_change_on_one_rank_falls_back_to_the_full_validated_agreement() {
         // blindly, the check runs again and reuses it only if every rank is unchanged.
         let r = saver
             .save(
-                &with_extra(&s3, &extra, rank, 3),
+                &with_extra(&s3, &extra, rank, 3).into(),
                 &tmp.path().join("e"),
                 &opts,
             )
@@ -150,7 +150,7 @@ fn a_change_on_one_rank_falls_back_to_the_full_validated_agreement() {
         };
         let r = saver
             .save(
-                &with_extra(&s3, &extra, rank, 3),
+                &with_extra(&s3, &extra, rank, 3).into(),
                 &tmp.path().join("f"),
                 &other,
             )
@@ -173,15 +173,23 @@ fn a_new_saver_on_the_same_ranks_agrees_in_full() {
         let rank = comm.rank() as u64;
         let s = RankState::new(2, rank, 1);
         let mut a = Saver::new(Arc::clone(&comm));
-        a.save(&s.sharded(), &tmp.path().join("x"), &SaveOptions::default())
-            .unwrap();
+        a.save(
+            &s.sharded().into(),
+            &tmp.path().join("x"),
+            &SaveOptions::default(),
+        )
+        .unwrap();
         let mut fresh = if rank == 0 {
             Saver::new(Arc::clone(&comm))
         } else {
             a
         };
         let r = fresh
-            .save(&s.sharded(), &tmp.path().join("y"), &SaveOptions::default())
+            .save(
+                &s.sharded().into(),
+                &tmp.path().join("y"),
+                &SaveOptions::default(),
+            )
             .unwrap();
         assert!(!r.plan_reused, "rank {rank}");
     });

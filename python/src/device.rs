@@ -14,21 +14,17 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use zarrckpt::device::{
-    self as dev, DevicePiece, DeviceSaveHandle as RsDeviceHandle, DeviceSaver as RsDeviceSaver,
-    DeviceStaging, DeviceTarget, DeviceView, SimDevice,
+    self as dev, DevicePiece, DeviceStaging, DeviceTarget, DeviceView, SimDevice,
 };
 use zarrckpt::{DType, Region, Replica, TensorKey};
 
-use crate::convert::{
-    self, LoadSpec, SaveSpec, load_options, object_requests, pieces_of, save_objects, save_options,
-    targets_of,
-};
-use crate::{Comm, communicator};
+use crate::communicator;
+use crate::convert::{self, LoadSpec, load_options, object_requests, targets_of};
 
 /// A device for loads and saves; keeps its pinned staging between calls.
 #[pyclass(module = "zarrckpt._native")]
 pub(crate) struct Device {
-    inner: Arc<dyn dev::Device>,
+    pub(crate) inner: Arc<dyn dev::Device>,
     sim: Option<Arc<SimDevice>>,
     staging: Mutex<Option<DeviceStaging>>,
 }
@@ -125,7 +121,7 @@ impl Device {
     }
 }
 
-struct DeviceSpec {
+pub(crate) struct DeviceSpec {
     key: TensorKey,
     dtype: DType,
     global_shape: Vec<u64>,
@@ -135,7 +131,7 @@ struct DeviceSpec {
     replica: Replica,
 }
 
-fn device_specs(list: &Bound<'_, PyList>) -> PyResult<Vec<DeviceSpec>> {
+pub(crate) fn device_specs(list: &Bound<'_, PyList>) -> PyResult<Vec<DeviceSpec>> {
     let mut out = Vec::with_capacity(list.len());
     for item in list.iter() {
         let t = item.cast::<PyTuple>()?;
@@ -256,15 +252,8 @@ pub(crate) fn load_device(
     Ok(d)
 }
 
-/// Saves host pieces and device pieces (`zarrckpt::device::DeviceSaver`): device-to-host
-/// into a reused pinned snapshot, then the collective save.
-#[pyclass(module = "zarrckpt._native")]
-pub(crate) struct DeviceSaver {
-    inner: Arc<Mutex<RsDeviceSaver>>,
-    comm: Comm,
-}
-
-fn device_pieces(specs: &[DeviceSpec]) -> Result<Vec<DevicePiece>, zarrckpt::Error> {
+/// The device pieces of a save, from their specs.
+pub(crate) fn device_pieces(specs: &[DeviceSpec]) -> Result<Vec<DevicePiece>, zarrckpt::Error> {
     specs
         .iter()
         .map(|s| {
@@ -279,152 +268,4 @@ fn device_pieces(specs: &[DeviceSpec]) -> Result<Vec<DevicePiece>, zarrckpt::Err
             .map(|p| p.with_replica(s.replica))
         })
         .collect()
-}
-
-#[pymethods]
-impl DeviceSaver {
-    #[new]
-    #[pyo3(signature = (device, comm=None))]
-    fn new(device: &Device, comm: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        let comm = communicator(comm)?;
-        Ok(DeviceSaver {
-            inner: Arc::new(Mutex::new(RsDeviceSaver::new(
-                Arc::clone(&device.inner),
-                Arc::clone(&comm.dynamic),
-            ))),
-            comm,
-        })
-    }
-
-    /// Saves synchronously (collective).
-    #[pyo3(signature = (path, pieces, device_pieces, objects, options))]
-    fn save(
-        &self,
-        py: Python<'_>,
-        path: PathBuf,
-        pieces: &Bound<'_, PyList>,
-        device_pieces: &Bound<'_, PyList>,
-        objects: Option<&Bound<'_, PyList>>,
-        options: &Bound<'_, PyDict>,
-    ) -> PyResult<Py<PyDict>> {
-        let report = self.with_saver(
-            py,
-            &path,
-            (pieces, device_pieces, objects, options),
-            |s, host, dps, objs, path, opts| s.save(host, dps, objs, path, opts),
-        )?;
-        convert::save_report(py, &report)
-    }
-
-    /// Starts a save; returns once the device and host pieces are in the pinned snapshot.
-    #[pyo3(signature = (path, pieces, device_pieces, objects, options))]
-    fn save_async(
-        &self,
-        py: Python<'_>,
-        path: PathBuf,
-        pieces: &Bound<'_, PyList>,
-        device_pieces: &Bound<'_, PyList>,
-        objects: Option<&Bound<'_, PyList>>,
-        options: &Bound<'_, PyDict>,
-    ) -> PyResult<DeviceSaveHandle> {
-        let h = self.with_saver(
-            py,
-            &path,
-            (pieces, device_pieces, objects, options),
-            |s, host, dps, objs, path, opts| s.save_async(host, dps, objs, path, opts),
-        )?;
-        Ok(DeviceSaveHandle {
-            blocked_s: h.blocked().as_secs_f64(),
-            device_bytes: h.device_bytes(),
-            handle: Mutex::new(Some(h)),
-            comm: self.comm.clone(),
-        })
-    }
-}
-
-/// The Python arguments of a save: host pieces, device pieces, objects, options.
-type SaveArgs<'a, 'py> = (
-    &'a Bound<'py, PyList>,
-    &'a Bound<'py, PyList>,
-    Option<&'a Bound<'py, PyList>>,
-    &'a Bound<'py, PyDict>,
-);
-
-impl DeviceSaver {
-    /// Extracts a save's arguments, then runs `f` on the saver with the GIL released.
-    fn with_saver<T: Send>(
-        &self,
-        py: Python<'_>,
-        path: &std::path::Path,
-        (pieces, device_pieces, objects, options): SaveArgs<'_, '_>,
-        f: impl FnOnce(
-            &mut RsDeviceSaver,
-            &[zarrckpt::ShardedTensor<'_>],
-            &[DevicePiece],
-            &[zarrckpt::StateObject],
-            &std::path::Path,
-            &zarrckpt::SaveOptions,
-        ) -> Result<T, zarrckpt::Error>
-        + Send,
-    ) -> PyResult<T> {
-        let spec = SaveSpec::extract(pieces)?;
-        let dspecs = device_specs(device_pieces)?;
-        let objs = objects.map(save_objects).transpose()?;
-        let opts = save_options(options)?;
-        let inner = Arc::clone(&self.inner);
-        let result = py.detach(|| {
-            let host = pieces_of(&spec)?;
-            let dps = self::device_pieces(&dspecs)?;
-            let mut s = inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            f(
-                &mut s,
-                &host,
-                &dps,
-                objs.as_deref().unwrap_or(&[]),
-                path,
-                &opts,
-            )
-        });
-        result.map_err(|e| self.comm.err(py, &e))
-    }
-}
-
-/// An asynchronous save from device memory in flight.
-#[pyclass(module = "zarrckpt._native")]
-pub(crate) struct DeviceSaveHandle {
-    handle: Mutex<Option<RsDeviceHandle>>,
-    comm: Comm,
-    #[pyo3(get)]
-    blocked_s: f64,
-    #[pyo3(get)]
-    device_bytes: u64,
-}
-
-#[pymethods]
-impl DeviceSaveHandle {
-    /// True once the background save is over.
-    fn done(&self) -> bool {
-        self.handle
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .as_ref()
-            .is_none_or(RsDeviceHandle::is_done)
-    }
-
-    /// Waits for the save; returns its report or raises its error (once).
-    fn wait(&self, py: Python<'_>) -> PyResult<Py<PyDict>> {
-        let h = self
-            .handle
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| PyValueError::new_err("the save's outcome was already taken"))?;
-        let r = py.detach(|| h.wait());
-        match r {
-            Ok(rep) => convert::save_report(py, &rep),
-            Err(e) => Err(self.comm.err(py, &e)),
-        }
-    }
 }

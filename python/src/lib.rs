@@ -14,6 +14,7 @@ mod conversion;
 mod convert;
 mod device;
 mod errors;
+mod manager;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -172,8 +173,76 @@ fn check_load(
         .map_err(|e| to_py(py, &e, None))
 }
 
-/// Repeated and asynchronous saves on one communicator (zarrckpt's `Saver`): the plan the
-/// ranks agreed on is reused while the structure is unchanged, staging memory is reused.
+/// A save's arguments, extracted while the GIL is held: host pieces, objects, device pieces
+/// and their device, options.
+pub(crate) struct SaveArgs {
+    spec: SaveSpec,
+    objects: Vec<zarrckpt::StateObject>,
+    device_specs: Vec<device::DeviceSpec>,
+    device: Option<Arc<dyn zarrckpt::device::Device>>,
+    pub(crate) opts: zarrckpt::SaveOptions,
+}
+
+impl SaveArgs {
+    pub(crate) fn extract(
+        pieces: &Bound<'_, PyList>,
+        objects: Option<&Bound<'_, PyList>>,
+        options: &Bound<'_, PyDict>,
+        device_pieces: Option<&Bound<'_, PyList>>,
+        device: Option<&Bound<'_, device::Device>>,
+    ) -> PyResult<Self> {
+        let device_specs = device_pieces
+            .map(device::device_specs)
+            .transpose()?
+            .unwrap_or_default();
+        let device = device.map(|d| Arc::clone(&d.borrow().inner));
+        if !device_specs.is_empty() && device.is_none() {
+            return Err(PyValueError::new_err("device pieces need a device"));
+        }
+        Ok(SaveArgs {
+            spec: SaveSpec::extract(pieces)?,
+            objects: objects.map(save_objects).transpose()?.unwrap_or_default(),
+            device_specs,
+            device,
+            opts: save_options(options)?,
+        })
+    }
+
+    /// The request (GIL released). Every rank saves objects, whether or not it has any of
+    /// its own, so that every rank takes the same path.
+    pub(crate) fn request(&self) -> Result<zarrckpt::SaveRequest<'_>, zarrckpt::Error> {
+        let mut r = zarrckpt::SaveRequest::new()
+            .with_tensors(pieces_of(&self.spec)?)
+            .with_objects(self.objects.iter().cloned());
+        if let Some(d) = &self.device {
+            r = r.with_device_tensors(Arc::clone(d), device::device_pieces(&self.device_specs)?);
+        }
+        Ok(r)
+    }
+}
+
+/// The saver options of a Python saver or manager.
+pub(crate) fn saver_options(
+    staging_bytes: Option<u64>,
+    lower_priority: bool,
+    fail_if_busy: bool,
+) -> SaverOptions {
+    let mut opts = SaverOptions {
+        lower_priority,
+        ..SaverOptions::default()
+    };
+    if let Some(b) = staging_bytes {
+        opts.staging_bytes = b;
+    }
+    if fail_if_busy {
+        opts.if_busy = IfBusy::Fail;
+    }
+    opts
+}
+
+/// Repeated and asynchronous saves on one communicator (zarrckpt's `Saver`): host pieces,
+/// device pieces (through its bounded page-locked staging) and objects; the plan the ranks
+/// agreed on is reused while the structure is unchanged, staging memory is reused.
 #[pyclass(module = "zarrckpt._native")]
 struct Saver {
     inner: Arc<Mutex<RsSaver>>,
@@ -191,16 +260,7 @@ impl Saver {
         fail_if_busy: bool,
     ) -> PyResult<Self> {
         let comm = communicator(comm)?;
-        let mut opts = SaverOptions {
-            lower_priority,
-            ..SaverOptions::default()
-        };
-        if let Some(b) = staging_bytes {
-            opts.staging_bytes = b;
-        }
-        if fail_if_busy {
-            opts.if_busy = IfBusy::Fail;
-        }
+        let opts = saver_options(staging_bytes, lower_priority, fail_if_busy);
         Ok(Saver {
             inner: Arc::new(Mutex::new(RsSaver::with_options(
                 Arc::clone(&comm.dynamic),
@@ -210,10 +270,10 @@ impl Saver {
         })
     }
 
-    /// Saves synchronously, objects included (`Saver::save_with_objects`), reusing the agreed
-    /// plan while the structure is unchanged.
-    /// The caller waits for a save in flight first.
-    #[pyo3(signature = (path, pieces, objects, options))]
+    /// Saves synchronously (`Saver::save`), objects included, reusing the agreed plan while
+    /// the structure is unchanged. The caller waits for a save in flight first.
+    #[pyo3(signature = (path, pieces, objects, options, device_pieces=None, device=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature's arguments
     fn save(
         &self,
         py: Python<'_>,
@@ -221,25 +281,26 @@ impl Saver {
         pieces: &Bound<'_, PyList>,
         objects: Option<&Bound<'_, PyList>>,
         options: &Bound<'_, PyDict>,
+        device_pieces: Option<&Bound<'_, PyList>>,
+        device: Option<&Bound<'_, device::Device>>,
     ) -> PyResult<Py<PyDict>> {
-        let spec = SaveSpec::extract(pieces)?;
-        let objs = objects.map(save_objects).transpose()?;
-        let opts = save_options(options)?;
+        let args = SaveArgs::extract(pieces, objects, options, device_pieces, device)?;
         let inner = Arc::clone(&self.inner);
         let result = py.detach(|| {
-            let pieces = pieces_of(&spec)?;
+            let request = args.request()?;
             let mut saver = inner
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            // Every rank takes the same path, whether or not it has objects of its own.
-            saver.save_with_objects(&pieces, objs.as_deref().unwrap_or(&[]), &path, &opts)
+            saver.save(&request, &path, &args.opts)
         });
         let report = result.map_err(|e| self.comm.err(py, &e))?;
         convert::save_report(py, &report)
     }
 
-    /// Starts an asynchronous save: returns once the pieces are copied into staging memory.
-    #[pyo3(signature = (path, pieces, objects, options))]
+    /// Starts an asynchronous save (`Saver::save_async`): returns once the pieces are
+    /// staged, with every planning error.
+    #[pyo3(signature = (path, pieces, objects, options, device_pieces=None, device=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature's arguments
     fn save_async(
         &self,
         py: Python<'_>,
@@ -247,26 +308,20 @@ impl Saver {
         pieces: &Bound<'_, PyList>,
         objects: Option<&Bound<'_, PyList>>,
         options: &Bound<'_, PyDict>,
+        device_pieces: Option<&Bound<'_, PyList>>,
+        device: Option<&Bound<'_, device::Device>>,
     ) -> PyResult<SaveHandle> {
-        let spec = SaveSpec::extract(pieces)?;
-        let objs = objects.map(save_objects).transpose()?;
-        let opts = save_options(options)?;
+        let args = SaveArgs::extract(pieces, objects, options, device_pieces, device)?;
         let inner = Arc::clone(&self.inner);
         let result = py.detach(|| {
-            let pieces = pieces_of(&spec)?;
+            let request = args.request()?;
             let mut saver = inner
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            // Every rank takes the same path, whether or not it has objects of its own.
-            saver.save_async_with_objects(&pieces, objs.as_deref().unwrap_or(&[]), &path, &opts)
+            saver.save_async(&request, &path, &args.opts)
         });
         let handle = result.map_err(|e| self.comm.err(py, &e))?;
-        Ok(SaveHandle {
-            blocked_s: handle.blocked().as_secs_f64(),
-            staged_bytes: handle.staged_bytes(),
-            state: Arc::new(Mutex::new(HandleState::Running(handle))),
-            comm: self.comm.clone(),
-        })
+        Ok(SaveHandle::new(handle, self.comm.clone()))
     }
 
     /// True while an asynchronous save of this saver is in flight.
@@ -294,7 +349,7 @@ enum HandleState {
 
 /// An asynchronous save in flight.
 #[pyclass(module = "zarrckpt._native")]
-struct SaveHandle {
+pub(crate) struct SaveHandle {
     state: Arc<Mutex<HandleState>>,
     comm: Comm,
     #[pyo3(get)]
@@ -304,6 +359,15 @@ struct SaveHandle {
 }
 
 impl SaveHandle {
+    pub(crate) fn new(handle: RsHandle, comm: Comm) -> Self {
+        SaveHandle {
+            blocked_s: handle.blocked().as_secs_f64(),
+            staged_bytes: handle.staged_bytes(),
+            state: Arc::new(Mutex::new(HandleState::Running(handle))),
+            comm,
+        }
+    }
+
     /// Waits (GIL released) until the outcome is known; keeps it.
     fn settle(&self, py: Python<'_>) {
         let state = Arc::clone(&self.state);
@@ -521,8 +585,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Checkpoint>()?;
     m.add_function(wrap_pyfunction!(device::load_device, m)?)?;
     m.add_class::<device::Device>()?;
-    m.add_class::<device::DeviceSaver>()?;
-    m.add_class::<device::DeviceSaveHandle>()?;
+    m.add_class::<manager::CheckpointManager>()?;
     m.add("HAS_CUDA", cfg!(feature = "cuda"))?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DTYPES", zarrckpt::DType::ALL.map(|d| d.name()).to_vec())?;

@@ -62,17 +62,18 @@ def test_save_from_simulated_device(tmp_path, asynchronous):
     image[:, :9] = data
     dev.write(base, image.tobytes())
     piece = ("x", "int32", (6, 9), (0, 0), (6, 9), base, (12, 1), 0)
-    saver = _native.DeviceSaver(dev)
+    # One saver for host and device pieces, with one staging budget.
+    saver = _native.Saver(None, staging_bytes=1 << 20)
     other = np.arange(3, dtype=np.float64)
     host = [_core._piece_tuple(Piece("y", other, (3,)), load=False)]
     if asynchronous:
-        h = saver.save_async(str(tmp_path / "c"), host, [piece], None, {})
+        h = saver.save_async(str(tmp_path / "c"), host, None, {}, [piece], dev)
         dev.write(base, np.zeros((6, 12), np.int32).tobytes())  # fine once the call returned
-        other[:] = 7  # host pieces are snapshotted too
+        other[:] = 7  # host pieces are staged too
         h.wait()
-        assert h.device_bytes == 6 * 9 * 4
+        assert h.staged_bytes == 6 * 9 * 4 + 3 * 8
     else:
-        saver.save(str(tmp_path / "c"), host, [piece], None, {})
+        saver.save(str(tmp_path / "c"), host, None, {}, [piece], dev)
     ck = zarrckpt.open(tmp_path / "c")
     assert np.array_equal(ck["x"].read(), data)
     assert np.array_equal(ck["y"].read(), np.arange(3, dtype=np.float64))

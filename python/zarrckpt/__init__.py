@@ -3,6 +3,9 @@
 - ``zarrckpt.torch``: ``save`` / ``load`` / ``async_save`` of PyTorch state dicts (tensors,
   DTensors, modules and optimizers, JSON values, bytes; no pickle), collective over
   torch.distributed.
+- ``zarrckpt.manager.CheckpointManager``: one checkpoint per training step under a root,
+  saved synchronously or in the background, a ``latest`` pointer, keep-N retention, resume
+  from the latest committed step (needs torch).
 - ``zarrckpt.open(path)``: inspect a checkpoint and read boxes of its tensors lazily, as numpy
   (ml_dtypes for bf16 / fp8) or torch.
 - ``zarrckpt._core``: the thin layer the fronts share (pieces of global tensors in, no copies).

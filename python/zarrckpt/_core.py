@@ -664,20 +664,6 @@ def _saver(comm: Any) -> Any:
     return s
 
 
-_device_savers: dict[tuple[int, Any], Any] = {}
-
-
-def _device_saver(comm: Any, dev: Any) -> Any:
-    """The device saver of a communicator and device (reused: its pinned snapshot is)."""
-    k = (id(comm), dev)
-    s = _device_savers.get(k)
-    if s is None or s[0] is not comm:
-        s = _device_savers[k] = (comm, _native.DeviceSaver(dev, comm))
-    return s[1]
-
-
-_PLACEHOLDER: list[Any] = []
-
 # Bytes of an error message that travel in an agreement (the rest is cut).
 _AGREE_TEXT = 4000
 
@@ -747,17 +733,6 @@ def _agree(comm: Any, prepare: Any, flag_of: Any = None) -> tuple[Any, list[bool
     return value, [m[1:2] == b"\x01" for m in messages]
 
 
-def _save_device(anyone: bool, dev: Any) -> Any:
-    """The device a save runs through, or ``None`` for the host path. Saves from CUDA memory
-    and from host memory run different collectives, so every rank takes the device path when
-    any rank has CUDA pieces (a rank without them, through a stand-in device it never uses)."""
-    if not anyone or dev is not None:
-        return dev
-    if not _PLACEHOLDER:
-        _PLACEHOLDER.append(_native.Device.simulated())
-    return _PLACEHOLDER[0]
-
-
 def _prepare_save(pieces: list[Piece], objects: Any, options: dict) -> tuple:
     tuples, device, dev = _split(pieces, load=False)
     objs = _object_tuples(objects)
@@ -767,30 +742,33 @@ def _prepare_save(pieces: list[Piece], objects: Any, options: dict) -> tuple:
     return tuples, device, dev, objs, opts, pieces
 
 
-def _save(path: Any, prepare: Any, comm: Any, options: dict, asynchronous: bool) -> Any:
+def _save(
+    path: Any,
+    prepare: Any,
+    comm: Any,
+    options: dict,
+    asynchronous: bool,
+    manager: Any = None,
+    step: int = 0,
+) -> Any:
     """A save (``asynchronous``: started) whose pieces and objects ``prepare()`` returns, the
-    outcome of preparing agreed on by every rank first (see :func:`_agree`)."""
+    outcome of preparing agreed on by every rank first (see :func:`_agree`). It goes through
+    the communicator's saver, or through ``manager`` (a ``_native.CheckpointManager``) as
+    ``step``. CUDA pieces go in the same request as host pieces: the saver downloads them
+    into its staging memory, and ranks with and without them run the same collectives."""
     global _local_inflight
     _wait_idle(comm)
-    (tuples, device, dev, objs, opts, keep), cuda = _agree(
-        comm,
-        lambda: _prepare_save(*prepare(), options),
-        lambda v: v[2] is not None,
+    (tuples, device, dev, objs, opts, keep), _ = _agree(
+        comm, lambda: _prepare_save(*prepare(), options)
     )
-    dev = _save_device(any(cuda), dev)
+    native = manager if manager is not None else _saver(comm)
+    first = step if manager is not None else str(path)
+    call = native.save_async if asynchronous else native.save
+    result = call(first, tuples, objs, opts, device if dev is not None else None, dev)
+    del keep  # written, or copied into staging memory, by now
     if not asynchronous:
-        if dev is not None:
-            report = _device_saver(comm, dev).save(str(path), tuples, device, objs, opts)
-        else:
-            report = _saver(comm).save(str(path), tuples, objs, opts)
-        del keep
-        return report
-    if dev is not None:
-        native = _device_saver(comm, dev).save_async(str(path), tuples, device, objs, opts)
-    else:
-        native = _saver(comm).save_async(str(path), tuples, objs, opts)
-    del keep  # copied into staging memory by now
-    handle = SaveHandle(native, path=str(path))
+        return result
+    handle = SaveHandle(result, path=str(path))
     if comm is None:
         _local_inflight = handle
     elif hasattr(comm, "wait_idle"):
@@ -885,9 +863,7 @@ class SaveHandle:
         self._settled = False
         self._lock = threading.Lock()
         self.blocked_s: float = native.blocked_s
-        self.staged_bytes: int = (
-            native.staged_bytes if hasattr(native, "staged_bytes") else native.device_bytes
-        )
+        self.staged_bytes: int = native.staged_bytes
 
     def _settle(self) -> None:
         with self._lock:

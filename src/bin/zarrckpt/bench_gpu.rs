@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 use zarrckpt::device::{
-    CudaDevice, Device, DevicePiece, DeviceSaver, DeviceStaging, DeviceTarget, DeviceView, Pitched,
+    CudaDevice, Device, DevicePiece, DeviceStaging, DeviceTarget, DeviceView, Pitched,
     load_to_device,
 };
 use zarrckpt::{
@@ -199,7 +199,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
 
     // Save from device memory, synchronously and asynchronously.
     let comm_arc: Arc<dyn Communicator> = Arc::new(LocalComm::single());
-    let mut saver = DeviceSaver::new(dev.clone(), comm_arc);
+    let mut saver = zarrckpt::Saver::new(comm_arc);
     let pieces: Vec<DevicePiece> = keys
         .iter()
         .zip(&bases)
@@ -216,15 +216,16 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             )
         })
         .collect::<Result<_, _>>()?;
+    let request = zarrckpt::SaveRequest::new().with_device_tensors(dev.clone(), pieces);
     let mut sync_s = f64::MAX;
     let mut blocked = f64::MAX;
     let mut async_total = f64::MAX;
     for i in 0..a.reps {
         let t = Instant::now();
-        saver.save(&[], &pieces, &[], &a.dir.join(format!("sync{i}")), &opts)?;
+        saver.save(&request, &a.dir.join(format!("sync{i}")), &opts)?;
         sync_s = sync_s.min(t.elapsed().as_secs_f64());
         let t = Instant::now();
-        let h = saver.save_async(&[], &pieces, &[], &a.dir.join(format!("async{i}")), &opts)?;
+        let h = saver.save_async(&request, &a.dir.join(format!("async{i}")), &opts)?;
         blocked = blocked.min(h.blocked().as_secs_f64());
         h.wait()?;
         async_total = async_total.min(t.elapsed().as_secs_f64());

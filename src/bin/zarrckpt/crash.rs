@@ -118,8 +118,10 @@ fn save_generation(kind: Kind, dir: &Path, g: u64, size: u64) -> anyhow::Result<
             ..SaveOptions::default()
         };
         if kind == Kind::Manager {
-            CheckpointManager::new(dir, manager_opts())
-                .save(g, &pieces, &comm, &opts)
+            let saver = zarrckpt::Saver::new(std::sync::Arc::new(comm));
+            let request = zarrckpt::SaveRequest::new().with_tensors(pieces);
+            CheckpointManager::new(dir, saver, manager_opts())
+                .save(g, &request, &opts)
                 .map(|_| ())
         } else {
             save(&pieces, dir, &comm, &opts).map(|_| ())
@@ -172,7 +174,8 @@ fn generation_of(dir: &Path, size: u64, candidates: &[u64]) -> anyhow::Result<u6
 
 /// Loads the latest step through the manager and checks it is generation `step`.
 fn check_manager(root: &Path, size: u64) -> anyhow::Result<u64> {
-    let m = CheckpointManager::new(root, manager_opts());
+    let one = std::sync::Arc::new(zarrckpt::LocalComm::single());
+    let mut m = CheckpointManager::new(root, zarrckpt::Saver::new(one), manager_opts());
     let latest = m.latest()?.context("no committed step")?;
     for s in m.steps()? {
         match Checkpoint::open(&s.dir) {
@@ -208,11 +211,7 @@ fn check_manager(root: &Path, size: u64) -> anyhow::Result<u64> {
         })
         .collect::<Result<_, _>>()?;
     let (step, _) = m
-        .load_latest(
-            &mut targets,
-            &zarrckpt::LocalComm::single(),
-            &LoadOptions::default(),
-        )?
+        .load_latest(&mut targets, &[], &LoadOptions::default())?
         .context("load_latest found nothing")?;
     drop(targets);
     ensure!(step == latest);

@@ -18,7 +18,13 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if zarrckpt::remote::is_url(&a.root.to_string_lossy()) {
         return crate::remote::ls(&a.root.to_string_lossy());
     }
-    let m = CheckpointManager::new(&a.root, ManagerOptions::default());
+    // Listing is local: a one-process saver that never saves.
+    let one = std::sync::Arc::new(zarrckpt::LocalComm::single());
+    let m = CheckpointManager::new(
+        &a.root,
+        zarrckpt::Saver::new(one),
+        ManagerOptions::default(),
+    );
     let steps = m.steps()?;
     let latest = m.latest()?;
     println!("{:>12}  {:<10}  {:>12}  dir", "step", "state", "bytes");

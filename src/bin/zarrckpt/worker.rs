@@ -12,8 +12,8 @@ use crate::synth::{Held, SynthModel, Topology, Wanted};
 use anyhow::Context;
 use serde_json::json;
 use zarrckpt::{
-    Communicator, LoadOptions, ReadMethod, SaveOptions, Saver, SaverOptions, StrictMode, TcpComm,
-    load, save,
+    Communicator, LoadOptions, ReadMethod, SaveOptions, SaveRequest, Saver, SaverOptions,
+    StrictMode, TcpComm, load, save,
 };
 
 use crate::rss;
@@ -256,8 +256,9 @@ fn save_async(
         ..SaverOptions::default()
     };
     let mut saver = Saver::with_options(Arc::clone(&shared), saver_opts);
+    let request = SaveRequest::new().with_tensors(pieces.iter().cloned());
     let warm_dir = a.dir.with_extension("warm");
-    let warm = saver.save_async(&pieces, &warm_dir, &opts)?;
+    let warm = saver.save_async(&request, &warm_dir, &opts)?;
     let staged = usize::try_from(warm.staged_bytes())?;
     warm.wait()?;
     comm.barrier()?;
@@ -282,7 +283,7 @@ fn save_async(
     drop(dest);
     comm.barrier()?;
     let t0 = Instant::now();
-    let h = saver.save_async(&pieces, &a.dir, &opts)?;
+    let h = saver.save_async(&request, &a.dir, &opts)?;
     let blocked = t0.elapsed().as_secs_f64();
     let staged_now = h.staged_bytes();
     let rep = h.wait()?;
