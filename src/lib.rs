@@ -73,6 +73,7 @@ mod objects;
 pub mod save;
 mod stage;
 pub mod state;
+pub mod transfer;
 
 // Internals: public only so that the CLI, the tests, the fuzz targets and the benches can
 // reach them; not part of the supported API (no stability promise, hidden from the docs).
