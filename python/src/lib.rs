@@ -14,6 +14,7 @@ mod conversion;
 mod convert;
 mod device;
 mod errors;
+mod transfer;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -515,6 +516,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_save, m)?)?;
     m.add_function(wrap_pyfunction!(check_load, m)?)?;
     conversion::register(m)?;
+    transfer::register(m)?;
     m.add_function(wrap_pyfunction!(all_reduce_max, m)?)?;
     m.add_class::<Saver>()?;
     m.add_class::<SaveHandle>()?;

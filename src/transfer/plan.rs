@@ -279,8 +279,9 @@ fn senders(
         }
     }
     for ((key, b), holders) in &auto {
-        // Spread over the holders: the box's position picks one.
-        let pick = usize::try_from(b.off.iter().sum::<u64>() % holders.len() as u64).unwrap_or(0);
+        // Spread over the holders: a hash of the key and the box picks one.
+        let h = xxhash_rust::xxh3::xxh3_64(format!("{key}{b}").as_bytes());
+        let pick = usize::try_from(h % holders.len() as u64).unwrap_or(0);
         let (g, i) = holders[pick];
         main.entry(key).or_default().push(((*b).clone(), g, i));
     }

@@ -437,7 +437,8 @@ fn plan_deepseek() -> anyhow::Result<()> {
     let ex = convert::expand(&table, &cfg, l)?;
     let opts = Options::new(table.clone(), cfg.clone(), l, EngineLayout::Vllm { tp: 32 });
     // Trainer rank (p, e): the layers of stage p (by the layer number in the key, `mtp` with
-    // the last stage), experts split over EP, everything else main on EP rank 0.
+    // the last stage), experts split over EP, everything else replicated over the stage's EP
+    // ranks (`auto`).
     let layers = 61u64;
     let stage = |key: &str| -> u64 {
         if key.starts_with("mtp.") {
@@ -463,7 +464,8 @@ fn plan_deepseek() -> anyhow::Result<()> {
                 continue;
             }
             let mut b = Bx::full(&m.shape);
-            let mut holder = if e == 0 { Holder::Main } else { Holder::Copy };
+            // Replicated over the EP group: declared `auto`, one holder per box sends.
+            let mut holder = Holder::Auto;
             if let Some(a) = m.ep_axis {
                 let per = m.shape[a] / 16;
                 b.off[a] = e * per;
