@@ -88,6 +88,7 @@ impl Transfer {
     /// `table`: built-in name, path or JSON text; `config`: the HF config as JSON text;
     /// `trainer`: (tp, pp, ep); `engine`: "vllm" (with `engine_tp`) or "hf".
     #[new]
+    #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
     #[pyo3(signature = (table, config, trainer, engine, engine_tp=1, bucket_bytes=zarrckpt::transfer::DEFAULT_BUCKET_BYTES, cast=false))]
     fn new(
         py: Python<'_>,
