@@ -78,6 +78,7 @@ mod objects;
 pub mod save;
 mod stage;
 pub mod state;
+pub mod transfer;
 
 pub mod plan;
 #[cfg(feature = "object-store")]

@@ -15,6 +15,7 @@ mod convert;
 mod device;
 mod errors;
 mod manager;
+mod transfer;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -579,6 +580,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_save, m)?)?;
     m.add_function(wrap_pyfunction!(check_load, m)?)?;
     conversion::register(m)?;
+    transfer::register(m)?;
     m.add_function(wrap_pyfunction!(all_reduce_max, m)?)?;
     m.add_class::<Saver>()?;
     m.add_class::<SaveHandle>()?;

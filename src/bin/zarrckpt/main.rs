@@ -6,6 +6,7 @@ mod bench_convert;
 mod bench_gpu;
 mod bench_plan;
 mod bench_read;
+mod bench_transfer;
 mod corrupt;
 mod crash;
 mod demo;
@@ -85,6 +86,9 @@ enum Command {
     /// Measure conversion (HF export, vLLM reshard) against the machine's own limits, and
     /// planning alone for a DeepSeek-V3-shaped checkpoint.
     BenchConvert(bench_convert::Args),
+    /// Measure live weight transfer (trainer -> engine) against the transport's raw
+    /// point-to-point bandwidth, and planning alone for a DeepSeek-V3-shaped job.
+    BenchTransfer(bench_transfer::Args),
     /// Time many small `read_region` calls through the local reader against the collective
     /// load on one process, same boxes, same run.
     BenchRead(bench_read::Args),
@@ -151,6 +155,7 @@ fn main() -> std::process::ExitCode {
         Command::BenchPlan(a) => bench_plan::run(&a),
         Command::BenchRead(a) => bench_read::run(&a),
         Command::BenchConvert(a) => bench_convert::run(&a),
+        Command::BenchTransfer(a) => bench_transfer::run(&a),
         #[cfg(feature = "cuda")]
         Command::BenchGpu(a) => bench_gpu::run(&a),
         Command::Launch(a) => launch::run(&a),
