@@ -413,3 +413,93 @@ fn checkpoint_reads_and_hf_export_make_no_collective_call() {
         "the collective load is counted"
     );
 }
+
+/// Column strips long enough to be read straight into place (runs of at least 256 bytes of a
+/// box that cuts across the saved pieces): the reader and the collective load read the saved
+/// bytes, and a flipped byte inside such a strip is a checksum error naming the tensor.
+#[test]
+fn column_strips_read_in_place_are_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let shape = [64u64, 1024];
+    let data = tensor_bytes(11, &shape, DType::Float32);
+    let res = run_local(2, T, |comm| {
+        let r = comm.rank() as u64;
+        let region = common::piece(&shape, 1, 2, r);
+        let d = cut(&data, &shape, &region, 4);
+        let p = ShardedTensor::new(
+            TensorKey::new("strips").unwrap(),
+            DType::Float32,
+            shape.to_vec(),
+            region,
+            0,
+            &d,
+        )
+        .unwrap();
+        let opts = SaveOptions {
+            grid: GridOptions {
+                subchunk_target_bytes: 16 << 10,
+                min_chunk_bytes: 1 << 10,
+            },
+            ..SaveOptions::default()
+        };
+        save(&[p], &dir, &comm, &opts)
+    });
+    for r in res {
+        r.unwrap();
+    }
+    let key = TensorKey::new("strips").unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    let info = ck.tensor(&key).unwrap();
+    let sub = &info.subchunk_shape;
+    assert!(
+        sub[1] < shape[1] && sub[1] * 4 >= 256,
+        "column strips of at least 256 bytes a row: {sub:?}"
+    );
+    // Rows 0..64, columns cutting across both pieces: every subchunk inside is whole but
+    // not contiguous in the box.
+    let region = Region::new(vec![0, 0], vec![64, 1024]).unwrap();
+    let want = cut(&data, &shape, &region, 4);
+    let mut got = vec![0u8; want.len()];
+    ck.read_region(&key, &region, &mut got).unwrap();
+    assert_eq!(got, want);
+    let region = Region::new(vec![0, sub[1]], vec![64, 2 * sub[1]]).unwrap();
+    let want = cut(&data, &shape, &region, 4);
+    let mut got = vec![0u8; want.len()];
+    let mut t = [LoadTarget::new(
+        key.clone(),
+        DType::Float32,
+        shape.to_vec(),
+        region.clone(),
+        &mut got,
+    )
+    .unwrap()];
+    load(&mut t, &dir, &LocalComm::single(), &LoadOptions::default()).unwrap();
+    assert_eq!(got, want);
+    // Flip one byte in the middle of the first shard's data.
+    let entry = &ck.meta().tensors[&key];
+    let mut files = Vec::new();
+    let mut stack = vec![dir.join(&entry.path)];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.file_name().unwrap() != "zarr.json" {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    let mut bytes = std::fs::read(&files[0]).unwrap();
+    bytes[100] ^= 0x40;
+    std::fs::write(&files[0], &bytes).unwrap();
+    let fresh = Checkpoint::open(&dir).unwrap();
+    let region = Region::new(vec![0, 0], vec![64, 1024]).unwrap();
+    let mut got = vec![0u8; 64 * 1024 * 4];
+    let e = fresh.read_region(&key, &region, &mut got).unwrap_err();
+    assert!(
+        e.to_string().contains("strips") && e.to_string().contains("crc32c"),
+        "{e}"
+    );
+}
