@@ -503,3 +503,71 @@ fn column_strips_read_in_place_are_checked() {
         "{e}"
     );
 }
+
+/// Subchunks larger than the 256 KiB pieces they are read and checksummed in (rows landing
+/// contiguously): read back whole and in part, and a flipped byte in a later piece of a
+/// subchunk is a checksum error.
+#[test]
+fn large_subchunks_are_checked_piece_by_piece() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let shape = [4096u64, 1024];
+    let data = tensor_bytes(5, &shape, DType::Float32);
+    let key = TensorKey::new("big").unwrap();
+    let p = ShardedTensor::new(
+        key.clone(),
+        DType::Float32,
+        shape.to_vec(),
+        Region::full(&shape),
+        0,
+        &data,
+    )
+    .unwrap();
+    let opts = SaveOptions {
+        grid: GridOptions {
+            subchunk_target_bytes: 1 << 20,
+            min_chunk_bytes: 1 << 20,
+        },
+        ..SaveOptions::default()
+    };
+    save(&[p], &dir, &LocalComm::single(), &opts).unwrap();
+    let ck = Checkpoint::open(&dir).unwrap();
+    let info = ck.tensor(&key).unwrap();
+    let sub_bytes = info.subchunk_shape.iter().product::<u64>() * 4;
+    assert!(sub_bytes > 300 << 10, "subchunks of {sub_bytes} bytes");
+    assert_eq!(ck.read_tensor(&key).unwrap(), data);
+    let region = Region::new(
+        vec![info.subchunk_shape[0], 0],
+        vec![info.subchunk_shape[0], 1024],
+    )
+    .unwrap();
+    let mut got = vec![0u8; (info.subchunk_shape[0] * 1024 * 4) as usize];
+    ck.read_region(&key, &region, &mut got).unwrap();
+    assert_eq!(got, cut(&data, &shape, &region, 4));
+    // Flip a byte 300 KiB into the first subchunk's data (its second piece).
+    let entry = &ck.meta().tensors[&key];
+    let mut files = Vec::new();
+    let mut stack = vec![dir.join(&entry.path)];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.file_name().unwrap() != "zarr.json" {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    let mut bytes = std::fs::read(&files[0]).unwrap();
+    bytes[300 << 10] ^= 0x01;
+    std::fs::write(&files[0], &bytes).unwrap();
+    let e = Checkpoint::open(&dir)
+        .unwrap()
+        .read_tensor(&key)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("big") && e.to_string().contains("crc32c"),
+        "{e}"
+    );
+}

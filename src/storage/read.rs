@@ -26,8 +26,11 @@ use crate::plan::load::{ShardRead, StoredGeometry, SubchunkRead};
 
 /// Most subchunks read by one `preadv`.
 const MAX_BATCH: usize = 256;
-/// Most bytes read by one `preadv`.
-const MAX_BATCH_BYTES: u64 = 512 << 10;
+/// Most bytes read by one `preadv` of several subchunks (checksummed after it, so they
+/// should still be in the core's cache).
+const MAX_BATCH_BYTES: u64 = 256 << 10;
+/// A subchunk larger than this is read and checksummed this many bytes at a time.
+const CRC_PIECE: usize = 256 << 10;
 
 /// Counts what a load read from storage.
 #[derive(Debug, Default)]
@@ -441,6 +444,40 @@ unsafe fn pread_subchunks(
     let flush = |batch: &mut Vec<(u64, usize)>, file_start: u64| -> Result<(), StorageError> {
         if batch.is_empty() {
             return Ok(());
+        }
+        if let [(linear, d)] = batch[..]
+            && sub_bytes > CRC_PIECE
+        {
+            // One large subchunk: read a piece at a time, each checksummed right after it
+            // is read, while it is still in cache (not in a second pass over memory).
+            let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+            let mut crc = [0u8; 4];
+            let mut at = 0usize;
+            while at < sub_bytes {
+                let len = CRC_PIECE.min(sub_bytes - at);
+                // SAFETY: disjoint destination ranges of this shard (caller's contract).
+                let piece = unsafe { dest.slice(d + at, len) };
+                let last = at + len == sub_bytes;
+                let mut iovs = [
+                    libc::iovec {
+                        iov_base: piece.as_mut_ptr().cast(),
+                        iov_len: len,
+                    },
+                    libc::iovec {
+                        iov_base: crc.as_mut_ptr().cast(),
+                        iov_len: 4,
+                    },
+                ];
+                let n = if last { 2 } else { 1 };
+                preadv_exact(file, &mut iovs[..n], file_start + at as u64)
+                    .map_err(StorageError::io("read", &path))?;
+                // SAFETY: as above; the read has completed.
+                digest.update(unsafe { dest.slice(d + at, len) });
+                at += len;
+            }
+            counters.add(sub_bytes as u64 + 4);
+            batch.clear();
+            return check_crc_value(arr, shard, linear, crc32_value(&digest), crc, footer);
         }
         let mut crcs = vec![[0u8; 4]; batch.len()];
         let mut iovs = Vec::with_capacity(batch.len() * 2);
