@@ -7,13 +7,17 @@ use std::time::Instant;
 use super::copy::{check_disjoint, pitched_copies, slabs};
 use super::{Device, DeviceError, DeviceView, Fence, PinnedBuf};
 use crate::comm::Communicator;
-use crate::coord::{agree, all_reduce_u64};
+use crate::coord::agree;
 use crate::error::{Error, Result};
-use crate::load::{LoadOptions, LoadReport, StrictMode, load_from_index};
+use crate::load::collective::{self, Request, exchange_shared};
+use crate::load::{LoadOptions, LoadReport, Reader};
+use crate::model::copy::DisjointBuf;
 use crate::model::region::num_bytes;
 use crate::model::tensor::check_piece;
 use crate::model::{DType, LoadTarget, ObjectRequest, Region, TensorError, TensorKey};
+use crate::plan::load::ShardRead;
 use crate::storage::commit;
+use crate::storage::read::ReadCounters;
 
 /// A box of a global tensor to load into a device view.
 #[derive(Debug, Clone)]
@@ -190,10 +194,14 @@ fn load_device_impl(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<DeviceLoadReport> {
+    collective::note_step();
     let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
+    let reader =
+        Reader::from_index(dir.to_owned(), meta).with_io(opts.io_threads, opts.read_method);
+    let meta = reader.meta();
     let cap = staging.buffer_bytes;
     let mut pieces: Vec<Slab> = Vec::new();
-    // Keys the checkpoint lacks are left to the first round's strict-mode check (below).
+    // Keys the checkpoint lacks have no slabs: the plan checks them under the strict mode.
     for (i, t) in device
         .iter()
         .enumerate()
@@ -226,8 +234,27 @@ fn load_device_impl(
             last.end = k + 1;
         }
     }
+
+    // The plan, made once for every round: host targets (loaded in the first round, through
+    // the exchange where several ranks need a box) and device targets (read by this rank
+    // alone, a round of slabs at a time), checked under the caller's strict mode; the
+    // largest round count is agreed on alongside, so that every rank runs as many rounds.
+    let mut host_boxes: Vec<LoadTarget<'_>> = Vec::new();
+    for t in host.iter_mut() {
+        host_boxes.extend(t.box_targets());
+    }
+    let mut requests: Vec<Request> = host_boxes.iter().map(|t| Request::of(t, meta)).collect();
+    requests.extend(device.iter().map(|t| Request {
+        key: t.key.clone(),
+        dtype: t.dtype,
+        global_shape: t.global_shape.clone(),
+        region: t.region.clone(),
+        cast: None,
+        alone: true,
+    }));
     let mine = rounds.len().max(1) as u64;
-    let n = all_reduce_u64(comm, &[mine], &[u64::max])?[0];
+    let plan = collective::plan(&requests, objects, dir, meta, comm, opts, mine)?;
+    let n = plan.extra_max.max(mine);
     let dev = Arc::clone(&staging.device);
     let ready = if rounds.is_empty() {
         Ok(())
@@ -240,10 +267,15 @@ fn load_device_impl(
         rounds: u32::try_from(n).unwrap_or(u32::MAX),
         ..DeviceLoadReport::default()
     };
-    // Rounds after the first read keys already checked.
-    let later = LoadOptions {
-        strict: StrictMode::IgnoreAll,
-        ..opts.clone()
+    let geometry = |key: &TensorKey| {
+        meta.tensors
+            .get(key)
+            .map(|e| crate::plan::load::StoredGeometry {
+                global_shape: e.shape.clone(),
+                chunk_shape: e.chunk_shape.clone(),
+                subchunk_shape: e.subchunk_shape.clone(),
+                elem: e.dtype.size(),
+            })
     };
     let mut fences: [Option<Fence>; 2] = [None, None];
     let wait = |fence: Option<Fence>, report: &mut DeviceLoadReport| -> Result<(), DeviceError> {
@@ -254,66 +286,118 @@ fn load_device_impl(
         }
         Ok(())
     };
-    // The rounds; on any error, the copies still in flight are waited for below before
-    // returning, so that no copy outlives the call (staging is reused, targets freed).
-    let mut rounds_run = || -> Result<()> {
+    let me = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
+    let host_requests = host_boxes.len();
+    // The rounds. The first one is collective (its reads are agreed on, then the host
+    // targets' shared boxes exchanged); the later ones are this rank's own reads and copies,
+    // their outcome agreed on once at the end. On any error, the copies still in flight are
+    // waited for below before returning, so that no copy outlives the call (staging is
+    // reused, targets freed).
+    let mut rounds_run = |report: &mut DeviceLoadReport| -> Result<()> {
         for r in 0..crate::model::usize_of(n) {
             let b = r % 2;
             // The buffer is free once the copies out of it two rounds ago have finished.
-            let freed = wait(fences[b].take(), &mut report);
-            agree(comm, freed.map_err(Error::from))?;
+            wait(fences[b].take(), report)?;
             let mine = rounds.get(r).cloned().unwrap_or(0..0);
             let t0 = Instant::now();
             let mut offsets = Vec::with_capacity(mine.len());
-            let step = {
-                let mut targets: Vec<LoadTarget<'_>> = Vec::new();
+            {
+                // This round's requests: the host boxes (first round) and its slabs.
+                let mut round_requests: Vec<Request> = Vec::new();
+                let mut dests: Vec<DisjointBuf<'_>> = Vec::new();
+                let mut reads: Vec<(usize, ShardRead)> = Vec::new();
                 if r == 0 {
-                    for t in host.iter_mut() {
-                        targets.extend(t.box_targets());
+                    round_requests.extend(requests[..host_requests].iter().cloned());
+                    reads.extend(
+                        plan.reads
+                            .iter()
+                            .filter(|(i, _)| *i < host_requests)
+                            .cloned(),
+                    );
+                }
+                let mut rest: &mut [u8] = &mut staging.buffers[b][..];
+                let mut at = 0usize;
+                let mut slab_bufs: Vec<&mut [u8]> = Vec::new();
+                for s in &pieces[mine.clone()] {
+                    let t = &device[s.target];
+                    let (head, tail) = std::mem::take(&mut rest).split_at_mut(s.bytes);
+                    rest = tail;
+                    let i = round_requests.len();
+                    round_requests.push(Request {
+                        key: t.key.clone(),
+                        dtype: t.dtype,
+                        global_shape: t.global_shape.clone(),
+                        region: s.region.clone(),
+                        cast: None,
+                        alone: true,
+                    });
+                    if let Some(g) = geometry(&t.key) {
+                        reads.extend(g.reads_for(&s.region).into_iter().map(|x| (i, x)));
                     }
-                    // Every device target, as an empty box, so that the first round checks
-                    // keys, data types and shapes under the caller's strict mode once for all.
-                    for t in device {
-                        // The offset of a valid region with zero extent: valid.
-                        let empty = Region::from_parts_unchecked(
-                            t.region.offset().to_vec(),
-                            vec![0; t.region.shape().len()],
-                        );
-                        targets.push(LoadTarget::new(
-                            t.key.clone(),
-                            t.dtype,
-                            t.global_shape.clone(),
-                            empty,
-                            &mut [],
-                        )?);
+                    slab_bufs.push(head);
+                    offsets.push(at);
+                    at += s.bytes;
+                }
+                let mut loaded = 0u64;
+                if r == 0 {
+                    for (t, q) in host_boxes.iter_mut().zip(&requests[..host_requests]) {
+                        if meta.tensors.contains_key(&q.key) {
+                            loaded += t.buf().len() as u64;
+                        }
+                        let elem = t.dtype().size();
+                        dests.push(DisjointBuf::new(t.buf_mut(), &q.region, elem));
                     }
                 }
-                if !mine.is_empty() {
-                    let mut rest: &mut [u8] = &mut staging.buffers[b][..];
-                    let mut at = 0usize;
-                    for s in &pieces[mine.clone()] {
-                        let t = &device[s.target];
-                        let (head, tail) = rest.split_at_mut(s.bytes);
-                        rest = tail;
-                        targets.push(LoadTarget::new(
-                            t.key.clone(),
-                            t.dtype,
-                            t.global_shape.clone(),
-                            s.region.clone(),
-                            head,
-                        )?);
-                        offsets.push(at);
-                        at += s.bytes;
-                    }
+                let first_slab = dests.len();
+                for (buf, q) in slab_bufs.into_iter().zip(&round_requests[first_slab..]) {
+                    loaded += buf.len() as u64;
+                    dests.push(DisjointBuf::new(buf, &q.region, q.dtype.size()));
                 }
-                if r == 0 {
-                    load_from_index(&mut targets, objects, dir, &meta, comm, opts)?
+                let counters = ReadCounters::default();
+                let local = (if r == 0 {
+                    plan.check_absent(dir, comm.rank())
                 } else {
-                    load_from_index(&mut targets, None, dir, &meta, comm, &later)?
+                    Ok(())
+                })
+                .and_then(|()| {
+                    reader.execute(
+                        &round_requests,
+                        &reads,
+                        &dests,
+                        &counters,
+                        opts.progress.as_ref(),
+                    )
+                });
+                let (mut sent, mut received) = (0, 0);
+                if r == 0 {
+                    agree(comm, local)?;
+                    if plan.exchanges() {
+                        let shared = exchange_shared(
+                            comm,
+                            &plan.exchange,
+                            plan.group_rounds,
+                            me,
+                            &plan.first_target,
+                            &dests,
+                            opts,
+                        );
+                        (sent, received) = agree(comm, shared)?;
+                    }
+                } else {
+                    local?;
                 }
-            };
+                accumulate(
+                    &mut report.load,
+                    LoadReport {
+                        loaded_bytes: loaded,
+                        bytes_read: counters.bytes.load(std::sync::atomic::Ordering::Relaxed),
+                        bytes_received: received,
+                        bytes_sent: sent,
+                        ..LoadReport::default()
+                    },
+                );
+            }
             report.read_seconds += t0.elapsed().as_secs_f64();
-            accumulate(&mut report.load, step);
             // Copy this round to the device, asynchronously.
             let mut copies = Vec::new();
             let enqueued = (|| -> Result<Option<Fence>, DeviceError> {
@@ -352,19 +436,20 @@ fn load_device_impl(
                 unsafe { dev.to_device(staging.buffers[b].as_ptr(), &copies) }.map(Some)
             })();
             report.copies += copies.len() as u64;
-            fences[b] = agree(comm, enqueued.map_err(Error::from))?;
+            fences[b] = enqueued?;
         }
         Ok(())
     };
-    let ran = rounds_run();
+    let ran = rounds_run(&mut report);
     let mut done = Ok(());
     for f in fences.iter_mut() {
         if let Err(e) = wait(f.take(), &mut report) {
             done = Err(e);
         }
     }
-    ran?;
-    agree(comm, done.map_err(Error::from))?;
+    // A failure of the first round was agreed on there; later ones, and the copies', here.
+    agree(comm, ran.and(done.map_err(Error::from)))?;
+    report.load = plan.report(opts.strict, std::mem::take(&mut report.load));
     Ok(report)
 }
 

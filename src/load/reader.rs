@@ -2,8 +2,9 @@
 //! no communicator. It keeps what every read of the same checkpoint needs: the index, the
 //! arrays it opened (their `zarr.json` read and checked once each) and one I/O thread pool.
 //!
-//! [`crate::Checkpoint`] reads through one; the collective [`load`](crate::load()) does its
-//! own agreement, planning and exchange and is not routed through it.
+//! [`crate::Checkpoint`] reads through one with no communicator; the collective
+//! [`load`](crate::load()) plans with every rank, executes its own reads through one, then
+//! exchanges the boxes several ranks need.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -12,8 +13,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use rayon::prelude::*;
 
-use super::{LoadReport, cast, read_item, stored_geometry};
-use crate::coord::io_pool;
+use super::{LoadReport, Request, cast, read_item, stored_geometry};
+use crate::coord::{Progress, io_pool};
 use crate::error::{Error, Result};
 use crate::model::copy::DisjointBuf;
 use crate::model::{DType, LoadTarget, Region, TensorKey};
@@ -216,48 +217,98 @@ impl Reader {
             opened.push(self.array(t.key())?);
         }
         let loaded: u64 = targets.iter().map(|t| t.buf().len() as u64).sum();
-        let regions: Vec<Region> = targets.iter().map(|t| t.region().clone()).collect();
-        let items: Vec<(usize, ShardRead)> = regions
+        let requests: Vec<Request> = targets
+            .iter()
+            .zip(casts)
+            .map(|(t, cast)| Request {
+                key: t.key().clone(),
+                dtype: t.dtype(),
+                global_shape: t.global_shape().to_vec(),
+                region: t.region().clone(),
+                cast,
+                alone: true,
+            })
+            .collect();
+        let items: Vec<(usize, ShardRead)> = requests
             .iter()
             .enumerate()
-            .flat_map(|(i, r)| opened[i].geom.reads_for(r).into_iter().map(move |s| (i, s)))
+            .flat_map(|(i, r)| {
+                opened[i]
+                    .geom
+                    .reads_for(&r.region)
+                    .into_iter()
+                    .map(move |s| (i, s))
+            })
             .collect();
         let dests: Vec<DisjointBuf<'_>> = targets
             .iter_mut()
-            .zip(&regions)
-            .map(|(t, region)| {
+            .zip(&requests)
+            .map(|(t, r)| {
                 let elem = t.dtype().size();
-                DisjointBuf::new(t.buf_mut(), region, elem)
+                DisjointBuf::new(t.buf_mut(), &r.region, elem)
             })
             .collect();
         let counters = ReadCounters::default();
+        self.execute(&requests, &items, &dests, &counters, None)?;
+        Ok(LoadReport {
+            loaded_bytes: loaded,
+            bytes_read: counters.bytes.load(Ordering::Relaxed),
+            ..LoadReport::default()
+        })
+    }
+
+    /// Executes planned reads: `reads` gives, by index into `requests`, the shards to read
+    /// into `dests[index]` (the request's buffer, over its box). Opens each array on first
+    /// use; reads in parallel on the reader's I/O pool (on the calling thread for one shard).
+    /// Requests of keys the checkpoint lacks must have no reads.
+    pub(crate) fn execute(
+        &self,
+        requests: &[Request],
+        reads: &[(usize, ShardRead)],
+        dests: &[DisjointBuf<'_>],
+        counters: &ReadCounters,
+        progress: Option<&Progress>,
+    ) -> Result<()> {
+        let mut opened: Vec<Option<Arc<OpenArray>>> = vec![None; requests.len()];
+        for (i, _) in reads {
+            if opened[*i].is_none() {
+                opened[*i] = Some(self.array(&requests[*i].key)?);
+            }
+        }
         let one = |(i, shard): &(usize, ShardRead)| -> Result<()> {
-            let OpenArray { arr, geom } = &*opened[*i];
-            // SAFETY: the shards of one target are disjoint boxes, so the items of one
-            // target write disjoint bytes of its buffer; targets own distinct buffers.
+            let Some(a) = &opened[*i] else {
+                return Err(self.absent(&requests[*i].key));
+            };
+            let OpenArray { arr, geom } = &**a;
+            // SAFETY: the shards of one request are disjoint boxes, so the reads of one
+            // request write disjoint bytes of its buffer; requests own distinct buffers.
             unsafe {
                 read_item(
                     arr,
                     geom,
                     shard,
                     dests[*i],
-                    casts[*i],
-                    &counters,
+                    requests[*i].cast,
+                    counters,
                     self.read_method,
                 )
+            }?;
+            if let Some(p) = progress {
+                let n: u64 = shard
+                    .subchunks
+                    .iter()
+                    // Invariant: a planned box inside a checked chunk.
+                    .map(|s| s.needed.num_elements().unwrap_or(0))
+                    .sum();
+                p(n * dests[*i].elem() as u64);
             }
+            Ok(())
         };
-        if items.len() <= 1 {
+        if reads.len() <= 1 {
             // One shard file: read on the calling thread, no pool hand-off.
-            items.iter().try_for_each(one)?;
+            reads.iter().try_for_each(one)
         } else {
-            self.pool()?
-                .install(|| items.par_iter().try_for_each(one))?;
+            self.pool()?.install(|| reads.par_iter().try_for_each(one))
         }
-        Ok(LoadReport {
-            loaded_bytes: loaded,
-            bytes_read: counters.bytes.load(Ordering::Relaxed),
-            ..LoadReport::default()
-        })
     }
 }

@@ -1,9 +1,12 @@
 //! What a load reads: for a requested box of a stored tensor, the outer chunks (shard files)
 //! and inner subchunks that intersect it, and how each lands in the caller's buffer.
 
+use std::collections::HashMap;
+
+use super::exchange::ExchangePlan;
 use super::grid;
-use crate::model::Region;
 use crate::model::copy::is_contiguous;
+use crate::model::{Region, TensorKey};
 
 /// The stored geometry of one tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -111,6 +114,57 @@ impl StoredGeometry {
     pub fn subchunk_bytes(&self) -> u64 {
         self.subchunk_shape.iter().product::<u64>() * self.elem as u64
     }
+}
+
+/// The shard reads a rank does itself for its requests (`(key, box, read alone)`, in order),
+/// given the shared reads `plan` it takes part in: every shard intersecting a request of a
+/// stored tensor (`geometry` gives `None` for the others, which are left out), except the
+/// boxes another rank of its read group reads and sends. Also returns, for each shared read
+/// this rank takes part in, the first of its requests that needs it (where the box is read
+/// into, sent from or received into).
+#[must_use]
+pub fn local_reads(
+    requests: &[(&TensorKey, &Region, bool)],
+    geometry: &dyn Fn(&TensorKey) -> Option<StoredGeometry>,
+    plan: &ExchangePlan,
+    me: u32,
+) -> (Vec<(usize, ShardRead)>, HashMap<usize, usize>) {
+    let mut mine: HashMap<(&TensorKey, &[u64], &Region), usize> = HashMap::new();
+    for (u, r) in plan.reads.iter().enumerate() {
+        if r.ranks.binary_search(&me).is_ok() {
+            mine.insert((&r.key, r.chunk.as_slice(), &r.region), u);
+        }
+    }
+    let mut geoms: HashMap<&TensorKey, Option<StoredGeometry>> = HashMap::new();
+    let mut first_target = HashMap::new();
+    let mut items = Vec::new();
+    for (i, &(key, region, alone)) in requests.iter().enumerate() {
+        let Some(geom) = geoms.entry(key).or_insert_with(|| geometry(key)) else {
+            continue;
+        };
+        for shard in geom.reads_for(region) {
+            // A request read alone never takes part in shared reads.
+            let unit = if alone || mine.is_empty() {
+                None
+            } else {
+                let chunk_box = grid::chunk_box(&geom.chunk_shape, &shard.chunk);
+                region
+                    .intersect(&chunk_box)
+                    .as_ref()
+                    .and_then(|b| mine.get(&(key, shard.chunk.as_slice(), b)).copied())
+            };
+            if let Some(u) = unit
+                && !first_target.contains_key(&u)
+            {
+                first_target.insert(u, i);
+                if plan.reads[u].reader != me {
+                    continue; // received from the reader
+                }
+            }
+            items.push((i, shard));
+        }
+    }
+    (items, first_target)
 }
 
 #[cfg(test)]

@@ -3,9 +3,11 @@
 //! zarrs decodes each shard's index (and every subchunk of compressed arrays). Uncompressed
 //! subchunks (`bytes` + `crc32c`) are read one of two ways ([`ReadMethod`]):
 //! - `pread` (the default): whole subchunks landing contiguously are read in place with one
-//!   `preadv` per run of adjacent subchunks and checksummed there, the others into a reused
-//!   scratch buffer, checksummed there and copied out (two copies); an I/O error or a
-//!   truncated file is a typed error;
+//!   `preadv` per run of adjacent subchunks and checksummed there; whole subchunks landing
+//!   as runs of at least [`MIN_IN_PLACE_RUN`] bytes (column strips) are read straight into
+//!   those runs by `preadv` and checksummed over them; the others into a reused scratch
+//!   buffer, checksummed there and copied out (two copies); an I/O error or a truncated file
+//!   is a typed error;
 //! - mapped (opt-in): the part of the shard file holding the needed subchunks is mapped a
 //!   window at a time and each subchunk is copied from the page cache straight to where it
 //!   belongs in the caller's buffer, its crc32c computed over the copied bytes: one copy per
@@ -24,8 +26,11 @@ use crate::plan::load::{ShardRead, StoredGeometry, SubchunkRead};
 
 /// Most subchunks read by one `preadv`.
 const MAX_BATCH: usize = 256;
-/// Most bytes read by one `preadv`.
-const MAX_BATCH_BYTES: u64 = 512 << 10;
+/// Most bytes read by one `preadv` of several subchunks (checksummed after it, so they
+/// should still be in the core's cache).
+const MAX_BATCH_BYTES: u64 = 256 << 10;
+/// A subchunk larger than this is read and checksummed this many bytes at a time.
+const CRC_PIECE: usize = 256 << 10;
 
 /// Counts what a load read from storage.
 #[derive(Debug, Default)]
@@ -332,11 +337,21 @@ fn check_crc_value(
     Ok(())
 }
 
+/// Most iovecs one `preadv` takes (Linux's `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
+
+/// Shortest run of a whole subchunk that [`pread_subchunks`] reads straight into its place in
+/// the caller's buffer when the subchunk does not land contiguously there (a column strip):
+/// shorter runs go through the scratch buffer, where one large read and a user-space copy
+/// cost less than the kernel's per-iovec work.
+const MIN_IN_PLACE_RUN: usize = 256;
+
 /// `preadv` until every iovec is full.
 fn preadv_exact(file: &File, iovs: &mut [libc::iovec], mut offset: u64) -> std::io::Result<()> {
     let mut start = 0;
     while start < iovs.len() {
-        let cnt = libc::c_int::try_from(iovs.len() - start).unwrap_or(libc::c_int::MAX);
+        let cnt =
+            libc::c_int::try_from((iovs.len() - start).min(IOV_MAX)).unwrap_or(libc::c_int::MAX);
         let off =
             libc::off_t::try_from(offset).map_err(|_| std::io::Error::other("offset too large"))?;
         // SAFETY: the iovecs point into live, exclusively borrowed buffers of the stated sizes.
@@ -430,6 +445,40 @@ unsafe fn pread_subchunks(
         if batch.is_empty() {
             return Ok(());
         }
+        if let [(linear, d)] = batch[..]
+            && sub_bytes > CRC_PIECE
+        {
+            // One large subchunk: read a piece at a time, each checksummed right after it
+            // is read, while it is still in cache (not in a second pass over memory).
+            let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+            let mut crc = [0u8; 4];
+            let mut at = 0usize;
+            while at < sub_bytes {
+                let len = CRC_PIECE.min(sub_bytes - at);
+                // SAFETY: disjoint destination ranges of this shard (caller's contract).
+                let piece = unsafe { dest.slice(d + at, len) };
+                let last = at + len == sub_bytes;
+                let mut iovs = [
+                    libc::iovec {
+                        iov_base: piece.as_mut_ptr().cast(),
+                        iov_len: len,
+                    },
+                    libc::iovec {
+                        iov_base: crc.as_mut_ptr().cast(),
+                        iov_len: 4,
+                    },
+                ];
+                let n = if last { 2 } else { 1 };
+                preadv_exact(file, &mut iovs[..n], file_start + at as u64)
+                    .map_err(StorageError::io("read", &path))?;
+                // SAFETY: as above; the read has completed.
+                digest.update(unsafe { dest.slice(d + at, len) });
+                at += len;
+            }
+            counters.add(sub_bytes as u64 + 4);
+            batch.clear();
+            return check_crc_value(arr, shard, linear, crc32_value(&digest), crc, footer);
+        }
         let mut crcs = vec![[0u8; 4]; batch.len()];
         let mut iovs = Vec::with_capacity(batch.len() * 2);
         for ((_, d), crc) in batch.iter().zip(crcs.iter_mut()) {
@@ -475,6 +524,18 @@ unsafe fn pread_subchunks(
                 }
                 batch.push((s.linear, d));
             }
+            Some((off, _)) if s.needed == s.stored => {
+                let runs = runs_of(s, 0, dest);
+                if runs.iter().all(|r| r.2 >= MIN_IN_PLACE_RUN) {
+                    // SAFETY: disjoint destination ranges (caller's contract).
+                    unsafe {
+                        pread_runs(arr, shard, s.linear, file, off, &runs, dest, footer)?;
+                    }
+                    counters.add(sub_bytes as u64 + 4);
+                } else {
+                    gathered.push((s, off));
+                }
+            }
             Some((off, _)) => gathered.push((s, off)),
             None => {
                 // SAFETY: disjoint destination ranges (caller's contract).
@@ -514,6 +575,49 @@ unsafe fn pread_subchunks(
         };
     }
     Ok(())
+}
+
+/// Reads a whole subchunk stored at `off` straight into its runs in `dest` (one `preadv`
+/// per [`IOV_MAX`] runs, the last iovec its stored crc32c), then checks the crc over the
+/// runs delivered, in order, while they are still in cache.
+///
+/// # Safety
+/// No other thread may touch the runs' bytes of `dest` meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn pread_runs(
+    arr: &TensorArray,
+    shard: &ShardRead,
+    linear: u64,
+    file: &File,
+    off: u64,
+    runs: &[Run],
+    dest: Dest<'_>,
+    footer: Option<&[u32]>,
+) -> Result<(), StorageError> {
+    let mut crc = [0u8; 4];
+    let mut iovs: Vec<libc::iovec> = Vec::with_capacity(runs.len() + 1);
+    for &(_, d, len) in runs {
+        // SAFETY: disjoint destination ranges (caller's contract).
+        let slice = unsafe { dest.slice(d, len) };
+        iovs.push(libc::iovec {
+            iov_base: slice.as_mut_ptr().cast(),
+            iov_len: len,
+        });
+    }
+    iovs.push(libc::iovec {
+        iov_base: crc.as_mut_ptr().cast(),
+        iov_len: 4,
+    });
+    preadv_exact(file, &mut iovs, off)
+        .map_err(StorageError::io("read", &arr.chunk_path(&shard.chunk)))?;
+    // The runs of a whole subchunk follow each other in its stored bytes: their crc, in
+    // order, is the stored bytes' crc, computed over the bytes delivered.
+    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    for &(_, d, len) in runs {
+        // SAFETY: as above; the read has completed.
+        digest.update(unsafe { dest.slice(d, len) });
+    }
+    check_crc_value(arr, shard, linear, crc32_value(&digest), crc, footer)
 }
 
 /// Bytes of gathered subchunks copied out together (small enough to stay in cache).
