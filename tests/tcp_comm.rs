@@ -524,7 +524,7 @@ fn exchange_with_a_vanished_partner_names_it() {
 /// A frame header as the protocol writes it: magic, kind, operation, sequence, argument,
 /// payload length.
 fn raw_header(kind: u8, arg: u64, len: u64) -> Vec<u8> {
-    let mut h = b"ZCK1".to_vec();
+    let mut h = b"ZCK2".to_vec();
     h.extend_from_slice(&[kind, 0, 0, 0]);
     h.extend_from_slice(&0u64.to_le_bytes());
     h.extend_from_slice(&arg.to_le_bytes());
