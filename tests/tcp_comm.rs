@@ -340,6 +340,37 @@ fn mismatched_operations_are_reported() {
     );
 }
 
+/// Two live ranks waiting for each other with nothing in flight (a collective on one, a data
+/// exchange expecting a message on the other) are a mismatch within moments, not a wait
+/// for ever: the liveness timeout here (an hour) never strikes.
+#[test]
+fn ranks_waiting_for_each_other_are_a_mismatch_not_a_hang() {
+    let t0 = Instant::now();
+    let out = run_tcp(2, Duration::from_secs(3600), |c| {
+        if c.rank() == 0 {
+            c.barrier()
+        } else {
+            let mut buf = [0u8; 8];
+            c.exchange(
+                &[],
+                &mut [RecvBuf {
+                    peer: 0,
+                    buf: &mut buf,
+                }],
+            )
+        }
+    });
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    for (rank, r) in out.iter().enumerate() {
+        match r {
+            Err(CommError::Mismatch { detail, .. }) => {
+                assert!(detail.contains("waits for"), "rank {rank}: {detail}");
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}
+
 #[test]
 fn exchange_size_mismatch_never_overflows() {
     let out = run_tcp(2, T, |c| {
