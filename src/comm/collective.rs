@@ -1,11 +1,13 @@
 //! The collectives, written once over a communicator's point-to-point
 //! [`Communicator::exchange`]: a tree all-reduce, broadcast, all-gather and barrier.
 //!
-//! Ranks form a binary tree rooted at rank 0 (the parent of rank `r` is `(r - 1) / 2`, the
-//! tree [`TcpComm`](super::TcpComm) runs its own collectives on): contributions travel up, each
+//! Every communicator of the crate uses these as they are (its transport's links are the
+//! tree's edges). Ranks form a binary tree rooted at rank 0 (the parent of rank `r` is
+//! `(r - 1) / 2`): contributions travel up, each
 //! rank merging its children's partial results into its own, and the result travels down, so
 //! a rank receives at most three values (two partial results and the result) whatever the
-//! world size. A broadcast sends the root's data up its path to rank 0, then down.
+//! world size. A broadcast sends the root's data up its path to rank 0 (the other ranks send
+//! a one-byte flag up), then down.
 //!
 //! Every message is a fixed [`HEADER_BYTES`]-byte header (operation, status, argument,
 //! payload length) followed, in a second transfer, by its payload when there is one: the
