@@ -4,9 +4,9 @@
 //! A communicator is a transport: it provides its rank, the world size and point-to-point
 //! transfers ([`Communicator::exchange`]); the collectives (tree all-reduce, broadcast,
 //! all-gather, barrier) are written once on top of that, in [`collective`], and are the
-//! trait's default methods. An implementation overrides them only with an equivalent native
-//! path: [`TcpComm`] runs the same tree on its own engine, [`LocalComm`] gathers, broadcasts
-//! and waits through memory its threads share.
+//! trait's default methods. Every communicator of the crate ([`LocalComm`], [`TcpComm`], the
+//! NCCL one of `device`, and `TorchComm` through the Python package) uses them as they are,
+//! so each agrees in O(log world) hops with a few messages per rank.
 //!
 //! Every method is collective: all ranks call the same methods in the same order, one at a
 //! time per communicator (calls from several threads must not overlap). A rank that dies or
@@ -178,14 +178,28 @@ pub trait Communicator: Send + Sync {
     /// chooses); an error it returns fails the operation on every rank.
     ///
     /// The default ([`collective::all_reduce`]) combines them up a binary tree over
-    /// [`Communicator::exchange`], as [`TcpComm`]'s native path does, so each rank receives at
-    /// most three combined values (plus a 16-byte header per message) whatever the world
+    /// [`Communicator::exchange`], so each rank receives at most three combined values (plus a 16-byte header per message) whatever the world
     /// size.
     ///
     /// # Errors
     /// As [`Communicator::all_gather`]; a failed `merge` is a [`CommError::Mismatch`].
     fn all_reduce(&self, data: &[u8], merge: &Merge<'_>) -> Result<Vec<u8>, CommError> {
         collective::all_reduce(self, data, merge)
+    }
+
+    /// The largest collective message this rank accepts from a peer: a larger one is refused
+    /// with [`CommError::TooLarge`] before anything is allocated. Default
+    /// [`collective::MAX_MESSAGE`].
+    fn max_message(&self) -> u64 {
+        collective::MAX_MESSAGE
+    }
+
+    /// Called by the collectives when one failed on this rank with `error` (every rank that
+    /// can be reached fails with it too). The state of the links is unspecified afterwards; a
+    /// transport may tell its peers at once and refuse later calls ([`TcpComm`] does). The
+    /// default does nothing.
+    fn abort(&self, error: &CommError) {
+        let _ = error;
     }
 
     /// Point-to-point transfer of large buffers. For every ordered pair of ranks, the sends of

@@ -215,6 +215,61 @@ fn nccl_communicator_moves_bytes() {
     assert!(e.to_string().contains("sizes"), "{e}");
 }
 
+/// NCCL with one rank (one GPU), the communicator's whole surface: the collectives (the
+/// shared ones of `comm::collective`, run over the bootstrap), several messages in one
+/// exchange through device memory, and an empty exchange.
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_communicator_collectives_with_one_rank() {
+    use zarrckpt::CommError;
+    use zarrckpt::comm::{RecvBuf, SendBuf};
+    use zarrckpt::device::NcclComm;
+    let Some(dev) = gpu() else { return };
+    let boot: Arc<dyn Communicator> = Arc::new(zarrckpt::LocalComm::single());
+    let comm = match NcclComm::new(dev.clone(), boot) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("SKIPPED: NCCL unavailable: {e}");
+            return;
+        }
+    };
+    assert_eq!((comm.rank(), comm.world_size()), (0, 1));
+    let max = |a: &[u8], b: &[u8]| -> Result<Vec<u8>, String> {
+        Ok(a.iter().zip(b).map(|(x, y)| *x.max(y)).collect())
+    };
+    assert_eq!(comm.all_reduce(b"abc", &max).unwrap(), b"abc");
+    assert_eq!(
+        comm.broadcast(0, b"from the root").unwrap(),
+        b"from the root"
+    );
+    assert_eq!(comm.all_gather(b"mine").unwrap(), vec![b"mine".to_vec()]);
+    comm.barrier().unwrap();
+    let (a, b) = (pattern(1 << 20, 4), pattern(4099, 5));
+    let (mut got_a, mut got_b) = (vec![0u8; a.len()], vec![0u8; b.len()]);
+    comm.exchange(
+        &[SendBuf { peer: 0, data: &a }, SendBuf { peer: 0, data: &b }],
+        &mut [
+            RecvBuf {
+                peer: 0,
+                buf: &mut got_a,
+            },
+            RecvBuf {
+                peer: 0,
+                buf: &mut got_b,
+            },
+        ],
+    )
+    .unwrap();
+    assert!(got_a == a && got_b == b);
+    comm.exchange(&[], &mut []).unwrap();
+    // Still usable after the exchanges; a root out of range is an error, not a hang.
+    assert_eq!(comm.all_reduce(b"z", &max).unwrap(), b"z");
+    assert!(matches!(
+        comm.broadcast(1, b"x"),
+        Err(CommError::Mismatch { .. })
+    ));
+}
+
 /// NCCL past its deadline: a transfer given 1 ns cannot finish in time, so the wait aborts
 /// the communicator (`ncclCommAbort`) and returns a timeout within moments, and the aborted
 /// communicator refuses the next exchange instead of using a freed handle.

@@ -340,6 +340,37 @@ fn mismatched_operations_are_reported() {
     );
 }
 
+/// Two live ranks waiting for each other with nothing in flight (a collective on one, a data
+/// exchange expecting a message on the other) are a mismatch within moments, not a wait
+/// for ever: the liveness timeout here (an hour) never strikes.
+#[test]
+fn ranks_waiting_for_each_other_are_a_mismatch_not_a_hang() {
+    let t0 = Instant::now();
+    let out = run_tcp(2, Duration::from_secs(3600), |c| {
+        if c.rank() == 0 {
+            c.barrier()
+        } else {
+            let mut buf = [0u8; 8];
+            c.exchange(
+                &[],
+                &mut [RecvBuf {
+                    peer: 0,
+                    buf: &mut buf,
+                }],
+            )
+        }
+    });
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    for (rank, r) in out.iter().enumerate() {
+        match r {
+            Err(CommError::Mismatch { detail, .. }) => {
+                assert!(detail.contains("waits for"), "rank {rank}: {detail}");
+            }
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+}
+
 #[test]
 fn exchange_size_mismatch_never_overflows() {
     let out = run_tcp(2, T, |c| {
@@ -524,7 +555,7 @@ fn exchange_with_a_vanished_partner_names_it() {
 /// A frame header as the protocol writes it: magic, kind, operation, sequence, argument,
 /// payload length.
 fn raw_header(kind: u8, arg: u64, len: u64) -> Vec<u8> {
-    let mut h = b"ZCK1".to_vec();
+    let mut h = b"ZCK2".to_vec();
     h.extend_from_slice(&[kind, 0, 0, 0]);
     h.extend_from_slice(&0u64.to_le_bytes());
     h.extend_from_slice(&arg.to_le_bytes());

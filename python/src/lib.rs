@@ -51,6 +51,10 @@ impl Comm {
 
 pub(crate) fn communicator(comm: Option<&Bound<'_, PyAny>>) -> PyResult<Comm> {
     Ok(match comm {
+        Some(c) if c.is_instance_of::<comm::TcpComm>() => Comm {
+            dynamic: c.cast::<comm::TcpComm>()?.get().get()?,
+            python: None,
+        },
         Some(c) if !c.is_none() => {
             let p = Arc::new(PyComm::new(c)?);
             Comm {
@@ -582,6 +586,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     conversion::register(m)?;
     transfer::register(m)?;
     m.add_function(wrap_pyfunction!(all_reduce_max, m)?)?;
+    comm::register(m)?;
     m.add_class::<Saver>()?;
     m.add_class::<SaveHandle>()?;
     m.add_class::<Checkpoint>()?;

@@ -27,9 +27,9 @@ Calls (collective: every rank of ``comm`` calls them, in the same order)::
         -> dict   # report; report["objects"]: the values, in request order (None if skipped)
     async_save(path, pieces, objects=None, *, comm=None, **options) -> SaveHandle
 
-``comm`` is ``None`` (one rank), a :class:`TorchComm`, or any object with its byte protocol
-(``rank``, ``world_size``, ``all_gather``, ``broadcast``, ``barrier``, ``exchange``; see
-``python/src/comm.rs``). ``options`` of save: ``overwrite``,
+``comm`` is ``None`` (one rank), a :class:`TorchComm`, ``_native.TcpComm``, or any object
+with its byte protocol (``rank``, ``world_size``, ``all_gather``, ``broadcast``, ``barrier``,
+``exchange``; see ``python/src/comm.rs``). ``options`` of save: ``overwrite``,
 ``compression`` (``"none"``, ``"zstd"``, ``"blosc"``), ``io_threads``, ``balance_replicas``,
 ``subchunk_bytes``, ``user_metadata`` (a JSON-able dict); of load: ``io_threads``,
 ``exchange`` (read boxes several ranks need once and share them; default on),
@@ -434,8 +434,10 @@ class TorchComm:
     zarrckpt's core uses ``exchange`` only: its collectives (the tree all-reduce of a save's
     or load's agreement, all-gather, broadcast, barrier) are the library's own, written over
     point-to-point transfers, so each rank receives a few messages whatever the world size.
-    ``received_bytes`` counts the bytes this rank received from other ranks through
-    ``exchange``, ``all_gather`` and ``broadcast`` (for tests and benchmarks).
+    ``all_gather``, ``broadcast`` and ``barrier`` are those same collectives too (for the
+    Python layer's own agreements), so this class moves bytes only. ``received_bytes`` counts
+    the bytes this rank received from other ranks through ``exchange`` (for tests and
+    benchmarks).
     """
 
     def __init__(self, group: Any = None, timeout: float | None = None) -> None:
@@ -481,78 +483,19 @@ class TorchComm:
                     )
             return self._group
 
-    # -- bytes collectives (called by the Rust core, GIL held) -------------------------------
-
-    def _inline(self) -> int:
-        """Bytes of each rank's message that travel in the first (fixed-size) collective:
-        small messages (the usual case) take one collective, not a size exchange first."""
-        return max(256, min(1 << 16, (4 << 20) // self.world_size))
+    # -- bytes (called by the Rust core, GIL held) ------------------------------------------
 
     def all_gather(self, data: bytes) -> list[bytes]:
-        import numpy as np
-        import torch
-
-        g = self.group()
-        world, inline = self.world_size, self._inline()
-        n = len(data)
-        # [8-byte length][first `inline` bytes], gathered in one collective.
-        head = np.zeros(8 + inline, dtype=np.uint8)
-        head[:8] = np.frombuffer(n.to_bytes(8, "little"), dtype=np.uint8)
-        k = min(n, inline)
-        if k:
-            head[8 : 8 + k] = np.frombuffer(data, dtype=np.uint8, count=k)
-        out = torch.empty(world * (8 + inline), dtype=torch.uint8)
-        self._dist.all_gather_into_tensor(out, torch.from_numpy(head), group=g)
-        self.received_bytes += (world - 1) * (8 + inline)
-        rows = out.numpy().reshape(world, 8 + inline)
-        sizes = [int.from_bytes(rows[i, :8].tobytes(), "little") for i in range(world)]
-        parts = [rows[i, 8 : 8 + min(sizes[i], inline)].tobytes() for i in range(world)]
-        rest = max(sizes) - inline
-        if rest > 0:
-            # The rest of the longer messages, padded to the longest.
-            tail = np.zeros(rest, dtype=np.uint8)
-            if n > inline:
-                tail[: n - inline] = np.frombuffer(data, dtype=np.uint8, offset=inline)
-            out2 = torch.empty(world * rest, dtype=torch.uint8)
-            self._dist.all_gather_into_tensor(out2, torch.from_numpy(tail), group=g)
-            self.received_bytes += (world - 1) * rest
-            rows2 = out2.numpy().reshape(world, rest)
-            for i in range(world):
-                if sizes[i] > inline:
-                    parts[i] += rows2[i, : sizes[i] - inline].tobytes()
-        return parts
+        """Every rank's ``data``: the core's shared tree all-gather over :meth:`exchange`."""
+        return _native.all_gather(self, data)
 
     def broadcast(self, root: int, data: bytes) -> bytes:
-        import numpy as np
-        import torch
-
-        g = self.group()
-        inline = self._inline()
-        head = np.zeros(8 + inline, dtype=np.uint8)
-        if self.rank == root:
-            n = len(data)
-            head[:8] = np.frombuffer(n.to_bytes(8, "little"), dtype=np.uint8)
-            k = min(n, inline)
-            if k:
-                head[8 : 8 + k] = np.frombuffer(data, dtype=np.uint8, count=k)
-        t = torch.from_numpy(head)
-        self._dist.broadcast(t, group=g, group_src=root)
-        if self.rank == root:
-            if len(data) > inline:
-                rest = torch.frombuffer(bytearray(data[inline:]), dtype=torch.uint8)
-                self._dist.broadcast(rest, group=g, group_src=root)
-            return data
-        size = int.from_bytes(head[:8].tobytes(), "little")
-        got = head[8 : 8 + min(size, inline)].tobytes()
-        self.received_bytes += len(head) + max(0, size - inline)
-        if size > inline:
-            rest = torch.empty(size - inline, dtype=torch.uint8)
-            self._dist.broadcast(rest, group=g, group_src=root)
-            got += rest.numpy().tobytes()
-        return got
+        """``root``'s ``data`` on every rank: the core's shared broadcast over :meth:`exchange`."""
+        return _native.broadcast(self, root, data)
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self.group())
+        """Returns once every rank has called it (the core's shared barrier over ``exchange``)."""
+        _native.barrier(self)
 
     def exchange(self, sends: list[tuple[int, memoryview]], recvs: list[tuple[int, memoryview]]):
         import torch

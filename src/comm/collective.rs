@@ -1,11 +1,13 @@
 //! The collectives, written once over a communicator's point-to-point
 //! [`Communicator::exchange`]: a tree all-reduce, broadcast, all-gather and barrier.
 //!
-//! Ranks form a binary tree rooted at rank 0 (the parent of rank `r` is `(r - 1) / 2`, the
-//! tree [`TcpComm`](super::TcpComm) runs its own collectives on): contributions travel up, each
+//! Every communicator of the crate uses these as they are (its transport's links are the
+//! tree's edges). Ranks form a binary tree rooted at rank 0 (the parent of rank `r` is
+//! `(r - 1) / 2`): contributions travel up, each
 //! rank merging its children's partial results into its own, and the result travels down, so
 //! a rank receives at most three values (two partial results and the result) whatever the
-//! world size. A broadcast sends the root's data up its path to rank 0, then down.
+//! world size. A broadcast sends the root's data up its path to rank 0 (the other ranks send
+//! a one-byte flag up), then down.
 //!
 //! Every message is a fixed [`HEADER_BYTES`]-byte header (operation, status, argument,
 //! payload length) followed, in a second transfer, by its payload when there is one: the
@@ -91,7 +93,10 @@ struct Call<'a, C: Communicator + ?Sized> {
     comm: &'a C,
     op: Op,
     arg: u32,
+    /// The largest message accepted from a peer.
     limit: u64,
+    /// Bytes the call adds to the caller's value in a message (not counted in errors).
+    framing: u64,
     me: usize,
 }
 
@@ -171,9 +176,18 @@ impl<'a, C: Communicator + ?Sized> Call<'a, C> {
             comm,
             op,
             arg,
-            limit: MAX_MESSAGE,
+            limit: comm.max_message(),
+            framing: 0,
             me: comm.rank(),
         }
+    }
+
+    /// Tells the transport when the call failed on this rank (see [`Communicator::abort`]).
+    fn settle<T>(&self, r: Result<T, CommError>) -> Result<T, CommError> {
+        if let Err(e) = &r {
+            self.comm.abort(e);
+        }
+        r
     }
 
     fn mismatch(&self, detail: String) -> CommError {
@@ -317,12 +331,17 @@ impl<'a, C: Communicator + ?Sized> Call<'a, C> {
                 self.limit
             };
             if len > limit {
+                let framing = if h[2] == STATUS_FAILED {
+                    0
+                } else {
+                    self.framing
+                };
                 return Err(CommError::TooLarge {
                     op: self.op.name(),
                     rank: self.me,
                     peer,
-                    declared: len,
-                    limit,
+                    declared: len - framing,
+                    limit: limit - framing,
                 });
             }
             let len = usize::try_from(len).map_err(|_| CommError::TooLarge {
@@ -435,7 +454,8 @@ pub fn all_reduce<C: Communicator + ?Sized>(
     data: &[u8],
     merge: &Merge<'_>,
 ) -> Result<Vec<u8>, CommError> {
-    Call::new(comm, Op::AllReduce, 0).up_down(data.to_vec(), &|acc, _, v| merge(&acc, &v))
+    let call = Call::new(comm, Op::AllReduce, 0);
+    call.settle(call.up_down(data.to_vec(), &|acc, _, v| merge(&acc, &v)))
 }
 
 /// Every rank's `data`, indexed by rank, on every rank (gathered up the tree, sent down).
@@ -447,7 +467,14 @@ pub fn all_gather<C: Communicator + ?Sized>(
     data: &[u8],
 ) -> Result<Vec<Vec<u8>>, CommError> {
     let call = Call::new(comm, Op::AllGather, 0);
-    let world = comm.world_size();
+    call.settle(gather(&call, data))
+}
+
+fn gather<C: Communicator + ?Sized>(
+    call: &Call<'_, C>,
+    data: &[u8],
+) -> Result<Vec<Vec<u8>>, CommError> {
+    let world = call.comm.world_size();
     let mut mine = Vec::with_capacity(data.len() + 16);
     put(&mut mine, call.me as u64);
     put(&mut mine, data.len() as u64);
@@ -497,11 +524,29 @@ pub fn broadcast<C: Communicator + ?Sized>(
     root: usize,
     data: &[u8],
 ) -> Result<Vec<u8>, CommError> {
+    broadcast_within(comm, root, data, comm.max_message())
+}
+
+/// [`broadcast`], refusing any message above `limit` bytes ([`CommError::TooLarge`]): for a
+/// transport's own setup, where the largest valid message is known (an address table).
+///
+/// # Errors
+/// As [`broadcast`].
+pub fn broadcast_within<C: Communicator + ?Sized>(
+    comm: &C,
+    root: usize,
+    data: &[u8],
+    limit: u64,
+) -> Result<Vec<u8>, CommError> {
     let world = comm.world_size();
     let arg = u32::try_from(root).unwrap_or(u32::MAX);
-    let call = Call::new(comm, Op::Broadcast, arg);
+    let mut call = Call::new(comm, Op::Broadcast, arg);
+    // The value travels after a one-byte flag.
+    call.limit = limit.saturating_add(1);
+    call.framing = 1;
     if root >= world {
-        return Err(call.mismatch(format!("root {root} out of range for world size {world}")));
+        let e = call.mismatch(format!("root {root} out of range for world size {world}"));
+        return call.settle(Err(e));
     }
     // Up the path from the root to rank 0 (every link carries a header naming the root, so
     // ranks passing different roots fail), then down the tree.
@@ -513,14 +558,17 @@ pub fn broadcast<C: Communicator + ?Sized>(
     } else {
         vec![0]
     };
-    let mut got = call.up_down(mine, &|acc, _, v| {
+    let got = call.up_down(mine, &|acc, _, v| {
         Ok(if v.first() == Some(&1) { v } else { acc })
-    })?;
-    if got.first() != Some(&1) {
-        return Err(call.mismatch(format!("rank {root}'s data did not arrive")));
-    }
-    got.remove(0);
-    Ok(got)
+    });
+    let got = got.and_then(|mut got| {
+        if got.first() != Some(&1) {
+            return Err(call.mismatch(format!("rank {root}'s data did not arrive")));
+        }
+        got.remove(0);
+        Ok(got)
+    });
+    call.settle(got)
 }
 
 /// Returns once every rank has called it.
@@ -528,9 +576,8 @@ pub fn broadcast<C: Communicator + ?Sized>(
 /// # Errors
 /// As [`all_reduce`].
 pub fn barrier<C: Communicator + ?Sized>(comm: &C) -> Result<(), CommError> {
-    Call::new(comm, Op::Barrier, 0)
-        .up_down(Vec::new(), &|acc, _, _| Ok(acc))
-        .map(|_| ())
+    let call = Call::new(comm, Op::Barrier, 0);
+    call.settle(call.up_down(Vec::new(), &|acc, _, _| Ok(acc)).map(|_| ()))
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! Ranks as threads of one process: the communicator for tests, single-node runs and the
-//! simulated ranks of the CLI.
+//! simulated ranks of the CLI. A transport only: bounded queues between every pair of
+//! ranks; the collectives are the shared ones of [`super::collective`].
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -12,15 +12,6 @@ use super::{CommError, Communicator, DEFAULT_TIMEOUT, RecvBuf, SendBuf};
 const QUEUE_BYTES: usize = 16 << 20;
 /// Largest message piece moved through a queue.
 const PIECE_BYTES: usize = 4 << 20;
-
-struct Slot {
-    op: &'static str,
-    /// An argument every rank must pass identically (the root of a broadcast).
-    tag: u64,
-    parts: Vec<Option<Vec<u8>>>,
-    result: Option<Arc<Vec<Vec<u8>>>>,
-    readers_left: usize,
-}
 
 /// Pieces of messages from one rank to another; the flag marks a message's last piece.
 #[derive(Default)]
@@ -40,8 +31,8 @@ struct Doorbell {
 struct Shared {
     world: usize,
     timeout: Duration,
-    slots: Mutex<(HashMap<u64, Slot>, Vec<bool>)>,
-    cv: Condvar,
+    /// Ranks whose communicator was dropped.
+    gone: Mutex<Vec<bool>>,
     /// `queues[dst * world + src]`; the condvar wakes a sender waiting for space.
     queues: Vec<(Mutex<Queue>, Condvar)>,
     /// One per receiving rank.
@@ -52,7 +43,6 @@ struct Shared {
 /// gone, so they fail fast instead of waiting for the timeout.
 pub struct LocalComm {
     rank: usize,
-    seq: AtomicU64,
     shared: Arc<Shared>,
 }
 
@@ -78,8 +68,7 @@ impl LocalComm {
         let shared = Arc::new(Shared {
             world,
             timeout,
-            slots: Mutex::new((HashMap::new(), vec![false; world])),
-            cv: Condvar::new(),
+            gone: Mutex::new(vec![false; world]),
             queues: (0..world * world)
                 .map(|_| (Mutex::new(Queue::default()), Condvar::new()))
                 .collect(),
@@ -88,7 +77,6 @@ impl LocalComm {
         (0..world)
             .map(|rank| LocalComm {
                 rank,
-                seq: AtomicU64::new(0),
                 shared: shared.clone(),
             })
             .collect()
@@ -104,98 +92,8 @@ impl LocalComm {
         m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn collective(
-        &self,
-        op: &'static str,
-        tag: u64,
-        data: Vec<u8>,
-    ) -> Result<Arc<Vec<Vec<u8>>>, CommError> {
-        let world = self.shared.world;
-        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
-        let deadline = Instant::now() + self.shared.timeout;
-        let mut g = Self::lock(&self.shared.slots);
-        {
-            let slot = g.0.entry(seq).or_insert_with(|| Slot {
-                op,
-                tag,
-                parts: vec![None; world],
-                result: None,
-                readers_left: world,
-            });
-            if slot.op != op {
-                let detail = format!(
-                    "operation #{seq}: this rank called {op}, another rank called {}",
-                    slot.op
-                );
-                return Err(CommError::Mismatch {
-                    op,
-                    rank: self.rank,
-                    detail,
-                });
-            }
-            if slot.tag != tag {
-                let detail = format!(
-                    "operation #{seq}: this rank passed root {tag}, another rank root {}",
-                    slot.tag
-                );
-                return Err(CommError::Mismatch {
-                    op,
-                    rank: self.rank,
-                    detail,
-                });
-            }
-            slot.parts[self.rank] = Some(data);
-            if slot.parts.iter().all(Option::is_some) {
-                let parts = slot
-                    .parts
-                    .iter_mut()
-                    .filter_map(Option::take) // every part is in (checked just above)
-                    .collect();
-                slot.result = Some(Arc::new(parts));
-                self.shared.cv.notify_all();
-            }
-        }
-        loop {
-            let (slots, gone) = &mut *g;
-            let slot = slots
-                .get_mut(&seq)
-                .expect("slot lives until every rank has read it");
-            if let Some(result) = slot.result.clone() {
-                slot.readers_left -= 1;
-                if slot.readers_left == 0 {
-                    slots.remove(&seq);
-                }
-                return Ok(result);
-            }
-            if let Some(peer) = (0..world).find(|&r| slot.parts[r].is_none() && gone[r]) {
-                return Err(CommError::PeerLost {
-                    op,
-                    rank: self.rank,
-                    peer,
-                    detail: "its communicator was dropped before it joined".into(),
-                });
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let peer = (0..world).find(|&r| slot.parts[r].is_none());
-                return Err(CommError::Timeout {
-                    op,
-                    rank: self.rank,
-                    peer,
-                    after: self.shared.timeout,
-                });
-            }
-            g = self
-                .shared
-                .cv
-                .wait_timeout(g, deadline - now)
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0;
-        }
-    }
-
     fn peer_gone(&self, peer: usize) -> bool {
-        Self::lock(&self.shared.slots).1[peer]
+        Self::lock(&self.shared.gone)[peer]
     }
 
     fn send_to(&self, peer: usize, data: &[u8]) -> Result<(), CommError> {
@@ -350,10 +248,7 @@ impl LocalComm {
 
 impl Drop for LocalComm {
     fn drop(&mut self) {
-        let mut g = Self::lock(&self.shared.slots);
-        g.1[self.rank] = true;
-        drop(g);
-        self.shared.cv.notify_all();
+        Self::lock(&self.shared.gone)[self.rank] = true;
         for (_, cv) in &self.shared.queues {
             cv.notify_all();
         }
@@ -372,34 +267,6 @@ impl Communicator for LocalComm {
         self.shared.world
     }
 
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        Ok(self
-            .collective("all_gather", 0, data.to_vec())?
-            .as_ref()
-            .clone())
-    }
-
-    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
-        if root >= self.shared.world {
-            return Err(CommError::Mismatch {
-                op: "broadcast",
-                rank: self.rank,
-                detail: format!("root {root} out of range"),
-            });
-        }
-        let mine = if self.rank == root {
-            data.to_vec()
-        } else {
-            Vec::new()
-        };
-        let all = self.collective("broadcast", root as u64, mine)?;
-        Ok(all[root].clone())
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        self.collective("barrier", 0, Vec::new()).map(|_| ())
-    }
-
     fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {
         for s in sends {
             if s.peer >= self.shared.world {
@@ -409,6 +276,13 @@ impl Communicator for LocalComm {
                     detail: format!("peer {} out of range", s.peer),
                 });
             }
+        }
+        // One side only (as in the collectives): no second thread needed.
+        if recvs.is_empty() {
+            return sends.iter().try_for_each(|s| self.send_to(s.peer, s.data));
+        }
+        if sends.is_empty() {
+            return self.recv_all(recvs);
         }
         std::thread::scope(|scope| {
             let sender = scope.spawn(|| {

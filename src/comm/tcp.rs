@@ -17,19 +17,25 @@
 //!   simultaneous connects cannot race. Links to tree neighbours open at setup, then the full
 //!   address table travels down the tree; links for [`Communicator::exchange`] open the first
 //!   time a pair exchanges data.
-//! - Collectives run over a binary tree rooted at rank 0 (parent of `r` is `(r - 1) / 2`):
-//!   contributions travel up, results travel down, so each rank holds at most three links for
-//!   them whatever the world size. An all-reduce merges the contributions at every tree node on
-//!   the way up, so a rank receives its two children's merged values and the result: what
-//!   save and load agree on (outcomes, the world's rule-based layout description) costs each
-//!   rank the size of the result, not of the world. A broadcast from another root first
-//!   travels up the tree path from the root to rank 0.
-//! - Every message has a 32-byte header (kind, operation, sequence number, argument, length),
-//!   checked on arrival: a different operation, sequence or size is a [`CommError::Mismatch`],
-//!   and a payload never lands outside the caller's buffer. Sizes are capped before anything
-//!   is allocated: collective messages by [`TcpConfig::max_message_bytes`] (default 4 GiB),
-//!   control frames at 16 KiB, address tables by the world size; more is a
-//!   [`CommError::TooLarge`].
+//! - A transport only: [`TcpComm`] provides [`Communicator::exchange`] (point-to-point
+//!   messages, every link progressing concurrently on one thread with `poll(2)`); the
+//!   collectives are the shared ones of [`collective`] over it (a binary tree rooted at rank 0:
+//!   contributions travel up, merged at every node, results travel down), so each rank holds
+//!   at most three links for them whatever the world size, and an all-reduce (what save and
+//!   load agree on: outcomes, the world's rule-based layout description) costs each rank the
+//!   size of the result, not of the world. The setup sends the address table down the tree
+//!   with the shared broadcast.
+//! - Every frame has a 32-byte header (kind, operation, two counts, length), checked on
+//!   arrival: a data message of another size than the receiving buffer is a
+//!   [`CommError::Mismatch`], and a payload never lands outside the caller's buffer. The
+//!   collectives cap their messages before anything is allocated, by
+//!   [`TcpConfig::max_message_bytes`] (default 4 GiB); control frames are capped at 16 KiB,
+//!   address tables by the world size; more is a [`CommError::TooLarge`].
+//! - Two ranks waiting for each other with nothing in flight (they called different
+//!   collectives, or exchanged different numbers of messages) would wait forever while both
+//!   are alive: after 50 ms of waiting, a rank tells the peer it waits in a waiting notice
+//!   carrying the link's message counts, and a rank that finds the counts matching its own
+//!   wait fails with a [`CommError::Mismatch`].
 //!
 //! # Liveness: late is fine, dead is an error
 //! Liveness does not depend on progress. Each rank opens a second connection to each tree
@@ -38,8 +44,8 @@
 //! neighbours' ones, whatever the rank's main thread is doing (writing a big shard, reading a
 //! slow disk). So:
 //! - a rank that is alive but late, by any amount, is waited for (unless
-//!   [`TcpConfig::deadline`] / `ZARRCKPT_DEADLINE_S` sets a bound on single operations; none
-//!   by default);
+//!   [`TcpConfig::deadline`] / `ZARRCKPT_DEADLINE_S` sets a bound on each exchange, a
+//!   collective being a few of them; none by default);
 //! - a rank whose process dies is a [`CommError::PeerLost`] naming it at once (the kernel
 //!   closes its connections);
 //! - a rank that stops answering (process stopped or hung, host vanished or cut off) is a
@@ -54,7 +60,8 @@
 //! exits on purpose: that says goodbye on every connection, and neighbours stop expecting
 //! heartbeats.
 //!
-//! Failure: the first error poisons the communicator. It sends an abort notice (kind of
+//! Failure: the first error (of an exchange, or of a collective over it: see
+//! [`Communicator::abort`]) poisons the communicator. It sends an abort notice (kind of
 //! failure, culprit, detail) to every peer it is linked to and through the liveness
 //! connections, and shuts its sockets, so every rank fails fast with an error naming the same
 //! culprit. Later calls return the first error at once.
@@ -78,7 +85,8 @@
 //! every rank; save and load use it only for objects. Limits, then: a few thousand processes
 //! join in seconds; beyond that (and wherever the network needs RDMA) use the job's own process
 //! group as the communicator (torch.distributed through the Python package,
-//! `zarrckpt._core.TorchComm`), which implements the same byte protocol.
+//! `zarrckpt._core.TorchComm`): it provides the same point-to-point transfers, and the same
+//! shared collectives run over them, so it agrees with the same bytes per rank.
 
 mod config;
 mod engine;
@@ -93,10 +101,10 @@ use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::{CommError, Communicator, Merge, RecvBuf, SendBuf};
+use super::{CommError, Communicator, RecvBuf, SendBuf, collective};
 pub use config::TcpConfig;
-use engine::{OpCtx, Step, Target};
-use frame::{Failure, Header, Kind, MAX_CONTROL_LEN, Op};
+use engine::{OpCtx, Step};
+use frame::{Failure, Header, Kind, MAX_CONTROL_LEN};
 use greet::Greeter;
 use link::Link;
 use setup::{AcceptWait, Conns, Table, Want};
@@ -254,7 +262,8 @@ struct Inner {
     links: HashMap<usize, Link>,
     /// The liveness watch over the tree neighbours (none for a single rank).
     watch: Option<Watch>,
-    seq: u64,
+    /// Payload bytes received from other ranks through `exchange`.
+    received: u64,
     poison: Option<CommError>,
 }
 
@@ -362,75 +371,19 @@ impl TcpComm {
                 greeter: Greeter::new(format!("rank {}: peer listener", cfg.rank), MAX_CONTROL_LEN),
                 links: HashMap::new(),
                 watch: None,
-                seq: 0,
+                received: 0,
                 poison: None,
             }),
         }
     }
 
-    /// Opens the tree links and the liveness watch over them, and checks that everyone got
-    /// there with a barrier.
+    /// Opens the tree links and the liveness watch over them, then sends the full address
+    /// table (for exchange partners) down the tree with the shared broadcast, so that rank 0
+    /// sends it twice rather than to every rank; the broadcast also checks that everyone got
+    /// there.
     fn finish(cfg: &TcpConfig, table: Table, listener: TcpListener) -> Result<TcpComm, CommError> {
         let comm = Self::new(cfg, table, Some(listener));
-        comm.run(Op::Barrier, 0, |c, inner, ctx| {
-            let near = c.neighbours();
-            let mut streams = Vec::new();
-            let Inner {
-                table,
-                listener,
-                greeter,
-                links,
-                ..
-            } = &mut *inner;
-            setup::ensure_links(
-                c.rank,
-                c.world,
-                table,
-                Conns {
-                    listener: listener.as_ref(),
-                    greeter,
-                    links,
-                    watch: &mut streams,
-                },
-                &Want {
-                    data: &near,
-                    watch: &near,
-                },
-                c.timeout,
-                &AcceptWait::Until(std::time::Instant::now() + c.timeout),
-            )?;
-            let w = Watch::start(c.rank, c.timeout, streams)
-                .map_err(|e| Failure::transport(c.rank, e))?;
-            ctx.live = Some(w.shared().clone());
-            inner.watch = Some(w);
-            // The full address table (for exchange partners) travels down the tree, so that
-            // rank 0 sends it twice rather than to every rank.
-            // Only rank 0 has it; the others contribute nothing on the way up.
-            let (at_root, full) = match inner.table.full.take() {
-                Some(full) => (true, full),
-                None => (false, Vec::new()),
-            };
-            let got = c.up_down(inner, ctx, full, Combine::Nothing)?;
-            if !at_root {
-                // Below the root, every rank has a parent: the one that sent the table.
-                if let Some(parent) = c.parent()
-                    && got.len() as u64 > setup::table_cap(c.world)
-                {
-                    return Err(Failure::too_large(
-                        c.rank,
-                        parent,
-                        got.len() as u64,
-                        setup::table_cap(c.world),
-                    ));
-                }
-                inner
-                    .table
-                    .merge(&got, c.world)
-                    .map_err(|e| Failure::mismatch(c.rank, e))?;
-            }
-            Ok(())
-        })
-        .map_err(|e| match e {
+        let in_setup = |e: CommError| match e {
             CommError::Timeout {
                 rank, peer, after, ..
             } => CommError::Timeout {
@@ -448,7 +401,62 @@ impl TcpComm {
                 detail,
             },
             other => other,
-        })?;
+        };
+        let full = comm
+            .run("connect", |c, inner, _ctx| {
+                let near = c.neighbours();
+                let mut streams = Vec::new();
+                let Inner {
+                    table,
+                    listener,
+                    greeter,
+                    links,
+                    ..
+                } = &mut *inner;
+                setup::ensure_links(
+                    c.rank,
+                    c.world,
+                    table,
+                    Conns {
+                        listener: listener.as_ref(),
+                        greeter,
+                        links,
+                        watch: &mut streams,
+                    },
+                    &Want {
+                        data: &near,
+                        watch: &near,
+                    },
+                    c.timeout,
+                    &AcceptWait::Until(std::time::Instant::now() + c.timeout),
+                )?;
+                let w = Watch::start(c.rank, c.timeout, streams)
+                    .map_err(|e| Failure::transport(c.rank, e))?;
+                inner.watch = Some(w);
+                // Only rank 0 has the full table.
+                Ok(inner.table.full.take())
+            })
+            .map_err(in_setup)?;
+        let at_root = full.is_some();
+        let got = collective::broadcast_within(
+            &comm,
+            0,
+            &full.unwrap_or_default(),
+            setup::table_cap(comm.world),
+        )
+        .map_err(in_setup)?;
+        if !at_root {
+            let merged = comm.lock().table.merge(&got, comm.world);
+            merged.map_err(|detail| {
+                let e = CommError::Mismatch {
+                    op: "connect",
+                    rank: comm.rank,
+                    detail,
+                };
+                comm.abort(&e);
+                e
+            })?;
+        }
         Ok(comm)
     }
 
@@ -464,41 +472,39 @@ impl TcpComm {
         self.timeout
     }
 
+    /// Payload bytes this rank has received from other ranks through
+    /// [`Communicator::exchange`], the collectives' messages included (frame headers,
+    /// heartbeats and the rendezvous excluded): for tests and benchmarks.
+    #[must_use]
+    pub fn received_bytes(&self) -> u64 {
+        self.lock().received
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn parent(&self) -> Option<usize> {
-        (self.rank > 0).then(|| (self.rank - 1) / 2)
-    }
-
-    fn children(&self) -> Vec<usize> {
-        [2 * self.rank + 1, 2 * self.rank + 2]
+    /// The tree neighbours: parent and children.
+    fn neighbours(&self) -> Vec<usize> {
+        collective::tree_parent(self.rank)
             .into_iter()
-            .filter(|&c| c < self.world)
+            .chain(collective::tree_children(self.rank, self.world))
             .collect()
     }
 
-    fn neighbours(&self) -> Vec<usize> {
-        self.parent().into_iter().chain(self.children()).collect()
-    }
-
-    /// Runs one operation under the lock: numbers it, and poisons the communicator if it fails.
+    /// Runs one operation under the lock, and poisons the communicator if it fails.
     fn run<T>(
         &self,
-        op: Op,
-        arg: u64,
+        op: &'static str,
         f: impl FnOnce(&Self, &mut Inner, &mut OpCtx) -> Result<T, Failure>,
     ) -> Result<T, CommError> {
         let mut inner = self.lock();
         if let Some(e) = &inner.poison {
             return Err(e.clone());
         }
-        let seq = inner.seq;
-        inner.seq += 1;
-        let mut ctx = OpCtx::new(self.rank, op, seq, arg, self.timeout, op != Op::Exchange);
+        let mut ctx = OpCtx::new(self.rank);
         ctx.deadline = self.deadline;
         ctx.live = inner.watch.as_ref().map(|w| w.shared().clone());
         let known = ctx.live.as_ref().and_then(|l| l.verdict());
@@ -507,7 +513,7 @@ impl TcpComm {
             None => f(self, &mut inner, &mut ctx),
         };
         result.map_err(|failure| {
-            let e = failure.to_error(op.name(), self.rank);
+            let e = failure.to_error(op, self.rank);
             tracing::debug!("rank {}: {e}", self.rank);
             inner.poison(&failure, e.clone());
             e
@@ -551,147 +557,10 @@ impl TcpComm {
         )
     }
 
-    /// Sends `mine`, combined with the children's contributions, up the tree and returns what
-    /// comes back down from rank 0: the combination of everything (or rank 0's value).
-    fn up_down(
-        &self,
-        inner: &mut Inner,
-        ctx: &mut OpCtx,
-        mine: Vec<u8>,
-        combine: Combine<'_>,
-    ) -> Result<Vec<u8>, Failure> {
-        let parent = self.parent();
-        let children = self.children();
-        let all = self.neighbours();
-        let alloc = || Target::Alloc {
-            buf: Vec::new(),
-            max: self.max_message,
-        };
-        let mut up = mine;
-        if !children.is_empty() {
-            let recvs = children.iter().map(|&c| (c, alloc())).collect();
-            let got = engine::run(
-                &mut inner.links,
-                ctx,
-                Step {
-                    sends: Vec::new(),
-                    recvs,
-                    involved: all.clone(),
-                },
-            )?;
-            for (t, &child) in got.into_iter().zip(&children) {
-                if let Target::Alloc { buf, .. } = t {
-                    match combine {
-                        Combine::Nothing => {}
-                        Combine::Concat => up.extend_from_slice(&buf),
-                        Combine::Merge(merge) => {
-                            up = merge(&up, &buf).map_err(|e| {
-                                let detail = format!(
-                                    "what rank {child} sent (its subtree's contributions) does not combine: {e}"
-                                );
-                                Failure::mismatch(self.rank, detail)
-                            })?;
-                        }
-                    }
-                }
-            }
-        }
-        let down = match parent {
-            Some(p) => {
-                let step = Step {
-                    sends: vec![(p, &up[..])],
-                    recvs: vec![(p, alloc())],
-                    involved: all,
-                };
-                match engine::run(&mut inner.links, ctx, step)?.pop() {
-                    Some(Target::Alloc { buf, .. }) => buf,
-                    _ => Vec::new(),
-                }
-            }
-            None => up,
-        };
-        send_to_all(inner, ctx, &children, &down)?;
-        Ok(down)
-    }
-
-    /// Whether `r` is `root` or one of its ancestors in the tree.
-    fn on_path(r: usize, root: usize) -> bool {
-        let mut x = root;
-        loop {
-            if x == r {
-                return true;
-            }
-            if x == 0 || x < r {
-                return false;
-            }
-            x = (x - 1) / 2;
-        }
-    }
-
-    fn broadcast_tree(
-        &self,
-        inner: &mut Inner,
-        ctx: &mut OpCtx,
-        root: usize,
-        data: &[u8],
-    ) -> Result<Vec<u8>, Failure> {
-        let me = self.rank;
-        let all = self.neighbours();
-        let alloc = || Target::Alloc {
-            buf: Vec::new(),
-            max: self.max_message,
-        };
-        let take = |mut got: Vec<Target<'_>>| match got.pop() {
-            Some(Target::Alloc { buf, .. }) => buf,
-            _ => Vec::new(),
-        };
-        let mut sends_to: Vec<usize> = Vec::new();
-        let value = if Self::on_path(me, root) {
-            // Up the path from the root to rank 0, then down everywhere else.
-            let value = if me == root {
-                data.to_vec()
-            } else {
-                let from = self
-                    .children()
-                    .into_iter()
-                    .find(|&c| Self::on_path(c, root))
-                    .unwrap_or(root);
-                let step = Step {
-                    sends: Vec::new(),
-                    recvs: vec![(from, alloc())],
-                    involved: all,
-                };
-                take(engine::run(&mut inner.links, ctx, step)?)
-            };
-            sends_to.extend(self.parent());
-            sends_to.extend(
-                self.children()
-                    .into_iter()
-                    .filter(|&c| !Self::on_path(c, root)),
-            );
-            value
-        } else {
-            // Rank 0 is on every root's path, so a rank off it is not rank 0 and has a parent.
-            let parent = self.parent().ok_or_else(|| {
-                Failure::transport(me, "broadcast: rank 0 found off the path from the root")
-            })?;
-            let step = Step {
-                sends: Vec::new(),
-                recvs: vec![(parent, alloc())],
-                involved: all,
-            };
-            let value = take(engine::run(&mut inner.links, ctx, step)?);
-            sends_to.extend(self.children());
-            value
-        };
-        send_to_all(inner, ctx, &sends_to, &value)?;
-        Ok(value)
-    }
-
     fn exchange_inner(
         &self,
         inner: &mut Inner,
-        ctx: &mut OpCtx,
+        ctx: &OpCtx,
         sends: &[SendBuf<'_>],
         recvs: &mut [RecvBuf<'_>],
     ) -> Result<(), Failure> {
@@ -741,6 +610,11 @@ impl TcpComm {
             return Ok(());
         }
         self.links_to(inner, &peers)?;
+        let incoming: usize = recvs
+            .iter()
+            .filter(|r| r.peer != me)
+            .map(|r| r.buf.len())
+            .sum();
         let step = Step {
             sends: sends
                 .iter()
@@ -750,11 +624,12 @@ impl TcpComm {
             recvs: recvs
                 .iter_mut()
                 .filter(|r| r.peer != me)
-                .map(|r| (r.peer, Target::Into(&mut *r.buf)))
+                .map(|r| (r.peer, &mut *r.buf))
                 .collect(),
-            involved: Vec::new(),
         };
-        engine::run(&mut inner.links, ctx, step).map(|_| ())
+        engine::run(&mut inner.links, ctx, step)?;
+        inner.received += incoming as u64;
+        Ok(())
     }
 }
 
@@ -777,40 +652,8 @@ impl Drop for TcpComm {
     }
 }
 
-/// How [`TcpComm::up_down`] combines the contributions travelling up the tree.
-#[derive(Clone, Copy)]
-enum Combine<'a> {
-    /// Keeps this rank's own (a barrier: nothing travels).
-    Nothing,
-    /// Appends the children's contributions (an all-gather).
-    Concat,
-    /// Merges them (an all-reduce).
-    Merge(&'a Merge<'a>),
-}
-
-/// Sends `data` to every peer in `peers` (nothing to do when there is none).
-fn send_to_all(
-    inner: &mut Inner,
-    ctx: &mut OpCtx,
-    peers: &[usize],
-    data: &[u8],
-) -> Result<(), Failure> {
-    if peers.is_empty() {
-        return Ok(());
-    }
-    let sends = peers.iter().map(|&p| (p, data)).collect();
-    engine::run(
-        &mut inner.links,
-        ctx,
-        Step {
-            sends,
-            recvs: Vec::new(),
-            involved: Vec::new(),
-        },
-    )?;
-    Ok(())
-}
-
+/// A transport: point-to-point transfers and the failure of a collective; the collectives are
+/// the trait's defaults, written once in [`collective`].
 impl Communicator for TcpComm {
     fn rank(&self) -> usize {
         self.rank
@@ -820,42 +663,22 @@ impl Communicator for TcpComm {
         self.world
     }
 
-    fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        self.run(Op::AllGather, 0, |c, inner, ctx| {
-            let mut mine = Vec::with_capacity(data.len() + 16);
-            frame::pack_part(&mut mine, c.rank, data);
-            let all = c.up_down(inner, ctx, mine, Combine::Concat)?;
-            frame::unpack_all(&all, c.world).map_err(|e| Failure::mismatch(c.rank, e))
-        })
+    fn max_message(&self) -> u64 {
+        self.max_message
     }
 
-    fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
-        self.run(Op::Broadcast, root as u64, |c, inner, ctx| {
-            if root >= c.world {
-                return Err(Failure::mismatch(
-                    c.rank,
-                    format!("root {root} out of range for world size {}", c.world),
-                ));
-            }
-            c.broadcast_tree(inner, ctx, root, data)
-        })
-    }
-
-    fn barrier(&self) -> Result<(), CommError> {
-        self.run(Op::Barrier, 0, |c, inner, ctx| {
-            c.up_down(inner, ctx, Vec::new(), Combine::Nothing)
-                .map(|_| ())
-        })
-    }
-
-    fn all_reduce(&self, data: &[u8], merge: &Merge<'_>) -> Result<Vec<u8>, CommError> {
-        self.run(Op::AllReduce, 0, |c, inner, ctx| {
-            c.up_down(inner, ctx, data.to_vec(), Combine::Merge(merge))
-        })
+    /// Poisons the communicator: later calls fail at once with `error`, and every rank
+    /// learns of it (abort notices to the linked peers, and through the liveness watch).
+    fn abort(&self, error: &CommError) {
+        let mut inner = self.lock();
+        if inner.poison.is_none() {
+            let failure = Failure::from_error(error, self.rank);
+            inner.poison(&failure, error.clone());
+        }
     }
 
     fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {
-        self.run(Op::Exchange, 0, |c, inner, ctx| {
+        self.run("exchange", |c, inner, ctx| {
             c.exchange_inner(inner, ctx, sends, recvs)
         })
     }
@@ -864,17 +687,6 @@ impl Communicator for TcpComm {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tree_paths() {
-        assert!(TcpComm::on_path(0, 5));
-        assert!(TcpComm::on_path(2, 5));
-        assert!(TcpComm::on_path(5, 5));
-        assert!(!TcpComm::on_path(1, 5));
-        assert!(!TcpComm::on_path(6, 5));
-        assert!(TcpComm::on_path(0, 0));
-        assert!(!TcpComm::on_path(3, 0));
-    }
 
     #[test]
     fn single_rank_needs_no_network() {
@@ -899,6 +711,10 @@ mod tests {
             c.broadcast(1, b""),
             Err(CommError::Mismatch { .. })
         ));
-        assert!(c.barrier().is_err(), "poisoned after a failure");
+        // A world of one sends nothing in a collective; its next exchange sees the poison.
+        assert!(
+            c.exchange(&[], &mut []).is_err(),
+            "poisoned after a failure"
+        );
     }
 }

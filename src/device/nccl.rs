@@ -1,8 +1,10 @@
 //! A communicator whose bulk transfers (the data-parallel exchange of a load: a box read
 //! from storage once per group and sent to the other members) go GPU to GPU over NCCL
-//! (cargo feature `nccl`; NCCL is loaded at run time). Control messages (agreement,
-//! planning, small collectives) go over a bootstrap communicator (TCP, in-process, or the
-//! torch process group through the Python front), which also hands out NCCL's unique id.
+//! (cargo feature `nccl`; NCCL is loaded at run time). Control messages go over a bootstrap
+//! communicator (TCP, in-process, or the torch process group through the Python front),
+//! which also hands out NCCL's unique id: the collectives (agreement, planning) are the
+//! shared ones of [`crate::comm::collective`] run over the bootstrap's point-to-point
+//! transfers, so NcclComm itself only moves bytes.
 //!
 //! Every exchange first checks, over the bootstrap, that each pair's send and receive sizes
 //! match, so a mismatch is an error instead of an NCCL hang. The transfer itself is waited on
@@ -28,7 +30,7 @@ use cudarc::nccl::{result as nccl, sys as nsys};
 use super::cuda::CudaDevice;
 use super::{Device, DeviceError, Fence, PinnedBuf, Pitched};
 use crate::comm::bounded::{InFlight, wait_bounded};
-use crate::comm::{CommError, Communicator, DEFAULT_TIMEOUT, Merge, RecvBuf, SendBuf};
+use crate::comm::{CommError, Communicator, DEFAULT_TIMEOUT, Merge, RecvBuf, SendBuf, collective};
 
 /// Device and pinned host buffers an exchange reuses (grown to the largest exchange).
 #[derive(Default)]
@@ -73,6 +75,28 @@ fn transport(op: &'static str, rank: usize, detail: impl std::fmt::Display) -> C
     }
 }
 
+/// Whether this rank and every other is `ok`, agreed over `bootstrap` with the shared
+/// all-reduce (a few bytes per rank whatever the world size): the lowest rank that is not, if
+/// any.
+fn first_failed(bootstrap: &dyn Communicator, ok: bool) -> Result<Option<usize>, CommError> {
+    let rank = bootstrap.rank();
+    let mine = if ok { u64::MAX } else { rank as u64 };
+    let word = |v: &[u8]| <[u8; 8]>::try_from(v).map(u64::from_le_bytes);
+    let min = |a: &[u8], b: &[u8]| -> Result<Vec<u8>, String> {
+        match (word(a), word(b)) {
+            (Ok(x), Ok(y)) => Ok(x.min(y).to_le_bytes().to_vec()),
+            _ => Err(format!("{} and {} bytes, not 8", a.len(), b.len())),
+        }
+    };
+    let got = collective::all_reduce(bootstrap, &mine.to_le_bytes(), &min)?;
+    let bad = word(&got).map_err(|_| CommError::Mismatch {
+        op: "all_reduce",
+        rank,
+        detail: format!("the agreement returned {} bytes, not 8", got.len()),
+    })?;
+    Ok((bad != u64::MAX).then(|| usize::try_from(bad).unwrap_or(usize::MAX)))
+}
+
 impl NcclComm {
     /// Creates the NCCL communicator of the bootstrap's ranks, one per GPU (collective over
     /// `bootstrap`: rank 0 makes the unique id and broadcasts it).
@@ -113,7 +137,7 @@ impl NcclComm {
             Ok(bytes) => [vec![1u8], bytes.clone()].concat(),
             Err(e) => [vec![0u8], e.as_bytes().to_vec()].concat(),
         };
-        let got = bootstrap.broadcast(0, &msg)?;
+        let got = collective::broadcast(&*bootstrap, 0, &msg)?;
         if got.first() != Some(&1) || got.len() != 129 {
             return Err(transport(
                 "nccl init",
@@ -131,8 +155,7 @@ impl NcclComm {
         let mut comm: nsys::ncclComm_t = std::ptr::null_mut();
         // ncclCommInitRank blocks until every rank joins: agree first that every rank can.
         let ready = device.make_current().map_err(|e| e.to_string());
-        let oks = bootstrap.all_gather(&[u8::from(ready.is_ok())])?;
-        if let Some(bad) = oks.iter().position(|v| v.first() != Some(&1)) {
+        if let Some(bad) = first_failed(&*bootstrap, ready.is_ok())? {
             let detail = ready
                 .err()
                 .unwrap_or_else(|| format!("rank {bad} cannot use its GPU"));
@@ -143,8 +166,7 @@ impl NcclComm {
             .map(|_| ())
             .map_err(|e| format!("ncclCommInitRank: {e:?}"));
         // Every rank learns whether every rank succeeded.
-        let oks = bootstrap.all_gather(&[u8::from(local.is_ok())])?;
-        if let Some(bad) = oks.iter().position(|v| v.first() != Some(&1)) {
+        if let Some(bad) = first_failed(&*bootstrap, local.is_ok())? {
             if !comm.is_null() {
                 // SAFETY: a communicator this rank created; not used afterwards.
                 let _ = unsafe { nccl::comm_destroy(comm) };
@@ -441,20 +463,31 @@ impl Communicator for NcclComm {
         self.bootstrap.world_size()
     }
 
+    // The collectives: the shared ones, over the bootstrap's point-to-point transfers (small
+    // control messages; NCCL carries the bulk exchange only).
+
     fn all_gather(&self, data: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
-        self.bootstrap.all_gather(data)
+        collective::all_gather(&*self.bootstrap, data)
     }
 
     fn broadcast(&self, root: usize, data: &[u8]) -> Result<Vec<u8>, CommError> {
-        self.bootstrap.broadcast(root, data)
+        collective::broadcast(&*self.bootstrap, root, data)
     }
 
     fn barrier(&self) -> Result<(), CommError> {
-        self.bootstrap.barrier()
+        collective::barrier(&*self.bootstrap)
     }
 
     fn all_reduce(&self, data: &[u8], merge: &Merge<'_>) -> Result<Vec<u8>, CommError> {
-        self.bootstrap.all_reduce(data, merge)
+        collective::all_reduce(&*self.bootstrap, data, merge)
+    }
+
+    fn max_message(&self) -> u64 {
+        self.bootstrap.max_message()
+    }
+
+    fn abort(&self, error: &CommError) {
+        self.bootstrap.abort(error);
     }
 
     fn exchange(&self, sends: &[SendBuf<'_>], recvs: &mut [RecvBuf<'_>]) -> Result<(), CommError> {
@@ -464,8 +497,8 @@ impl Communicator for NcclComm {
             .check_sizes(sends, recvs)
             .map_err(|e| e.to_string())
             .and_then(|()| self.prepare(sends, recvs));
-        let oks = self.bootstrap.all_gather(&[u8::from(ready.is_ok())])?;
-        match (ready, oks.iter().position(|v| v.first() != Some(&1))) {
+        let bad = first_failed(&*self.bootstrap, ready.is_ok())?;
+        match (ready, bad) {
             (Err(e), _) => return Err(transport("exchange", self.rank(), e)),
             (Ok(()), Some(bad)) => {
                 return Err(transport(
@@ -478,8 +511,8 @@ impl Communicator for NcclComm {
         }
         let local = self.nccl_exchange(sends, recvs);
         // Every rank learns whether every rank's transfer went through.
-        let oks = self.bootstrap.all_gather(&[u8::from(local.is_ok())])?;
-        match (local, oks.iter().position(|v| v.first() != Some(&1))) {
+        let bad = first_failed(&*self.bootstrap, local.is_ok())?;
+        match (local, bad) {
             (Err(e), _) => Err(e),
             (Ok(()), Some(bad)) => Err(transport(
                 "exchange",

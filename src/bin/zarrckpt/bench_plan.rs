@@ -271,8 +271,8 @@ fn leaf(case: Case, m: &[Tensor], world: u64, r: u64, load: bool) -> Vec<u8> {
 }
 
 /// The all-reduce up the collectives' binary tree rooted at rank 0
-/// ([`zarrckpt::comm::collective::tree_children`]), as `TcpComm` runs it natively and every
-/// other communicator through `zarrckpt::comm::collective` (`TorchComm` included): each rank
+/// ([`zarrckpt::comm::collective::tree_children`]), as every communicator runs it through
+/// `zarrckpt::comm::collective` (`TcpComm`, `TorchComm`, `LocalComm`, `NcclComm`): each rank
 /// merges its own description with its children's results and sends the merge up; the root's
 /// result travels down. Returns the result and the payload bytes each rank receives and sends
 /// (the shared collectives add a 16-byte header per message).

@@ -26,12 +26,13 @@ pub struct TcpConfig {
     /// connecting. A peer that is alive but late is waited for, however late (see
     /// [`TcpConfig::deadline`]).
     pub timeout: Duration,
-    /// Longest any single operation may wait for live but late peers; `None` (the default):
-    /// no limit, lateness alone is never an error. When it strikes, the error names the peer
+    /// Longest any single exchange (a collective is a few of them) may wait for live but late
+    /// peers; `None` (the default): no limit, lateness alone is never an error. When it strikes, the error names the peer
     /// this rank waited for, which may itself be waiting for a later one.
     pub deadline: Option<Duration>,
     /// Largest message this rank accepts in a collective (an all-gather's whole result, a
-    /// broadcast's value); a peer announcing more is refused with
+    /// broadcast's value; [`Communicator::max_message`](crate::comm::Communicator::max_message));
+    /// a peer announcing more is refused with
     /// [`CommError::TooLarge`](crate::comm::CommError::TooLarge) before anything is allocated.
     /// Default 4 GiB. Exchanges receive into the caller's buffers and accept exactly their size.
     pub max_message_bytes: u64,

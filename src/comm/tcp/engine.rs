@@ -1,136 +1,105 @@
-//! The progress engine: runs one step of an operation (a set of sends and receives over
-//! several links) on one thread with non-blocking sockets and `poll(2)`, so every link
-//! progresses concurrently and any matching pattern completes.
+//! The progress engine: runs one exchange (a set of sends and receives over several links)
+//! on one thread with non-blocking sockets and `poll(2)`, so every link progresses
+//! concurrently and any matching pattern completes.
 //!
-//! Liveness is not judged here: a step waits for as long as its peers are alive, however late
-//! they are. It ends early on a closed connection (a [`Failure`] naming the peer), an abort
-//! notice, or a verdict of the liveness watch (see [`super::watch`]), which it polls along with
-//! its sockets; and, only if the configuration sets one, at the operation's deadline. During
-//! tree collectives ranks also send heartbeats on their data links to the neighbours still
-//! taking part: they carry the operation and sequence number, so a neighbour that has moved on
-//! to another operation is a mismatch rather than a wait.
+//! Liveness is not judged here: an exchange waits for as long as its peers are alive, however
+//! late they are. It ends early on a closed connection (a [`Failure`] naming the peer), an
+//! abort notice, or a verdict of the liveness watch (see [`super::watch`]), which it polls
+//! along with its sockets; and, only if the configuration sets one, at the deadline.
+//!
+//! Two ranks that wait for each other can never go on: each waits for a message the other
+//! sends only once it got one (they called different collectives, or exchanged different
+//! numbers of messages). A rank that has waited a moment for a peer with nothing left to send
+//! it tells the peer so in a waiting notice, with the counts of data messages it has sent and
+//! received on the link; a peer that finds itself in the same state with matching counts (no
+//! message in flight either way) fails with a [`Failure::mismatch`] instead of waiting
+//! forever.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::frame::{Failure, Header, Kind, Op, describe_op};
+use super::frame::{Failure, Header, Kind, Op};
 use super::link::{Event, Got, Link, OutFrame, poll};
-use super::watch::{Shared, beat_every};
+use super::watch::Shared;
 
 /// Longest single sleep in `poll`, so that clocks are re-read regularly.
 const MAX_POLL: Duration = Duration::from_millis(500);
 
-/// Where a received payload goes.
-pub(crate) enum Target<'a> {
-    /// The caller's buffer; the payload must have exactly its length.
-    Into(&'a mut [u8]),
-    /// A vector allocated to the announced length, at most `max` bytes.
-    Alloc { buf: Vec<u8>, max: u64 },
-}
+/// How long a rank waits for a peer, with nothing to send it, before telling it so.
+const NOTICE_AFTER: Duration = Duration::from_millis(50);
 
-impl Target<'_> {
-    fn buf(&mut self) -> &mut [u8] {
-        match self {
-            Target::Into(b) => b,
-            Target::Alloc { buf, .. } => buf,
-        }
-    }
-}
-
-/// One step of an operation.
+/// One exchange: frames to send and buffers to fill, in order per peer.
 pub(crate) struct Step<'a> {
     /// Frames to send, in order per peer.
     pub sends: Vec<(usize, &'a [u8])>,
-    /// Frames to receive, in order per peer.
-    pub recvs: Vec<(usize, Target<'a>)>,
-    /// Peers still taking part in the operation (waiting on this rank or awaited by it): they
-    /// get heartbeats.
-    pub involved: Vec<usize>,
+    /// Buffers to receive into, in order per peer; a message must have exactly the length of
+    /// its buffer.
+    pub recvs: Vec<(usize, &'a mut [u8])>,
 }
 
-/// State of one operation across its steps.
+/// What an exchange runs under.
 pub(crate) struct OpCtx {
     pub me: usize,
-    pub op: Op,
-    pub seq: u64,
-    pub arg: u64,
-    pub timeout: Duration,
-    /// Whether to send heartbeats to involved peers.
-    pub heartbeats: bool,
     /// The liveness watch, once there is one (not during setup).
     pub live: Option<Arc<Shared>>,
-    /// Bound on the whole operation, if the configuration sets one.
+    /// Bound on the exchange, if the configuration sets one.
     pub deadline: Option<Duration>,
-    hb_next: HashMap<usize, Instant>,
     started: Instant,
 }
 
 impl OpCtx {
-    pub(crate) fn new(
-        me: usize,
-        op: Op,
-        seq: u64,
-        arg: u64,
-        timeout: Duration,
-        heartbeats: bool,
-    ) -> OpCtx {
+    pub(crate) fn new(me: usize) -> OpCtx {
         OpCtx {
             me,
-            op,
-            seq,
-            arg,
-            timeout,
-            heartbeats,
             live: None,
             deadline: None,
-            hb_next: HashMap::new(),
             started: Instant::now(),
         }
     }
-
-    fn describe(&self) -> String {
-        describe_op(self.op, self.seq, self.arg)
-    }
-
-    fn hb_every(&self) -> Duration {
-        beat_every(self.timeout)
-    }
 }
 
-/// Per-peer work of a step.
+/// Per-peer work of an exchange.
 struct Work<'a> {
     peer: usize,
     out: VecDeque<OutFrame<'a>>,
-    /// Indices into the step's receives, in order.
+    /// Indices into the receive buffers, in order.
     inq: VecDeque<usize>,
     /// Payload bytes received of the head receive (`None`: header not seen yet).
     got: Option<usize>,
-    /// Receives completed from this peer in this step (for messages).
+    /// Receives completed from this peer in this exchange (for messages).
     received: usize,
-    involved: bool,
+    /// Since when this rank waits for the peer with nothing to send it.
+    blocked_since: Option<Instant>,
+    /// The link's (sent, received) counts last announced in a waiting notice.
+    noticed: Option<(u64, u64)>,
 }
 
 impl Work<'_> {
     fn busy(&self) -> bool {
         !self.out.is_empty() || !self.inq.is_empty()
     }
+
+    /// Waits for a message from the peer and has nothing left to send it.
+    fn blocked(&self) -> bool {
+        self.out.is_empty() && !self.inq.is_empty()
+    }
 }
 
-/// Runs a step to completion. Returns the receive targets in the order given.
+/// Runs an exchange to completion.
 ///
 /// # Errors
-/// The first failure: a timeout, a lost peer, a mismatch, or an abort notice from a peer.
+/// The first failure: a deadline, a lost peer, a mismatch, or an abort notice from a peer.
 /// Links that were left with a half-written frame are marked torn.
-pub(crate) fn run<'a>(
+pub(crate) fn run(
     links: &mut HashMap<usize, Link>,
-    ctx: &mut OpCtx,
-    step: Step<'a>,
-) -> Result<Vec<Target<'a>>, Failure> {
-    let mut targets: Vec<Target<'a>> = Vec::with_capacity(step.recvs.len());
-    let mut work: Vec<Work<'a>> = Vec::new();
+    ctx: &OpCtx,
+    step: Step<'_>,
+) -> Result<(), Failure> {
+    let mut targets: Vec<&mut [u8]> = Vec::with_capacity(step.recvs.len());
+    let mut work: Vec<Work<'_>> = Vec::new();
     let mut index: HashMap<usize, usize> = HashMap::new();
-    let mut slot = |peer: usize, work: &mut Vec<Work<'a>>| {
+    let mut slot = |peer: usize, work: &mut Vec<Work<'_>>| {
         *index.entry(peer).or_insert_with(|| {
             work.push(Work {
                 peer,
@@ -138,7 +107,8 @@ pub(crate) fn run<'a>(
                 inq: VecDeque::new(),
                 got: None,
                 received: 0,
-                involved: false,
+                blocked_since: None,
+                noticed: None,
             });
             work.len() - 1
         })
@@ -147,9 +117,9 @@ pub(crate) fn run<'a>(
         let i = slot(peer, &mut work);
         let h = Header {
             kind: Kind::Data,
-            op: ctx.op,
-            seq: ctx.seq,
-            arg: ctx.arg,
+            op: Op::Exchange,
+            seq: 0,
+            arg: 0,
             len: data.len() as u64,
         };
         work[i].out.push_back(OutFrame {
@@ -163,10 +133,6 @@ pub(crate) fn run<'a>(
         work[i].inq.push_back(targets.len());
         targets.push(t);
     }
-    for peer in step.involved {
-        let i = slot(peer, &mut work);
-        work[i].involved = true;
-    }
     let result = drive(links, ctx, &mut work, &mut targets);
     if result.is_err() {
         for w in &work {
@@ -177,14 +143,14 @@ pub(crate) fn run<'a>(
             }
         }
     }
-    result.map(|()| targets)
+    result
 }
 
 fn drive(
     links: &mut HashMap<usize, Link>,
-    ctx: &mut OpCtx,
+    ctx: &OpCtx,
     work: &mut [Work<'_>],
-    targets: &mut [Target<'_>],
+    targets: &mut [&mut [u8]],
 ) -> Result<(), Failure> {
     let me = ctx.me;
     for w in work.iter() {
@@ -206,12 +172,13 @@ fn drive(
     let mut fds: Vec<libc::pollfd> = Vec::with_capacity(work.len() + others.len());
     loop {
         let now = Instant::now();
+        let mut wake = deadline(ctx, work, now)?;
         for (w, &(rd, wr)) in work.iter_mut().zip(&ready) {
             let link = links
                 .get_mut(&w.peer)
                 .ok_or_else(|| Failure::transport(me, "link vanished"))?;
             if rd {
-                receive(link, ctx, w, targets)?;
+                receive(link, me, w, targets)?;
             }
             if wr && (!w.out.is_empty() || link.has_ctrl()) {
                 link.send(&mut w.out).map_err(|e| {
@@ -227,6 +194,7 @@ fn drive(
             {
                 return Err(Failure::lost(me, w.peer, why));
             }
+            wake = wake.min(waiting(link, me, w, now)?);
         }
         for (p, r) in others.iter().zip(&mut other_ready) {
             if std::mem::take(r)
@@ -240,10 +208,6 @@ fn drive(
         }
         if let Some(f) = ctx.live.as_ref().and_then(|l| l.verdict()) {
             return Err(f);
-        }
-        let mut wake = deadlines(ctx, work, now)?;
-        if ctx.heartbeats {
-            wake = wake.min(heartbeats(links, ctx, work, now)?);
         }
         poll_set(&mut fds, links, work, &others);
         if let Some(l) = &ctx.live {
@@ -268,9 +232,9 @@ fn drive(
     }
 }
 
-/// Fails once the operation has run for its deadline, if the configuration sets one, naming a
+/// Fails once the exchange has run for its deadline, if the configuration sets one, naming a
 /// peer it still waits for. Returns when to check again.
-fn deadlines(ctx: &OpCtx, work: &[Work<'_>], now: Instant) -> Result<Instant, Failure> {
+fn deadline(ctx: &OpCtx, work: &[Work<'_>], now: Instant) -> Result<Instant, Failure> {
     let wake = now + MAX_POLL;
     let Some(limit) = ctx.deadline else {
         return Ok(wake);
@@ -283,50 +247,58 @@ fn deadlines(ctx: &OpCtx, work: &[Work<'_>], now: Instant) -> Result<Instant, Fa
             .or_else(|| work.iter().find(|w| w.busy()))
             .map(|w| w.peer);
         let who = peer.map_or("its peers".to_owned(), |p| format!("rank {p}"));
-        let detail = format!(
-            "{}: still waiting for {who} (alive) after the deadline of {limit:?}",
-            ctx.describe(),
-        );
+        let detail =
+            format!("exchange: still waiting for {who} (alive) after the deadline of {limit:?}");
         return Err(Failure::timeout(ctx.me, peer, limit, detail));
     }
     Ok(wake.min(cap))
 }
 
-/// Queues heartbeats that are due to involved peers, between data frames only. Returns when
-/// the next one is due.
-fn heartbeats(
-    links: &mut HashMap<usize, Link>,
-    ctx: &mut OpCtx,
-    work: &[Work<'_>],
-    now: Instant,
-) -> Result<Instant, Failure> {
-    let every = ctx.hb_every();
-    let first = ctx.started + every / 2;
-    let mut wake = now + every;
-    for w in work.iter().filter(|w| w.involved) {
-        let due = ctx.hb_next.entry(w.peer).or_insert(first);
-        if *due <= now {
-            *due = now + every;
-            let link = links
-                .get_mut(&w.peer)
-                .ok_or_else(|| Failure::transport(ctx.me, "link vanished"))?;
-            if !link.has_ctrl() && w.out.front().is_none_or(|f| f.done == 0) {
-                let h = Header {
-                    kind: Kind::Heartbeat,
-                    op: ctx.op,
-                    seq: ctx.seq,
-                    arg: ctx.arg,
-                    len: 0,
-                };
-                link.queue_control(h, &[]);
-            }
-        }
-        wake = wake.min(*due);
+/// Tracks whether this rank waits for `w`'s peer with nothing to send it: after
+/// [`NOTICE_AFTER`] it tells the peer (once per state of the link's counts), and if the peer
+/// has said the same with counts matching the link's, the two wait for each other forever:
+/// a mismatch. Returns when to look again.
+fn waiting(link: &mut Link, me: usize, w: &mut Work<'_>, now: Instant) -> Result<Instant, Failure> {
+    let far = now + MAX_POLL;
+    if !w.blocked() || link.closed.is_some() {
+        w.blocked_since = None;
+        return Ok(far);
     }
-    Ok(wake)
+    let counts = (link.sent, link.received);
+    if let Some((they_sent, they_received)) = link.peer_waits
+        && they_sent == link.received
+        && they_received == link.sent
+    {
+        let detail = format!(
+            "rank {} waits for a message from this rank while this rank waits for message {} of \
+             this exchange from it, and neither has one in flight ({} messages sent to it, {} \
+             received from it): the ranks called different collectives or exchanged different \
+             numbers of messages",
+            w.peer, w.received, link.sent, link.received
+        );
+        return Err(Failure::mismatch(me, detail));
+    }
+    let since = *w.blocked_since.get_or_insert(now);
+    if w.noticed == Some(counts) {
+        return Ok(far);
+    }
+    if now < since + NOTICE_AFTER {
+        return Ok(far.min(since + NOTICE_AFTER));
+    }
+    let h = Header {
+        kind: Kind::Waiting,
+        op: Op::Exchange,
+        seq: link.sent,
+        arg: link.received,
+        len: 0,
+    };
+    link.queue_control(h, &[]);
+    w.noticed = Some(counts);
+    // Written at the next turn (the socket is polled for writing while control bytes wait).
+    Ok(now)
 }
 
-/// The descriptors to wait on: the step's links for what they await, the other links for
+/// The descriptors to wait on: the exchange's links for what they await, the other links for
 /// abort notices; links with nothing to wait for are left out (fd -1).
 fn poll_set(
     fds: &mut Vec<libc::pollfd>,
@@ -368,84 +340,39 @@ fn poll_set(
 /// Reads whatever `link` has for `w`: control frames, and payload into the head receive.
 fn receive(
     link: &mut Link,
-    ctx: &mut OpCtx,
+    me: usize,
     w: &mut Work<'_>,
-    targets: &mut [Target<'_>],
+    targets: &mut [&mut [u8]],
 ) -> Result<(), Failure> {
-    let me = ctx.me;
     let peer = w.peer;
     loop {
         let h = match link.next_event().map_err(|e| Failure::transport(me, e))? {
             Event::WouldBlock | Event::Closed => return Ok(()),
             Event::Abort(f) => return Err(f),
-            Event::Heartbeat(h) => {
-                if h.seq == ctx.seq {
-                    if h.op != ctx.op || h.arg != ctx.arg {
-                        let detail = format!(
-                            "rank {peer} is in {} while this rank is in {}",
-                            h.describe(),
-                            ctx.describe()
-                        );
-                        return Err(Failure::mismatch(me, detail));
-                    }
-                } else if h.seq > ctx.seq && !w.inq.is_empty() {
-                    let detail = format!(
-                        "rank {peer} has moved on to {} without sending the message this rank expects from it in {}",
-                        h.describe(),
-                        ctx.describe()
-                    );
-                    return Err(Failure::mismatch(me, detail));
-                }
-                continue;
-            }
+            Event::Heartbeat | Event::Waiting => continue,
             Event::Data(h) => h,
         };
         let Some(&ti) = w.inq.front() else {
             return Ok(());
         };
-        let target = &mut targets[ti];
+        let dst = &mut *targets[ti];
         if w.got.is_none() {
-            if h.op != ctx.op || h.seq != ctx.seq || h.arg != ctx.arg {
-                let detail = format!(
-                    "rank {peer} sent a message of {}, this rank expected one of {} from it",
-                    h.describe(),
-                    ctx.describe()
-                );
+            if h.op != Op::Exchange {
+                let detail = format!("rank {peer} sent a data frame outside an exchange");
                 return Err(Failure::mismatch(me, detail));
             }
-            match target {
-                Target::Into(b) if h.len != b.len() as u64 => {
-                    let detail = format!(
-                        "rank {peer} sends {} bytes in message {} of {}, this rank expects {} bytes",
-                        h.len,
-                        w.received,
-                        ctx.describe(),
-                        b.len()
-                    );
-                    return Err(Failure::mismatch(me, detail));
-                }
-                Target::Into(_) => {}
-                Target::Alloc { buf, max } => {
-                    if h.len > *max {
-                        return Err(Failure::too_large(me, peer, h.len, *max));
-                    }
-                    let len = usize::try_from(h.len)
-                        .map_err(|_| Failure::mismatch(me, "message too large"))?;
-                    // Probe first, then take zeroed pages from the allocator: `resize` would
-                    // write every byte, which is slow in unoptimised builds and stalls the link.
-                    Vec::<u8>::new().try_reserve_exact(len).map_err(|_| {
-                        Failure::transport(
-                            me,
-                            format!("cannot allocate {len} bytes for a message from rank {peer}"),
-                        )
-                    })?;
-                    *buf = vec![0u8; len];
-                }
+            if h.len != dst.len() as u64 {
+                let detail = format!(
+                    "rank {peer} sends {} bytes in message {} of this exchange, this rank expects {} bytes",
+                    h.len,
+                    w.received,
+                    dst.len()
+                );
+                return Err(Failure::mismatch(me, detail));
             }
         }
         // A message starts (checked above) with nothing received yet.
         let mut got = *w.got.get_or_insert(0);
-        let dst = target.buf();
         while got < dst.len() {
             match link.read_payload(&mut dst[got..]) {
                 Got::Bytes(n) => got += n,
@@ -462,7 +389,7 @@ fn receive(
                 }
             }
         }
-        link.pending = None;
+        link.finish_payload();
         w.got = None;
         w.received += 1;
         w.inq.pop_front();

@@ -1,9 +1,9 @@
-//! The wire format: a fixed 32-byte header in front of every message, the payloads of the
-//! control messages, and the packing of all-gather contributions.
+//! The wire format: a fixed 32-byte header in front of every message, and the payloads of the
+//! control messages.
 //!
-//! Header layout (little endian): magic `ZCK1` (4 bytes), kind (1), operation (1), two zero
-//! bytes, sequence number (8), argument (8: the broadcast root, a rank in handshakes), payload
-//! length (8).
+//! Header layout (little endian): magic `ZCK2` (4 bytes), kind (1), operation (1), two zero
+//! bytes, two numbers (8 each: a rank in handshakes, message counts in a waiting notice),
+//! payload length (8).
 
 use std::time::Duration;
 
@@ -12,7 +12,7 @@ use crate::comm::CommError;
 /// Bytes in a header.
 pub(crate) const HEADER_LEN: usize = 32;
 /// Marks our frames; anything else on a socket is a protocol error, not data.
-const MAGIC: [u8; 4] = *b"ZCK1";
+const MAGIC: [u8; 4] = *b"ZCK2";
 /// Largest payload of a control message (handshakes, abort notices); longer ones are refused.
 pub(crate) const MAX_CONTROL_LEN: u64 = 16 << 10;
 /// Longest error detail carried in an abort notice.
@@ -23,9 +23,9 @@ const NO_RANK: u64 = u64::MAX;
 /// What a frame is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
-    /// Payload of a collective or exchange.
+    /// Payload of an exchange.
     Data = 1,
-    /// "I am alive and inside operation `seq`"; no payload.
+    /// "I am alive", on a liveness (watch) link; no payload.
     Heartbeat = 2,
     /// The sender failed; the payload says why (see [`Failure::encode`]).
     Abort = 3,
@@ -41,6 +41,10 @@ pub(crate) enum Kind {
     Reject = 8,
     /// First frame on a liveness (watch) link: as [`Kind::Hello`].
     Watch = 9,
+    /// On a peer link: "this rank waits for a message from you and has nothing more to send
+    /// you"; `seq` = data messages it has sent on the link, `arg` = data messages it has
+    /// received on it. No payload.
+    Waiting = 10,
 }
 
 impl Kind {
@@ -55,6 +59,7 @@ impl Kind {
             7 => Kind::Table,
             8 => Kind::Reject,
             9 => Kind::Watch,
+            10 => Kind::Waiting,
             _ => return None,
         })
     }
@@ -65,41 +70,18 @@ impl Kind {
 pub(crate) enum Op {
     /// Handshakes and control frames outside any operation.
     Setup = 0,
-    /// [`crate::comm::Communicator::all_gather`].
-    AllGather = 1,
-    /// [`crate::comm::Communicator::broadcast`].
-    Broadcast = 2,
-    /// [`crate::comm::Communicator::barrier`].
-    Barrier = 3,
-    /// [`crate::comm::Communicator::exchange`].
+    /// [`crate::comm::Communicator::exchange`] (the only operation of the transport: the
+    /// collectives are written over it, in [`crate::comm::collective`]).
     Exchange = 4,
-    /// [`crate::comm::Communicator::all_reduce`].
-    AllReduce = 5,
 }
 
 impl Op {
     fn from_u8(v: u8) -> Option<Op> {
         Some(match v {
             0 => Op::Setup,
-            1 => Op::AllGather,
-            2 => Op::Broadcast,
-            3 => Op::Barrier,
             4 => Op::Exchange,
-            5 => Op::AllReduce,
             _ => return None,
         })
-    }
-
-    /// The name used in errors.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Op::Setup => "setup",
-            Op::AllGather => "all_gather",
-            Op::Broadcast => "broadcast",
-            Op::Barrier => "barrier",
-            Op::Exchange => "exchange",
-            Op::AllReduce => "all_reduce",
-        }
     }
 }
 
@@ -163,19 +145,6 @@ impl Header {
             arg,
             len,
         })
-    }
-
-    /// How the operation this frame belongs to reads in messages, e.g. `broadcast(root 2) #7`.
-    pub(crate) fn describe(&self) -> String {
-        describe_op(self.op, self.seq, self.arg)
-    }
-}
-
-/// Names an operation instance in messages.
-pub(crate) fn describe_op(op: Op, seq: u64, arg: u64) -> String {
-    match op {
-        Op::Broadcast => format!("broadcast(root {arg}) #{seq}"),
-        _ => format!("{} #{seq}", op.name()),
     }
 }
 
@@ -327,6 +296,31 @@ impl Failure {
         }
     }
 
+    /// The failure standing for `e`, an error rank `me` saw (or learnt of) outside the
+    /// transport: a collective written over it failed.
+    pub(crate) fn from_error(e: &CommError, me: usize) -> Failure {
+        match e {
+            CommError::Timeout { peer, after, .. } => {
+                Failure::timeout(me, *peer, *after, e.to_string())
+            }
+            CommError::Unresponsive {
+                peer,
+                silent_for,
+                detail,
+                ..
+            } => Failure::silent(me, *peer, *silent_for, detail.clone()),
+            CommError::PeerLost { peer, detail, .. } => Failure::lost(me, *peer, detail.clone()),
+            CommError::Mismatch { detail, .. } => Failure::mismatch(me, detail.clone()),
+            CommError::TooLarge {
+                peer,
+                declared,
+                limit,
+                ..
+            } => Failure::too_large(me, *peer, *declared, *limit),
+            CommError::Transport { detail, .. } => Failure::transport(me, detail.clone()),
+        }
+    }
+
     /// The error rank `me` reports for this failure while running `op`.
     pub(crate) fn to_error(&self, op: &'static str, me: usize) -> CommError {
         let detail = if self.origin == me {
@@ -443,34 +437,6 @@ impl Failure {
     }
 }
 
-/// Packs contributions for the all-gather tree: repeated (rank, length, bytes).
-pub(crate) fn pack_part(out: &mut Vec<u8>, rank: usize, data: &[u8]) {
-    out.extend_from_slice(&(rank as u64).to_le_bytes());
-    put_blob(out, data);
-}
-
-/// Unpacks a full all-gather table: every rank in `0..world` exactly once.
-pub(crate) fn unpack_all(packed: &[u8], world: usize) -> Result<Vec<Vec<u8>>, String> {
-    let mut parts: Vec<Option<Vec<u8>>> = vec![None; world];
-    let mut c = Cursor::new(packed);
-    while !c.is_empty() {
-        let (rank, data) =
-            (|| Some((c.u64()?, c.blob()?)))().ok_or("truncated all_gather table")?;
-        let r = usize::try_from(rank)
-            .ok()
-            .filter(|&r| r < world)
-            .ok_or_else(|| format!("all_gather table names rank {rank}"))?;
-        if parts[r].replace(data.to_vec()).is_some() {
-            return Err(format!("all_gather table holds rank {r} twice"));
-        }
-    }
-    parts
-        .into_iter()
-        .enumerate()
-        .map(|(r, p)| p.ok_or_else(|| format!("all_gather table lacks rank {r}")))
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -479,7 +445,7 @@ mod tests {
     fn header_round_trip_and_rejects_garbage() {
         let h = Header {
             kind: Kind::Data,
-            op: Op::Broadcast,
+            op: Op::Exchange,
             seq: 7,
             arg: 3,
             len: 1 << 40,
@@ -499,7 +465,6 @@ mod tests {
             len: 1 << 30,
         };
         assert!(Header::decode(&huge_control.encode()).is_err());
-        assert_eq!(h.describe(), "broadcast(root 3) #7");
     }
 
     #[test]
@@ -541,23 +506,5 @@ mod tests {
                 limit: 1 << 30
             }
         );
-    }
-
-    #[test]
-    fn pack_unpack() {
-        let mut p = Vec::new();
-        pack_part(&mut p, 1, b"bb");
-        pack_part(&mut p, 0, b"");
-        assert_eq!(
-            unpack_all(&p, 2).unwrap(),
-            vec![b"".to_vec(), b"bb".to_vec()]
-        );
-        assert!(unpack_all(&p, 3).unwrap_err().contains("lacks rank 2"));
-        assert!(unpack_all(&p[..p.len() - 1], 2).is_err());
-        pack_part(&mut p, 1, b"x");
-        assert!(unpack_all(&p, 2).unwrap_err().contains("twice"));
-        let mut q = Vec::new();
-        pack_part(&mut q, 9, b"");
-        assert!(unpack_all(&q, 2).is_err());
     }
 }

@@ -20,8 +20,10 @@ pub(crate) enum Event {
     /// A data header; its payload is next on the stream. It stays in [`Link::pending`] until
     /// the payload has been consumed.
     Data(Header),
-    /// A heartbeat.
-    Heartbeat(Header),
+    /// A heartbeat (liveness links).
+    Heartbeat,
+    /// A waiting notice, recorded in [`Link::peer_waits`].
+    Waiting,
     /// The peer failed.
     Abort(Failure),
     /// The link is closed for reading; [`Link::closed`] says why.
@@ -70,6 +72,13 @@ pub(crate) struct Link {
     pub torn: bool,
     /// The peer said goodbye (closed its communicator on purpose) before its stream ended.
     pub said_bye: bool,
+    /// Data messages written completely on this link.
+    pub sent: u64,
+    /// Data messages received completely on this link.
+    pub received: u64,
+    /// The peer's last waiting notice, until its next data message: it waits for a message
+    /// from this rank, having sent the first count of messages and received the second.
+    pub peer_waits: Option<(u64, u64)>,
 }
 
 impl Link {
@@ -88,6 +97,9 @@ impl Link {
             ctrl_out: Vec::new(),
             torn: false,
             said_bye: false,
+            sent: 0,
+            received: 0,
+            peer_waits: None,
         })
     }
 
@@ -158,6 +170,7 @@ impl Link {
         if h.kind == Kind::Data {
             self.rstart += HEADER_LEN;
             self.pending = Some(h);
+            self.peer_waits = None;
             return Ok(Event::Data(h));
         }
         // Control frames are small (checked by `decode`) and handled only once complete.
@@ -171,7 +184,11 @@ impl Link {
         }
         let payload = &self.rbuf[self.rstart + HEADER_LEN..self.rstart + total];
         let ev = match h.kind {
-            Kind::Heartbeat => Event::Heartbeat(h),
+            Kind::Heartbeat => Event::Heartbeat,
+            Kind::Waiting => {
+                self.peer_waits = Some((h.seq, h.arg));
+                Event::Waiting
+            }
             Kind::Abort => Event::Abort(Failure::decode(payload, self.peer)),
             Kind::Bye => {
                 self.rstart += total;
@@ -198,10 +215,16 @@ impl Link {
         loop {
             match self.next_event().map_err(|e| Failure::transport(me, e))? {
                 Event::Abort(f) => return Err(f),
-                Event::Heartbeat(_) => {}
+                Event::Heartbeat | Event::Waiting => {}
                 Event::Data(_) | Event::Closed | Event::WouldBlock => return Ok(()),
             }
         }
+    }
+
+    /// Marks the pending data message as received completely.
+    pub(crate) fn finish_payload(&mut self) {
+        self.pending = None;
+        self.received += 1;
     }
 
     /// Reads payload bytes of the pending frame into `dst` without blocking.
@@ -301,11 +324,13 @@ impl Link {
                 n -= step;
                 if f.done == f.total() {
                     frames.pop_front();
+                    self.sent += 1;
                 }
             }
             // Zero-length payload frames complete with their header.
             while frames.front().is_some_and(|f| f.done == f.total()) {
                 frames.pop_front();
+                self.sent += 1;
             }
         }
         Ok(written)

@@ -291,7 +291,7 @@ fn read_peer(me: usize, p: &mut Peer, shared: &Shared, now: Instant) {
     loop {
         match p.link.next_event() {
             Ok(Event::WouldBlock) => return,
-            Ok(Event::Heartbeat(_)) => p.heard = now,
+            Ok(Event::Heartbeat | Event::Waiting) => p.heard = now,
             Ok(Event::Abort(f)) => {
                 p.heard = now;
                 shared.decide(f, Some(peer));
