@@ -9,6 +9,7 @@
 //! error becomes a Python exception carrying the crate's full message (key, chunk, rank,
 //! path) and its kind.
 
+mod collectives;
 mod comm;
 mod conversion;
 mod convert;
@@ -51,8 +52,8 @@ impl Comm {
 
 pub(crate) fn communicator(comm: Option<&Bound<'_, PyAny>>) -> PyResult<Comm> {
     Ok(match comm {
-        Some(c) if c.is_instance_of::<comm::TcpComm>() => Comm {
-            dynamic: c.cast::<comm::TcpComm>()?.get().get()?,
+        Some(c) if c.is_instance_of::<collectives::TcpComm>() => Comm {
+            dynamic: c.cast::<collectives::TcpComm>()?.get().get()?,
             python: None,
         },
         Some(c) if !c.is_none() => {
@@ -586,7 +587,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     conversion::register(m)?;
     transfer::register(m)?;
     m.add_function(wrap_pyfunction!(all_reduce_max, m)?)?;
-    comm::register(m)?;
+    collectives::register(m)?;
     m.add_class::<Saver>()?;
     m.add_class::<SaveHandle>()?;
     m.add_class::<Checkpoint>()?;

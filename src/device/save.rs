@@ -9,7 +9,7 @@ use crate::model::region::num_bytes;
 use crate::model::tensor::check_piece;
 use crate::model::{DType, Region, Replica, TensorError, TensorKey};
 
-/// A box of a global tensor held in device memory at save time (as [`ShardedTensor::new`],
+/// A box of a global tensor held in device memory at save time (as [`ShardedTensor::new`](crate::ShardedTensor::new),
 /// with the data in a device view).
 #[derive(Debug, Clone)]
 pub struct DevicePiece {
@@ -24,10 +24,10 @@ pub struct DevicePiece {
 }
 
 impl DevicePiece {
-    /// A piece whose elements are read from `view`. `replica_id` as in [`ShardedTensor::new`].
+    /// A piece whose elements are read from `view`. `replica_id` as in [`ShardedTensor::new`](crate::ShardedTensor::new).
     ///
     /// # Errors
-    /// [`Error::Tensor`] when the region is malformed or out of bounds; [`Error::Device`]
+    /// [`Error::Tensor`](crate::Error::Tensor) when the region is malformed or out of bounds; [`Error::Device`](crate::Error::Device)
     /// when the view's strides do not fit the region or overlap.
     pub fn new(
         key: TensorKey,

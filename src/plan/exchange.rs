@@ -8,8 +8,8 @@
 use super::FastMap as HashMap;
 
 use super::grid;
+use super::grid::StoredGeometry;
 use super::layout::GatheredLayouts;
-use super::load::StoredGeometry;
 use crate::model::{Region, TensorKey};
 
 /// One box of one shard that several ranks need.

@@ -651,6 +651,19 @@ pub fn chunk_box(chunk_shape: &[u64], idx: &[u64]) -> Region {
     )
 }
 
+/// The stored geometry of one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredGeometry {
+    /// Global shape.
+    pub global_shape: Vec<u64>,
+    /// Outer chunk (shard) shape.
+    pub chunk_shape: Vec<u64>,
+    /// Inner subchunk shape (divides `chunk_shape`).
+    pub subchunk_shape: Vec<u64>,
+    /// Bytes per element.
+    pub elem: usize,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

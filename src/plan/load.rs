@@ -8,18 +8,7 @@ use super::grid;
 use crate::model::copy::is_contiguous;
 use crate::model::{Region, TensorKey};
 
-/// The stored geometry of one tensor.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredGeometry {
-    /// Global shape.
-    pub global_shape: Vec<u64>,
-    /// Outer chunk (shard) shape.
-    pub chunk_shape: Vec<u64>,
-    /// Inner subchunk shape (divides `chunk_shape`).
-    pub subchunk_shape: Vec<u64>,
-    /// Bytes per element.
-    pub elem: usize,
-}
+pub use super::grid::StoredGeometry;
 
 /// One subchunk to read.
 #[derive(Debug, Clone, PartialEq, Eq)]

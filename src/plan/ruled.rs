@@ -19,8 +19,8 @@ use std::collections::HashSet;
 
 use super::exchange::{ExchangePlan, SharedRead};
 use super::grid;
+use super::grid::StoredGeometry;
 use super::layout::LayoutDecodeError;
-use super::load::StoredGeometry;
 use super::rule::{Axis, Rule, World};
 use super::save::{
     ChunkWrite, Part, PlanError, RankTasks, SavePlan, SavePlanOptions, Source, TensorPlan, Transfer,

@@ -4,7 +4,7 @@
 //! subchunks (`bytes` + `crc32c`) are read one of two ways ([`ReadMethod`]):
 //! - `pread` (the default): whole subchunks landing contiguously are read in place with one
 //!   `preadv` per run of adjacent subchunks and checksummed there; whole subchunks landing
-//!   as runs of at least [`MIN_IN_PLACE_RUN`] bytes (column strips) are read straight into
+//!   as runs of at least `MIN_IN_PLACE_RUN` (256) bytes (column strips) are read straight into
 //!   those runs by `preadv` and checksummed over them; the others into a reused scratch
 //!   buffer, checksummed there and copied out (two copies); an I/O error or a truncated file
 //!   is a typed error;

@@ -18,3 +18,9 @@ pub use generation::{
 };
 pub use probe::{ProbeResult, probe, require_conditional_writes};
 pub use url::{RemoteOptions, RemoteUrl, Scheme, is_url};
+
+/// The folder of the generations, under the checkpoint's prefix.
+pub const GENERATIONS: &str = "generations";
+
+/// The probe's key, under the checkpoint's prefix (removed after the probe).
+pub const PROBE_PREFIX: &str = ".zarrckpt-probe-";

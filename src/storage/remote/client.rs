@@ -294,7 +294,7 @@ impl RemoteStore {
             .list_level()?
             .0
             .into_iter()
-            .filter(|d| d != super::generation::GENERATIONS)
+            .filter(|d| d != super::GENERATIONS)
             .collect())
     }
 

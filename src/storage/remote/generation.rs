@@ -18,8 +18,7 @@ use super::error::RemoteError;
 
 /// The pointer object, directly under the checkpoint's prefix.
 pub const POINTER: &str = "zarrckpt.pointer.json";
-/// The folder of the generations, under the checkpoint's prefix.
-pub const GENERATIONS: &str = "generations";
+pub use super::GENERATIONS;
 /// The manifest, in a generation's folder.
 pub const MANIFEST: &str = "zarrckpt.manifest.json";
 /// The root document of a generation (the checkpoint's index), written last.
@@ -467,7 +466,7 @@ pub fn gc(store: &RemoteStore, keep: usize, dry_run: bool) -> Result<GcReport, R
         report.removed.push(g.clone());
     }
     for key in store.list_level()?.1 {
-        if key.starts_with(super::probe::PROBE_PREFIX) && !dry_run {
+        if key.starts_with(super::PROBE_PREFIX) && !dry_run {
             store.delete(&key)?;
         }
     }

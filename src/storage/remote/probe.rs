@@ -26,8 +26,7 @@ impl ProbeResult {
     }
 }
 
-/// The probe's key, under the checkpoint's prefix (removed after the probe).
-pub const PROBE_PREFIX: &str = ".zarrckpt-probe-";
+pub use super::PROBE_PREFIX;
 
 /// Probes the server behind `store`: creates a fresh key twice with put-if-absent (the second
 /// must be refused), overwrites it with a wrong ETag (refused) and the right one (accepted),
