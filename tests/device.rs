@@ -324,6 +324,65 @@ fn host_and_device_targets_load_in_one_call() {
     assert_eq!(results.len(), 2);
 }
 
+/// A rank with device targets loads in several rounds; a rank with host targets only keeps
+/// step with it (no staging buffers of its own): both load, neither indexes a buffer it
+/// does not have.
+#[test]
+fn a_rank_without_device_targets_keeps_step_with_one_that_has_them() {
+    let dir = tempfile::tempdir().unwrap();
+    save_host(dir.path(), 2);
+    let ts = tensors();
+    let results = run_local(2, Duration::from_secs(30), |comm| {
+        let dev = Arc::new(SimDevice::new());
+        let mut staging = DeviceStaging::new(dev.clone(), 128);
+        let (t0, t2) = (&ts[0], &ts[2]);
+        let len = (t0.shape.iter().product::<u64>() as usize) * 4;
+        let base = dev.alloc(len);
+        let device: Vec<DeviceTarget> = if comm.rank() == 0 {
+            let view = unsafe { DeviceView::contiguous(base, &t0.shape) };
+            vec![
+                DeviceTarget::new(
+                    TensorKey::new(t0.key).unwrap(),
+                    t0.dtype,
+                    t0.shape.clone(),
+                    Region::new(vec![0, 0], t0.shape.clone()).unwrap(),
+                    view,
+                )
+                .unwrap(),
+            ]
+        } else {
+            Vec::new()
+        };
+        let mut host = vec![0u8; 41 * 8];
+        let mut ht = [LoadTarget::new(
+            TensorKey::new(t2.key).unwrap(),
+            t2.dtype,
+            t2.shape.clone(),
+            Region::new(vec![0], vec![41]).unwrap(),
+            &mut host,
+        )
+        .unwrap()];
+        let rep = load_to_device(
+            &mut ht,
+            &device,
+            &mut staging,
+            dir_path(&comm, dir.path()),
+            &comm,
+            &LoadOptions::default(),
+        )
+        .unwrap();
+        assert!(
+            rep.rounds > 1,
+            "rank 0's device target takes several rounds"
+        );
+        assert_eq!(host, global(&t2.shape, 8, t2.seed));
+        if comm.rank() == 0 {
+            assert_eq!(dev.read(base, len).unwrap(), global(&t0.shape, 4, t0.seed));
+        }
+    });
+    assert_eq!(results.len(), 2);
+}
+
 fn dir_path<'a>(_comm: &dyn Communicator, p: &'a std::path::Path) -> &'a std::path::Path {
     p
 }

@@ -315,11 +315,22 @@ fn load_device_impl(
                             .cloned(),
                     );
                 }
-                let mut rest: &mut [u8] = &mut staging.buffers[b][..];
+                // No buffers when this rank has no device slabs (its rounds only keep step
+                // with the other ranks'): an empty slice then, never an index past the end.
+                let mut rest: &mut [u8] = match staging.buffers.get_mut(b) {
+                    Some(buf) => &mut buf[..],
+                    None => &mut [],
+                };
                 let mut at = 0usize;
                 let mut slab_bufs: Vec<&mut [u8]> = Vec::new();
                 for s in &pieces[mine.clone()] {
                     let t = &device[s.target];
+                    if s.bytes > rest.len() {
+                        return Err(Error::from(DeviceError::OutOfRange {
+                            what: "staging bytes of a round",
+                            value: s.bytes as u64,
+                        }));
+                    }
                     let (head, tail) = std::mem::take(&mut rest).split_at_mut(s.bytes);
                     rest = tail;
                     let i = round_requests.len();
