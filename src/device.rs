@@ -39,3 +39,31 @@ pub use load::{
 pub use nccl::NcclComm;
 pub use save::DevicePiece;
 pub use sim::SimDevice;
+
+/// Checks a device box before it is used as a save source or a load target: the region is
+/// well formed and inside `global_shape`, its bytes fit a `usize`, and `view`'s strides fit
+/// the region without overlapping (an expanded view has no pitched-copy form on a GPU).
+/// Returns the region's bytes.
+fn check_device_box(
+    key: &crate::model::TensorKey,
+    dtype: crate::model::DType,
+    global_shape: &[u64],
+    region: &crate::model::Region,
+    view: &DeviceView,
+) -> crate::error::Result<usize> {
+    let bytes =
+        crate::model::region::num_bytes(region.shape(), dtype.size()).map_err(|source| {
+            crate::model::TensorError::Region {
+                key: key.to_string(),
+                source,
+            }
+        })?;
+    crate::model::tensor::check_piece(key, dtype, global_shape, region, bytes)?;
+    let wrap = |source| DeviceError::View {
+        key: key.to_string(),
+        source,
+    };
+    copy::view_extent(region.shape(), view.strides(), dtype.size()).map_err(wrap)?;
+    copy::check_disjoint(region.shape(), view.strides()).map_err(wrap)?;
+    Ok(bytes)
+}

@@ -225,6 +225,30 @@ impl SaveArgs {
         }
         Ok(r)
     }
+
+    /// Runs `f` on the saver or manager behind `inner` with the request and the options,
+    /// the GIL released and the lock held; errors become Python exceptions through `comm`.
+    pub(crate) fn run<T: Send, R: Send>(
+        &self,
+        py: Python<'_>,
+        inner: &Arc<Mutex<T>>,
+        comm: &Comm,
+        f: impl FnOnce(
+            &mut T,
+            &zarrckpt::SaveRequest<'_>,
+            &zarrckpt::SaveOptions,
+        ) -> zarrckpt::Result<R>
+        + Send,
+    ) -> PyResult<R> {
+        py.detach(|| {
+            let request = self.request()?;
+            let mut guard = inner
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            f(&mut guard, &request, &self.opts)
+        })
+        .map_err(|e| comm.err(py, &e))
+    }
 }
 
 /// The saver options of a Python saver or manager.
@@ -291,15 +315,9 @@ impl Saver {
         device: Option<&Bound<'_, device::Device>>,
     ) -> PyResult<Py<PyDict>> {
         let args = SaveArgs::extract(pieces, objects, options, device_pieces, device)?;
-        let inner = Arc::clone(&self.inner);
-        let result = py.detach(|| {
-            let request = args.request()?;
-            let mut saver = inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            saver.save(&request, &path, &args.opts)
-        });
-        let report = result.map_err(|e| self.comm.err(py, &e))?;
+        let report = args.run(py, &self.inner, &self.comm, |saver, request, opts| {
+            saver.save(request, &path, opts)
+        })?;
         convert::save_report(py, &report)
     }
 
@@ -318,15 +336,9 @@ impl Saver {
         device: Option<&Bound<'_, device::Device>>,
     ) -> PyResult<SaveHandle> {
         let args = SaveArgs::extract(pieces, objects, options, device_pieces, device)?;
-        let inner = Arc::clone(&self.inner);
-        let result = py.detach(|| {
-            let request = args.request()?;
-            let mut saver = inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            saver.save_async(&request, &path, &args.opts)
-        });
-        let handle = result.map_err(|e| self.comm.err(py, &e))?;
+        let handle = args.run(py, &self.inner, &self.comm, |saver, request, opts| {
+            saver.save_async(request, &path, opts)
+        })?;
         Ok(SaveHandle::new(handle, self.comm.clone()))
     }
 

@@ -80,15 +80,9 @@ impl CheckpointManager {
         device: Option<&Bound<'_, device::Device>>,
     ) -> PyResult<Py<PyDict>> {
         let args = SaveArgs::extract(pieces, objects, options, device_pieces, device)?;
-        let inner = Arc::clone(&self.inner);
-        let result = py.detach(|| {
-            let request = args.request()?;
-            let mut m = inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            m.save(step, &request, &args.opts)
-        });
-        let report = result.map_err(|e| self.comm.err(py, &e))?;
+        let report = args.run(py, &self.inner, &self.comm, |m, request, opts| {
+            m.save(step, request, opts)
+        })?;
         convert::save_report(py, &report)
     }
 
@@ -107,15 +101,9 @@ impl CheckpointManager {
         device: Option<&Bound<'_, device::Device>>,
     ) -> PyResult<SaveHandle> {
         let args = SaveArgs::extract(pieces, objects, options, device_pieces, device)?;
-        let inner = Arc::clone(&self.inner);
-        let result = py.detach(|| {
-            let request = args.request()?;
-            let mut m = inner
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            m.save_async(step, &request, &args.opts)
-        });
-        let handle = result.map_err(|e| self.comm.err(py, &e))?;
+        let handle = args.run(py, &self.inner, &self.comm, |m, request, opts| {
+            m.save_async(step, request, opts)
+        })?;
         Ok(SaveHandle::new(handle, self.comm.clone()))
     }
 

@@ -186,7 +186,18 @@ def _box_view(state_dict: Mapping[str, Any], boxes: _Boxes, index: MetadataIndex
     raise InvalidArgumentError(f"`{index.fqn}`: no local box at {offset}")
 
 
-class SavePlanner(DefaultSavePlanner):
+class _StridedPlanner:
+    """Finds, when DCP sets a planner up, the DTensors with ``_StridedShard`` placements and
+    the boxes their local tensors really cover (``self._strided``)."""
+
+    _strided: _Boxes
+
+    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        super().set_up_planner(state_dict, *args, **kwargs)  # type: ignore[misc]
+        self._strided = _strided_boxes(self.state_dict)  # type: ignore[attr-defined]
+
+
+class SavePlanner(_StridedPlanner, DefaultSavePlanner):
     """DCP's default save planner, except that non-tensor values are stored as JSON (JSON-able
     values) or bytes (``bytes``), never pickled. Any other value is an error naming its key.
 
@@ -194,15 +205,6 @@ class SavePlanner(DefaultSavePlanner):
     local tensors really cover (several interleaved boxes where the global rows a rank holds
     are not contiguous); DCP's default planner describes them by their first offset only.
     Works with any storage writer."""
-
-    def set_up_planner(
-        self,
-        state_dict: Any,
-        storage_meta: StorageMeta | None = None,
-        is_coordinator: bool = False,
-    ) -> None:
-        super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        self._strided = _strided_boxes(self.state_dict)
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -264,7 +266,7 @@ class _Loaded(io.BytesIO):
         self.zarrckpt_kind = kind
 
 
-class LoadPlanner(DefaultLoadPlanner):
+class LoadPlanner(_StridedPlanner, DefaultLoadPlanner):
     """DCP's default load planner, except that non-tensor values are taken as zarrckpt stored
     them (JSON values, bytes) and nothing is unpickled. Tuples come back as tuples where the
     state dict has them.
@@ -285,15 +287,6 @@ class LoadPlanner(DefaultLoadPlanner):
             raise InvalidArgumentError("pickled is 'error' or 'weights_only'")
         self.pickled = pickled
         self._strided: _Boxes = {}
-
-    def set_up_planner(
-        self,
-        state_dict: Any,
-        metadata: Metadata | None = None,
-        is_coordinator: bool = False,
-    ) -> None:
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-        self._strided = _strided_boxes(self.state_dict)
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()

@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::copy::{check_disjoint, pitched_copies, slabs};
+use super::copy::{pitched_copies, slabs};
 use super::{Device, DeviceError, DeviceView, Fence, PinnedBuf};
 use crate::comm::Communicator;
 use crate::coord::agree;
@@ -13,7 +13,6 @@ use crate::load::collective::{self, Request, exchange_shared};
 use crate::load::{LoadOptions, LoadReport, Reader};
 use crate::model::copy::DisjointBuf;
 use crate::model::region::num_bytes;
-use crate::model::tensor::check_piece;
 use crate::model::{DType, LoadTarget, ObjectRequest, Region, TensorError, TensorKey};
 use crate::plan::load::ShardRead;
 use crate::storage::commit;
@@ -43,18 +42,7 @@ impl DeviceTarget {
         region: Region,
         view: DeviceView,
     ) -> Result<Self> {
-        let bytes =
-            num_bytes(region.shape(), dtype.size()).map_err(|source| TensorError::Region {
-                key: key.to_string(),
-                source,
-            })?;
-        check_piece(&key, dtype, &global_shape, &region, bytes)?;
-        let wrap = |source| DeviceError::View {
-            key: key.to_string(),
-            source,
-        };
-        super::copy::view_extent(region.shape(), view.strides(), dtype.size()).map_err(wrap)?;
-        check_disjoint(region.shape(), view.strides()).map_err(wrap)?;
+        super::check_device_box(&key, dtype, &global_shape, &region, &view)?;
         Ok(DeviceTarget {
             key,
             dtype,

@@ -2,12 +2,10 @@
 //! view. The saver ([`crate::Saver`]) downloads the boxes its chunks need straight into its
 //! page-locked staging memory ([`DevicePiece::copies`]).
 
-use super::copy::{Pitched, check_disjoint, pitched_copies, view_extent};
+use super::copy::{Pitched, pitched_copies};
 use super::{DeviceError, DeviceView};
 use crate::error::Result;
-use crate::model::region::num_bytes;
-use crate::model::tensor::check_piece;
-use crate::model::{DType, Region, Replica, TensorError, TensorKey};
+use crate::model::{DType, Region, Replica, TensorKey};
 
 /// A box of a global tensor held in device memory at save time (as [`ShardedTensor::new`](crate::ShardedTensor::new),
 /// with the data in a device view).
@@ -37,20 +35,8 @@ impl DevicePiece {
         replica_id: u32,
         view: DeviceView,
     ) -> Result<Self> {
-        let bytes =
-            num_bytes(region.shape(), dtype.size()).map_err(|source| TensorError::Region {
-                key: key.to_string(),
-                source,
-            })?;
-        check_piece(&key, dtype, &global_shape, &region, bytes)?;
-        let wrap = |source| DeviceError::View {
-            key: key.to_string(),
-            source,
-        };
-        view_extent(region.shape(), view.strides(), dtype.size()).map_err(wrap)?;
-        // An expanded (overlapping) view has no pitched-copy form on a GPU: save a
-        // contiguous copy of it instead.
-        check_disjoint(region.shape(), view.strides()).map_err(wrap)?;
+        // An expanded (overlapping) view is refused: save a contiguous copy of it instead.
+        let bytes = super::check_device_box(&key, dtype, &global_shape, &region, &view)?;
         Ok(DevicePiece {
             key,
             dtype,

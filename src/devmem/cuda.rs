@@ -309,18 +309,18 @@ impl CudaDevice {
         };
         let dev_pitch = fit("device pitch", c.device_pitch)?;
         let dev_slice = fit("device slice pitch", c.device_slice_pitch)?;
+        let (host_t, dev_t) = (
+            sys::CUmemorytype::CU_MEMORYTYPE_HOST,
+            sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        );
+        let (src_t, dst_t) = if to_device {
+            (host_t, dev_t)
+        } else {
+            (dev_t, host_t)
+        };
         if c.depth > 1 && dev_pitch > 0 && dev_slice % dev_pitch == 0 {
             // Built field by field: `CUmemorytype` has no zero value, so a zeroed struct is
             // undefined behaviour (Rust aborts on it).
-            let (host_t, dev_t) = (
-                sys::CUmemorytype::CU_MEMORYTYPE_HOST,
-                sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-            );
-            let (src_t, dst_t) = if to_device {
-                (host_t, dev_t)
-            } else {
-                (dev_t, host_t)
-            };
             let mut p = sys::CUDA_MEMCPY3D {
                 srcXInBytes: 0,
                 srcY: 0,
@@ -374,15 +374,6 @@ impl CudaDevice {
         for z in 0..c.depth {
             let hz = unsafe { h.add(z * c.host_slice_pitch) };
             let dz = c.device + z as u64 * c.device_slice_pitch;
-            let (host_t, dev_t) = (
-                sys::CUmemorytype::CU_MEMORYTYPE_HOST,
-                sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-            );
-            let (src_t, dst_t) = if to_device {
-                (host_t, dev_t)
-            } else {
-                (dev_t, host_t)
-            };
             let mut p = sys::CUDA_MEMCPY2D {
                 srcXInBytes: 0,
                 srcY: 0,

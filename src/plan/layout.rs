@@ -101,14 +101,7 @@ impl RankLayout {
     /// # Errors
     /// [`LayoutDecodeError`] for anything malformed; never panics on any input.
     pub fn decode(bytes: &[u8], rank: usize) -> Result<Self, LayoutDecodeError> {
-        let mut r = Reader {
-            bytes,
-            pos: 0,
-            rank,
-        };
-        if r.take(MAGIC.len())? != MAGIC {
-            return Err(r.err("bad magic"));
-        }
+        let mut r = Reader::after_magic(bytes, rank, MAGIC, "magic")?;
         let tensors = decode_tensors(&mut r)?;
         let n_pieces = r.count(2)?;
         let mut pieces = Vec::with_capacity(n_pieces);
@@ -203,7 +196,25 @@ pub(crate) struct Reader<'a> {
     pub(crate) rank: usize,
 }
 
-impl Reader<'_> {
+impl<'a> Reader<'a> {
+    /// A reader of `bytes` sent by `rank`, past `magic` (an error naming `what` when the bytes
+    /// do not start with it).
+    pub(crate) fn after_magic(
+        bytes: &'a [u8],
+        rank: usize,
+        magic: &[u8],
+        what: &str,
+    ) -> Result<Self, LayoutDecodeError> {
+        let mut r = Reader {
+            bytes,
+            pos: 0,
+            rank,
+        };
+        if r.take(magic.len())? != magic {
+            return Err(r.err(&format!("bad {what}")));
+        }
+        Ok(r)
+    }
     pub(crate) fn err(&self, reason: &str) -> LayoutDecodeError {
         LayoutDecodeError {
             rank: self.rank,

@@ -334,14 +334,7 @@ impl Template {
     /// # Errors
     /// [`LayoutDecodeError`] for anything malformed; never panics on any input.
     pub fn decode(bytes: &[u8], rank: usize) -> Result<Self, LayoutDecodeError> {
-        let mut r = Reader {
-            bytes,
-            pos: 0,
-            rank,
-        };
-        if r.take(TEMPLATE_MAGIC.len())? != TEMPLATE_MAGIC {
-            return Err(r.err("bad template magic"));
-        }
+        let mut r = Reader::after_magic(bytes, rank, TEMPLATE_MAGIC, "template magic")?;
         let tensors = decode_tensors(&mut r)?;
         let slots = r.varint()?;
         if slots > u64::from(MAX_SLOTS) {
@@ -752,14 +745,7 @@ impl Summary {
     /// # Errors
     /// [`LayoutDecodeError`] for anything malformed; never panics on any input.
     pub fn decode(bytes: &[u8], rank: usize) -> Result<Summary, LayoutDecodeError> {
-        let mut r = Reader {
-            bytes,
-            pos: 0,
-            rank,
-        };
-        if r.take(SUMMARY_MAGIC.len())? != SUMMARY_MAGIC {
-            return Err(r.err("bad summary magic"));
-        }
+        let mut r = Reader::after_magic(bytes, rank, SUMMARY_MAGIC, "summary magic")?;
         let n = r.count(17)?;
         let mut templates: Vec<([u8; 16], Vec<u8>)> = Vec::with_capacity(n);
         for _ in 0..n {
