@@ -487,13 +487,7 @@ def save(
     of directory). Other options as :func:`zarrckpt._core.save` (``compression``,
     ``io_threads``, ``user_metadata``, ...). Returns this rank's save report.
     """
-    comm = _core.communicator(process_group)
-
-    def prepare() -> tuple:
-        plan = _flatten(state_dict, comm, load=False, path=str(path))
-        return plan.pieces, plan.objects
-
-    return _core._save(path, prepare, comm, _save_options(overwrite, options), False)
+    return _save_state(state_dict, path, process_group, overwrite, options, False)
 
 
 def async_save(
@@ -508,13 +502,25 @@ def async_save(
     state is copied (tensors into staging memory, objects serialised): training may change
     it at once. Writing, fsync and the commit go on in a background thread; ``wait()``
     returns the report or raises, ``done()`` polls, ``exception()`` gives the error."""
+    return _save_state(state_dict, path, process_group, overwrite, options, True)
+
+
+def _save_state(
+    state_dict: Mapping[str, Any],
+    path: Any,
+    process_group: Any,
+    overwrite: bool,
+    options: dict[str, Any],
+    background: bool,
+) -> Any:
+    """:func:`save` (``background=False``) or :func:`async_save` (``True``)."""
     comm = _core.communicator(process_group)
 
     def prepare() -> tuple:
         plan = _flatten(state_dict, comm, load=False, path=str(path))
         return plan.pieces, plan.objects
 
-    return _core._save(path, prepare, comm, _save_options(overwrite, options), True)
+    return _core._save(path, prepare, comm, _save_options(overwrite, options), background)
 
 
 def load(

@@ -108,18 +108,7 @@ impl LocalComm {
             let mut deadline = Instant::now() + self.shared.timeout;
             let mut g = Self::lock(q);
             while g.bytes > 0 && g.bytes + piece.len() > QUEUE_BYTES {
-                if self.peer_gone(peer) {
-                    return Err(self.lost("exchange", peer));
-                }
-                let now = Instant::now();
-                if now >= deadline {
-                    return Err(CommError::Timeout {
-                        op: "exchange",
-                        rank: self.rank,
-                        peer: Some(peer),
-                        after: self.shared.timeout,
-                    });
-                }
+                let now = self.still_waiting(peer, deadline)?;
                 let before = g.bytes;
                 g = cv
                     .wait_timeout(g, (deadline - now).min(Duration::from_millis(100)))
@@ -212,18 +201,7 @@ impl LocalComm {
                 deadline = Instant::now() + self.shared.timeout;
                 continue;
             }
-            if self.peer_gone(peer) {
-                return Err(self.lost("exchange", peer));
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(CommError::Timeout {
-                    op: "exchange",
-                    rank: self.rank,
-                    peer: Some(peer),
-                    after: self.shared.timeout,
-                });
-            }
+            let now = self.still_waiting(peer, deadline)?;
             let g = Self::lock(&bell.rings);
             if *g == rings {
                 let wait = (deadline - now).min(Duration::from_millis(100));
@@ -234,6 +212,24 @@ impl LocalComm {
                 );
             }
         }
+    }
+
+    /// The time now, while an exchange with `peer` may go on waiting: an error once `peer`'s
+    /// communicator is gone or `deadline` has passed.
+    fn still_waiting(&self, peer: usize, deadline: Instant) -> Result<Instant, CommError> {
+        if self.peer_gone(peer) {
+            return Err(self.lost("exchange", peer));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(CommError::Timeout {
+                op: "exchange",
+                rank: self.rank,
+                peer: Some(peer),
+                after: self.shared.timeout,
+            });
+        }
+        Ok(now)
     }
 
     fn lost(&self, op: &'static str, peer: usize) -> CommError {

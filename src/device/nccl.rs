@@ -283,17 +283,7 @@ impl NcclComm {
             pinned[at..at + s.data.len()].copy_from_slice(s.data);
             at += s.data.len();
         }
-        let linear = |off: usize, len: usize| Pitched {
-            host_offset: off,
-            host_pitch: len,
-            host_slice_pitch: len,
-            device: base + off as u64,
-            device_pitch: len as u64,
-            device_slice_pitch: len as u64,
-            width: len,
-            height: 1,
-            depth: 1,
-        };
+        let linear = |off: usize, len: usize| Pitched::linear(off, base + off as u64, len);
         if send_total > 0 {
             // SAFETY: the host range is in `pinned`, kept until the copy is waited on right
             // after; the device range is this communicator's buffer.
@@ -328,17 +318,7 @@ impl NcclComm {
             .pinned
             .as_mut()
             .ok_or_else(|| fail("no pinned buffer".into()))?;
-        let linear = |off: usize, len: usize| Pitched {
-            host_offset: off,
-            host_pitch: len,
-            host_slice_pitch: len,
-            device: base + off as u64,
-            device_pitch: len as u64,
-            device_slice_pitch: len as u64,
-            width: len,
-            height: 1,
-            depth: 1,
-        };
+        let linear = |off: usize, len: usize| Pitched::linear(off, base + off as u64, len);
         let stream = dev.raw_stream() as nsys::cudaStream_t;
         let comm = self.comm as nsys::ncclComm_t;
         let ty = nsys::ncclDataType_t::ncclUint8;

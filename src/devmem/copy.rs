@@ -33,6 +33,23 @@ pub struct Pitched {
 }
 
 impl Pitched {
+    /// One contiguous run of `len` bytes between host offset `host_offset` and device address
+    /// `device`.
+    #[must_use]
+    pub fn linear(host_offset: usize, device: u64, len: usize) -> Pitched {
+        Pitched {
+            host_offset,
+            host_pitch: len,
+            host_slice_pitch: len,
+            device,
+            device_pitch: len as u64,
+            device_slice_pitch: len as u64,
+            width: len,
+            height: 1,
+            depth: 1,
+        }
+    }
+
     /// Bytes moved.
     #[must_use]
     pub fn bytes(&self) -> usize {
