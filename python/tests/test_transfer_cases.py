@@ -166,6 +166,7 @@ def test_fsdp2_to_whole_hf_tensors(tmp_path):
     # every FSDP rank sends its own shard, nothing gathered: a quarter each
     assert max(sent) <= 1.1 * total / 4, sent
     assert reps[4][0]["bytes_received"] == total and reps[4][1]["bytes_received"] == total
+    print(f"\nFSDP2: {total} bytes, sent per rank {sent}, buckets {logs[4]['buckets']}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,6 +236,7 @@ def test_qwen3_moe_ep4_to_vllm_tp2(tmp_path):
     sent = [r["bytes_sent"] for r in reps[:4]]
     assert sum(sent) == total and all(s > 0 for s in sent), sent
     assert reps[4]["bytes_received"] + reps[5]["bytes_received"] == total
+    print(f"\nMoE EP4: {total} bytes, sent per rank {sent}, rank-1 buckets {logs[5]['buckets']}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,8 +310,13 @@ def scenario_negatives(rank, ntrain, comm, ckpt, cfg, spec1, out, die_after):
 
 def test_negatives_refused_everywhere_and_a_dying_rank(tmp_path):
     pytest.importorskip("megatron.core")
-    hf_dir = cf.make_tiny("qwen2", tmp_path / "qwen2-hf", seed=7, attention_bias=True)
+    # a vocabulary of 768 (3 x 256: padded for TP 2 it still splits in 3), so that engine TP 3
+    # is refused for the attention heads (4 query heads, 2 kv groups), not the vocabulary
+    hf_dir = cf.make_tiny(
+        "qwen2", tmp_path / "qwen2-hf", seed=7, attention_bias=True, vocab_size=768
+    )
     cfg = cf.hf_config(hf_dir)
+    assert cf.padded_vocab(768, 2) == 768
     ckpt = tmp_path / "qwen2-tp2pp2"
     zc.import_hf(hf_dir, ckpt, "qwen2", tp=2, pp=2)
     vllm = tmp_path / "qwen2-vllm-tp1"
@@ -355,3 +362,6 @@ def test_negatives_refused_everywhere_and_a_dying_rank(tmp_path):
             assert logs[r]["died"][0] == "CommError", logs[r]["died"]
             assert logs[r]["died_after_s"] < timeout + 30
     assert elapsed < tt.TIMEOUT_S
+    print(f"\nrefusal (engine TP 3): {logs[0]['tp3']}\nrefusal (missing): {logs[0]['missing']}")
+    for r in alive:
+        print(f"rank {r} after the death: {logs[r]['died']} in {logs[r]['died_after_s']:.2f} s")
