@@ -20,6 +20,9 @@ the transfer over a separate gloo group of every process):
   rank before any byte moves (rule, key and numbers named; engine buffers untouched); then a
   trainer rank that dies (os._exit) between two rounds of a transfer is an error on the ranks
   that wait for it, within the communicator's timeout, and no rank hangs.
+* HF names, one unsharded trainer (plain tensors, automatic replicas) and one engine rank: a
+  state dict missing a tensor (``import --hf``'s check, naming the rule and the tensor) and HF
+  names into a vLLM layout are refused on both ranks; then the module goes through whole.
 """
 
 from __future__ import annotations
@@ -167,6 +170,71 @@ def test_fsdp2_to_whole_hf_tensors(tmp_path):
     assert max(sent) <= 1.1 * total / 4, sent
     assert reps[4][0]["bytes_received"] == total and reps[4][1]["bytes_received"] == total
     print(f"\nFSDP2: {total} bytes, sent per rank {sent}, buckets {logs[4]['buckets']}")
+
+
+def scenario_hf_names(rank, ntrain, comm, hf_dir, cfg, spec, out):
+    """One unsharded trainer (plain tensors: automatic replicas) and one engine rank: a state
+    dict missing a tensor, and HF names into a vLLM layout, are refused on both ranks; then the
+    module itself goes through."""
+    from safetensors.torch import save_file
+
+    log: dict = {}
+    t = zt.Transfer("qwen2", cfg, engine="hf", names="hf", comm=comm)
+    tv = zt.Transfer("qwen2", cfg, engine="vllm", engine_tp=1, names="hf", comm=comm)
+    bufs = _sentinel(spec)
+    if rank < ntrain:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+        sd = model.state_dict()
+        calls = [
+            lambda: t.send({k: v for k, v in sd.items() if k != "model.norm.weight"}),
+            lambda: tv.send(sd),
+            lambda: t.send(model),
+        ]
+    else:
+        calls = [lambda: t.receive(bufs), lambda: tv.receive(bufs), lambda: t.receive(bufs)]
+    for what, call in zip(("missing", "vllm"), calls, strict=False):
+        with pytest.raises(zc.ConversionError) as info:
+            call()
+        log[what] = str(info.value)
+    log["untouched"] = _untouched(bufs)
+    log["report"] = calls[2]()
+    if rank >= ntrain:
+        save_file(bufs, str(Path(out) / "whole.safetensors"))
+    _write(out, f"log-{rank}.json", log)
+
+
+def test_hf_names_refusals_and_plain_tensors(tmp_path):
+    from safetensors.torch import load_file
+
+    hf_dir = cf.make_tiny("qwen2", tmp_path / "qwen2-hf", seed=13, attention_bias=True)
+    cfg = cf.hf_config(hf_dir)
+    hf = cf.read_hf(hf_dir)
+    spec = [(n, str(v.dtype).removeprefix("torch."), list(v.shape)) for n, v in hf.items()]
+    out = tmp_path / "out"
+    out.mkdir()
+    tt.run(
+        2,
+        1,
+        f"{MOD}:scenario_hf_names",
+        tmp_path,
+        hf_dir=str(hf_dir),
+        cfg=cfg,
+        spec=spec,
+        out=str(out),
+    )
+    logs = [json.loads((out / f"log-{r}.json").read_text()) for r in range(2)]
+    for lg in logs:
+        m = lg["missing"]
+        assert "rule `" in m and "hf tensor `model.norm.weight` is not in the input" in m, m
+        m = lg["vllm"]
+        assert "HF-named tensors" in m and "vLLM TP 1" in m, m
+        assert lg["untouched"]
+    got = load_file(out / "whole.safetensors")
+    for n, v in hf.items():
+        assert cf.same_bits(got[n], v), n
+    assert logs[0]["report"]["bytes_sent"] == logs[1]["report"]["bytes_received"] > 0
 
 
 # ---------------------------------------------------------------------------------------------
