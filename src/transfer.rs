@@ -15,6 +15,7 @@
 pub mod decl;
 pub mod error;
 pub mod exec;
+pub mod identity;
 pub mod plan;
 
 use std::time::{Duration, Instant};
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 pub use decl::{Decl, EngineTensor, Holder, Role, SourceBox};
 pub use error::TransferError;
 pub use exec::{Buffers, LocalPlan, Moved, Sink};
-pub use plan::{DEFAULT_BUCKET_BYTES, EngineLayout, GlobalPlan, Options};
+pub use plan::{DEFAULT_BUCKET_BYTES, EngineLayout, GlobalPlan, Options, TrainerNames};
 
 use crate::comm::Communicator;
 use crate::model::{DType, ShardedTensor, usize_of};

@@ -10,9 +10,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use zarrckpt::convert::{Layout, load_checked};
-use zarrckpt::model::{DType, Region, ShardedTensor, TensorKey};
+use zarrckpt::model::{DType, Region, Replica, ShardedTensor, TensorKey};
 use zarrckpt::transfer::{
-    EngineLayout, EngineTensor, Options, Received, Report, Transfer as RsTransfer, TransferError,
+    EngineLayout, EngineTensor, Options, Received, Report, TrainerNames, Transfer as RsTransfer,
+    TransferError,
 };
 
 use crate::communicator;
@@ -58,14 +59,15 @@ fn report(py: Python<'_>, r: &Report) -> PyResult<Py<PyDict>> {
     Ok(d.unbind())
 }
 
-/// A trainer piece: (key, dtype, global shape, offset, shape, replica id, address, nbytes).
+/// A trainer piece: (key, dtype, global shape, offset, shape, replica id (None: automatic,
+/// one of the ranks declaring the same box sends), address, nbytes).
 type PieceSpec = (
     String,
     String,
     Vec<u64>,
     Vec<u64>,
     Vec<u64>,
-    u32,
+    Option<u32>,
     usize,
     usize,
 );
@@ -86,10 +88,11 @@ fn lock(t: &Mutex<RsTransfer>) -> std::sync::MutexGuard<'_, RsTransfer> {
 #[pymethods]
 impl Transfer {
     /// `table`: built-in name, path or JSON text; `config`: the HF config as JSON text;
-    /// `trainer`: (tp, pp, ep); `engine`: "vllm" (with `engine_tp`) or "hf".
+    /// `trainer`: (tp, pp, ep); `engine`: "vllm" (with `engine_tp`) or "hf"; `names`: the
+    /// trainer's tensor names, "megatron" or "hf".
     #[new]
     #[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
-    #[pyo3(signature = (table, config, trainer, engine, engine_tp=1, bucket_bytes=zarrckpt::transfer::DEFAULT_BUCKET_BYTES, cast=false))]
+    #[pyo3(signature = (table, config, trainer, engine, engine_tp=1, bucket_bytes=zarrckpt::transfer::DEFAULT_BUCKET_BYTES, cast=false, names="megatron"))]
     fn new(
         py: Python<'_>,
         table: &str,
@@ -99,6 +102,7 @@ impl Transfer {
         engine_tp: u64,
         bucket_bytes: u64,
         cast: bool,
+        names: &str,
     ) -> PyResult<Self> {
         let table = load_checked(table)
             .map_err(|e| new_error(py, "TableError", "Convert", e.to_string()))?;
@@ -119,7 +123,17 @@ impl Transfer {
                 )));
             }
         };
+        let names = match names {
+            "megatron" => TrainerNames::Megatron,
+            "hf" => TrainerNames::Hf,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "names: \"megatron\" or \"hf\", not {other:?}"
+                )));
+            }
+        };
         let mut opts = Options::new(table, config, Layout { tp, pp, ep }, engine);
+        opts.names = names;
         opts.bucket_bytes = bucket_bytes;
         opts.cast = cast;
         Ok(Transfer {
@@ -147,10 +161,20 @@ impl Transfer {
             let region = Region::new(off.clone(), shape.clone()).map_err(|e| bad(e.to_string()))?;
             // SAFETY: the caller keeps the tensor alive and unchanged for the call.
             let data = unsafe { b.slice_ref() };
-            built.push(
-                ShardedTensor::new(key, dtype(dt)?, gshape.clone(), region, *replica, data)
-                    .map_err(|e| bad(e.to_string()))?,
-            );
+            let piece = ShardedTensor::new(
+                key,
+                dtype(dt)?,
+                gshape.clone(),
+                region,
+                replica.unwrap_or(0),
+                data,
+            )
+            .map_err(|e| bad(e.to_string()))?;
+            built.push(if replica.is_none() {
+                piece.with_replica(Replica::Auto)
+            } else {
+                piece
+            });
         }
         let mut guard = lock(&self.inner);
         let t: &mut RsTransfer = &mut guard;

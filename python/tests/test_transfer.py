@@ -156,6 +156,8 @@ def scenario_refused(rank, ntrain, comm, ckpt, cfg, tp, pp, engine_tp, spec, out
 
 
 def _worker(rank, world, ntrain, init_file, comm_file, scenario, kwargs):
+    import importlib
+    import sys
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -170,13 +172,17 @@ def _worker(rank, world, ntrain, init_file, comm_file, scenario, kwargs):
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=ntrain
         )
     comm = PgComm(comm_file, rank, world)
+    # "module:function" runs a scenario of another test module (same harness)
+    module, _, name = scenario.rpartition(":")
+    fn = getattr(importlib.import_module(module), name) if module else globals()[name]
     try:
-        globals()[scenario](rank=rank, ntrain=ntrain, comm=comm, **kwargs)
+        fn(rank=rank, ntrain=ntrain, comm=comm, **kwargs)
     finally:
         if trainer:
-            from megatron.core import parallel_state
+            if "megatron.core" in sys.modules:
+                from megatron.core import parallel_state
 
-            parallel_state.destroy_model_parallel()
+                parallel_state.destroy_model_parallel()
             dist.destroy_process_group()
 
 

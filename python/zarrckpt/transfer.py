@@ -22,6 +22,15 @@ options::
     # or, for a load_weights-style engine:
     for bucket in t.buckets(wanted):     # wanted: {name: (dtype, shape)}
         model.load_weights(bucket)       # [(name, tensor), ...]
+
+A trainer whose tensors already carry HF names (FSDP2: DTensors of a ``transformers`` model)
+declares ``names="hf"`` and sends its state dict; the engine then holds whole HF tensors
+(``engine="hf"``), checked against the table as ``import --hf`` checks its input::
+
+    t = Transfer("qwen2", config, engine="hf", names="hf")
+    t.send(fsdp_model.state_dict())      # trainer ranks: DTensors (Shard / Replicate) or tensors
+    for bucket in t.buckets(wanted):     # engine ranks
+        model.load_weights(bucket)
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from typing import Any
 from . import _core, _native
 from ._errors import ConversionError, InvalidArgumentError
 
-__all__ = ["Transfer", "ConversionError", "DEFAULT_BUCKET_BYTES", "megatron_pieces"]
+__all__ = ["Transfer", "ConversionError", "DEFAULT_BUCKET_BYTES", "megatron_pieces", "hf_pieces"]
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -66,20 +75,52 @@ def megatron_pieces(state: Any) -> list[_core.Piece]:
     return _save_pieces(tensors, "main")
 
 
+def hf_pieces(state: Any) -> list[_core.Piece]:
+    """The pieces of an HF-named state: a module (its ``state_dict()``) or a flat mapping of
+    names to tensors and DTensors (FSDP2's ``Shard``, ``Replicate`` and ``_StridedShard``
+    placements, as :func:`zarrckpt.torch.save` takes them). A plain tensor or a replicated
+    DTensor is declared as an automatic replica: one of its holders sends it."""
+    import torch
+
+    from .torch import DTensor, _Flattener
+
+    if isinstance(state, torch.nn.Module):
+        state = state.state_dict()
+    if not isinstance(state, Mapping):
+        raise InvalidArgumentError(
+            f"transfer: a module or a mapping of HF names to tensors, not {type(state).__name__}"
+        )
+    fl = _Flattener(None, False, "")
+    for name, v in state.items():
+        if DTensor is not None and isinstance(v, DTensor):
+            fl.dtensor(v, str(name))
+        elif isinstance(v, torch.Tensor):
+            fl.tensor(v, str(name))
+        else:
+            raise InvalidArgumentError(
+                f"transfer: `{name}` is a {type(v).__name__}, not a tensor or DTensor"
+            )
+    return fl.plan.pieces
+
+
 def _piece_tuples(pieces: list[_core.Piece]) -> tuple[list[tuple], list[Any]]:
     out, keep = [], []
     for p in pieces:
         if p.flat_range is not None:
             raise InvalidArgumentError(f"`{p.key}`: flat ranges are not supported by transfer")
-        if p.replica == "auto" or not isinstance(p.replica, int):
-            raise InvalidArgumentError(f"`{p.key}`: replica is an int >= 0")
+        if p.replica == "auto":
+            replica = None
+        elif isinstance(p.replica, int) and not isinstance(p.replica, bool) and p.replica >= 0:
+            replica = int(p.replica)
+        else:
+            raise InvalidArgumentError(f'`{p.key}`: replica is an int >= 0 or "auto"')
         t = p.tensor
         if _core._is_torch(t) and (t.device.type != "cpu" or not t.is_contiguous()):
             t = t.detach().to("cpu").contiguous()
         dt, shape, addr, nbytes = _core._memory(p.key, t, False)
         gshape = tuple(int(d) for d in p.global_shape)
         off = tuple(int(o) for o in p.global_offset) if p.global_offset else (0,) * len(gshape)
-        out.append((p.key, dt, gshape, off, shape, int(p.replica), addr, nbytes))
+        out.append((p.key, dt, gshape, off, shape, replica, addr, nbytes))
         keep.append(t)
     return out, keep
 
@@ -93,6 +134,9 @@ class Transfer:
         trainer: the trainer's (tp, pp, ep) layout (fixes vocabulary padding).
         engine: ``"vllm"`` (buffers as vLLM's TP rank ``engine_index % engine_tp`` holds them,
             as ``export --vllm`` writes them) or ``"hf"`` (whole HF tensors).
+        names: the names the trainer's tensors carry: ``"megatron"`` (Megatron model chunks,
+            sharded state dicts) or ``"hf"`` (an HF-named state dict, FSDP2 DTensors; for
+            ``engine="hf"``).
         engine_tp: the engine's tensor-parallel size for ``"vllm"``.
         bucket_bytes: the most bytes one rank sends, and one rank receives, per round.
         cast: accept engine buffers of another float type than the trainer's.
@@ -112,6 +156,7 @@ class Transfer:
         engine_tp: int = 1,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         cast: bool = False,
+        names: str = "megatron",
         group: Any = None,
         comm: Any = None,
     ) -> None:
@@ -126,7 +171,9 @@ class Transfer:
             int(engine_tp),
             int(bucket_bytes),
             bool(cast),
+            str(names),
         )
+        self.names = str(names)
         self.group = group
         self.comm = comm
         self.last_report: dict | None = None
@@ -143,10 +190,13 @@ class Transfer:
 
     def send(self, state: Any) -> dict:
         """Trainer side: sends this rank's share of ``state`` (Megatron model chunks, a
-        Megatron sharded state dict, or a list of :class:`zarrckpt.Piece`). Returns the
-        report (``planned``, ``rounds``, ``bytes_sent``, ``busiest_sent``, ...)."""
+        Megatron sharded state dict, or with ``names="hf"`` a module or HF-named state dict
+        of tensors / DTensors; or a list of :class:`zarrckpt.Piece`). Returns the report
+        (``planned``, ``rounds``, ``bytes_sent``, ``busiest_sent``, ...)."""
         if isinstance(state, list) and all(isinstance(p, _core.Piece) for p in state):
             pieces = state
+        elif self.names == "hf":
+            pieces = hf_pieces(state)
         else:
             pieces = megatron_pieces(state)
         tuples, keep = _piece_tuples(pieces)

@@ -35,6 +35,17 @@ pub enum EngineLayout {
     Hf,
 }
 
+/// The names the trainer's tensors carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum TrainerNames {
+    /// Megatron keys and layout (the table's Megatron side): any engine layout.
+    #[default]
+    Megatron,
+    /// The engine's checkpoint (HF) names, whole tensors cut only into boxes (FSDP / FSDP2
+    /// DTensors of a `transformers` model): for an engine holding whole HF tensors.
+    Hf,
+}
+
 /// What a transfer is: the same on every rank.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -44,6 +55,8 @@ pub struct Options {
     pub config: serde_json::Value,
     /// The trainer's layout (fixes the vocabulary padding and the split checks).
     pub trainer: Layout,
+    /// The names the trainer's tensors carry (default: Megatron's).
+    pub names: TrainerNames,
     /// The engine's layout.
     pub engine: EngineLayout,
     /// The most bytes one rank sends, and one rank receives, per round.
@@ -66,6 +79,7 @@ impl Options {
             table,
             config,
             trainer,
+            names: TrainerNames::Megatron,
             engine,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             cast: false,
@@ -79,6 +93,7 @@ impl Options {
             "table": self.table,
             "config": self.config,
             "trainer": [self.trainer.tp, self.trainer.pp, self.trainer.ep],
+            "names": self.names,
             "engine": self.engine,
             "bucket": self.bucket_bytes,
             "cast": self.cast,
@@ -523,10 +538,20 @@ pub fn build(opts: &Options, decls: Vec<Decl>) -> Result<GlobalPlan, TransferErr
             engines.len()
         )));
     }
-    let conv = match opts.engine {
-        EngineLayout::Vllm { tp } => plan_vllm(&opts.table, &opts.config, opts.trainer, &inv, tp)?,
-        EngineLayout::Hf => {
+    let conv = match (opts.names, opts.engine) {
+        (TrainerNames::Megatron, EngineLayout::Vllm { tp }) => {
+            plan_vllm(&opts.table, &opts.config, opts.trainer, &inv, tp)?
+        }
+        (TrainerNames::Megatron, EngineLayout::Hf) => {
             plan_hf_export(&opts.table, &opts.config, opts.trainer, &inv, u64::MAX)?
+        }
+        (TrainerNames::Hf, EngineLayout::Hf) => {
+            super::identity::plan_hf_identity(&opts.table, &opts.config, &inv)?
+        }
+        (TrainerNames::Hf, EngineLayout::Vllm { tp }) => {
+            return Err(TransferError::Setup(format!(
+                "a trainer holding HF-named tensors feeds an engine holding whole HF tensors, not vLLM TP {tp} buffers (declare the trainer's tensors in Megatron names for that)"
+            )));
         }
     };
     let mut dest_of = BTreeMap::new();
