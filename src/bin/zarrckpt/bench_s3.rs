@@ -59,9 +59,31 @@ pub struct Args {
     /// Skip the local-disk `zarrckpt bench` beside the S3 figures.
     #[arg(long)]
     no_local: bool,
+    /// Rounds of (save, load, raw PUT, raw GET), each into a new checkpoint; medians are
+    /// reported (memory: the first save; amplification: the last load).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    match n {
+        0 => 0.0,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// One round's times.
+struct Round {
+    save: f64,
+    load: f64,
+    raw_put: f64,
+    raw_get: f64,
 }
 
 fn gb_s(bytes: u64, secs: f64) -> f64 {
@@ -235,7 +257,6 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let ropts = options(&endpoint, own);
     let run_id = zarrckpt::storage::footer::SaveId::random().hex();
     let prefix = format!("bench-s3-{run_id}");
-    let url = format!("s3://{bucket}/{prefix}/ckpt");
     wait_ready(&format!("s3://{bucket}/{prefix}"), &ropts)?;
     let upstream_port = endpoint
         .rsplit(':')
@@ -253,38 +274,77 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         .map(|r| Held::generate(&model, topo, r))
         .collect();
     let state_bytes = model.nbytes();
+    let in_flight = usize::try_from(a.save_ranks)? * ropts.concurrency.max(1);
 
-    // Save through S3 (timed), peak memory above what the ranks already hold.
-    let staging = a.dir.join("staging");
-    let target = SaveTarget {
-        overwrite: false,
-        staging_root: Some(staging.clone()),
-    };
-    let before = rss::current();
-    let reset = rss::reset_peak();
-    let t0 = Instant::now();
-    let results = run_local(
-        usize::try_from(a.save_ranks)?,
-        Duration::from_secs(600),
-        |comm| {
-            let h = &held[comm.rank()];
-            remote::save_to_url(&url, &comm, &ropts, &target, |dir| {
-                save(&h.sharded(&model), dir, &comm, &SaveOptions::default())
+    let mut rounds = Vec::new();
+    let (mut before, mut peak, mut reset) = (0, 0, false);
+    let (mut committed, mut ckpt_bytes, mut objects_n) = (0, 0, 0);
+    for round in 0..a.rounds.max(1) {
+        let url = format!("s3://{bucket}/{prefix}/ckpt-{round}");
+        // Save through S3 (timed); the first one's peak memory above what the ranks hold.
+        let target = SaveTarget {
+            overwrite: false,
+            staging_root: Some(a.dir.join("staging")),
+        };
+        if round == 0 {
+            before = rss::current();
+            reset = rss::reset_peak();
+        }
+        let t0 = Instant::now();
+        let results = run_local(
+            usize::try_from(a.save_ranks)?,
+            Duration::from_secs(600),
+            |comm| {
+                let h = &held[comm.rank()];
+                remote::save_to_url(&url, &comm, &ropts, &target, |dir| {
+                    save(&h.sharded(&model), dir, &comm, &SaveOptions::default())
+                })
+                .map(|s| s.bytes)
+            },
+        );
+        let save_secs = t0.elapsed().as_secs_f64();
+        if round == 0 && reset {
+            peak = rss::peak();
+        }
+        committed = 0;
+        for r in results {
+            committed += r?;
+        }
+        // Load through S3 with another split (timed, straight to the server).
+        let (load_secs, bytes) = load_s3(&url, &ropts, &model, a.load_ranks)?;
+        ckpt_bytes = bytes;
+        // The server's limit for the same objects: parallel raw PUT and GET, same round.
+        let store = RemoteStore::open(&url, &ropts)?;
+        let resolved = remote::resolve(&store)?;
+        let objects: Vec<(String, Bytes)> = resolved
+            .manifest
+            .objects
+            .iter()
+            .map(|e| {
+                let key = format!(
+                    "{}/{}/{}",
+                    zarrckpt::storage::remote::GENERATIONS,
+                    resolved.generation,
+                    e.key
+                );
+                let (b, _) = store
+                    .get(&key)?
+                    .with_context(|| format!("{key} vanished"))?;
+                Ok((e.key.clone(), b))
             })
-            .map(|s| s.bytes)
-        },
-    );
-    let save_secs = t0.elapsed().as_secs_f64();
-    let peak = if reset { rss::peak() } else { 0 };
-    let mut committed = 0;
-    for r in results {
-        committed += r?;
+            .collect::<anyhow::Result<_>>()?;
+        objects_n = objects.len();
+        let (raw_put, raw_get) = raw_limits(&store, &format!("raw-{round}"), &objects, in_flight)?;
+        rounds.push(Round {
+            save: save_secs,
+            load: load_secs,
+            raw_put,
+            raw_get,
+        });
     }
     drop(held);
-
-    // Load through S3 with another split (timed, straight to the server), then the same
-    // load through the counting proxy (read amplification).
-    let (load_secs, ckpt_bytes) = load_s3(&url, &ropts, &model, a.load_ranks)?;
+    // The reshard load once more, through the counting proxy (read amplification).
+    let url = format!("s3://{bucket}/{prefix}/ckpt-{}", a.rounds.max(1) - 1);
     counter.reset_counters();
     let via_proxy = RemoteOptions {
         config: options(&counter.endpoint(), own).config,
@@ -293,33 +353,12 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     load_s3(&url, &via_proxy, &model, a.load_ranks)?;
     let fetched_bytes = counter.get_bytes();
     let amplification = ratio(fetched_bytes, ckpt_bytes);
-
-    // The server's limit for the same objects: parallel raw PUT and GET, same run.
-    let store = RemoteStore::open(&url, &ropts)?;
-    let resolved = remote::resolve(&store)?;
-    let objects: Vec<(String, Bytes)> = resolved
-        .manifest
-        .objects
-        .iter()
-        .map(|e| {
-            let key = format!(
-                "{}/{}/{}",
-                zarrckpt::storage::remote::GENERATIONS,
-                resolved.generation,
-                e.key
-            );
-            let (b, _) = store
-                .get(&key)?
-                .with_context(|| format!("{key} vanished"))?;
-            Ok((e.key.clone(), b))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let in_flight = usize::try_from(a.save_ranks)? * ropts.concurrency.max(1);
-    let (raw_put, raw_get) = raw_limits(&store, "raw", &objects, in_flight)?;
-    let save_ratio = raw_put / save_secs;
-    let load_ratio = raw_get / load_secs;
-    let objects_n = objects.len();
-    drop(objects);
+    let save_secs = median(rounds.iter().map(|r| r.save).collect());
+    let load_secs = median(rounds.iter().map(|r| r.load).collect());
+    let raw_put = median(rounds.iter().map(|r| r.raw_put).collect());
+    let raw_get = median(rounds.iter().map(|r| r.raw_get).collect());
+    let save_ratio = median(rounds.iter().map(|r| r.raw_put / r.save).collect());
+    let load_ratio = median(rounds.iter().map(|r| r.raw_get / r.load).collect());
 
     // The memory bound of a save: the ranks' uploads in flight (objects below the multipart
     // threshold are sent whole, larger ones `parts_in_flight` parts at a time) + 64 MiB.
@@ -344,6 +383,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         "objects": objects_n,
         "save_ranks": a.save_ranks,
         "load_ranks": a.load_ranks,
+        "rounds": rounds.iter().map(|r| json!({"save_s": r.save, "raw_put_s": r.raw_put, "load_s": r.load, "raw_get_s": r.raw_get})).collect::<Vec<_>>(),
         "save_s": save_secs,
         "save_gb_s": gb_s(ckpt_bytes, save_secs),
         "raw_put_s": raw_put,
@@ -366,10 +406,11 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     } else {
         let pass = |ok: bool| if ok { "met" } else { "MISSED" };
         println!(
-            "state {:.3} GB in {objects_n} objects, {} save ranks, {} load ranks, S3 at {endpoint}",
+            "state {:.3} GB in {objects_n} objects, {} save ranks, {} load ranks, S3 at {endpoint}, medians of {} rounds",
             gb_s(state_bytes, 1.0),
             a.save_ranks,
-            a.load_ranks
+            a.load_ranks,
+            rounds.len()
         );
         println!(
             "save through S3   {save_secs:7.2} s {:6.3} GB/s | raw parallel PUT {raw_put:7.2} s {:6.3} GB/s | {:5.1}% of raw (target >= 80%: {})",
