@@ -280,3 +280,51 @@ fn a_rank_whose_uploads_fail_for_good_is_named_on_every_rank_within_the_deadline
             .is_none()
     );
 }
+
+#[test]
+fn the_storage_seam_settles_conditional_puts_whose_answer_was_lost() {
+    use zarrckpt::storage::StorageError;
+    use zarrckpt::storage::store::Store;
+    if s3_server::skipped("the_storage_seam_settles_conditional_puts_whose_answer_was_lost") {
+        return;
+    }
+    let _ = direct_opts();
+    // Every conditional PUT's answer is lost once (the server acts on it), and a 409 comes
+    // before one of them: each put still reports what happened on the server.
+    let proxy = Proxy::start(
+        server().port,
+        vec![
+            Rule::new(Fault::Conflict, 3, 1).method("PUT").conditional(),
+            Rule::new(Fault::DropAfterForward, 1, 3)
+                .method("PUT")
+                .conditional(),
+        ],
+        Duration::from_secs(120),
+    );
+    let s = RemoteStore::open(&s3_url("seam"), &opts_for(&proxy.endpoint())).unwrap();
+    let first = Store::put_if_absent(&s, "k", &[b"mine"]).unwrap();
+    assert!(matches!(
+        Store::put_if_absent(&s, "k", &[b"theirs"]),
+        Err(StorageError::ObjectExists { .. })
+    ));
+    let etag = Store::head(&s, "k").unwrap().e_tag;
+    assert!(first.e_tag.is_none() || first.e_tag == etag);
+    Store::put_if_match(&s, "k", &[b"next"], &first.update_version()).unwrap();
+    assert!(matches!(
+        Store::put_if_match(&s, "k", &[b"late"], &first.update_version()),
+        Err(StorageError::Precondition { .. })
+    ));
+    let log = proxy.log();
+    assert!(
+        log.iter()
+            .filter(|l| l.ends_with("DropAfterForward"))
+            .count()
+            == 3
+            && log.iter().any(|l| l.ends_with("Conflict")),
+        "{log:?}"
+    );
+    assert_eq!(
+        Store::get_ranges(&s, "k", &[0..4]).unwrap(),
+        vec![b"next".to_vec()]
+    );
+}
