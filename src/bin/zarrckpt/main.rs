@@ -6,6 +6,8 @@ mod bench_convert;
 mod bench_gpu;
 mod bench_plan;
 mod bench_read;
+#[cfg(feature = "s3")]
+mod bench_s3;
 mod bench_transfer;
 mod corrupt;
 mod crash;
@@ -92,6 +94,12 @@ enum Command {
     /// Time many small `read_region` calls through the local reader against the collective
     /// load on one process, same boxes, same run.
     BenchRead(bench_read::Args),
+    /// Save and load a GPT-like state through S3 (SeaweedFS started on 127.0.0.1, or
+    /// `--endpoint`) against parallel raw PUT / GET of the same objects in the same run; the
+    /// read amplification of a reshard load counted at a proxy; save memory against its bound;
+    /// a local-disk `zarrckpt bench` beside it.
+    #[cfg(feature = "s3")]
+    BenchS3(bench_s3::Args),
     /// Measure one rank's planning cost (save and load) for very large simulated jobs.
     BenchPlan(bench_plan::Args),
     /// Load into and save from GPU memory against the pinned copy bandwidth and the disk
@@ -154,6 +162,8 @@ fn main() -> std::process::ExitCode {
         Command::Bench(a) => bench::run(&a),
         Command::BenchPlan(a) => bench_plan::run(&a),
         Command::BenchRead(a) => bench_read::run(&a),
+        #[cfg(feature = "s3")]
+        Command::BenchS3(a) => bench_s3::run(&a),
         Command::BenchConvert(a) => bench_convert::run(&a),
         Command::BenchTransfer(a) => bench_transfer::run(&a),
         #[cfg(feature = "cuda")]

@@ -3,9 +3,11 @@
 //! streamed multipart uploads with a bounded number of parts in flight, streamed downloads
 //! checked against their size and crc32c.
 
+use std::hash::{BuildHasher, RandomState};
 use std::io::{Read, Write};
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -198,7 +200,9 @@ impl RemoteStore {
         })
     }
 
-    /// Writes a whole object under a precondition.
+    /// Writes a whole object under a precondition. An ambiguous answer (a dropped connection,
+    /// a 409 while another conditional write is in flight, a 412 on the retry of a try that
+    /// had landed) is settled by reading the object back (see [`RemoteStore::put_resolved`]).
     ///
     /// # Errors
     /// [`RemoteError::Request`] for anything but a failed precondition (reported as
@@ -213,25 +217,85 @@ impl RemoteStore {
                 version: None,
             }),
         };
-        self.block_on(async {
+        self.block_on(self.put_resolved(&path, data, mode))
+            .map_err(self.err("PUT", key))
+    }
+
+    /// One conditional put, with the client's own retries on top of `object_store`'s (which
+    /// retries 5xx, `SlowDown`, 429, 408 and connection errors, but neither a dropped
+    /// connection after a conditional PUT was sent nor a 409 on put-if-absent):
+    /// - `AlreadyExists` / `Precondition`: the object is read back. Absent after
+    ///   put-if-absent: a 409 (a conditional write in flight) -> retried. Holding exactly
+    ///   `data`: an earlier try of this put landed -> [`PutOutcome::Written`]. Else
+    ///   [`PutOutcome::Exists`] / [`PutOutcome::Changed`]. Sound because the callers' bytes
+    ///   are unique to their save (they name its generation).
+    /// - a transport error (connection dropped or reset, a try past `request_timeout`) ->
+    ///   retried.
+    ///
+    /// Retries back off exponentially with jitter (`init_backoff` .. `max_backoff`), at most
+    /// `max_retries` of them, none started after `retry_timeout`.
+    ///
+    /// # Errors
+    /// The last `object_store` error.
+    pub async fn put_resolved(
+        &self,
+        path: &ObjPath,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<PutOutcome, object_store::Error> {
+        let mut backoff = Backoff::new(&self.opts);
+        loop {
             let r = self
                 .store
-                .put_opts(&path, PutPayload::from(data), PutOptions::from(mode))
+                .put_opts(
+                    path,
+                    PutPayload::from(data.clone()),
+                    PutOptions::from(mode.clone()),
+                )
                 .await;
-            match r {
-                Ok(r) => Ok(PutOutcome::Written(r.e_tag)),
-                Err(object_store::Error::AlreadyExists { .. })
-                    if matches!(cond, Condition::Absent) =>
-                {
-                    Ok(PutOutcome::Exists)
+            let e = match r {
+                Ok(r) => return Ok(PutOutcome::Written(r.e_tag)),
+                Err(e) => e,
+            };
+            let conditional = !matches!(mode, PutMode::Overwrite);
+            if conditional
+                && matches!(
+                    e,
+                    object_store::Error::AlreadyExists { .. }
+                        | object_store::Error::Precondition { .. }
+                )
+            {
+                match self.store.get(path).await {
+                    Ok(got) => {
+                        let etag = got.meta.e_tag.clone();
+                        let bytes = got.bytes().await?;
+                        if bytes == data {
+                            return Ok(PutOutcome::Written(etag));
+                        }
+                        return Ok(if matches!(mode, PutMode::Create) {
+                            PutOutcome::Exists
+                        } else {
+                            PutOutcome::Changed
+                        });
+                    }
+                    Err(object_store::Error::NotFound { .. })
+                        if matches!(mode, PutMode::Update(_)) =>
+                    {
+                        return Ok(PutOutcome::Changed);
+                    }
+                    // Put-if-absent refused, yet nothing there: a 409 (another conditional
+                    // write to the key was in flight): retry.
+                    Err(object_store::Error::NotFound { .. }) => {}
+                    Err(g) => return Err(g),
                 }
-                Err(object_store::Error::Precondition { .. }) => Ok(match cond {
-                    Condition::Absent => PutOutcome::Exists,
-                    _ => PutOutcome::Changed,
-                }),
-                Err(e) => Err(self.err("PUT", key)(e)),
+            } else if !is_transport(&e) {
+                return Err(e);
             }
-        })
+            match backoff.next() {
+                Some(sleep) => tokio::time::sleep(sleep).await,
+                None => return Err(e),
+            }
+        }
     }
 
     /// Keys (relative to the checkpoint's prefix) of every object under `sub` (`""`: all).
@@ -337,19 +401,15 @@ impl RemoteStore {
                 PutMode::Create
             };
             match self
-                .store
-                .put_opts(&path, PutPayload::from(data), PutOptions::from(mode))
+                .put_resolved(&path, Bytes::from(data), mode)
                 .await
+                .map_err(self.err("PUT", key))?
             {
-                Ok(_) => Ok((len, crc)),
-                Err(
-                    object_store::Error::AlreadyExists { .. }
-                    | object_store::Error::Precondition { .. },
-                ) => Err(RemoteError::Corrupt {
+                PutOutcome::Written(_) => Ok((len, crc)),
+                PutOutcome::Exists | PutOutcome::Changed => Err(RemoteError::Corrupt {
                     key: self.url.url_of(key),
                     detail: "the object exists already: a generation key was reused".into(),
                 }),
-                Err(e) => Err(self.err("PUT", key)(e)),
             }
         } else {
             let upload = self
@@ -360,10 +420,17 @@ impl RemoteStore {
             let part = self.opts.part_size.max(5 << 20);
             let mut w = WriteMultipart::new_with_chunk_size(upload, part);
             match self.stream_parts(&mut w, src, part).await {
-                Ok((len, crc)) => {
-                    w.finish().await.map_err(self.err("multipart PUT", key))?;
-                    Ok((len, crc))
-                }
+                Ok((len, crc)) => match w.finish().await {
+                    Ok(_) => Ok((len, crc)),
+                    // The completion's answer was lost and its retry found the upload gone
+                    // (completed by the first try): the object is there with every byte.
+                    // The key is fresh in this save's generation, so only this upload
+                    // can have written it.
+                    Err(e) => match self.store.head(&path).await {
+                        Ok(m) if m.size == len => Ok((len, crc)),
+                        _ => Err(self.err("multipart PUT", key)(e)),
+                    },
+                },
                 Err(e) => {
                     let _ = w.abort().await;
                     Err(e)
@@ -439,6 +506,66 @@ impl RemoteStore {
         }
         Ok(())
     }
+}
+
+/// Exponential backoff with decorrelated jitter for the client's own retries (the same policy
+/// as `object_store`'s): each sleep is drawn between `init_backoff` and 2x the previous one,
+/// capped at `max_backoff`; `None` once `max_retries` are spent or `retry_timeout` has passed.
+struct Backoff {
+    init: f64,
+    max: f64,
+    next: f64,
+    left: usize,
+    deadline: Instant,
+    seed: RandomState,
+    n: u64,
+}
+
+impl Backoff {
+    fn new(opts: &RemoteOptions) -> Self {
+        let init = opts.init_backoff.as_secs_f64();
+        Self {
+            init,
+            max: opts.max_backoff.as_secs_f64().max(init),
+            next: init,
+            left: opts.max_retries,
+            deadline: Instant::now() + opts.retry_timeout,
+            seed: RandomState::new(),
+            n: 0,
+        }
+    }
+
+    fn next(&mut self) -> Option<Duration> {
+        if self.left == 0 || Instant::now() >= self.deadline {
+            return None;
+        }
+        self.left -= 1;
+        self.n += 1;
+        #[allow(clippy::cast_precision_loss)] // a uniform draw in [0, 1)
+        let u = (self.seed.hash_one(self.n) >> 11) as f64 / (1u64 << 53) as f64;
+        let sleep = self.next;
+        let upper = (self.next * 2.0).max(self.init);
+        self.next = (self.init + u * (upper - self.init)).min(self.max);
+        Some(Duration::from_secs_f64(sleep.min(self.max)))
+    }
+}
+
+/// True for a transport failure (connection dropped, reset or refused, a try that timed out):
+/// worth retrying a conditional put whose outcome is then settled by reading back. A request
+/// error of `object_store` that carries no HTTP answer is one (its retry error type is not
+/// public, so the answer is recognised by its message: "Server returned ...").
+fn is_transport(e: &object_store::Error) -> bool {
+    let object_store::Error::Generic { source, .. } = e else {
+        return false;
+    };
+    let mut chain: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+    while let Some(s) = chain {
+        if s.to_string().contains("Server returned") {
+            return false;
+        }
+        chain = s.source();
+    }
+    true
 }
 
 fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {

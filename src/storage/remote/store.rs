@@ -1,7 +1,10 @@
 //! The storage seam ([`crate::storage::store::Store`]) on an object store: whole-object puts
-//! with put-if-absent / put-if-match, a bounded multipart writer, coalesced ranged gets,
-//! listing and deletes, all through `object_store`. No rename, no locks, no directories: the
-//! commit on such a store is the generation + pointer profile of [`super::generation`].
+//! with put-if-absent / put-if-match (retried, and settled by reading back after a lost
+//! answer: a conditional put of the bytes the object already holds counts as written, so
+//! callers that need mutual exclusion put bytes unique to themselves), a bounded multipart
+//! writer, coalesced ranged gets, listing and deletes, all through `object_store`. No rename,
+//! no locks, no directories: the commit on such a store is the generation + pointer profile
+//! of [`super::generation`].
 
 use std::io::IoSlice;
 use std::ops::Range;
@@ -11,7 +14,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use object_store::{PutPayload, WriteMultipart};
 
-use super::client::RemoteStore;
+use super::client::{PutOutcome, RemoteStore};
 use crate::storage::error::StorageError;
 use crate::storage::store::{
     Capabilities, ListResult, MultipartWrite, ObjectMeta, PutMode, PutResult, Store, check_location,
@@ -64,6 +67,24 @@ impl Store for RemoteStore {
             }),
         };
         let key = self.path(location);
+        if !matches!(om, object_store::PutMode::Overwrite) {
+            // Conditional: retried and, after a lost answer, settled by reading back (see
+            // `RemoteStore::put_resolved`): bytes equal to the object's count as written.
+            let whole = Bytes::from(payload.concat());
+            return match self.block_on(self.put_resolved(&key, whole, om)) {
+                Ok(PutOutcome::Written(e_tag)) => Ok(PutResult {
+                    e_tag,
+                    version: None,
+                }),
+                Ok(PutOutcome::Exists) => Err(StorageError::ObjectExists { path }),
+                Ok(PutOutcome::Changed) => Err(StorageError::Precondition {
+                    path,
+                    expected,
+                    found: "another version, or no object".into(),
+                }),
+                Err(e) => Err(io("PUT", path)(e)),
+            };
+        }
         let r = self.block_on(self.inner().put_opts(&key, data, om.into()));
         match r {
             Ok(r) => Ok(PutResult {

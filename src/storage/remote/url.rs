@@ -49,6 +49,24 @@ impl Scheme {
 }
 
 /// How a store is reached and how hard the client tries.
+///
+/// [`RemoteOptions::default`] is the built-in defaults below, each overridden by its
+/// environment variable when that is set (explicit fields set by the caller win over both):
+///
+/// | field | default | environment variable |
+/// |---|---|---|
+/// | `multipart_threshold` | 64 MiB | `ZARRCKPT_REMOTE_MULTIPART_THRESHOLD` (bytes) |
+/// | `part_size` | 16 MiB | `ZARRCKPT_REMOTE_PART_SIZE` (bytes) |
+/// | `parts_in_flight` | 4 | `ZARRCKPT_REMOTE_PARTS_IN_FLIGHT` |
+/// | `concurrency` | 8 | `ZARRCKPT_REMOTE_CONCURRENCY` |
+/// | `max_retries` | 10 | `ZARRCKPT_REMOTE_MAX_RETRIES` |
+/// | `init_backoff` | 100 ms | `ZARRCKPT_REMOTE_BACKOFF_INIT` (seconds) |
+/// | `max_backoff` | 10 s | `ZARRCKPT_REMOTE_BACKOFF_MAX` (seconds) |
+/// | `request_timeout` | 120 s | `ZARRCKPT_REMOTE_REQUEST_TIMEOUT` (seconds) |
+/// | `retry_timeout` | 300 s | `ZARRCKPT_REMOTE_RETRY_TIMEOUT` (seconds) |
+///
+/// A malformed variable is ignored by `default()` and reported by [`build_store`] (opening a
+/// store), naming the variable.
 #[derive(Clone, Debug)]
 pub struct RemoteOptions {
     /// Builder options (`object_store` config keys such as `aws_endpoint`, `aws_region`,
@@ -67,17 +85,40 @@ pub struct RemoteOptions {
     pub parts_in_flight: usize,
     /// Objects uploaded or fetched at once per rank.
     pub concurrency: usize,
-    /// Retries per request on 5xx, `SlowDown` (503), 429, 408 and, for conditional puts, 409,
-    /// with exponential backoff and jitter.
+    /// Retries per request on 5xx (`SlowDown` is a 503), 429, 408, connection errors and
+    /// dropped connections, and on 409 (a conditional write in flight elsewhere), with
+    /// exponential backoff and decorrelated jitter (`object_store`'s `RetryConfig`, plus the
+    /// client's own retries of conditional puts, see [`super::client`]).
     pub max_retries: usize,
-    /// The longest one request may take (each try).
+    /// The first backoff; each next one is drawn between it and 2x the previous one, capped
+    /// at `max_backoff`.
+    pub init_backoff: Duration,
+    /// The longest backoff between two tries.
+    pub max_backoff: Duration,
+    /// The deadline of one try of one request (connect, send, answer, body).
     pub request_timeout: Duration,
-    /// The longest one request may take including its retries.
+    /// The deadline of one request including its retries: after it no retry starts, and the
+    /// error names the key and the last HTTP status.
     pub retry_timeout: Duration,
 }
 
-impl Default for RemoteOptions {
-    fn default() -> Self {
+/// The environment variables [`RemoteOptions::default`] reads, with the field each sets.
+pub const OPTION_VARIABLES: [&str; 9] = [
+    "ZARRCKPT_REMOTE_MULTIPART_THRESHOLD",
+    "ZARRCKPT_REMOTE_PART_SIZE",
+    "ZARRCKPT_REMOTE_PARTS_IN_FLIGHT",
+    "ZARRCKPT_REMOTE_CONCURRENCY",
+    "ZARRCKPT_REMOTE_MAX_RETRIES",
+    "ZARRCKPT_REMOTE_BACKOFF_INIT",
+    "ZARRCKPT_REMOTE_BACKOFF_MAX",
+    "ZARRCKPT_REMOTE_REQUEST_TIMEOUT",
+    "ZARRCKPT_REMOTE_RETRY_TIMEOUT",
+];
+
+impl RemoteOptions {
+    /// The built-in defaults, without the environment.
+    #[must_use]
+    pub fn builtin() -> Self {
         Self {
             config: Vec::new(),
             allow_unconditional: false,
@@ -86,9 +127,77 @@ impl Default for RemoteOptions {
             parts_in_flight: 4,
             concurrency: 8,
             max_retries: 10,
+            init_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(10),
             request_timeout: Duration::from_secs(120),
             retry_timeout: Duration::from_secs(300),
         }
+    }
+
+    /// `self` with every set variable of [`OPTION_VARIABLES`] applied, reading them through
+    /// `var`.
+    ///
+    /// # Errors
+    /// The name of the first variable that does not parse (a non-negative integer, or for the
+    /// durations a non-negative number of seconds) and its value.
+    pub fn with_env_from(
+        mut self,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, (String, String)> {
+        for name in OPTION_VARIABLES {
+            let Some(v) = var(name) else { continue };
+            let bad = || (name.to_string(), v.clone());
+            let int = || v.trim().parse::<usize>().map_err(|_| bad());
+            let secs = || {
+                v.trim()
+                    .parse::<f64>()
+                    .ok()
+                    .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                    .ok_or_else(bad)
+            };
+            match name {
+                "ZARRCKPT_REMOTE_MULTIPART_THRESHOLD" => {
+                    self.multipart_threshold = u64::try_from(int()?).map_err(|_| bad())?;
+                }
+                "ZARRCKPT_REMOTE_PART_SIZE" => self.part_size = int()?,
+                "ZARRCKPT_REMOTE_PARTS_IN_FLIGHT" => self.parts_in_flight = int()?,
+                "ZARRCKPT_REMOTE_CONCURRENCY" => self.concurrency = int()?,
+                "ZARRCKPT_REMOTE_MAX_RETRIES" => self.max_retries = int()?,
+                "ZARRCKPT_REMOTE_BACKOFF_INIT" => self.init_backoff = secs()?,
+                "ZARRCKPT_REMOTE_BACKOFF_MAX" => self.max_backoff = secs()?,
+                "ZARRCKPT_REMOTE_REQUEST_TIMEOUT" => self.request_timeout = secs()?,
+                _ => self.retry_timeout = secs()?,
+            }
+        }
+        Ok(self)
+    }
+
+    /// `object_store`'s retry policy for these options.
+    #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
+    #[must_use]
+    pub fn retry_config(&self) -> object_store::RetryConfig {
+        object_store::RetryConfig {
+            backoff: object_store::BackoffConfig {
+                init_backoff: self.init_backoff,
+                max_backoff: self.max_backoff.max(self.init_backoff),
+                base: 2.0,
+            },
+            max_retries: self.max_retries,
+            retry_timeout: self.retry_timeout,
+        }
+    }
+}
+
+fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+impl Default for RemoteOptions {
+    /// [`RemoteOptions::builtin`] with the environment applied (a malformed variable is left
+    /// to [`build_store`] to report).
+    fn default() -> Self {
+        let builtin = Self::builtin();
+        builtin.clone().with_env_from(env_var).unwrap_or(builtin)
     }
 }
 
@@ -183,22 +292,9 @@ pub fn build_store(
             memory_store(&url.root) as Arc<dyn ObjectStore>,
             url.root.clone(),
         )),
-        Scheme::S3 => build_s3(url, opts),
-        Scheme::Gcs => build_gcs(url, opts),
-        Scheme::Azure => build_azure(url, opts),
-    }
-}
-
-#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
-fn retry(opts: &RemoteOptions) -> object_store::RetryConfig {
-    object_store::RetryConfig {
-        backoff: object_store::BackoffConfig {
-            init_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_secs(10),
-            base: 2.0,
-        },
-        max_retries: opts.max_retries,
-        retry_timeout: opts.retry_timeout,
+        Scheme::S3 => check_env(url).and_then(|()| build_s3(url, opts)),
+        Scheme::Gcs => check_env(url).and_then(|()| build_gcs(url, opts)),
+        Scheme::Azure => check_env(url).and_then(|()| build_azure(url, opts)),
     }
 }
 
@@ -210,30 +306,105 @@ fn configure_err(url: &RemoteUrl) -> impl Fn(object_store::Error) -> RemoteError
     }
 }
 
+/// What the three cloud builders share: `from_env`, the URL, the per-try timeout, the
+/// caller's config keys and the retry policy.
+#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
+trait CloudBuilder: Sized {
+    type Key: std::str::FromStr<Err = object_store::Error>;
+    fn from_env() -> Self;
+    fn with_url(self, url: String) -> Self;
+    fn with_config(self, key: Self::Key, value: String) -> Self;
+    fn with_retry(self, retry: object_store::RetryConfig) -> Self;
+}
+
+#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
+macro_rules! cloud_builder {
+    ($builder:ty, $key:ty) => {
+        impl CloudBuilder for $builder {
+            type Key = $key;
+            fn from_env() -> Self {
+                <$builder>::from_env()
+            }
+            fn with_url(self, url: String) -> Self {
+                <$builder>::with_url(self, url)
+            }
+            fn with_config(self, key: $key, value: String) -> Self {
+                <$builder>::with_config(self, key, value)
+            }
+            fn with_retry(self, retry: object_store::RetryConfig) -> Self {
+                <$builder>::with_retry(self, retry)
+            }
+        }
+    };
+}
+
+#[cfg(feature = "s3")]
+cloud_builder!(
+    object_store::aws::AmazonS3Builder,
+    object_store::aws::AmazonS3ConfigKey
+);
+#[cfg(feature = "gcs")]
+cloud_builder!(
+    object_store::gcp::GoogleCloudStorageBuilder,
+    object_store::gcp::GoogleConfigKey
+);
+#[cfg(feature = "azure")]
+cloud_builder!(
+    object_store::azure::MicrosoftAzureBuilder,
+    object_store::azure::AzureConfigKey
+);
+
+/// A builder from the environment, configured for `url` with `opts`; `adjust` runs after
+/// `from_env` and before the caller's keys (the S3 endpoint fallback).
+#[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
+fn configured<B: CloudBuilder>(
+    url: &RemoteUrl,
+    opts: &RemoteOptions,
+    adjust: impl FnOnce(B) -> B,
+) -> Result<B, RemoteError> {
+    let key = |k: &str| k.parse::<B::Key>().map_err(configure_err(url));
+    let mut b = adjust(B::from_env().with_url(url.root.clone()));
+    let timeout = format!("{}ms", opts.request_timeout.as_millis());
+    b = b.with_config(key("timeout")?, timeout);
+    for (k, v) in &opts.config {
+        b = b.with_config(key(k)?, v.clone());
+    }
+    Ok(b.with_retry(opts.retry_config()))
+}
+
+/// Reports a malformed `ZARRCKPT_REMOTE_*` variable (which `default()` ignored).
+fn check_env(url: &RemoteUrl) -> Result<(), RemoteError> {
+    RemoteOptions::builtin()
+        .with_env_from(env_var)
+        .map(drop)
+        .map_err(|(name, value)| RemoteError::Url {
+            url: url.url(),
+            reason: format!(
+                "environment variable {name}={value:?} is not a non-negative number (bytes, a count, or seconds)"
+            ),
+        })
+}
+
 #[cfg(feature = "s3")]
 fn build_s3(
     url: &RemoteUrl,
     opts: &RemoteOptions,
 ) -> Result<(Arc<dyn ObjectStore>, String), RemoteError> {
     use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey, S3ConditionalPut};
-    let mut b = AmazonS3Builder::from_env().with_url(url.root.clone());
-    // `AWS_ENDPOINT_URL` (the AWS CLI's and SDKs' name) when `AWS_ENDPOINT` is not set.
-    if b.get_config_value(&AmazonS3ConfigKey::Endpoint).is_none()
-        && let Ok(e) = std::env::var("AWS_ENDPOINT_URL")
-    {
-        b = b.with_endpoint(e);
-    }
-    let timeout = format!("{}ms", opts.request_timeout.as_millis());
-    b = b.with_config("timeout".parse().map_err(configure_err(url))?, timeout);
-    for (k, v) in &opts.config {
-        b = b.with_config(k.parse().map_err(configure_err(url))?, v.clone());
-    }
+    let b = configured(url, opts, |b: AmazonS3Builder| {
+        // `AWS_ENDPOINT_URL` (the AWS CLI's and SDKs' name) when `AWS_ENDPOINT` is not set.
+        match std::env::var("AWS_ENDPOINT_URL") {
+            Ok(e) if b.get_config_value(&AmazonS3ConfigKey::Endpoint).is_none() => {
+                b.with_endpoint(e)
+            }
+            _ => b,
+        }
+    })?;
     let endpoint = b
         .get_config_value(&AmazonS3ConfigKey::Endpoint)
         .unwrap_or_else(|| url.root.clone());
     let store = b
         .with_conditional_put(S3ConditionalPut::ETagMatch)
-        .with_retry(retry(opts))
         .build()
         .map_err(configure_err(url))?;
     Ok((Arc::new(store), endpoint))
@@ -244,17 +415,12 @@ fn build_gcs(
     url: &RemoteUrl,
     opts: &RemoteOptions,
 ) -> Result<(Arc<dyn ObjectStore>, String), RemoteError> {
-    use object_store::gcp::GoogleCloudStorageBuilder;
-    let mut b = GoogleCloudStorageBuilder::from_env().with_url(url.root.clone());
-    let timeout = format!("{}ms", opts.request_timeout.as_millis());
-    b = b.with_config("timeout".parse().map_err(configure_err(url))?, timeout);
-    for (k, v) in &opts.config {
-        b = b.with_config(k.parse().map_err(configure_err(url))?, v.clone());
-    }
-    let store = b
-        .with_retry(retry(opts))
-        .build()
-        .map_err(configure_err(url))?;
+    let b = configured(
+        url,
+        opts,
+        |b: object_store::gcp::GoogleCloudStorageBuilder| b,
+    )?;
+    let store = b.build().map_err(configure_err(url))?;
     Ok((Arc::new(store), url.root.clone()))
 }
 
@@ -263,17 +429,8 @@ fn build_azure(
     url: &RemoteUrl,
     opts: &RemoteOptions,
 ) -> Result<(Arc<dyn ObjectStore>, String), RemoteError> {
-    use object_store::azure::MicrosoftAzureBuilder;
-    let mut b = MicrosoftAzureBuilder::from_env().with_url(url.root.clone());
-    let timeout = format!("{}ms", opts.request_timeout.as_millis());
-    b = b.with_config("timeout".parse().map_err(configure_err(url))?, timeout);
-    for (k, v) in &opts.config {
-        b = b.with_config(k.parse().map_err(configure_err(url))?, v.clone());
-    }
-    let store = b
-        .with_retry(retry(opts))
-        .build()
-        .map_err(configure_err(url))?;
+    let b = configured(url, opts, |b: object_store::azure::MicrosoftAzureBuilder| b)?;
+    let store = b.build().map_err(configure_err(url))?;
     Ok((Arc::new(store), url.root.clone()))
 }
 
@@ -330,5 +487,39 @@ mod tests {
         assert!(RemoteUrl::parse("s3://b/a//c").is_err());
         assert!(RemoteUrl::parse("s3://b/a/../c").is_err());
         assert!(!is_url("/tmp/x") && is_url("gs://b/x"));
+    }
+
+    #[test]
+    fn options_from_the_environment() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| (*v).to_string())
+            }
+        };
+        let o = RemoteOptions::builtin()
+            .with_env_from(env(&[
+                ("ZARRCKPT_REMOTE_MAX_RETRIES", "3"),
+                ("ZARRCKPT_REMOTE_RETRY_TIMEOUT", "2.5"),
+                ("ZARRCKPT_REMOTE_BACKOFF_INIT", "0.01"),
+                ("ZARRCKPT_REMOTE_PART_SIZE", "5242880"),
+            ]))
+            .unwrap();
+        assert_eq!(o.max_retries, 3);
+        assert_eq!(o.retry_timeout, Duration::from_millis(2500));
+        assert_eq!(o.init_backoff, Duration::from_millis(10));
+        assert_eq!(o.part_size, 5 << 20);
+        assert_eq!(o.request_timeout, RemoteOptions::builtin().request_timeout);
+        let bad = RemoteOptions::builtin()
+            .with_env_from(env(&[("ZARRCKPT_REMOTE_REQUEST_TIMEOUT", "-1")]))
+            .unwrap_err();
+        assert_eq!(bad.0, "ZARRCKPT_REMOTE_REQUEST_TIMEOUT");
+        assert!(
+            RemoteOptions::builtin()
+                .with_env_from(env(&[("ZARRCKPT_REMOTE_CONCURRENCY", "many")]))
+                .is_err()
+        );
     }
 }
