@@ -228,13 +228,15 @@ pub fn save_to_url<R>(
             },
             etag,
         });
-        let r = generation::commit_generation(
-            &store,
-            &generation,
-            all,
-            &staging.join(generation::ROOT),
-            previous.as_ref(),
-        );
+        let root_local = staging.join(generation::ROOT);
+        let r = std::fs::read(&root_local)
+            .map_err(|e| RemoteError::Io {
+                path: root_local.clone(),
+                source: e,
+            })
+            .and_then(|root| {
+                generation::commit_generation(&store, &generation, all, root, previous.as_ref())
+            });
         let _ = std::fs::remove_dir_all(&staging_parent);
         let msg = r.as_ref().err().map(ToString::to_string);
         comm.broadcast(0, &serde_json::to_vec(&msg).expect("serialises"))?;
