@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::state::{self, RankState};
 use zarrckpt::comm::run_local;
-use zarrckpt::remote::{self, RemoteError, RemoteOptions, RemoteStore, SaveTarget};
+use zarrckpt::remote::{self, RemoteError, RemoteOptions, RemoteStore};
 use zarrckpt::{Checkpoint, Communicator, Error, LocalComm, SaveOptions, save};
 
 /// One SeaweedFS for the whole test binary (each test uses its own prefix).
@@ -65,7 +65,17 @@ fn s3_url(name: &str) -> String {
     format!("s3://{}/{name}", s3_server::BUCKET)
 }
 
-/// Saves the test state of `step` with `world` in-process ranks to `url`.
+/// Save options writing to an object store through `ropts`.
+fn remote_save_opts(ropts: &RemoteOptions, overwrite: bool) -> SaveOptions {
+    SaveOptions {
+        overwrite,
+        remote: ropts.clone(),
+        ..SaveOptions::default()
+    }
+}
+
+/// Saves the test state of `step` with `world` in-process ranks straight to `url` (the
+/// ordinary `save`, given the URL as its path).
 fn save_state(
     url: &str,
     world: usize,
@@ -73,18 +83,18 @@ fn save_state(
     ropts: &RemoteOptions,
     overwrite: bool,
 ) -> Vec<zarrckpt::Result<String>> {
-    let staging = tempfile::tempdir().unwrap();
-    let target = SaveTarget {
-        overwrite,
-        staging_root: Some(staging.path().to_path_buf()),
-    };
+    let opts = remote_save_opts(ropts, overwrite);
     run_local(world, Duration::from_secs(60), |comm| {
         let st = RankState::new(world as u64, comm.rank() as u64, step);
-        remote::save_to_url(url, &comm, ropts, &target, |dir| {
-            save(&st.sharded(), dir, &comm, &SaveOptions::default())
-        })
-        .map(|s| s.generation)
+        save(&st.sharded(), Path::new(url), &comm, &opts)?;
+        committed_generation(url, ropts)
     })
+}
+
+/// The generation committed at `url`.
+fn committed_generation(url: &str, ropts: &RemoteOptions) -> zarrckpt::Result<String> {
+    let store = RemoteStore::open(url, ropts)?;
+    Ok(remote::resolve(&store)?.generation)
 }
 
 /// Every tensor of two checkpoint directories, read whole, is bit-identical.
@@ -155,26 +165,20 @@ fn an_existing_checkpoint_is_kept_without_overwrite_and_replaced_with_it() {
         matches!(e, Error::Remote(RemoteError::Exists { .. })),
         "{e}"
     );
-    // A save that fails after staging (here: the local save itself) commits nothing.
-    let staging = tempfile::tempdir().unwrap();
-    let target = SaveTarget {
-        overwrite: true,
-        staging_root: Some(staging.path().to_path_buf()),
-    };
+    // A save that fails after it started writing (here: its deadline passed) commits
+    // nothing and keeps the old checkpoint.
     let comm = LocalComm::single();
-    let failed = remote::save_to_url(
-        &url,
-        &comm,
-        &ropts,
-        &target,
-        |_dir| -> zarrckpt::Result<()> {
-            Err(Error::RemoteFailure {
-                rank: 0,
-                message: "injected".into(),
-            })
-        },
+    let st = RankState::new(1, 0, 2);
+    let late = SaveOptions {
+        deadline: Some(Duration::ZERO),
+        ..remote_save_opts(&ropts, true)
+    };
+    let failed = save(&st.sharded(), Path::new(&url), &comm, &late).unwrap_err();
+    assert!(failed.to_string().contains("deadline"), "{failed}");
+    assert!(
+        failed.to_string().contains(&format!("{url}/generations/")),
+        "{failed}"
     );
-    assert!(failed.is_err());
     state::check(remote::fetch_url(&url, &ropts, None).unwrap().dir(), 1);
     let g2 = save_state(&url, 2, 2, &ropts, true).remove(0).unwrap();
     assert!(g2 > g1);
@@ -198,26 +202,30 @@ fn two_concurrent_writers_exactly_one_commits() {
     let ropts = s3_opts();
     for round in 0..20u64 {
         let url = s3_url(&format!("race/{round}"));
-        // Both writers read the (absent) pointer before either commits: the barrier is inside
-        // the local save, which runs after the pointer was read.
+        // Both writers read the (absent) pointer before either commits: they meet at a
+        // barrier after their first shard is written (the progress callback), which is after
+        // the pointer was read and before the commit.
         let barrier = Arc::new(Barrier::new(2));
         let results: Vec<zarrckpt::Result<String>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..2u64)
                 .map(|w| {
                     let (barrier, url, ropts) = (Arc::clone(&barrier), url.clone(), ropts.clone());
                     s.spawn(move || {
-                        let staging = tempfile::tempdir().unwrap();
-                        let target = SaveTarget {
-                            overwrite: false,
-                            staging_root: Some(staging.path().to_path_buf()),
+                        let met = std::sync::atomic::AtomicBool::new(false);
+                        let b2 = Arc::clone(&barrier);
+                        let opts = SaveOptions {
+                            progress: Some(Arc::new(move |_| {
+                                if !met.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                                    b2.wait();
+                                }
+                            })),
+                            io_threads: 1,
+                            ..remote_save_opts(&ropts, false)
                         };
                         let comm = LocalComm::single();
                         let st = RankState::new(1, 0, 10 + w);
-                        remote::save_to_url(&url, &comm, &ropts, &target, |dir| {
-                            barrier.wait();
-                            save(&st.sharded(), dir, &comm, &SaveOptions::default())
-                        })
-                        .map(|s| s.generation)
+                        save(&st.sharded(), Path::new(&url), &comm, &opts)?;
+                        committed_generation(&url, &ropts)
                     })
                 })
                 .collect();
@@ -255,11 +263,6 @@ fn large_shards_go_as_multipart_uploads() {
     let key = zarrckpt::TensorKey::new("big").unwrap();
     let shape = vec![4u64 << 20];
     let full = common::tensor_bytes(7, &shape, zarrckpt::DType::Float32);
-    let staging = tempfile::tempdir().unwrap();
-    let target = SaveTarget {
-        overwrite: false,
-        staging_root: Some(staging.path().to_path_buf()),
-    };
     let comm = LocalComm::single();
     let t = zarrckpt::ShardedTensor::new(
         key.clone(),
@@ -270,9 +273,12 @@ fn large_shards_go_as_multipart_uploads() {
         &full,
     )
     .unwrap();
-    remote::save_to_url(&url, &comm, &ropts, &target, |dir| {
-        save(&[t], dir, &comm, &SaveOptions::default())
-    })
+    save(
+        &[t],
+        Path::new(&url),
+        &comm,
+        &remote_save_opts(&ropts, false),
+    )
     .unwrap();
     let f = remote::fetch_url(&url, &ropts, None).unwrap();
     let biggest = f
@@ -302,11 +308,6 @@ fn a_rank_whose_upload_fails_is_named_on_every_rank() {
         return;
     }
     let (url, ropts) = (s3_url("rank-failure"), s3_opts());
-    let staging = tempfile::tempdir().unwrap();
-    let target = SaveTarget {
-        overwrite: false,
-        staging_root: Some(staging.path().to_path_buf()),
-    };
     // Rank 1 reaches the store through a port where nothing listens (a permanent failure of
     // its uploads after its retries); rank 0 reaches SeaweedFS.
     let dead_port = s3_server::free_ports(1)[0];
@@ -318,9 +319,12 @@ fn a_rank_whose_upload_fails_is_named_on_every_rank() {
     let results = run_local(2, Duration::from_secs(60), |comm| {
         let st = RankState::new(2, comm.rank() as u64, 1);
         let ropts = if comm.rank() == 1 { &broken } else { &ropts };
-        remote::save_to_url(&url, &comm, ropts, &target, |dir| {
-            save(&st.sharded(), dir, &comm, &SaveOptions::default())
-        })
+        save(
+            &st.sharded(),
+            Path::new(&url),
+            &comm,
+            &remote_save_opts(ropts, false),
+        )
     });
     for (rank, r) in results.iter().enumerate() {
         let e = r.as_ref().unwrap_err();
