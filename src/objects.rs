@@ -133,7 +133,12 @@ pub(crate) fn write_values(
     agreed: &AgreedObjects<'_>,
     save_id: crate::storage::footer::SaveId,
 ) -> Result<u64> {
-    write_values_to(&crate::storage::store::LocalStore::new(dir), rank, agreed, save_id)
+    write_values_to(
+        &crate::storage::store::LocalStore::new(dir),
+        rank,
+        agreed,
+        save_id,
+    )
 }
 
 /// [`write_values`] through the storage seam (`to` holds the checkpoint at its root).

@@ -448,9 +448,10 @@ pub(crate) fn write_files_to(
             })
             .try_reduce(|| (0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1)))?;
         if sync {
-            tasks.writes.par_iter().try_for_each(|w| {
-                store.sync(&arrays[&w.tensor].chunk_location(&w.chunk))
-            })?;
+            tasks
+                .writes
+                .par_iter()
+                .try_for_each(|w| store.sync(&arrays[&w.tensor].chunk_location(&w.chunk)))?;
             prefixes.par_iter().try_for_each(|p| store.sync_prefix(p))?;
         }
         Ok(totals)
