@@ -575,3 +575,55 @@ open("{out}", "wb").write(a.read().result().tobytes())
         "tensorstore read other bytes"
     );
 }
+
+/// Objects go straight to the store in the same commit as the tensors; a `Saver`'s
+/// synchronous save takes a URL too (and reuses its plan), while an asynchronous save refuses
+/// one with an error naming it.
+#[test]
+fn objects_and_the_saver_save_straight_to_the_store() {
+    use serde_json::json;
+    use zarrckpt::{ObjectSlot, SaveRequest, Saver, StateObject};
+    let url = "memory://direct/objects";
+    let ropts = RemoteOptions::default();
+    let opts = remote_save_opts(&ropts, false);
+    run_local(2, Duration::from_secs(60), |comm| {
+        let st = RankState::new(2, comm.rank() as u64, 7);
+        let objs = vec![
+            StateObject::common("iteration", json!(7)).unwrap(),
+            StateObject::per_rank("rng", vec![comm.rank() as u8; 16]).unwrap(),
+        ];
+        zarrckpt::save_with_objects(&st.sharded(), &objs, Path::new(url), &comm, &opts).unwrap();
+    });
+    let f = remote::fetch_url(url, &ropts, None).unwrap();
+    state::check(f.dir(), 7);
+    let ck = Checkpoint::open(f.dir()).unwrap();
+    let it = zarrckpt::TensorKey::new("iteration").unwrap();
+    assert_eq!(
+        format!("{:?}", ck.read_object(&it, &ObjectSlot::Common).unwrap()),
+        format!("{:?}", zarrckpt::ObjectValue::from(json!(7)))
+    );
+    let rng = zarrckpt::TensorKey::new("rng").unwrap();
+    assert_eq!(
+        format!("{:?}", ck.read_object(&rng, &ObjectSlot::Rank(1)).unwrap()),
+        format!("{:?}", zarrckpt::ObjectValue::from(vec![1u8; 16]))
+    );
+
+    let url2 = "memory://direct/saver";
+    let mut saver = Saver::new(Arc::new(LocalComm::single()));
+    let st = RankState::new(1, 0, 8);
+    let req = SaveRequest::new().with_tensors(st.sharded());
+    saver.save(&req, Path::new(url2), &opts).unwrap();
+    let again = SaveOptions {
+        overwrite: true,
+        ..opts.clone()
+    };
+    let st9 = RankState::new(1, 0, 9);
+    let req9 = SaveRequest::new().with_tensors(st9.sharded());
+    assert!(saver.save(&req9, Path::new(url2), &again).unwrap().plan_reused);
+    state::check(remote::fetch_url(url2, &ropts, None).unwrap().dir(), 9);
+    let e = saver
+        .save_async(&req9, Path::new(url2), &again)
+        .and_then(|h| h.wait())
+        .unwrap_err();
+    assert!(e.to_string().contains(url2), "{e}");
+}
