@@ -1,4 +1,5 @@
-"""Saving straight to an object store from Python: ``zarrckpt.save("s3://...", ...)`` against a
+"""Saving straight to an object store from Python: ``zarrckpt._core.save("s3://...", ...)`` and
+``zarrckpt.torch.save`` against a
 real S3 server on loopback (SeaweedFS, started by the ``s3_server`` fixture). The committed
 generation is read back with tensorstore, which knows nothing of zarrckpt beyond the pointer."""
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from s3_server import BUCKET, s3_server  # noqa: F401  (the fixture)
 
-import zarrckpt
+from zarrckpt import _core
 
 
 def _env(server, monkeypatch):
@@ -33,13 +34,13 @@ def test_save_to_an_s3_url_commits_a_generation_that_tensorstore_reads(s3_server
     prefix = "py/step-1"
     url = f"s3://{BUCKET}/{prefix}"
     a = np.arange(64 * 48, dtype=np.float32).reshape(64, 48)
-    report = zarrckpt.save(url, [zarrckpt.Piece("w", a, a.shape)], {"step": 1})
+    report = _core.save(url, [_core.Piece("w", a, a.shape)], {"step": 1})
     assert report["tensors"] == 1 and report["chunks_written"] >= 1
     # A second save without overwrite is refused, naming the URL; with it, a new generation.
     with pytest.raises(Exception, match="already exists"):
-        zarrckpt.save(url, [zarrckpt.Piece("w", a, a.shape)])
+        _core.save(url, [_core.Piece("w", a, a.shape)])
     b = a * 2
-    zarrckpt.save(url, [zarrckpt.Piece("w", b, b.shape)], overwrite=True)
+    _core.save(url, [_core.Piece("w", b, b.shape)], overwrite=True)
 
     kv = ts.KvStore.open(_kvstore(s3_server, prefix + "/")).result()
     pointer = json.loads(kv.read("zarrckpt.pointer.json").result().value)
@@ -57,3 +58,31 @@ def test_save_to_an_s3_url_commits_a_generation_that_tensorstore_reads(s3_server
         read=True,
     ).result()
     np.testing.assert_array_equal(arr.read().result(), b)
+
+
+def test_torch_save_of_a_state_dict_to_an_s3_url(s3_server, monkeypatch):  # noqa: F811
+    torch = pytest.importorskip("torch")
+    ts = pytest.importorskip("tensorstore")
+    import zarrckpt.torch as zt
+
+    _env(s3_server, monkeypatch)
+    prefix = "py/torch"
+    sd = {"layer.weight": torch.arange(32 * 8, dtype=torch.float32).reshape(32, 8)}
+    zt.save(sd, f"s3://{BUCKET}/{prefix}")
+    kv = ts.KvStore.open(_kvstore(s3_server, prefix + "/")).result()
+    generation = json.loads(kv.read("zarrckpt.pointer.json").result().value)["generation"]
+    manifest = json.loads(
+        kv.read(f"generations/{generation}/zarrckpt.manifest.json").result().value
+    )
+    arrays = [o["key"] for o in manifest["objects"] if o["key"].endswith("weight/zarr.json")]
+    assert len(arrays) == 1, manifest
+    arr = ts.open(
+        {
+            "driver": "zarr3",
+            "kvstore": _kvstore(
+                s3_server, f"{prefix}/generations/{generation}/{arrays[0][: -len('zarr.json')]}"
+            ),
+        },
+        read=True,
+    ).result()
+    np.testing.assert_array_equal(arr.read().result(), sd["layer.weight"].numpy())
