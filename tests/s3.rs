@@ -619,7 +619,12 @@ fn objects_and_the_saver_save_straight_to_the_store() {
     };
     let st9 = RankState::new(1, 0, 9);
     let req9 = SaveRequest::new().with_tensors(st9.sharded());
-    assert!(saver.save(&req9, Path::new(url2), &again).unwrap().plan_reused);
+    assert!(
+        saver
+            .save(&req9, Path::new(url2), &again)
+            .unwrap()
+            .plan_reused
+    );
     state::check(remote::fetch_url(url2, &ropts, None).unwrap().dir(), 9);
     let e = saver
         .save_async(&req9, Path::new(url2), &again)
