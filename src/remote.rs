@@ -1,5 +1,5 @@
 //! Checkpoints on object stores (feature `object-store`). A save goes straight to the store:
-//! give [`crate::save`] (or `save_with_objects`, `Saver::save`) the URL as its path, with
+//! give [`crate::save()`] (or `save_with_objects`, `Saver::save`) the URL as its path, with
 //! [`crate::SaveOptions::remote`]; each rank writes its objects into a fresh generation and
 //! rank 0 commits without rename (the object-store profile of the commit in
 //! `spec/format.md`). [`save_to_url`] uploads what a local save (or a copy) writes into a
