@@ -316,16 +316,19 @@ fn a_rank_whose_upload_fails_is_named_on_every_rank() {
         retry_timeout: Duration::from_secs(5),
         ..opts_for(&format!("http://127.0.0.1:{dead_port}"))
     };
+    // Every rank returns within the save's deadline (no rank waits on the failed one).
+    let deadline = Duration::from_secs(30);
+    let t0 = std::time::Instant::now();
     let results = run_local(2, Duration::from_secs(60), |comm| {
         let st = RankState::new(2, comm.rank() as u64, 1);
         let ropts = if comm.rank() == 1 { &broken } else { &ropts };
-        save(
-            &st.sharded(),
-            Path::new(&url),
-            &comm,
-            &remote_save_opts(ropts, false),
-        )
+        let opts = SaveOptions {
+            deadline: Some(deadline),
+            ..remote_save_opts(ropts, false)
+        };
+        save(&st.sharded(), Path::new(&url), &comm, &opts)
     });
+    assert!(t0.elapsed() < deadline, "{:?}", t0.elapsed());
     for (rank, r) in results.iter().enumerate() {
         let e = r.as_ref().unwrap_err();
         let text = e.to_string();
