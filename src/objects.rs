@@ -116,9 +116,34 @@ pub(crate) fn write_groups(dir: &Path, agreed: &AgreedObjects<'_>) -> Result<()>
     store::write_groups(dir, entries.iter()).map_err(Error::from)
 }
 
+/// [`write_groups`] through the storage seam (a save to an object store).
+#[cfg(feature = "object-store")]
+pub(crate) fn write_groups_to(
+    to: &dyn crate::storage::store::Store,
+    agreed: &AgreedObjects<'_>,
+) -> Result<()> {
+    let entries = index_entries(agreed);
+    store::write_groups_to(to, entries.iter()).map_err(Error::from)
+}
+
 /// Save step: writes the values this rank was assigned, durably. Returns the file bytes.
 pub(crate) fn write_values(
     dir: &Path,
+    rank: u32,
+    agreed: &AgreedObjects<'_>,
+    save_id: crate::storage::footer::SaveId,
+) -> Result<u64> {
+    write_values_to(
+        &crate::storage::store::LocalStore::new(dir),
+        rank,
+        agreed,
+        save_id,
+    )
+}
+
+/// [`write_values`] through the storage seam (`to` holds the checkpoint at its root).
+pub(crate) fn write_values_to(
+    to: &dyn crate::storage::store::Store,
     rank: u32,
     agreed: &AgreedObjects<'_>,
     save_id: crate::storage::footer::SaveId,
@@ -137,7 +162,7 @@ pub(crate) fn write_values(
         let Some(entry) = entries.get(obj.key()) else {
             continue;
         };
-        n += store::write_value(dir, obj.key(), entry, &slot, bytes, save_id)?;
+        n += store::write_value_to(to, obj.key(), entry, &slot, bytes, save_id)?;
     }
     Ok(n)
 }

@@ -1,20 +1,23 @@
-//! Checkpoints on object stores (feature `object-store`), for every rank: a save is written
-//! into a local staging directory by the ordinary local save, uploaded by all ranks in
-//! parallel into a fresh generation, and committed without rename (the object-store profile
-//! of the commit in `spec/format.md`); a load resolves the pointer, fetches the committed
-//! generation's objects (each checked against the manifest's size and crc32c) into a local
-//! directory, and opens that with the ordinary local reader.
+//! Checkpoints on object stores (feature `object-store`). A save goes straight to the store:
+//! give [`crate::save()`] (or `save_with_objects`, `Saver::save`) the URL as its path, with
+//! [`crate::SaveOptions::remote`]; each rank writes its objects into a fresh generation and
+//! rank 0 commits without rename (the object-store profile of the commit in
+//! `spec/format.md`). [`save_to_url`] uploads what a local save (or a copy) writes into a
+//! staging directory (`zarrckpt cp DIR URL`); a load resolves the pointer, fetches the
+//! committed generation's objects (each checked against the manifest's size and crc32c) into a
+//! local directory, and opens that with the ordinary local reader.
 //!
 //! ```no_run
 //! # fn main() -> zarrckpt::Result<()> {
 //! use zarrckpt::remote::{self, RemoteOptions};
 //! let comm = zarrckpt::LocalComm::single();
 //! # let pieces: Vec<zarrckpt::ShardedTensor<'_>> = Vec::new();
-//! let ropts = RemoteOptions::default();
-//! remote::save_to_url("s3://bucket/run/step-100", &comm, &ropts, &remote::SaveTarget::default(), |dir| {
-//!     zarrckpt::save(&pieces, dir, &comm, &zarrckpt::SaveOptions::default())
-//! })?;
-//! let fetched = remote::fetch_url("s3://bucket/run/step-100", &ropts, None)?;
+//! let opts = zarrckpt::SaveOptions {
+//!     remote: RemoteOptions::default(),
+//!     ..Default::default()
+//! };
+//! zarrckpt::save(&pieces, "s3://bucket/run/step-100".as_ref(), &comm, &opts)?;
+//! let fetched = remote::fetch_url("s3://bucket/run/step-100", &opts.remote, None)?;
 //! let ckpt = zarrckpt::Checkpoint::open(fetched.dir())?;
 //! # let _ = ckpt; Ok(()) }
 //! ```
@@ -228,13 +231,15 @@ pub fn save_to_url<R>(
             },
             etag,
         });
-        let r = generation::commit_generation(
-            &store,
-            &generation,
-            all,
-            &staging.join(generation::ROOT),
-            previous.as_ref(),
-        );
+        let root_local = staging.join(generation::ROOT);
+        let r = std::fs::read(&root_local)
+            .map_err(|e| RemoteError::Io {
+                path: root_local.clone(),
+                source: e,
+            })
+            .and_then(|root| {
+                generation::commit_generation(&store, &generation, all, root, previous.as_ref())
+            });
         let _ = std::fs::remove_dir_all(&staging_parent);
         let msg = r.as_ref().err().map(ToString::to_string);
         comm.broadcast(0, &serde_json::to_vec(&msg).expect("serialises"))?;

@@ -2,6 +2,8 @@
 //! files and committing ([`save`] and [`crate::Saver`] run these steps), and the one value a
 //! rank saves ([`SaveRequest`]).
 
+#[cfg(feature = "object-store")]
+mod remote;
 mod request;
 
 use std::borrow::Cow;
@@ -27,6 +29,7 @@ use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source
 use crate::storage::commit::{SaveLock, Target};
 use crate::storage::footer::SaveId;
 use crate::storage::meta::tensor_path;
+use crate::storage::store::Store;
 use crate::storage::{CheckpointMeta, Compression, TensorArray, TensorEntry, commit, fsio, write};
 
 pub use crate::coord::Progress;
@@ -50,6 +53,15 @@ pub struct SaveOptions {
     pub user_metadata: serde_json::Map<String, serde_json::Value>,
     /// Progress callback, in bytes of tensor data written by this rank.
     pub progress: Option<Progress>,
+    /// The longest a save to an object store may take: a write that would start later fails
+    /// (naming its object), and every rank returns an error naming the rank that failed.
+    /// `None`: no deadline beyond each request's own timeouts.
+    pub deadline: Option<Duration>,
+    /// How a save to an object-store URL (`s3://bucket/prefix`, `gs://`, `az://`,
+    /// `memory://`) reaches the store: endpoint, credentials (over the environment), multipart
+    /// threshold, part size and parts in flight, retries.
+    #[cfg(feature = "object-store")]
+    pub remote: crate::storage::remote::RemoteOptions,
 }
 
 impl Default for SaveOptions {
@@ -62,6 +74,9 @@ impl Default for SaveOptions {
             io_threads: 0,
             user_metadata: serde_json::Map::new(),
             progress: None,
+            deadline: None,
+            #[cfg(feature = "object-store")]
+            remote: crate::storage::remote::RemoteOptions::default(),
         }
     }
 }
@@ -74,6 +89,7 @@ impl std::fmt::Debug for SaveOptions {
             .field("grid", &self.grid)
             .field("balance_replicas", &self.balance_replicas)
             .field("io_threads", &self.io_threads)
+            .field("deadline", &self.deadline)
             .finish_non_exhaustive()
     }
 }
@@ -375,10 +391,38 @@ fn write_files(
     opts: &SaveOptions,
     id: SaveId,
 ) -> Result<(u64, u64)> {
-    let arrays = open_arrays(dir, plan, tasks, opts, id)?;
+    let store = crate::storage::store::LocalStore::new(dir);
+    write_files_to(&store, dir, plan, tasks, local, received, opts, id)
+}
+
+/// [`write_files`] through the storage seam: `store` holds the checkpoint at its root (a
+/// local directory, or a fresh generation on an object store), `root` names it in messages.
+/// Shards go through the one shard writer; where the store has
+/// [`crate::storage::store::Capabilities::explicit_sync`] (a file system) the shards and
+/// their directories are synced afterwards, elsewhere a completed write is durable.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn write_files_to(
+    store: &dyn Store,
+    root: &Path,
+    plan: &SavePlan,
+    tasks: &RankTasks,
+    local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
+    received: &[Vec<Vec<u8>>],
+    opts: &SaveOptions,
+    id: SaveId,
+) -> Result<(u64, u64)> {
+    let arrays = open_arrays(root, plan, tasks, opts, id)?;
     let pool = io_pool(opts.io_threads)?;
+    let sync = store.capabilities().explicit_sync;
     let (data, files) = pool.install(|| -> Result<(u64, u64)> {
-        let dirs = write_array_documents(tasks, &arrays)?;
+        tasks
+            .metadata
+            .par_iter()
+            .try_for_each(|ti| write::write_array_metadata_to(store, &arrays[ti]))?;
+        let prefixes: BTreeSet<&str> = arrays.values().map(|a| a.entry().path.as_str()).collect();
+        for p in &prefixes {
+            store.create_prefix(p)?;
+        }
         let totals = tasks
             .writes
             .par_iter()
@@ -387,7 +431,8 @@ fn write_files(
                 let tp = &plan.tensors[w.tensor];
                 let (src, src_box) = chunk_source(tp, w, local, recv);
                 let arr = &arrays[&w.tensor];
-                let n = write::write_shard(
+                let n = write::write_shard_to(
+                    store,
                     arr,
                     &w.chunk,
                     &src,
@@ -402,11 +447,13 @@ fn write_files(
                 Ok((data, n))
             })
             .try_reduce(|| (0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1)))?;
-        tasks
-            .writes
-            .par_iter()
-            .try_for_each(|w| write::sync_file(&arrays[&w.tensor].chunk_path(&w.chunk)))?;
-        dirs.par_iter().try_for_each(|d| fsio::fsync_dir(d))?;
+        if sync {
+            tasks
+                .writes
+                .par_iter()
+                .try_for_each(|w| store.sync(&arrays[&w.tensor].chunk_location(&w.chunk)))?;
+            prefixes.par_iter().try_for_each(|p| store.sync_prefix(p))?;
+        }
         Ok(totals)
     })?;
     Ok((data, files))
@@ -508,6 +555,10 @@ fn save_agreed(
     objects: Option<&AgreedObjects<'_>>,
 ) -> Result<SaveReport> {
     let tasks = &agreed.plan.tasks;
+    #[cfg(feature = "object-store")]
+    if let Some(url) = remote::url_of(dir) {
+        return remote::save_agreed(url, comm, opts, agreed, received, objects);
+    }
     let prepared = prepare_directory(dir, comm, &agreed.plan.plan, objects, opts)?;
     let outcome = write_and_commit(comm, &prepared, agreed, received, objects, opts);
     if outcome.is_err() {
@@ -713,6 +764,10 @@ pub(crate) fn prepare_directory(
     objects: Option<&AgreedObjects<'_>>,
     opts: &SaveOptions,
 ) -> Result<Prepared> {
+    #[cfg(feature = "object-store")]
+    if let Some(url) = remote::url_of(dir) {
+        return Err(remote::unsupported(url));
+    }
     // Every limit a reader enforces on the index is checked before anything is written
     // (rank 0 holds the user metadata the index stores).
     let checked = if comm.rank() == 0 {

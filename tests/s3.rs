@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::state::{self, RankState};
 use zarrckpt::comm::run_local;
-use zarrckpt::remote::{self, RemoteError, RemoteOptions, RemoteStore, SaveTarget};
+use zarrckpt::remote::{self, RemoteError, RemoteOptions, RemoteStore};
 use zarrckpt::{Checkpoint, Communicator, Error, LocalComm, SaveOptions, save};
 
 /// One SeaweedFS for the whole test binary (each test uses its own prefix).
@@ -65,7 +65,17 @@ fn s3_url(name: &str) -> String {
     format!("s3://{}/{name}", s3_server::BUCKET)
 }
 
-/// Saves the test state of `step` with `world` in-process ranks to `url`.
+/// Save options writing to an object store through `ropts`.
+fn remote_save_opts(ropts: &RemoteOptions, overwrite: bool) -> SaveOptions {
+    SaveOptions {
+        overwrite,
+        remote: ropts.clone(),
+        ..SaveOptions::default()
+    }
+}
+
+/// Saves the test state of `step` with `world` in-process ranks straight to `url` (the
+/// ordinary `save`, given the URL as its path).
 fn save_state(
     url: &str,
     world: usize,
@@ -73,18 +83,18 @@ fn save_state(
     ropts: &RemoteOptions,
     overwrite: bool,
 ) -> Vec<zarrckpt::Result<String>> {
-    let staging = tempfile::tempdir().unwrap();
-    let target = SaveTarget {
-        overwrite,
-        staging_root: Some(staging.path().to_path_buf()),
-    };
+    let opts = remote_save_opts(ropts, overwrite);
     run_local(world, Duration::from_secs(60), |comm| {
         let st = RankState::new(world as u64, comm.rank() as u64, step);
-        remote::save_to_url(url, &comm, ropts, &target, |dir| {
-            save(&st.sharded(), dir, &comm, &SaveOptions::default())
-        })
-        .map(|s| s.generation)
+        save(&st.sharded(), Path::new(url), &comm, &opts)?;
+        committed_generation(url, ropts)
     })
+}
+
+/// The generation committed at `url`.
+fn committed_generation(url: &str, ropts: &RemoteOptions) -> zarrckpt::Result<String> {
+    let store = RemoteStore::open(url, ropts)?;
+    Ok(remote::resolve(&store)?.generation)
 }
 
 /// Every tensor of two checkpoint directories, read whole, is bit-identical.
@@ -155,26 +165,20 @@ fn an_existing_checkpoint_is_kept_without_overwrite_and_replaced_with_it() {
         matches!(e, Error::Remote(RemoteError::Exists { .. })),
         "{e}"
     );
-    // A save that fails after staging (here: the local save itself) commits nothing.
-    let staging = tempfile::tempdir().unwrap();
-    let target = SaveTarget {
-        overwrite: true,
-        staging_root: Some(staging.path().to_path_buf()),
-    };
+    // A save that fails after it started writing (here: its deadline passed) commits
+    // nothing and keeps the old checkpoint.
     let comm = LocalComm::single();
-    let failed = remote::save_to_url(
-        &url,
-        &comm,
-        &ropts,
-        &target,
-        |_dir| -> zarrckpt::Result<()> {
-            Err(Error::RemoteFailure {
-                rank: 0,
-                message: "injected".into(),
-            })
-        },
+    let st = RankState::new(1, 0, 2);
+    let late = SaveOptions {
+        deadline: Some(Duration::ZERO),
+        ..remote_save_opts(&ropts, true)
+    };
+    let failed = save(&st.sharded(), Path::new(&url), &comm, &late).unwrap_err();
+    assert!(failed.to_string().contains("deadline"), "{failed}");
+    assert!(
+        failed.to_string().contains(&format!("{url}/generations/")),
+        "{failed}"
     );
-    assert!(failed.is_err());
     state::check(remote::fetch_url(&url, &ropts, None).unwrap().dir(), 1);
     let g2 = save_state(&url, 2, 2, &ropts, true).remove(0).unwrap();
     assert!(g2 > g1);
@@ -198,26 +202,30 @@ fn two_concurrent_writers_exactly_one_commits() {
     let ropts = s3_opts();
     for round in 0..20u64 {
         let url = s3_url(&format!("race/{round}"));
-        // Both writers read the (absent) pointer before either commits: the barrier is inside
-        // the local save, which runs after the pointer was read.
+        // Both writers read the (absent) pointer before either commits: they meet at a
+        // barrier after their first shard is written (the progress callback), which is after
+        // the pointer was read and before the commit.
         let barrier = Arc::new(Barrier::new(2));
         let results: Vec<zarrckpt::Result<String>> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..2u64)
                 .map(|w| {
                     let (barrier, url, ropts) = (Arc::clone(&barrier), url.clone(), ropts.clone());
                     s.spawn(move || {
-                        let staging = tempfile::tempdir().unwrap();
-                        let target = SaveTarget {
-                            overwrite: false,
-                            staging_root: Some(staging.path().to_path_buf()),
+                        let met = std::sync::atomic::AtomicBool::new(false);
+                        let b2 = Arc::clone(&barrier);
+                        let opts = SaveOptions {
+                            progress: Some(Arc::new(move |_| {
+                                if !met.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                                    b2.wait();
+                                }
+                            })),
+                            io_threads: 1,
+                            ..remote_save_opts(&ropts, false)
                         };
                         let comm = LocalComm::single();
                         let st = RankState::new(1, 0, 10 + w);
-                        remote::save_to_url(&url, &comm, &ropts, &target, |dir| {
-                            barrier.wait();
-                            save(&st.sharded(), dir, &comm, &SaveOptions::default())
-                        })
-                        .map(|s| s.generation)
+                        save(&st.sharded(), Path::new(&url), &comm, &opts)?;
+                        committed_generation(&url, &ropts)
                     })
                 })
                 .collect();
@@ -255,11 +263,6 @@ fn large_shards_go_as_multipart_uploads() {
     let key = zarrckpt::TensorKey::new("big").unwrap();
     let shape = vec![4u64 << 20];
     let full = common::tensor_bytes(7, &shape, zarrckpt::DType::Float32);
-    let staging = tempfile::tempdir().unwrap();
-    let target = SaveTarget {
-        overwrite: false,
-        staging_root: Some(staging.path().to_path_buf()),
-    };
     let comm = LocalComm::single();
     let t = zarrckpt::ShardedTensor::new(
         key.clone(),
@@ -270,9 +273,12 @@ fn large_shards_go_as_multipart_uploads() {
         &full,
     )
     .unwrap();
-    remote::save_to_url(&url, &comm, &ropts, &target, |dir| {
-        save(&[t], dir, &comm, &SaveOptions::default())
-    })
+    save(
+        &[t],
+        Path::new(&url),
+        &comm,
+        &remote_save_opts(&ropts, false),
+    )
     .unwrap();
     let f = remote::fetch_url(&url, &ropts, None).unwrap();
     let biggest = f
@@ -302,11 +308,6 @@ fn a_rank_whose_upload_fails_is_named_on_every_rank() {
         return;
     }
     let (url, ropts) = (s3_url("rank-failure"), s3_opts());
-    let staging = tempfile::tempdir().unwrap();
-    let target = SaveTarget {
-        overwrite: false,
-        staging_root: Some(staging.path().to_path_buf()),
-    };
     // Rank 1 reaches the store through a port where nothing listens (a permanent failure of
     // its uploads after its retries); rank 0 reaches SeaweedFS.
     let dead_port = s3_server::free_ports(1)[0];
@@ -315,13 +316,19 @@ fn a_rank_whose_upload_fails_is_named_on_every_rank() {
         retry_timeout: Duration::from_secs(5),
         ..opts_for(&format!("http://127.0.0.1:{dead_port}"))
     };
+    // Every rank returns within the save's deadline (no rank waits on the failed one).
+    let deadline = Duration::from_secs(30);
+    let t0 = std::time::Instant::now();
     let results = run_local(2, Duration::from_secs(60), |comm| {
         let st = RankState::new(2, comm.rank() as u64, 1);
         let ropts = if comm.rank() == 1 { &broken } else { &ropts };
-        remote::save_to_url(&url, &comm, ropts, &target, |dir| {
-            save(&st.sharded(), dir, &comm, &SaveOptions::default())
-        })
+        let opts = SaveOptions {
+            deadline: Some(deadline),
+            ..remote_save_opts(ropts, false)
+        };
+        save(&st.sharded(), Path::new(&url), &comm, &opts)
     });
+    assert!(t0.elapsed() < deadline, "{:?}", t0.elapsed());
     for (rank, r) in results.iter().enumerate() {
         let e = r.as_ref().unwrap_err();
         let text = e.to_string();
@@ -570,4 +577,61 @@ open("{out}", "wb").write(a.read().result().tobytes())
         std::fs::read(&out).unwrap() == state::full(0, 4),
         "tensorstore read other bytes"
     );
+}
+
+/// Objects go straight to the store in the same commit as the tensors; a `Saver`'s
+/// synchronous save takes a URL too (and reuses its plan), while an asynchronous save refuses
+/// one with an error naming it.
+#[test]
+fn objects_and_the_saver_save_straight_to_the_store() {
+    use serde_json::json;
+    use zarrckpt::{ObjectSlot, SaveRequest, Saver, StateObject};
+    let url = "memory://direct/objects";
+    let ropts = RemoteOptions::default();
+    let opts = remote_save_opts(&ropts, false);
+    run_local(2, Duration::from_secs(60), |comm| {
+        let st = RankState::new(2, comm.rank() as u64, 7);
+        let objs = vec![
+            StateObject::common("iteration", json!(7)).unwrap(),
+            StateObject::per_rank("rng", vec![comm.rank() as u8; 16]).unwrap(),
+        ];
+        zarrckpt::save_with_objects(&st.sharded(), &objs, Path::new(url), &comm, &opts).unwrap();
+    });
+    let f = remote::fetch_url(url, &ropts, None).unwrap();
+    state::check(f.dir(), 7);
+    let ck = Checkpoint::open(f.dir()).unwrap();
+    let it = zarrckpt::TensorKey::new("iteration").unwrap();
+    assert_eq!(
+        format!("{:?}", ck.read_object(&it, &ObjectSlot::Common).unwrap()),
+        format!("{:?}", zarrckpt::ObjectValue::from(json!(7)))
+    );
+    let rng = zarrckpt::TensorKey::new("rng").unwrap();
+    assert_eq!(
+        format!("{:?}", ck.read_object(&rng, &ObjectSlot::Rank(1)).unwrap()),
+        format!("{:?}", zarrckpt::ObjectValue::from(vec![1u8; 16]))
+    );
+
+    let url2 = "memory://direct/saver";
+    let mut saver = Saver::new(Arc::new(LocalComm::single()));
+    let st = RankState::new(1, 0, 8);
+    let req = SaveRequest::new().with_tensors(st.sharded());
+    saver.save(&req, Path::new(url2), &opts).unwrap();
+    let again = SaveOptions {
+        overwrite: true,
+        ..opts.clone()
+    };
+    let st9 = RankState::new(1, 0, 9);
+    let req9 = SaveRequest::new().with_tensors(st9.sharded());
+    assert!(
+        saver
+            .save(&req9, Path::new(url2), &again)
+            .unwrap()
+            .plan_reused
+    );
+    state::check(remote::fetch_url(url2, &ropts, None).unwrap().dir(), 9);
+    let e = saver
+        .save_async(&req9, Path::new(url2), &again)
+        .and_then(|h| h.wait())
+        .unwrap_err();
+    assert!(e.to_string().contains(url2), "{e}");
 }

@@ -899,20 +899,29 @@ pub fn write_groups<'a>(
     dir: &Path,
     keys: impl IntoIterator<Item = &'a TensorKey>,
 ) -> Result<(), StorageError> {
-    let mut groups: BTreeSet<PathBuf> = BTreeSet::new();
-    groups.insert(PathBuf::from(TENSORS_GROUP));
+    write_groups_to(&LocalStore::new(dir), keys)
+}
+
+/// [`write_groups`] into `store` (holding the checkpoint at its root).
+///
+/// # Errors
+/// I/O errors naming the object.
+pub fn write_groups_to<'a>(
+    store: &dyn Store,
+    keys: impl IntoIterator<Item = &'a TensorKey>,
+) -> Result<(), StorageError> {
+    let mut groups: BTreeSet<String> = BTreeSet::new();
+    groups.insert(TENSORS_GROUP.to_owned());
     for key in keys {
-        let path = PathBuf::from(tensor_path(key));
-        let mut p = path.parent();
-        while let Some(g) = p {
-            if g.as_os_str().is_empty() {
-                break;
-            }
+        let path = tensor_path(key);
+        let mut p = path.as_str();
+        while let Some((g, _)) = p.rsplit_once('/') {
             groups.insert(g.to_owned());
-            p = g.parent();
+            p = g;
         }
     }
-    super::groups::write_group_documents(dir, &groups)
+    let groups: Vec<String> = groups.into_iter().collect();
+    super::groups::write_group_documents_to(store, &groups)
 }
 
 /// Commits: atomically writes the root `zarr.json` with the index, durably.

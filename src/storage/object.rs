@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::fs;
 use std::io::{IoSlice, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -256,27 +256,31 @@ pub fn write_groups<'a>(
     dir: &Path,
     objects: impl IntoIterator<Item = (&'a TensorKey, &'a ObjectEntry)>,
 ) -> Result<(), StorageError> {
-    let mut groups: BTreeSet<PathBuf> = BTreeSet::new();
-    let mut any = false;
+    write_groups_to(&super::store::LocalStore::new(dir), objects)
+}
+
+/// [`write_groups`] into `store` (holding the checkpoint at its root).
+///
+/// # Errors
+/// I/O errors naming the object.
+pub fn write_groups_to<'a>(
+    store: &dyn Store,
+    objects: impl IntoIterator<Item = (&'a TensorKey, &'a ObjectEntry)>,
+) -> Result<(), StorageError> {
+    let mut groups: BTreeSet<String> = BTreeSet::new();
     for (key, e) in objects {
-        any = true;
-        let path = PathBuf::from(object_path(key));
+        let path = object_path(key);
         if e.scope != StoredScope::Common {
             groups.insert(path.clone());
         }
-        let mut p = path.parent();
-        while let Some(g) = p {
-            if g.as_os_str().is_empty() {
-                break;
-            }
+        let mut p = path.as_str();
+        while let Some((g, _)) = p.rsplit_once('/') {
             groups.insert(g.to_owned());
-            p = g.parent();
+            p = g;
         }
     }
-    if !any {
-        return Ok(());
-    }
-    super::groups::write_group_documents(dir, &groups)
+    let groups: Vec<String> = groups.into_iter().collect();
+    super::groups::write_group_documents_to(store, &groups)
 }
 
 /// Writes one value: its array's `zarr.json` and, unless it is empty, its one chunk file `c.0`

@@ -10,6 +10,7 @@ pub mod generation;
 pub mod probe;
 pub mod store;
 pub mod url;
+pub mod writer;
 
 pub use client::{Condition, PutOutcome, RemoteStore};
 pub use error::RemoteError;
@@ -18,6 +19,7 @@ pub use generation::{
 };
 pub use probe::{ProbeResult, probe, require_conditional_writes};
 pub use url::{RemoteOptions, RemoteUrl, Scheme, is_url};
+pub use writer::GenerationWriter;
 
 /// The folder of the generations, under the checkpoint's prefix.
 pub const GENERATIONS: &str = "generations";

@@ -7,6 +7,8 @@
 //! checkpoint, the same with the fallback swap (no `RENAME_EXCHANGE`), and a save through the
 //! checkpoint manager: three quarters of the trials replace or add to existing checkpoints.
 
+mod s3;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -39,6 +41,11 @@ pub struct Args {
     /// Directory for the trials' checkpoints (default: a fresh temporary directory).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Run the trials on an object store instead: overwrites of checkpoints under this URL
+    /// (`s3://bucket/prefix`; endpoint and credentials from `AWS_*`), each killed at a random
+    /// moment, then loaded, verified and collected with `gc`.
+    #[arg(long)]
+    url: Option<String>,
 }
 
 /// Which save a child runs.
@@ -387,6 +394,9 @@ impl Rng {
 }
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
+    if let Some(url) = &a.url {
+        return s3::run(a, url);
+    }
     let tmp = tempfile_dir(a.dir.as_deref())?;
     // Calibrate: how long does an uninterrupted child save take?
     let cal = tmp.join("calibrate");

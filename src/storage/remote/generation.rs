@@ -183,7 +183,7 @@ pub fn upload_files(
 }
 
 /// Commits generation `generation`, whose objects (all but the root) are durable and listed
-/// in `entries`: writes the manifest and the root `zarr.json` (from `root_local`) with
+/// in `entries`: writes the manifest and the root `zarr.json` (`root`, the index) with
 /// put-if-absent, then moves the pointer from `previous` (the state read when the save began;
 /// `None`: the first commit) with put-if-match (put-if-absent).
 ///
@@ -195,10 +195,9 @@ pub fn commit_generation(
     store: &RemoteStore,
     generation: &str,
     mut entries: Vec<ManifestEntry>,
-    root_local: &Path,
+    root: Vec<u8>,
     previous: Option<&PointerState>,
 ) -> Result<(), RemoteError> {
-    let root = std::fs::read(root_local).map_err(|e| RemoteError::io(root_local, e))?;
     entries.push(ManifestEntry {
         key: ROOT.to_string(),
         size: root.len() as u64,

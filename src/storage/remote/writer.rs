@@ -1,0 +1,298 @@
+//! A save's view of one fresh generation: the storage seam ([`Store`]) whose locations are
+//! relative to the checkpoint (`tensors/w/c/0/0`, `zarr.json`) and land under
+//! `generations/<id>/`, so that the ordinary writers (the shard writer, array, group and
+//! object documents) write straight to the object store with no local staging copy.
+//!
+//! Every object is written once, with put-if-absent (a generation never reuses a key); an
+//! object below [`super::RemoteOptions::multipart_threshold`] is held in memory and sent with
+//! one PUT, a larger one streams as a multipart upload with at most
+//! [`super::RemoteOptions::parts_in_flight`] parts of [`super::RemoteOptions::part_size`] in
+//! flight. The size and crc32c of every completed object are recorded for the manifest
+//! ([`GenerationWriter::take_entries`]). A deadline, when set, fails every write that starts
+//! after it with an error naming the object.
+
+use std::io::IoSlice;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use super::client::RemoteStore;
+use super::generation::{ManifestEntry, generation_key};
+use crate::storage::error::StorageError;
+use crate::storage::store::{
+    Capabilities, ListResult, MultipartWrite, ObjectMeta, PutMode, PutResult, Store, check_location,
+};
+
+/// Writes one generation of a checkpoint through the storage seam (see the module docs).
+#[derive(Debug)]
+pub struct GenerationWriter<'a> {
+    store: &'a RemoteStore,
+    generation: String,
+    deadline: Option<Instant>,
+    entries: Mutex<Vec<ManifestEntry>>,
+    bytes: AtomicU64,
+}
+
+impl<'a> GenerationWriter<'a> {
+    /// A writer of generation `generation` of the checkpoint `store` holds; writes starting
+    /// after `deadline` fail.
+    #[must_use]
+    pub fn new(store: &'a RemoteStore, generation: &str, deadline: Option<Instant>) -> Self {
+        GenerationWriter {
+            store,
+            generation: generation.to_owned(),
+            deadline,
+            entries: Mutex::new(Vec::new()),
+            bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// The generation written.
+    #[must_use]
+    pub fn generation(&self) -> &str {
+        &self.generation
+    }
+
+    /// Bytes of completed objects so far.
+    #[must_use]
+    pub fn bytes(&self) -> u64 {
+        self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// The manifest entries of every completed object, sorted by key (and forgets them).
+    pub fn take_entries(&self) -> Vec<ManifestEntry> {
+        let mut v = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|p| p.into_inner()));
+        v.sort_by(|a, b| a.key.cmp(&b.key));
+        v
+    }
+
+    fn key(&self, location: &str) -> String {
+        generation_key(&self.generation, location)
+    }
+
+    fn check_deadline(&self, location: &str) -> Result<(), StorageError> {
+        match self.deadline {
+            Some(d) if Instant::now() > d => Err(StorageError::Io {
+                op: "PUT (save deadline passed)",
+                path: self.display_path(location),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "the save's deadline passed before this object was written",
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    fn record(&self, location: &str, size: u64, crc32c: u32) {
+        tracing::debug!(
+            generation = %self.generation,
+            key = location,
+            size,
+            "object durable"
+        );
+        self.bytes.fetch_add(size, Ordering::Relaxed);
+        self.entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(ManifestEntry {
+                key: location.to_owned(),
+                size,
+                crc32c,
+            });
+    }
+
+    fn put_mode(&self) -> PutMode {
+        if self.store.options().allow_unconditional {
+            PutMode::Overwrite
+        } else {
+            PutMode::Create
+        }
+    }
+}
+
+impl Store for GenerationWriter<'_> {
+    fn display_path(&self, location: &str) -> PathBuf {
+        Store::display_path(self.store, &self.key(location))
+    }
+
+    fn put_opts(
+        &self,
+        location: &str,
+        payload: &[&[u8]],
+        _mode: PutMode,
+    ) -> Result<PutResult, StorageError> {
+        check_location(location)?;
+        self.check_deadline(location)?;
+        let r = Store::put_opts(self.store, &self.key(location), payload, self.put_mode())?;
+        let (size, crc) = payload.iter().fold((0u64, 0u32), |(n, c), p| {
+            (n + p.len() as u64, crc32c::crc32c_append(c, p))
+        });
+        self.record(location, size, crc);
+        Ok(r)
+    }
+
+    fn put_multipart(&self, location: &str) -> Result<Box<dyn MultipartWrite + '_>, StorageError> {
+        check_location(location)?;
+        self.check_deadline(location)?;
+        Ok(Box::new(ObjectUpload {
+            owner: self,
+            location: location.to_owned(),
+            held: Vec::new(),
+            upload: None,
+            written: 0,
+            crc: 0,
+        }))
+    }
+
+    fn get_ranges(
+        &self,
+        location: &str,
+        ranges: &[Range<u64>],
+    ) -> Result<Vec<Vec<u8>>, StorageError> {
+        Store::get_ranges(self.store, &self.key(location), ranges)
+    }
+
+    fn head(&self, location: &str) -> Result<ObjectMeta, StorageError> {
+        Store::head(self.store, &self.key(location))
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StorageError> {
+        Store::list(self.store, &self.key(prefix))
+    }
+
+    fn list_with_delimiter(&self, prefix: &str) -> Result<ListResult, StorageError> {
+        Store::list_with_delimiter(self.store, &self.key(prefix))
+    }
+
+    fn delete(&self, location: &str) -> Result<(), StorageError> {
+        // A save never deletes (spec: a generation is written once, removed only by gc).
+        Err(self.unsupported("delete during a save", location))
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Store::capabilities(self.store)
+    }
+}
+
+/// One object of a generation being written: held in memory below the multipart threshold,
+/// streamed as a multipart upload above it.
+struct ObjectUpload<'w> {
+    owner: &'w GenerationWriter<'w>,
+    location: String,
+    held: Vec<u8>,
+    upload: Option<Box<dyn MultipartWrite + 'w>>,
+    written: u64,
+    crc: u32,
+}
+
+impl ObjectUpload<'_> {
+    fn threshold(&self) -> u64 {
+        self.owner.store.options().multipart_threshold.max(1)
+    }
+}
+
+impl MultipartWrite for ObjectUpload<'_> {
+    fn write_vectored(&mut self, parts: &[IoSlice<'_>]) -> Result<(), StorageError> {
+        self.owner.check_deadline(&self.location)?;
+        let n: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        for p in parts {
+            self.crc = crc32c::crc32c_append(self.crc, p);
+        }
+        self.written += n;
+        if self.upload.is_none() && self.written >= self.threshold() {
+            let key = self.owner.key(&self.location);
+            let mut up = Store::put_multipart(self.owner.store, &key)?;
+            if !self.held.is_empty() {
+                up.write(&std::mem::take(&mut self.held))?;
+            }
+            self.upload = Some(up);
+        }
+        match &mut self.upload {
+            Some(up) => up.write_vectored(parts),
+            None => {
+                for p in parts {
+                    self.held.extend_from_slice(p);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn written(&self) -> u64 {
+        self.written
+    }
+
+    fn finish(mut self: Box<Self>) -> Result<PutResult, StorageError> {
+        self.owner.check_deadline(&self.location)?;
+        let r = match self.upload.take() {
+            Some(up) => up.finish()?,
+            None => Store::put_opts(
+                self.owner.store,
+                &self.owner.key(&self.location),
+                &[&self.held],
+                self.owner.put_mode(),
+            )?,
+        };
+        self.owner.record(&self.location, self.written, self.crc);
+        Ok(r)
+    }
+
+    fn abort(mut self: Box<Self>) -> Result<(), StorageError> {
+        match self.upload.take() {
+            Some(up) => up.abort(),
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::remote::RemoteOptions;
+
+    #[test]
+    fn small_objects_are_one_put_large_ones_multipart_and_all_are_recorded() {
+        let opts = RemoteOptions {
+            multipart_threshold: 6 << 20,
+            part_size: 5 << 20,
+            parts_in_flight: 2,
+            ..RemoteOptions::default()
+        };
+        let s = RemoteStore::open("memory://gw/ckpt", &opts).unwrap();
+        let w = GenerationWriter::new(&s, "g1", None);
+        let mut small = Store::put_multipart(&w, "a/zarr.json").unwrap();
+        small.write(b"{}").unwrap();
+        small.finish().unwrap();
+        let big: Vec<u8> = (0..(13u32 << 20)).map(|i| (i % 251) as u8).collect();
+        let mut up = Store::put_multipart(&w, "a/c/0").unwrap();
+        for part in big.chunks(1 << 20) {
+            up.write(part).unwrap();
+        }
+        up.finish().unwrap();
+        // Written once: a second object at the same key is refused.
+        let again = Store::put_multipart(&w, "a/zarr.json").unwrap();
+        assert!(matches!(
+            again.finish(),
+            Err(StorageError::ObjectExists { .. })
+        ));
+        assert!(Store::delete(&w, "a/c/0").is_err());
+        let entries = w.take_entries();
+        assert_eq!(entries.len(), 2);
+        assert_eq!(entries[0].key, "a/c/0");
+        assert_eq!(entries[0].size, big.len() as u64);
+        assert_eq!(entries[0].crc32c, crc32c::crc32c(&big));
+        assert_eq!(entries[1].crc32c, crc32c::crc32c(b"{}"));
+        assert_eq!(
+            Store::get(&s, "generations/g1/a/c/0", u64::MAX).unwrap(),
+            big
+        );
+        let late = GenerationWriter::new(&s, "g2", Some(Instant::now()));
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let e = Store::put(&late, "x", &[b"1"]).unwrap_err().to_string();
+        assert!(e.contains("memory://gw/ckpt/generations/g2/x"), "{e}");
+        assert!(e.contains("deadline"), "{e}");
+    }
+}
