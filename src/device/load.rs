@@ -16,7 +16,6 @@ use crate::model::region::num_bytes;
 use crate::model::tensor::check_piece;
 use crate::model::{DType, LoadTarget, ObjectRequest, Region, TensorError, TensorKey};
 use crate::plan::load::ShardRead;
-use crate::storage::commit;
 use crate::storage::read::ReadCounters;
 
 /// A box of a global tensor to load into a device view.
@@ -195,9 +194,8 @@ fn load_device_impl(
     opts: &LoadOptions,
 ) -> Result<DeviceLoadReport> {
     collective::note_step();
-    let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
-    let reader =
-        Reader::from_index(dir.to_owned(), meta).with_io(opts.io_threads, opts.read_method);
+    // A directory or an object-store URL (read by ranged gets).
+    let reader = agree(comm, Reader::open(dir))?.with_io(opts.io_threads, opts.read_method);
     let meta = reader.meta();
     let cap = staging.buffer_bytes;
     let mut pieces: Vec<Slab> = Vec::new();
