@@ -5,6 +5,8 @@ use std::sync::atomic::Ordering;
 
 use crate::comm::Communicator;
 use crate::coord::{Progress, agree};
+#[cfg(doc)]
+use crate::error::Error;
 use crate::error::Result;
 use crate::model::copy::DisjointBuf;
 use crate::model::{LoadTarget, ObjectRequest, ObjectValue, TensorKey};
