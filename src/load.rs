@@ -137,9 +137,15 @@ fn load_impl(
     load_with_reader(targets, objects, &reader, comm, opts)
 }
 
-/// [`load_impl`] through a reader of an index already read and agreed on: plan (collective),
-/// execute the local reads through the reader, exchange (collective).
-pub(crate) fn load_with_reader(
+/// [`load_with_objects`] (`objects` given) or [`load`] through a reader this rank opened
+/// already, for example with [`Reader::open_url`] and its own store options: plan
+/// (collective), execute the local reads through the reader, exchange (collective). Every
+/// rank calls it with a reader of the same checkpoint (the same committed index: on an object
+/// store, the same generation).
+///
+/// # Errors
+/// As [`load_with_objects`].
+pub fn load_with_reader(
     targets: &mut [LoadTarget<'_>],
     objects: Option<&[ObjectRequest]>,
     reader: &Reader,
