@@ -140,11 +140,12 @@ fn load_impl(
 /// [`load_with_objects`] (`objects` given) or [`load`] through a reader this rank opened
 /// already, for example with [`Reader::open_url`] and its own store options: plan
 /// (collective), execute the local reads through the reader, exchange (collective). Every
-/// rank calls it with a reader of the same checkpoint (the same committed index: on an object
-/// store, the same generation).
+/// rank calls it with a reader of the same checkpoint; on an object store the ranks first
+/// check that they resolved the same generation.
 ///
 /// # Errors
-/// As [`load_with_objects`].
+/// As [`load_with_objects`]; [`crate::StorageError::NotACheckpoint`] on every rank when the
+/// ranks' readers resolved different generations (the pointer moved meanwhile: load again).
 pub fn load_with_reader(
     targets: &mut [LoadTarget<'_>],
     objects: Option<&[ObjectRequest]>,
@@ -152,6 +153,7 @@ pub fn load_with_reader(
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
+    reader.agree_generation(comm)?;
     // Flat requests are loaded as the boxes of their decomposition, over disjoint parts of
     // their buffers.
     if targets.iter().any(|t| t.flat_range().is_some()) {

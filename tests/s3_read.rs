@@ -405,3 +405,57 @@ fn a_reader_decodes_each_shard_index_once() {
     );
     assert_eq!(ck.reader().arrays_opened(), 1);
 }
+
+#[test]
+fn ranks_that_resolved_different_generations_refuse_to_load() {
+    let url = "memory://s3-read-generations/ckpt";
+    let _local = save_both(url, &RemoteOptions::default(), 2, 1);
+    let old = Reader::open(url).unwrap();
+    let staging = tempfile::tempdir().unwrap();
+    let target = SaveTarget {
+        overwrite: true,
+        staging_root: Some(staging.path().to_path_buf()),
+    };
+    for r in run_local(2, Duration::from_secs(60), |comm| {
+        let st = RankState::new(2, comm.rank() as u64, 2);
+        remote::save_to_url(url, &comm, &RemoteOptions::default(), &target, |d| {
+            save(&st.sharded(), d, &comm, &SaveOptions::default())
+        })
+    }) {
+        r.unwrap();
+    }
+    let new = Reader::open(url).unwrap();
+    assert_ne!(old.dir(), new.dir(), "the overwrite made a new generation");
+    let readers = [old, new];
+    let spec = &state::specs()[0];
+    let key = TensorKey::new(spec.key).unwrap();
+    for r in run_local(2, Duration::from_secs(60), |comm| {
+        let region = Region::full(&spec.shape);
+        let mut buf = vec![0u8; region.num_elements().unwrap() as usize * spec.dtype.size()];
+        let mut t = [LoadTarget::new(
+            key.clone(),
+            spec.dtype,
+            spec.shape.clone(),
+            region,
+            &mut buf,
+        )
+        .unwrap()];
+        zarrckpt::load::load_with_reader(
+            &mut t,
+            None,
+            &readers[comm.rank()],
+            &comm,
+            &LoadOptions::default(),
+        )
+    }) {
+        let err = r.unwrap_err();
+        assert!(err.to_string().contains("load again"), "{err}");
+    }
+    // Both readers still read their own generation whole.
+    assert!(
+        Checkpoint::with_reader(readers.into_iter().next().unwrap())
+            .read_tensor(&key)
+            .unwrap()
+            == state::full(0, 1)
+    );
+}

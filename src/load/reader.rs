@@ -183,6 +183,35 @@ impl Reader {
         &self.dir
     }
 
+    /// For a collective load over a store without local files: checks that every rank's
+    /// reader resolved the same generation (the pointer may move between two ranks' reads of
+    /// it), against rank 0's. Collective when the readers fetch; nothing to do otherwise.
+    ///
+    /// # Errors
+    /// [`StorageError::NotACheckpoint`] on every rank when one resolved another generation (load
+    /// again); [`Error::Comm`] when the broadcast fails.
+    pub(crate) fn agree_generation(&self, comm: &dyn crate::comm::Communicator) -> Result<()> {
+        if self.fetcher.is_none() {
+            return Ok(());
+        }
+        let mine = self.dir.to_string_lossy().into_owned();
+        let first = comm.broadcast(0, mine.as_bytes())?;
+        let local = if first == mine.as_bytes() {
+            Ok(())
+        } else {
+            Err(StorageError::NotACheckpoint {
+                path: self.dir.clone(),
+                reason: format!(
+                    "rank {} resolved this generation but rank 0 resolved {}: the checkpoint was replaced while the ranks opened it; load again",
+                    comm.rank(),
+                    String::from_utf8_lossy(&first)
+                ),
+            }
+            .into())
+        };
+        crate::coord::agree(comm, local)
+    }
+
     /// True when shards are read with ranged gets (a store without local files).
     #[must_use]
     pub fn fetches(&self) -> bool {
