@@ -459,3 +459,21 @@ fn ranks_that_resolved_different_generations_refuse_to_load() {
             == state::full(0, 1)
     );
 }
+
+#[test]
+fn a_local_store_keeps_the_file_paths() {
+    let url = "memory://s3-read-local-store/ckpt";
+    let local = save_both(url, &RemoteOptions::default(), 2, 6);
+    let store = std::sync::Arc::new(zarrckpt::storage::store::LocalStore::new(local.path()));
+    let ck = Checkpoint::open_store(store, "ckpt").unwrap();
+    assert!(
+        !ck.reader().fetches(),
+        "a store with local files reads the files"
+    );
+    let remote = Checkpoint::open(url).unwrap();
+    for t in ck.tensors() {
+        assert!(ck.read_tensor(&t.key).unwrap() == remote.read_tensor(&t.key).unwrap());
+    }
+    assert_eq!(ck.reader().indexes_decoded(), 0);
+    assert!(remote.reader().indexes_decoded() > 0);
+}
