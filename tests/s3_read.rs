@@ -477,3 +477,23 @@ fn a_local_store_keeps_the_file_paths() {
     assert_eq!(ck.reader().indexes_decoded(), 0);
     assert!(remote.reader().indexes_decoded() > 0);
 }
+
+#[test]
+fn a_converting_read_goes_through_the_same_fetch() {
+    let url = "memory://s3-read-cast/ckpt";
+    let (rows, cols) = (96u64, 64u64);
+    let full = save_rows(url, rows, cols, 2);
+    let reader = Reader::open(url).unwrap();
+    let region = Region::new(vec![10, 3], vec![70, 50]).unwrap();
+    let want: Vec<zarrckpt::half::bf16> = cut(&full, &[rows, cols], &region, 4)
+        .chunks_exact(4)
+        .map(|b| zarrckpt::half::bf16::from_f32(f32::from_le_bytes(b.try_into().unwrap())))
+        .collect();
+    let mut got = vec![zarrckpt::half::bf16::ZERO; want.len()];
+    let t = LoadTarget::from_slice("w", &[rows, cols], &[10, 3], &mut got, &[70, 50])
+        .unwrap()
+        .with_cast(zarrckpt::Cast::FloatConvert);
+    reader.read(&mut [t]).unwrap();
+    assert!(reader.fetches());
+    assert!(got == want, "the converted read differs");
+}

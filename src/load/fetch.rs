@@ -253,11 +253,15 @@ impl Fetcher {
     }
 }
 
+/// One batch of a shard's reads: the byte ranges fetched together, and the positions in the
+/// shard read's subchunks of the subchunks they hold.
+type Batch = (Vec<Range<u64>>, Vec<usize>);
+
 /// The subchunks of `shard` in batches: each batch's byte ranges (subchunks of the shard
 /// sorted by offset, coalesced when at most [`COALESCE_GAP`] apart, at most [`BATCH_BYTES`]
 /// per batch unless one subchunk is larger) and the positions in `shard.subchunks` of the
 /// subchunks it holds. Absent subchunks (zeros, nothing to fetch) go with the first batch.
-fn batches(shard: &ShardRead, index: &FetchedIndex) -> Vec<(Vec<Range<u64>>, Vec<usize>)> {
+fn batches(shard: &ShardRead, index: &FetchedIndex) -> Vec<Batch> {
     let mut present: Vec<(u64, u64, usize)> = Vec::with_capacity(shard.subchunks.len());
     let mut absent = Vec::new();
     for (i, s) in shard.subchunks.iter().enumerate() {
@@ -267,7 +271,7 @@ fn batches(shard: &ShardRead, index: &FetchedIndex) -> Vec<(Vec<Range<u64>>, Vec
         }
     }
     present.sort_unstable();
-    let mut out: Vec<(Vec<Range<u64>>, Vec<usize>)> = vec![(Vec::new(), absent)];
+    let mut out: Vec<Batch> = vec![(Vec::new(), absent)];
     let mut held = 0u64;
     for (start, end, i) in present {
         let (ranges, subs) = out.last_mut().expect("never empty");
