@@ -31,10 +31,13 @@ pub const BATCH_BYTES: u64 = 32 << 20;
 /// when read again.
 pub const INDEX_CACHE_BYTES: u64 = 64 << 20;
 
+/// A shard: its tensor and grid index.
+type ShardId = (TensorKey, Vec<u64>);
+
 /// Decoded shard indexes, by tensor and chunk, with a count of the decodes.
 #[derive(Debug, Default)]
 pub(crate) struct IndexCache {
-    map: Mutex<HashMap<(TensorKey, Vec<u64>), Arc<FetchedIndex>>>,
+    map: Mutex<HashMap<ShardId, Arc<FetchedIndex>>>,
     bytes: AtomicU64,
     decoded: AtomicU64,
 }
@@ -125,7 +128,14 @@ impl Fetcher {
         let bytes = if size < tail {
             Vec::new()
         } else {
-            match self.get(arr, chunk, &location, &[size - tail..size], counters) {
+            let whole_tail = size - tail..size;
+            match self.get(
+                arr,
+                chunk,
+                &location,
+                std::slice::from_ref(&whole_tail),
+                counters,
+            ) {
                 Ok(mut b) => b.pop().unwrap_or_default(),
                 Err(e) => return Err(self.explain(arr, chunk, &location, size, e)),
             }
@@ -280,7 +290,7 @@ fn batches(shard: &ShardRead, index: &FetchedIndex) -> Vec<Batch> {
             _ => end - start,
         };
         if !ranges.is_empty() && held.saturating_add(grow) > BATCH_BYTES {
-            out.push((vec![start..end], vec![i]));
+            out.push((std::iter::once(start..end).collect(), vec![i]));
             held = end - start;
             continue;
         }
