@@ -21,15 +21,15 @@ use crate::storage::{StorageError, TensorArray};
 /// Subchunks of one shard at most this many bytes apart are fetched by one ranged get (the
 /// gap with them). The same distance as `object_store`'s own coalescing, so that the bytes
 /// counted here are the bytes requested from the server.
-pub const COALESCE_GAP: u64 = 1 << 20;
+pub(crate) const COALESCE_GAP: u64 = 1 << 20;
 
 /// Most bytes one reading thread fetches into memory at once (besides one subchunk, which may
 /// be larger): a reader's fetch buffers stay below its I/O threads x this.
-pub const BATCH_BYTES: u64 = 32 << 20;
+pub(crate) const BATCH_BYTES: u64 = 32 << 20;
 
 /// Most bytes of decoded shard indexes a reader keeps; indexes beyond it are decoded again
 /// when read again.
-pub const INDEX_CACHE_BYTES: u64 = 64 << 20;
+pub(crate) const INDEX_CACHE_BYTES: u64 = 64 << 20;
 
 /// A shard: its tensor and grid index.
 type ShardId = (TensorKey, Vec<u64>);

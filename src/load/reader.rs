@@ -32,7 +32,7 @@ use crate::storage::{CheckpointMeta, StorageError, TensorArray, commit};
 
 /// I/O threads of a reader over a store without local files when none are asked for: ranged
 /// gets in flight at once (each thread holds at most [`super::fetch::BATCH_BYTES`]).
-pub const FETCH_THREADS: usize = 16;
+pub(crate) const FETCH_THREADS: usize = 16;
 
 /// One array, opened once: its `zarr.json` read and checked against the index.
 struct OpenArray {
@@ -169,7 +169,7 @@ impl Reader {
     }
 
     /// Sets the I/O threads (0: the number of CPUs, at most 8, for local files;
-    /// [`FETCH_THREADS`] for ranged gets) and how uncompressed shard files are read.
+    /// 16 for ranged gets) and how uncompressed shard files are read.
     #[must_use]
     pub fn with_io(mut self, io_threads: usize, read_method: ReadMethod) -> Self {
         self.io_threads = io_threads;
@@ -220,7 +220,7 @@ impl Reader {
 
     /// How many shard indexes this reader fetched and decoded (ranged gets only; 0 for local
     /// files): each shard's at most once while they fit
-    /// [`super::fetch::INDEX_CACHE_BYTES`], however many reads touch it.
+    /// 64 MiB of decoded indexes, however many reads touch it.
     #[must_use]
     pub fn indexes_decoded(&self) -> u64 {
         self.fetcher.as_ref().map_or(0, |f| f.cache.decoded())
