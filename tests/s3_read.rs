@@ -240,6 +240,22 @@ fn damaged_objects_give_typed_errors(url: &str, ropts: &RemoteOptions) {
         .unwrap();
     assert_eq!(v.problems.len(), 1, "{:?}", v.problems);
     assert_eq!(v.problems[0].key, key);
+    // A 0-d tensor's one chunk is checked too.
+    let step = TensorKey::new("optimizer.step").unwrap();
+    let (_, sk, _) = first_shard(url, ropts, step.as_str());
+    let (sgood, _) = store.get(&sk).unwrap().unwrap();
+    let mut sbad = sgood.to_vec();
+    sbad[0] ^= 0x01;
+    store
+        .put(&sk, sbad.into(), &remote::Condition::None)
+        .unwrap();
+    let v = Checkpoint::open_url(url, ropts)
+        .unwrap()
+        .verify(1, None)
+        .unwrap();
+    assert_eq!(v.problems.len(), 2, "{:?}", v.problems);
+    assert!(v.problems.iter().any(|p| p.key == step), "{:?}", v.problems);
+    store.put(&sk, sgood, &remote::Condition::None).unwrap();
 
     store
         .put(

@@ -232,22 +232,26 @@ impl Fetcher {
         progress: &dyn Fn(u64),
     ) -> Result<(), StorageError> {
         let shape = region.shape();
-        let Some(&rows) = shape.first() else {
-            return Ok(());
-        };
-        let row_bytes = shape[1..]
+        // A 0-d tensor is one tile; others go a slab of whole subchunk rows at a time.
+        let rows = shape.first().copied().unwrap_or(1);
+        let row_bytes = shape
             .iter()
+            .skip(1)
             .fold(geom.elem as u64, |a, &d| a.saturating_mul(d));
         let step = geom.subchunk_shape.first().copied().unwrap_or(1).max(1);
         let per = ((16u64 << 20) / row_bytes.max(1) / step).max(1) * step;
         let mut at = 0;
         while at < rows {
             let n = per.min(rows - at);
-            let mut offset = region.offset().to_vec();
-            offset[0] += at;
-            let mut extent = shape.to_vec();
-            extent[0] = n;
-            let tile = Region::from_parts_unchecked(offset, extent);
+            let tile = if shape.is_empty() {
+                region.clone()
+            } else {
+                let mut offset = region.offset().to_vec();
+                offset[0] += at;
+                let mut extent = shape.to_vec();
+                extent[0] = n;
+                Region::from_parts_unchecked(offset, extent)
+            };
             let bytes = crate::model::usize_of(n.saturating_mul(row_bytes));
             buf.clear();
             buf.resize(bytes, 0);
