@@ -13,8 +13,8 @@ use crate::model::{DType, Encoding, ObjectRequest, ObjectSlot, ObjectValue, Regi
 use crate::plan::grid;
 use crate::plan::load::StoredGeometry;
 use crate::storage::object::StoredScope;
-use crate::storage::read::{ReadCounters, verify_shard, zeroed_buffer};
-use crate::storage::{CheckpointMeta, Compression, TensorArray, commit};
+use crate::storage::read::{ReadCounters, zeroed_buffer};
+use crate::storage::{CheckpointMeta, Compression, TensorArray};
 
 /// A committed checkpoint, opened for reading.
 #[derive(Debug, Clone)]
@@ -100,14 +100,42 @@ impl Checkpoint {
     /// # Errors
     /// [`crate::storage::StorageError::Incomplete`] for a save that never committed, and the other index
     /// errors of the storage layer.
+    ///
+    /// `dir` may also be a URL (feature `object-store`: `s3://bucket/prefix`, `gs://`, `az://`,
+    /// `memory://`): the generation pointer is resolved and only the committed manifest and
+    /// index are read; shards are then read with ranged gets ([`Reader::open_url`]).
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
-        let dir = dir.as_ref().to_owned();
-        let meta = commit::read_index(&dir)?;
-        let reader = Arc::new(Reader::from_index(dir.clone(), meta));
-        Ok(Checkpoint { dir, reader })
+        Ok(Self::with_reader(Reader::open(dir)?))
     }
 
-    /// The directory.
+    /// Opens the checkpoint committed at `url` with these store options (feature
+    /// `object-store`; see [`Reader::open_url`]).
+    ///
+    /// # Errors
+    /// As [`Reader::open_url`].
+    #[cfg(feature = "object-store")]
+    pub fn open_url(url: &str, ropts: &crate::storage::remote::RemoteOptions) -> Result<Self> {
+        Ok(Self::with_reader(Reader::open_url(url, ropts)?))
+    }
+
+    /// Opens the checkpoint committed under `prefix` in `store` (see [`Reader::open_store`]).
+    ///
+    /// # Errors
+    /// As [`Reader::open_store`].
+    pub fn open_store(store: Arc<dyn crate::storage::store::Store>, prefix: &str) -> Result<Self> {
+        Ok(Self::with_reader(Reader::open_store(store, prefix)?))
+    }
+
+    /// The checkpoint a reader opened.
+    #[must_use]
+    pub fn with_reader(reader: Reader) -> Self {
+        Checkpoint {
+            dir: reader.dir().to_owned(),
+            reader: Arc::new(reader),
+        }
+    }
+
+    /// The directory (or, for a checkpoint on an object store, its generation's URL).
     #[must_use]
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -267,7 +295,7 @@ impl Checkpoint {
         type Opened = (TensorArray, StoredGeometry, Vec<u64>, AtomicU64, AtomicU64);
         let mut tensors: Vec<Opened> = Vec::new();
         for (key, e) in &self.meta().tensors {
-            match TensorArray::open_for(&self.dir, key, e, self.meta().save_id) {
+            match self.reader.open_array(key, e) {
                 Ok(arr) => {
                     let geom = StoredGeometry {
                         global_shape: e.shape.clone(),
@@ -306,8 +334,9 @@ impl Checkpoint {
                             p(n);
                         }
                     };
-                    if let Err(err) =
-                        verify_shard(arr, geom, &chunk, &region, scratch, buf, &counters, &inc)
+                    if let Err(err) = self
+                        .reader
+                        .verify_shard(arr, geom, &chunk, &region, scratch, buf, &counters, &inc)
                     {
                         found.fetch_add(1, Ordering::Relaxed);
                         push(Problem {

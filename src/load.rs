@@ -5,15 +5,18 @@ use std::sync::atomic::Ordering;
 
 use crate::comm::Communicator;
 use crate::coord::{Progress, agree};
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::model::copy::DisjointBuf;
 use crate::model::{LoadTarget, ObjectRequest, ObjectValue, TensorKey};
 use crate::plan::load::{ShardRead, StoredGeometry};
+use crate::storage::CheckpointMeta;
 use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
-use crate::storage::{CheckpointMeta, commit};
 
 mod cast;
 pub(crate) mod collective;
+pub(crate) mod fetch;
 mod reader;
 
 pub(crate) use collective::Request;
@@ -130,21 +133,27 @@ fn load_impl(
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
     collective::note_step();
-    let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
-    let reader =
-        Reader::from_index(dir.to_owned(), meta).with_io(opts.io_threads, opts.read_method);
+    let reader = agree(comm, Reader::open(dir))?.with_io(opts.io_threads, opts.read_method);
     load_with_reader(targets, objects, &reader, comm, opts)
 }
 
-/// [`load_impl`] through a reader of an index already read and agreed on: plan (collective),
-/// execute the local reads through the reader, exchange (collective).
-pub(crate) fn load_with_reader(
+/// [`load_with_objects`] (`objects` given) or [`load`] through a reader this rank opened
+/// already, for example with [`Reader::open_url`] and its own store options: plan
+/// (collective), execute the local reads through the reader, exchange (collective). Every
+/// rank calls it with a reader of the same checkpoint; on an object store the ranks first
+/// check that they resolved the same generation.
+///
+/// # Errors
+/// As [`load_with_objects`]; [`crate::StorageError::NotACheckpoint`] on every rank when the
+/// ranks' readers resolved different generations (the pointer moved meanwhile: load again).
+pub fn load_with_reader(
     targets: &mut [LoadTarget<'_>],
     objects: Option<&[ObjectRequest]>,
     reader: &Reader,
     comm: &dyn Communicator,
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
+    reader.agree_generation(comm)?;
     // Flat requests are loaded as the boxes of their decomposition, over disjoint parts of
     // their buffers.
     if targets.iter().any(|t| t.flat_range().is_some()) {
@@ -230,9 +239,17 @@ fn stored_geometry(meta: &CheckpointMeta, key: &TensorKey) -> Option<StoredGeome
     })
 }
 
+/// Where the shards a reader reads come from.
+pub(crate) enum ShardSource<'a> {
+    /// Shard files on the local file system, read the given way.
+    Files(ReadMethod),
+    /// A store without local files: ranged gets.
+    Fetch(&'a fetch::Fetcher),
+}
+
 /// Reads one planned shard of a target into its buffer, converting between float types when
 /// `cast` asks (`(stored, target)`): the one step the collective load and the local
-/// [`Reader`] both execute per shard.
+/// [`Reader`] both execute per shard, from files or fetched bytes.
 ///
 /// # Safety
 /// Concurrent calls must write disjoint bytes: the shards of one target are disjoint boxes,
@@ -244,17 +261,23 @@ pub(crate) unsafe fn read_item(
     dest: DisjointBuf<'_>,
     cast: Option<(crate::model::DType, crate::model::DType)>,
     counters: &ReadCounters,
-    method: crate::storage::read::ReadMethod,
+    source: &ShardSource<'_>,
 ) -> Result<()> {
+    let read_part = |part: &ShardRead, d: DisjointBuf<'_>| match source {
+        // SAFETY: `d` is `dest` (forwarded to the caller) or a staging buffer this thread
+        // owns.
+        ShardSource::Files(method) => with_scratch(|scratch| unsafe {
+            read_shard(arr, geom, part, d, scratch, counters, *method)
+        }),
+        // SAFETY: as above.
+        ShardSource::Fetch(f) => unsafe { f.read_shard(arr, geom, part, d, counters) },
+    };
     match cast {
+        None => read_part(shard, dest)?,
         // SAFETY: forwarded to the caller.
-        None => with_scratch(|scratch| unsafe {
-            read_shard(arr, geom, shard, dest, scratch, counters, method)
-        })?,
-        // SAFETY: forwarded to the caller.
-        Some((from, to)) => unsafe {
-            cast::read_shard_converted(arr, geom, shard, dest, from, to, counters, method)
-        }?,
+        Some((from, to)) => {
+            unsafe { cast::read_shard_converted(arr, geom, shard, dest, from, to, &read_part) }?
+        }
     }
     Ok(())
 }

@@ -15,7 +15,6 @@ use crate::model::copy::DisjointBuf;
 use crate::model::region::num_bytes;
 use crate::model::{DType, LoadTarget, ObjectRequest, Region, TensorError, TensorKey};
 use crate::plan::load::ShardRead;
-use crate::storage::commit;
 use crate::storage::read::ReadCounters;
 
 /// A box of a global tensor to load into a device view.
@@ -183,9 +182,9 @@ fn load_device_impl(
     opts: &LoadOptions,
 ) -> Result<DeviceLoadReport> {
     collective::note_step();
-    let meta = agree(comm, commit::read_index(dir).map_err(Error::from))?;
-    let reader =
-        Reader::from_index(dir.to_owned(), meta).with_io(opts.io_threads, opts.read_method);
+    // A directory or an object-store URL (read by ranged gets).
+    let reader = agree(comm, Reader::open(dir))?.with_io(opts.io_threads, opts.read_method);
+    reader.agree_generation(comm)?;
     let meta = reader.meta();
     let cap = staging.buffer_bytes;
     let mut pieces: Vec<Slab> = Vec::new();

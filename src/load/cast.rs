@@ -7,7 +7,7 @@ use crate::model::convert::convert;
 use crate::model::copy::{DisjointBuf, for_each_run};
 use crate::model::{Cast, DType, LoadTarget, Region};
 use crate::plan::load::{ShardRead, StoredGeometry};
-use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
+
 use crate::storage::{CheckpointMeta, StorageError, TensorArray};
 
 /// Most bytes (stored data type) staged at once by one reading thread, unless a single
@@ -79,11 +79,13 @@ fn tiles(inner: &Region, origin: &[u64], sub: &[u64], elem: u64) -> Vec<Region> 
     }
 }
 
-/// Fills the parts of `dest` (elements of `to`) in `shard` from a tensor stored as `from`.
+/// Fills the parts of `dest` (elements of `to`) in `shard` from a tensor stored as `from`:
+/// `read_part` reads a part of the shard (in the stored data type) into a staging buffer, a
+/// tile at a time (the local read of a shard file, or a read from fetched bytes).
 ///
 /// # Safety
-/// As [`read_shard`]: no other thread may touch the bytes of `dest` inside this shard.
-#[allow(clippy::too_many_arguments)]
+/// As [`crate::storage::read::read_shard`]: no other thread may touch the bytes of `dest`
+/// inside this shard; `read_part` must be safe to call on a buffer this thread owns.
 pub(super) unsafe fn read_shard_converted(
     arr: &TensorArray,
     geom: &StoredGeometry,
@@ -91,8 +93,7 @@ pub(super) unsafe fn read_shard_converted(
     dest: DisjointBuf<'_>,
     from: DType,
     to: DType,
-    counters: &ReadCounters,
-    method: ReadMethod,
+    read_part: &dyn Fn(&ShardRead, DisjointBuf<'_>) -> Result<(), StorageError>,
 ) -> Result<(), StorageError> {
     let origin: Vec<u64> = shard
         .chunk
@@ -117,10 +118,7 @@ pub(super) unsafe fn read_shard_converted(
             stage.resize(n.saturating_mul(s), 0);
             let staged = DisjointBuf::new(&mut stage[..], &tile, s);
             for part in geom.reads_for(&tile) {
-                // SAFETY: this thread owns the staging buffer.
-                with_scratch(|scratch| unsafe {
-                    read_shard(arr, geom, &part, staged, scratch, counters, method)
-                })?;
+                read_part(&part, staged)?;
             }
             // Element offsets (elem 1) of each run, from the staged tile into `dest`.
             let mut bad = None;

@@ -2,6 +2,12 @@
 //! no communicator. It keeps what every read of the same checkpoint needs: the index, the
 //! arrays it opened (their `zarr.json` read and checked once each) and one I/O thread pool.
 //!
+//! It reads through the storage seam ([`crate::storage::store::Store`]): a store with local
+//! files keeps the file-system fast paths (`pread` / `mmap` of the shard files); a store
+//! without them (an object store, `s3://...`, or an in-memory store) is read with ranged gets
+//! ([`super::fetch`]): each shard's index fetched and decoded once, the needed subchunks
+//! fetched coalesced, then checked and copied by the same code.
+//!
 //! [`crate::Checkpoint`] reads through one with no communicator; the collective
 //! [`load`](crate::load()) plans with every rank, executes its own reads through one, then
 //! exchanges the boxes several ranks need.
@@ -13,14 +19,20 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use rayon::prelude::*;
 
-use super::{LoadReport, Request, cast, read_item, stored_geometry};
+use super::fetch::{Fetcher, IndexCache};
+use super::{LoadReport, Request, ShardSource, cast, read_item, stored_geometry};
 use crate::coord::{Progress, io_pool};
 use crate::error::{Error, Result};
 use crate::model::copy::DisjointBuf;
 use crate::model::{DType, LoadTarget, Region, TensorKey};
 use crate::plan::load::{ShardRead, StoredGeometry};
 use crate::storage::read::{ReadCounters, ReadMethod};
-use crate::storage::{CheckpointMeta, TensorArray, commit};
+use crate::storage::store::{Store, join};
+use crate::storage::{CheckpointMeta, StorageError, TensorArray, commit};
+
+/// I/O threads of a reader over a store without local files when none are asked for: ranged
+/// gets in flight at once (each thread holds at most [`super::fetch::BATCH_BYTES`]).
+pub(crate) const FETCH_THREADS: usize = 16;
 
 /// One array, opened once: its `zarr.json` read and checked against the index.
 struct OpenArray {
@@ -32,7 +44,10 @@ struct OpenArray {
 /// step). Cheap to share between threads: arrays are opened on first use and kept, and one
 /// I/O thread pool is started on the first read that spans several shard files.
 pub struct Reader {
+    /// The directory, or the URL of a store without local files (for messages).
     dir: PathBuf,
+    /// Where shards come from when the store has no local files.
+    fetcher: Option<Fetcher>,
     meta: CheckpointMeta,
     arrays: Mutex<HashMap<TensorKey, Arc<OpenArray>>>,
     pool: OnceLock<rayon::ThreadPool>,
@@ -48,27 +63,102 @@ impl std::fmt::Debug for Reader {
             .field("tensors", &self.meta.tensors.len())
             .field("io_threads", &self.io_threads)
             .field("read_method", &self.read_method)
+            .field("fetched", &self.fetcher.is_some())
             .field("arrays_opened", &self.arrays_opened())
             .finish_non_exhaustive()
     }
 }
 
 impl Reader {
-    /// Opens a committed checkpoint for reading (reads only the root `zarr.json`).
+    /// Opens a committed checkpoint for reading (reads only the root `zarr.json`): a local
+    /// directory, or (feature `object-store`) a URL (`s3://bucket/prefix`, `gs://`, `az://`,
+    /// `memory://`) opened with [`Reader::open_url`] and default options.
     ///
     /// # Errors
     /// As [`crate::Checkpoint::open`].
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
-        let dir = dir.as_ref().to_owned();
-        let meta = commit::read_index(&dir)?;
-        Ok(Self::from_index(dir, meta))
+        let dir = dir.as_ref();
+        #[cfg(feature = "object-store")]
+        if let Some(url) = dir.to_str().filter(|s| crate::storage::remote::is_url(s)) {
+            return Self::open_url(url, &crate::storage::remote::RemoteOptions::default());
+        }
+        let meta = commit::read_index(dir)?;
+        Ok(Self::from_index(dir.to_owned(), meta))
     }
 
-    /// A reader of `dir` against an index already read.
+    /// Opens the checkpoint committed at `url` (feature `object-store`): resolves the
+    /// generation pointer and reads the committed generation's manifest and root `zarr.json`,
+    /// nothing else (no listing). Shards are then read with ranged gets, sized by the
+    /// manifest.
+    ///
+    /// # Errors
+    /// The [`crate::storage::remote::RemoteError`]s of resolving (no pointer, a damaged
+    /// manifest, a request that failed); the index errors of [`crate::Checkpoint::open`].
+    #[cfg(feature = "object-store")]
+    pub fn open_url(url: &str, ropts: &crate::storage::remote::RemoteOptions) -> Result<Self> {
+        use crate::storage::remote::{RemoteStore, generation};
+        let store = RemoteStore::open(url, ropts)?;
+        let resolved = generation::resolve(&store)?;
+        let prefix = generation::generation_key(&resolved.generation, "");
+        let sizes = resolved
+            .manifest
+            .objects
+            .iter()
+            .map(|e| (join(&prefix, &e.key), e.size))
+            .collect();
+        Self::fetching(Arc::new(store), prefix, Some(sizes))
+    }
+
+    /// Opens the checkpoint committed under `prefix` in `store` (its root `zarr.json` there):
+    /// through the file system where the store has local files (as [`Reader::open`] of the
+    /// directory), else by ranged gets (each shard's size by a `HEAD`).
+    ///
+    /// # Errors
+    /// As [`crate::Checkpoint::open`]; [`StorageError::NotACheckpoint`] when the store holds
+    /// no root `zarr.json` under `prefix`.
+    pub fn open_store(store: Arc<dyn Store>, prefix: &str) -> Result<Self> {
+        match store.local_path(prefix) {
+            Some(dir) => Self::open(dir),
+            None => Self::fetching(store, prefix.to_owned(), None),
+        }
+    }
+
+    /// A reader over a store without local files.
+    fn fetching(
+        store: Arc<dyn Store>,
+        prefix: String,
+        sizes: Option<std::collections::HashMap<String, u64>>,
+    ) -> Result<Self> {
+        let dir = store.display_path(&prefix);
+        let root = join(&prefix, "zarr.json");
+        let bytes = match store.get(&root, crate::storage::meta::MAX_ROOT_JSON_BYTES) {
+            Ok(b) => b,
+            Err(StorageError::NotFound { .. }) => {
+                return Err(StorageError::NotACheckpoint {
+                    path: dir,
+                    reason: "no root zarr.json".into(),
+                }
+                .into());
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let meta = CheckpointMeta::from_root_json(&bytes, &store.display_path(&root))?;
+        let mut r = Self::from_index(dir, meta);
+        r.fetcher = Some(Fetcher {
+            store,
+            prefix,
+            sizes,
+            cache: IndexCache::default(),
+        });
+        Ok(r)
+    }
+
+    /// A reader of the local directory `dir` against an index already read.
     #[must_use]
     pub fn from_index(dir: PathBuf, meta: CheckpointMeta) -> Self {
         Reader {
             dir,
+            fetcher: None,
             meta,
             arrays: Mutex::new(HashMap::new()),
             pool: OnceLock::new(),
@@ -78,8 +168,8 @@ impl Reader {
         }
     }
 
-    /// Sets the I/O threads (0: the number of CPUs, at most 8) and how uncompressed shard
-    /// files are read.
+    /// Sets the I/O threads (0: the number of CPUs, at most 8, for local files;
+    /// 16 for ranged gets) and how uncompressed shard files are read.
     #[must_use]
     pub fn with_io(mut self, io_threads: usize, read_method: ReadMethod) -> Self {
         self.io_threads = io_threads;
@@ -87,10 +177,86 @@ impl Reader {
         self
     }
 
-    /// The directory.
+    /// The directory (for a store without local files, its URL: for messages).
     #[must_use]
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// For a collective load over a store without local files: checks that every rank's
+    /// reader resolved the same generation (the pointer may move between two ranks' reads of
+    /// it), against rank 0's. Collective when the readers fetch; nothing to do otherwise.
+    ///
+    /// # Errors
+    /// [`StorageError::NotACheckpoint`] on every rank when one resolved another generation (load
+    /// again); [`Error::Comm`] when the broadcast fails.
+    pub(crate) fn agree_generation(&self, comm: &dyn crate::comm::Communicator) -> Result<()> {
+        if self.fetcher.is_none() {
+            return Ok(());
+        }
+        let mine = self.dir.to_string_lossy().into_owned();
+        let first = comm.broadcast(0, mine.as_bytes())?;
+        let local = if first == mine.as_bytes() {
+            Ok(())
+        } else {
+            Err(StorageError::NotACheckpoint {
+                path: self.dir.clone(),
+                reason: format!(
+                    "rank {} resolved this generation but rank 0 resolved {}: the checkpoint was replaced while the ranks opened it; load again",
+                    comm.rank(),
+                    String::from_utf8_lossy(&first)
+                ),
+            }
+            .into())
+        };
+        crate::coord::agree(comm, local)
+    }
+
+    /// True when shards are read with ranged gets (a store without local files).
+    #[must_use]
+    pub fn fetches(&self) -> bool {
+        self.fetcher.is_some()
+    }
+
+    /// How many shard indexes this reader fetched and decoded (ranged gets only; 0 for local
+    /// files): each shard's at most once while they fit
+    /// 64 MiB of decoded indexes, however many reads touch it.
+    #[must_use]
+    pub fn indexes_decoded(&self) -> u64 {
+        self.fetcher.as_ref().map_or(0, |f| f.cache.decoded())
+    }
+
+    /// Opens the array of `key` (not kept): what [`crate::Checkpoint::verify`] checks.
+    pub(crate) fn open_array(
+        &self,
+        key: &TensorKey,
+        entry: &crate::storage::TensorEntry,
+    ) -> std::result::Result<TensorArray, StorageError> {
+        match &self.fetcher {
+            None => TensorArray::open_for(&self.dir, key, entry, self.meta.save_id),
+            Some(f) => TensorArray::open_in(&*f.store, &f.prefix, key, entry, self.meta.save_id),
+        }
+    }
+
+    /// Checks every subchunk of the shard at `chunk` of `arr` within `region` (verify).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn verify_shard(
+        &self,
+        arr: &TensorArray,
+        geom: &StoredGeometry,
+        chunk: &[u64],
+        region: &Region,
+        scratch: &mut Vec<u8>,
+        buf: &mut Vec<u8>,
+        counters: &ReadCounters,
+        progress: &dyn Fn(u64),
+    ) -> std::result::Result<(), StorageError> {
+        match &self.fetcher {
+            None => crate::storage::read::verify_shard(
+                arr, geom, chunk, region, scratch, buf, counters, progress,
+            ),
+            Some(f) => f.verify_shard(arr, geom, region, buf, counters, progress),
+        }
     }
 
     /// The index.
@@ -118,7 +284,7 @@ impl Reader {
             return Ok(Arc::clone(a));
         }
         let geom = stored_geometry(&self.meta, key).ok_or_else(|| self.absent(key))?;
-        let arr = TensorArray::open_for(&self.dir, key, entry, self.meta.save_id)?;
+        let arr = self.open_array(key, entry)?;
         self.opened.fetch_add(1, Ordering::Relaxed);
         let a = Arc::new(OpenArray { arr, geom });
         arrays.insert(key.clone(), Arc::clone(&a));
@@ -137,7 +303,11 @@ impl Reader {
         if let Some(p) = self.pool.get() {
             return Ok(p);
         }
-        let p = io_pool(self.io_threads)?;
+        let threads = match (self.io_threads, &self.fetcher) {
+            (0, Some(_)) => FETCH_THREADS,
+            (n, _) => n,
+        };
+        let p = io_pool(threads)?;
         // Another thread may have set one meanwhile: either serves.
         let _ = self.pool.set(p);
         self.pool
@@ -275,6 +445,10 @@ impl Reader {
                 opened[*i] = Some(self.array(&requests[*i].key)?);
             }
         }
+        let source = match &self.fetcher {
+            None => ShardSource::Files(self.read_method),
+            Some(f) => ShardSource::Fetch(f),
+        };
         let one = |(i, shard): &(usize, ShardRead)| -> Result<()> {
             let Some(a) = &opened[*i] else {
                 return Err(self.absent(&requests[*i].key));
@@ -290,7 +464,7 @@ impl Reader {
                     dests[*i],
                     requests[*i].cast,
                     counters,
-                    self.read_method,
+                    &source,
                 )
             }?;
             if let Some(p) = progress {

@@ -297,26 +297,62 @@ impl TensorArray {
         entry: &TensorEntry,
         save_id: Option<SaveId>,
     ) -> Result<Self, StorageError> {
-        let mut a = Self::open(root, key, entry)?;
+        let path = root.join(&entry.path).join("zarr.json");
+        let bytes = super::meta::read_metadata_file(&path, super::meta::MAX_ARRAY_JSON_BYTES)?;
+        Self::from_json(root, key, entry, &bytes, save_id)
+    }
+
+    /// [`TensorArray::open_for`] of the checkpoint under `prefix` in `store`: through the
+    /// file system where the store has local files, else by reading the array's `zarr.json`
+    /// object (at most [`super::meta::MAX_ARRAY_JSON_BYTES`]). Shards of an array opened on a
+    /// store without local files are named by the store's URLs in messages
+    /// ([`TensorArray::chunk_path`]) and read with ranged gets.
+    ///
+    /// # Errors
+    /// As [`TensorArray::open_for`]; [`StorageError::NotFound`] when the object is absent.
+    pub fn open_in(
+        store: &dyn super::store::Store,
+        prefix: &str,
+        key: &TensorKey,
+        entry: &TensorEntry,
+        save_id: Option<SaveId>,
+    ) -> Result<Self, StorageError> {
+        if let Some(root) = store.local_path(prefix) {
+            return Self::open_for(&root, key, entry, save_id);
+        }
+        let location = super::store::join(prefix, &format!("{}/zarr.json", entry.path));
+        let bytes = store.get(&location, super::meta::MAX_ARRAY_JSON_BYTES)?;
+        Self::from_json(&store.display_path(prefix), key, entry, &bytes, save_id)
+    }
+
+    /// The array whose `zarr.json` holds `bytes`, checked against the index entry (and the
+    /// save id of the index, when it has one).
+    fn from_json(
+        root: &Path,
+        key: &TensorKey,
+        entry: &TensorEntry,
+        bytes: &[u8],
+        save_id: Option<SaveId>,
+    ) -> Result<Self, StorageError> {
+        let path = root.join(&entry.path).join("zarr.json");
+        let meta: Value = super::meta::parse_json(bytes).map_err(|e| StorageError::Malformed {
+            path: path.clone(),
+            reason: format!("not JSON: {e}"),
+        })?;
+        let found = meta
+            .get("attributes")
+            .and_then(|a| a.get(ATTRIBUTE))
+            .and_then(|a| a.get("save_id"))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        let mut a = Self::checked(root, key, entry, meta, &path)?;
         if let Some(id) = save_id {
-            let path = a.dir.join("zarr.json");
-            let bytes = std::fs::read(&path).map_err(StorageError::io("read", &path))?;
-            let meta: Value =
-                serde_json::from_slice(&bytes).map_err(|e| StorageError::Malformed {
-                    path: path.clone(),
-                    reason: format!("not JSON: {e}"),
-                })?;
-            let found = meta
-                .get("attributes")
-                .and_then(|a| a.get(ATTRIBUTE))
-                .and_then(|a| a.get("save_id"))
-                .and_then(Value::as_str);
-            if found != Some(id.hex().as_str()) {
+            if found.as_deref() != Some(id.hex().as_str()) {
                 return Err(StorageError::Malformed {
                     path,
                     reason: format!(
                         "tensor `{key}`: the array was written by save {}, but the index was committed by save {id} (a mix of two saves, or a save replaced the checkpoint while it was being read)",
-                        found.unwrap_or("(none)")
+                        found.as_deref().unwrap_or("(none)")
                     ),
                 });
             }
@@ -358,12 +394,19 @@ impl TensorArray {
     /// [`StorageError::Io`] if `zarr.json` cannot be read, [`StorageError::Malformed`] if it
     /// does not parse or disagrees with the checkpoint index on data type, shape or grid.
     pub fn open(root: &Path, key: &TensorKey, entry: &TensorEntry) -> Result<Self, StorageError> {
-        let path = root.join(&entry.path).join("zarr.json");
-        let bytes = super::meta::read_metadata_file(&path, super::meta::MAX_ARRAY_JSON_BYTES)?;
-        let meta: Value = super::meta::parse_json(&bytes).map_err(|e| StorageError::Malformed {
-            path: path.clone(),
-            reason: format!("not JSON: {e}"),
-        })?;
+        Self::open_for(root, key, entry, None)
+    }
+
+    /// Checks a parsed `zarr.json` (`meta`, read from `path`) against the index entry, then
+    /// builds the array.
+    fn checked(
+        root: &Path,
+        key: &TensorKey,
+        entry: &TensorEntry,
+        meta: Value,
+        path: &Path,
+    ) -> Result<Self, StorageError> {
+        let path = path.to_owned();
         let expected = array_metadata(key, entry);
         let fields = [
             "zarr_format",

@@ -1258,3 +1258,161 @@ pub fn zeroed_buffer<T: crate::model::Element>(
     // zero bytes, which is a valid `T` (`Element` types are plain numeric data).
     Ok(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }
+
+// Reads from bytes already in memory (stores without local files: ranged gets). Added for
+// the storage seam's readers; the checks and copies are the ones above.
+
+/// A shard's index, decoded and checked, with the subchunk checksums its footer gives:
+/// what a reader over a store without local files fetches once per shard (and may keep).
+#[derive(Debug, Clone)]
+pub struct FetchedIndex {
+    index: ShardIndex,
+    footer: FooterCrcs,
+}
+
+impl FetchedIndex {
+    /// `(offset, bytes)` in the shard of subchunk `linear` (checksum included); `None` when
+    /// it is absent (all fill value) or beyond the index.
+    #[must_use]
+    pub fn entry(&self, linear: u64) -> Option<(u64, u64)> {
+        usize::try_from(linear)
+            .ok()
+            .and_then(|i| self.index.get(i))
+            .copied()
+            .flatten()
+    }
+
+    /// Bytes this index holds in memory (for bounding a cache of indexes).
+    #[must_use]
+    pub fn memory_bytes(&self) -> u64 {
+        let n = self.index.len() as u64;
+        n * 24 + self.footer.as_ref().map_or(0, |c| c.len() as u64 * 4)
+    }
+}
+
+/// Bytes at the end of every shard of `arr` that hold its index and footer: what a ranged
+/// read of the tail fetches.
+#[must_use]
+pub fn shard_tail_bytes(arr: &TensorArray) -> u64 {
+    arr.index_bytes().saturating_add(arr.footer_bytes())
+}
+
+/// Decodes and checks the tail (`tail`, the last [`shard_tail_bytes`] bytes) of the shard at
+/// `chunk`, whose object is `len` bytes long, exactly as a local read checks it: index
+/// checksum, footer (format 1.1), absent entries against the footer, every entry inside the
+/// data, of the right size, none overlapping.
+///
+/// # Errors
+/// [`StorageError::CorruptChunk`] naming key, chunk and object.
+pub fn decode_shard_tail(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    chunk: &[u64],
+    len: u64,
+    tail: &[u8],
+) -> Result<FetchedIndex, StorageError> {
+    let want = shard_tail_bytes(arr);
+    if len < want || tail.len() as u64 != want {
+        return Err(corrupt(
+            arr,
+            chunk,
+            format!(
+                "object is {len} bytes ({} of its tail read), shorter than its {}-byte index and {}-byte footer",
+                tail.len(),
+                arr.index_bytes(),
+                arr.footer_bytes()
+            ),
+        ));
+    }
+    let (footer, encoded) = tail.split_at(crate::model::usize_of(arr.footer_bytes()));
+    let index = arr.decode_index(chunk, encoded)?;
+    let crcs = check_shard_footer(arr, chunk, footer)?;
+    if let Some(c) = &crcs {
+        check_absent_against_footer(&index, c).map_err(|d| corrupt(arr, chunk, d))?;
+    }
+    check_index_entries(
+        &index,
+        len - want,
+        arr.uncompressed().then(|| geom.subchunk_bytes() + 4),
+    )
+    .map_err(|d| corrupt(arr, chunk, d))?;
+    Ok(FetchedIndex {
+        index,
+        footer: crcs,
+    })
+}
+
+/// Fills the parts of `dest` in `shard` from subchunk bytes already fetched: `fetched` holds
+/// `(offset in the shard, bytes)` pieces, sorted by offset, covering every present subchunk
+/// `shard` names. Each subchunk's crc32c (and footer entry) is checked before its bytes are
+/// copied out, compressed ones are size-checked and decoded by zarrs, absent ones zeroed,
+/// `bool` bytes checked: the same checks as a local read, with the same errors.
+///
+/// # Errors
+/// [`StorageError::Checksum`] / [`StorageError::CorruptChunk`] naming key, chunk, subchunk
+/// and object; a piece missing from `fetched` is a [`StorageError::CorruptChunk`] too.
+///
+/// # Safety
+/// As [`read_shard`].
+pub unsafe fn read_shard_from(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    index: &FetchedIndex,
+    fetched: &[(u64, &[u8])],
+    dest: Dest<'_>,
+) -> Result<(), StorageError> {
+    check_entries(arr, shard, &index.index)?;
+    let footer = index.footer.as_deref();
+    let sub_bytes = crate::model::usize_of(geom.subchunk_bytes());
+    for s in &shard.subchunks {
+        let Some((off, n)) = index.entry(s.linear) else {
+            // SAFETY: disjoint destination ranges (caller's contract).
+            unsafe { dest.zero(&s.needed) };
+            continue;
+        };
+        let piece = fetched
+            .partition_point(|(start, _)| *start <= off)
+            .checked_sub(1)
+            .and_then(|i| {
+                let (start, bytes) = fetched[i];
+                let at = usize::try_from(off - start).ok()?;
+                bytes.get(at..at.checked_add(usize::try_from(n).ok()?)?)
+            })
+            .ok_or_else(|| {
+                corrupt(
+                    arr,
+                    &shard.chunk,
+                    format!(
+                        "subchunk {} ({off}+{n}) was not fetched whole: the object is shorter than its index says",
+                        s.linear
+                    ),
+                )
+            })?;
+        let (payload, crc) = piece.split_at(piece.len() - 4);
+        let crc = [crc[0], crc[1], crc[2], crc[3]];
+        check_crc(arr, shard, s.linear, payload, crc, footer)?;
+        if arr.uncompressed() {
+            // SAFETY: disjoint destination ranges (caller's contract).
+            unsafe { scatter(std::iter::once((s, 0)), payload, dest) };
+            continue;
+        }
+        check_declared_size(arr.entry().compression, payload, sub_bytes)
+            .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
+        super::frame::check(
+            arr.entry().compression,
+            payload,
+            geom.subchunk_bytes(),
+            geom.elem,
+        )
+        .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
+        let decoded = arr.decode_subchunk(&shard.chunk, s.linear, piece)?;
+        // SAFETY: disjoint destination ranges (caller's contract).
+        unsafe { scatter(std::iter::once((s, 0)), &decoded, dest) };
+    }
+    if arr.entry().dtype == crate::model::DType::Bool {
+        // SAFETY: forwarded; this thread just filled these bytes.
+        unsafe { check_bools(arr, shard, dest)? };
+    }
+    Ok(())
+}

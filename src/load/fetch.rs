@@ -1,0 +1,309 @@
+//! Reads over a store without local files (object stores, in-memory stores): each shard's
+//! tail (index and footer) by one ranged get, decoded once and kept; then the needed
+//! subchunks by ranged gets coalesced on subchunk boundaries, a bounded batch at a time,
+//! checked and copied by the same code as a local read
+//! ([`crate::storage::read::read_shard_from`]).
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::model::copy::DisjointBuf;
+use crate::model::{Region, TensorKey};
+use crate::plan::load::{ShardRead, StoredGeometry};
+use crate::storage::read::{
+    FetchedIndex, ReadCounters, decode_shard_tail, read_shard_from, shard_tail_bytes,
+};
+use crate::storage::store::{Store, join};
+use crate::storage::{StorageError, TensorArray};
+
+/// Subchunks of one shard at most this many bytes apart are fetched by one ranged get (the
+/// gap with them). The same distance as `object_store`'s own coalescing, so that the bytes
+/// counted here are the bytes requested from the server.
+pub(crate) const COALESCE_GAP: u64 = 1 << 20;
+
+/// Most bytes one reading thread fetches into memory at once (besides one subchunk, which may
+/// be larger): a reader's fetch buffers stay below its I/O threads x this.
+pub(crate) const BATCH_BYTES: u64 = 32 << 20;
+
+/// Most bytes of decoded shard indexes a reader keeps; indexes beyond it are decoded again
+/// when read again.
+pub(crate) const INDEX_CACHE_BYTES: u64 = 64 << 20;
+
+/// A shard: its tensor and grid index.
+type ShardId = (TensorKey, Vec<u64>);
+
+/// Decoded shard indexes, by tensor and chunk, with a count of the decodes.
+#[derive(Debug, Default)]
+pub(crate) struct IndexCache {
+    map: Mutex<HashMap<ShardId, Arc<FetchedIndex>>>,
+    bytes: AtomicU64,
+    decoded: AtomicU64,
+}
+
+impl IndexCache {
+    /// How many shard indexes were fetched and decoded so far.
+    pub(crate) fn decoded(&self) -> u64 {
+        self.decoded.load(Ordering::Relaxed)
+    }
+}
+
+/// Where shards are fetched from: a store, the checkpoint's prefix in it, the objects' sizes
+/// when a committed manifest gives them (no `HEAD` per shard then), and the index cache.
+#[derive(Debug)]
+pub(crate) struct Fetcher {
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) prefix: String,
+    pub(crate) sizes: Option<HashMap<String, u64>>,
+    pub(crate) cache: IndexCache,
+}
+
+fn missing(arr: &TensorArray, chunk: &[u64]) -> StorageError {
+    StorageError::MissingChunk {
+        key: arr.key().to_string(),
+        chunk: chunk.to_vec(),
+        path: arr.chunk_path(chunk),
+    }
+}
+
+impl Fetcher {
+    /// The store location of the shard at `chunk`.
+    fn location(&self, arr: &TensorArray, chunk: &[u64]) -> String {
+        join(&self.prefix, &arr.chunk_location(chunk))
+    }
+
+    /// Ranged get of `ranges` of the shard at `chunk`, counted; an absent object is a
+    /// missing chunk.
+    fn get(
+        &self,
+        arr: &TensorArray,
+        chunk: &[u64],
+        location: &str,
+        ranges: &[Range<u64>],
+        counters: &ReadCounters,
+    ) -> Result<Vec<Vec<u8>>, StorageError> {
+        let got = self
+            .store
+            .get_ranges(location, ranges)
+            .map_err(|e| match e {
+                StorageError::NotFound { .. } => missing(arr, chunk),
+                e => e,
+            })?;
+        let n: u64 = got.iter().map(|b| b.len() as u64).sum();
+        counters.bytes.fetch_add(n, Ordering::Relaxed);
+        Ok(got)
+    }
+
+    /// The decoded index of the shard at `chunk`: from the cache, else by one ranged get of
+    /// its tail.
+    fn index(
+        &self,
+        arr: &TensorArray,
+        geom: &StoredGeometry,
+        chunk: &[u64],
+        counters: &ReadCounters,
+    ) -> Result<Arc<FetchedIndex>, StorageError> {
+        let id = (arr.key().clone(), chunk.to_vec());
+        let cached = self
+            .cache
+            .map
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&id)
+            .cloned();
+        if let Some(i) = cached {
+            return Ok(i);
+        }
+        let location = self.location(arr, chunk);
+        let size = match self.sizes.as_ref().and_then(|s| s.get(&location)) {
+            Some(&n) => n,
+            None => match self.store.head(&location) {
+                Ok(m) => m.size,
+                Err(StorageError::NotFound { .. }) => return Err(missing(arr, chunk)),
+                Err(e) => return Err(e),
+            },
+        };
+        let tail = shard_tail_bytes(arr);
+        let bytes = if size < tail {
+            Vec::new()
+        } else {
+            let whole_tail = size - tail..size;
+            match self.get(
+                arr,
+                chunk,
+                &location,
+                std::slice::from_ref(&whole_tail),
+                counters,
+            ) {
+                Ok(mut b) => b.pop().unwrap_or_default(),
+                Err(e) => return Err(self.explain(arr, chunk, &location, size, e)),
+            }
+        };
+        let index = Arc::new(decode_shard_tail(arr, geom, chunk, size, &bytes)?);
+        self.cache.decoded.fetch_add(1, Ordering::Relaxed);
+        let added = index.memory_bytes();
+        if self.cache.bytes.fetch_add(added, Ordering::Relaxed) + added <= INDEX_CACHE_BYTES {
+            self.cache
+                .map
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(id, Arc::clone(&index));
+        } else {
+            self.cache.bytes.fetch_sub(added, Ordering::Relaxed);
+        }
+        Ok(index)
+    }
+
+    /// A failed tail read of an object the manifest sized: a typed error when the object's
+    /// size is not the committed one (truncated or replaced), else the failure itself.
+    fn explain(
+        &self,
+        arr: &TensorArray,
+        chunk: &[u64],
+        location: &str,
+        expected: u64,
+        e: StorageError,
+    ) -> StorageError {
+        match self.store.head(location) {
+            Ok(m) if m.size != expected => StorageError::CorruptChunk {
+                key: arr.key().to_string(),
+                chunk: chunk.to_vec(),
+                path: arr.chunk_path(chunk),
+                detail: format!(
+                    "object is {} bytes, but the committed manifest says {expected}",
+                    m.size
+                ),
+            },
+            Err(StorageError::NotFound { .. }) => missing(arr, chunk),
+            _ => e,
+        }
+    }
+
+    /// Fills the parts of `dest` in `shard`: the index (once), then the needed subchunks by
+    /// coalesced ranged gets, at most [`BATCH_BYTES`] (or one subchunk) in memory at a time.
+    ///
+    /// # Safety
+    /// As [`crate::storage::read::read_shard`].
+    pub(crate) unsafe fn read_shard(
+        &self,
+        arr: &TensorArray,
+        geom: &StoredGeometry,
+        shard: &ShardRead,
+        dest: DisjointBuf<'_>,
+        counters: &ReadCounters,
+    ) -> Result<(), StorageError> {
+        let index = self.index(arr, geom, &shard.chunk, counters)?;
+        let location = self.location(arr, &shard.chunk);
+        for (ranges, subs) in batches(shard, &index) {
+            let part = ShardRead {
+                chunk: shard.chunk.clone(),
+                subchunks: subs.iter().map(|&i| shard.subchunks[i].clone()).collect(),
+            };
+            let bufs = if ranges.is_empty() {
+                Vec::new()
+            } else {
+                self.get(arr, &shard.chunk, &location, &ranges, counters)?
+            };
+            let fetched: Vec<(u64, &[u8])> = ranges
+                .iter()
+                .zip(&bufs)
+                .map(|(r, b)| (r.start, b.as_slice()))
+                .collect();
+            // SAFETY: forwarded to the caller.
+            unsafe { read_shard_from(arr, geom, &part, &index, &fetched, dest) }?;
+        }
+        Ok(())
+    }
+
+    /// Checks every subchunk of the shard at `chunk` that holds part of `region` (the chunk's
+    /// box clipped to the tensor): reads it a slab of subchunk rows at a time into `buf`
+    /// (about 16 MiB, at least one row of subchunks).
+    ///
+    /// # Errors
+    /// As [`Fetcher::read_shard`].
+    pub(crate) fn verify_shard(
+        &self,
+        arr: &TensorArray,
+        geom: &StoredGeometry,
+        region: &Region,
+        buf: &mut Vec<u8>,
+        counters: &ReadCounters,
+        progress: &dyn Fn(u64),
+    ) -> Result<(), StorageError> {
+        let shape = region.shape();
+        // A 0-d tensor is one tile; others go a slab of whole subchunk rows at a time.
+        let rows = shape.first().copied().unwrap_or(1);
+        let row_bytes = shape
+            .iter()
+            .skip(1)
+            .fold(geom.elem as u64, |a, &d| a.saturating_mul(d));
+        let step = geom.subchunk_shape.first().copied().unwrap_or(1).max(1);
+        let per = ((16u64 << 20) / row_bytes.max(1) / step).max(1) * step;
+        let mut at = 0;
+        while at < rows {
+            let n = per.min(rows - at);
+            let tile = if shape.is_empty() {
+                region.clone()
+            } else {
+                let mut offset = region.offset().to_vec();
+                offset[0] += at;
+                let mut extent = shape.to_vec();
+                extent[0] = n;
+                Region::from_parts_unchecked(offset, extent)
+            };
+            let bytes = crate::model::usize_of(n.saturating_mul(row_bytes));
+            buf.clear();
+            buf.resize(bytes, 0);
+            let dest = DisjointBuf::new(&mut buf[..], &tile, geom.elem);
+            for shard in geom.reads_for(&tile) {
+                // SAFETY: this thread owns `buf`, and only this read writes it.
+                unsafe { self.read_shard(arr, geom, &shard, dest, counters) }?;
+            }
+            progress(bytes as u64);
+            at += n;
+        }
+        Ok(())
+    }
+}
+
+/// One batch of a shard's reads: the byte ranges fetched together, and the positions in the
+/// shard read's subchunks of the subchunks they hold.
+type Batch = (Vec<Range<u64>>, Vec<usize>);
+
+/// The subchunks of `shard` in batches: each batch's byte ranges (subchunks of the shard
+/// sorted by offset, coalesced when at most [`COALESCE_GAP`] apart, at most [`BATCH_BYTES`]
+/// per batch unless one subchunk is larger) and the positions in `shard.subchunks` of the
+/// subchunks it holds. Absent subchunks (zeros, nothing to fetch) go with the first batch.
+fn batches(shard: &ShardRead, index: &FetchedIndex) -> Vec<Batch> {
+    let mut present: Vec<(u64, u64, usize)> = Vec::with_capacity(shard.subchunks.len());
+    let mut absent = Vec::new();
+    for (i, s) in shard.subchunks.iter().enumerate() {
+        match index.entry(s.linear) {
+            Some((off, n)) => present.push((off, off.saturating_add(n), i)),
+            None => absent.push(i),
+        }
+    }
+    present.sort_unstable();
+    let mut out: Vec<Batch> = vec![(Vec::new(), absent)];
+    let mut held = 0u64;
+    for (start, end, i) in present {
+        let (ranges, subs) = out.last_mut().expect("never empty");
+        let grow = match ranges.last() {
+            Some(r) if start.saturating_sub(r.end) <= COALESCE_GAP => end.saturating_sub(r.end),
+            _ => end - start,
+        };
+        if !ranges.is_empty() && held.saturating_add(grow) > BATCH_BYTES {
+            out.push((std::iter::once(start..end).collect(), vec![i]));
+            held = end - start;
+            continue;
+        }
+        match ranges.last_mut() {
+            Some(r) if start.saturating_sub(r.end) <= COALESCE_GAP => r.end = r.end.max(end),
+            _ => ranges.push(start..end),
+        }
+        subs.push(i);
+        held = held.saturating_add(grow);
+    }
+    out
+}
