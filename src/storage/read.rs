@@ -4,9 +4,11 @@
 //! subchunks (`bytes` + `crc32c`) are read one of two ways ([`ReadMethod`]):
 //! - `pread` (the default): whole subchunks landing contiguously are read in place with one
 //!   `preadv` per run of adjacent subchunks and checksummed there; whole subchunks landing
-//!   as runs of at least `MIN_IN_PLACE_RUN` (256) bytes (column strips) are read straight into
-//!   those runs by `preadv` and checksummed over them; the others into a reused scratch
-//!   buffer, checksummed there and copied out (two copies); an I/O error or a truncated file
+//!   as runs of at least `MIN_IN_PLACE_RUN` (1 KiB; column strips) are read straight
+//!   into those runs by `preadv` and checksummed over them; the others are read into a reused
+//!   scratch buffer about the size of a core's L2 cache, and copied out of it with their
+//!   crc32c computed over the bytes delivered in the same pass (partly needed subchunks are
+//!   checksummed in the scratch buffer first); an I/O error or a truncated file
 //!   is a typed error;
 //! - mapped (opt-in): the part of the shard file holding the needed subchunks is mapped a
 //!   window at a time and each subchunk is copied from the page cache straight to where it
@@ -403,8 +405,10 @@ const IOV_MAX: usize = 1024;
 /// Shortest run of a whole subchunk that [`pread_subchunks`] reads straight into its place in
 /// the caller's buffer when the subchunk does not land contiguously there (a column strip):
 /// shorter runs go through the scratch buffer, where one large read and a user-space copy
-/// cost less than the kernel's per-iovec work.
-const MIN_IN_PLACE_RUN: usize = 256;
+/// cost less than the kernel's per-iovec work (measured on a 2-core EPYC: `preadv` into runs
+/// of 256 bytes 2.8-7.2 GB/s against 15 GB/s for one `pread` into scratch and a copy out; at
+/// 2 KiB runs in place 18.8 against 14.9 GB/s).
+const MIN_IN_PLACE_RUN: usize = 1 << 10;
 
 /// `preadv` until every iovec is full.
 fn preadv_exact(file: &File, iovs: &mut [libc::iovec], mut offset: u64) -> std::io::Result<()> {
