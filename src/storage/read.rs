@@ -6,9 +6,9 @@
 //!   `preadv` per run of adjacent subchunks and checksummed there; whole subchunks landing
 //!   as runs of at least `MIN_IN_PLACE_RUN` (1 KiB; column strips) are read straight
 //!   into those runs by `preadv` and checksummed over them; the others are read into a reused
-//!   scratch buffer about the size of a core's L2 cache, and copied out of it with their
-//!   crc32c computed over the bytes delivered in the same pass (partly needed subchunks are
-//!   checksummed in the scratch buffer first); an I/O error or a truncated file
+//!   scratch buffer a group of about one core's L2 cache at a time, each checksummed right
+//!   after its read and the group copied out while still in cache; an I/O error or a
+//!   truncated file
 //!   is a typed error;
 //! - mapped (opt-in): the part of the shard file holding the needed subchunks is mapped a
 //!   window at a time and each subchunk is copied from the page cache straight to where it
@@ -622,42 +622,42 @@ unsafe fn pread_subchunks(
     flush(&mut batch, batch_file_start)?;
     let slot_bytes = sub_bytes + 4;
     let per_group = (GATHER_BYTES / slot_bytes).max(1);
-    let mut whole: Vec<(&SubchunkRead, usize, [u8; 4])> = Vec::with_capacity(per_group);
-    let mut partial: Vec<(&SubchunkRead, usize)> = Vec::with_capacity(per_group);
     for group in gathered.chunks(per_group) {
         // Grows once per thread (the scratch buffer is reused): no zeroing afterwards.
         if scratch.len() < group.len() * slot_bytes {
             scratch.resize(group.len() * slot_bytes, 0);
         }
-        whole.clear();
-        partial.clear();
         for (k, (s, off)) in group.iter().enumerate() {
             let slot = &mut scratch[k * slot_bytes..(k + 1) * slot_bytes];
             timed(&counters.read_ns, || file.read_exact_at(slot, *off))
                 .map_err(StorageError::io("read", &path))?;
             counters.add(slot_bytes as u64);
+            // Checked right after the read, while the slot is in cache, in one call over
+            // its contiguous bytes (a crc computed run by run costs more for short runs).
             let (data, crc) = slot.split_at(sub_bytes);
-            let crc = [crc[0], crc[1], crc[2], crc[3]];
-            if s.needed == s.stored {
-                // Checked while it is copied out (below), in one pass over the scratch.
-                whole.push((s, k * slot_bytes, crc));
-            } else {
-                // Partly needed: the crc covers bytes that are not copied, so check it here.
-                timed(&counters.checksum_ns, || {
-                    check_crc(arr, shard, s.linear, data, crc, footer)
-                })?;
-                partial.push((s, k * slot_bytes));
-            }
+            timed(&counters.checksum_ns, || {
+                check_crc(
+                    arr,
+                    shard,
+                    s.linear,
+                    data,
+                    [crc[0], crc[1], crc[2], crc[3]],
+                    footer,
+                )
+            })?;
         }
-        // Whole subchunks: copied out of the private scratch with their crc32c computed over
-        // the bytes delivered, band by band while they are in cache (counted as copy).
+        // Copied out of the private scratch (the bytes checked), still in cache: the group
+        // is about one core's L2 cache.
         // SAFETY: disjoint destination ranges (caller's contract).
         timed(&counters.copy_ns, || unsafe {
-            scatter_checked(arr, shard, &whole, scratch, dest, footer)
-        })?;
-        // SAFETY: disjoint destination ranges (caller's contract).
-        timed(&counters.copy_ns, || unsafe {
-            scatter(partial.iter().copied(), scratch, dest);
+            scatter(
+                group
+                    .iter()
+                    .enumerate()
+                    .map(|(k, (s, _))| (*s, k * slot_bytes)),
+                scratch,
+                dest,
+            );
         });
     }
     Ok(())
