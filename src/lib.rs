@@ -95,7 +95,7 @@ pub use error::{Error, Result};
 /// The `half` crate, whose `bf16` and `f16` are [`Element`]s (stored as bfloat16 and float16):
 /// `zarrckpt::half::bf16` needs no dependency of its own.
 pub use half;
-pub use load::{LoadOptions, LoadReport, StrictMode, load, load_with_objects};
+pub use load::{LoadOptions, LoadPhases, LoadReport, StrictMode, load, load_with_objects};
 pub use manager::{CheckpointManager, ManagerOptions, StepInfo};
 pub use model::{
     Cast, DType, Element, Encoding, KeyError, LoadTarget, ObjectError, ObjectRequest, ObjectScope,
@@ -107,7 +107,7 @@ pub use plan::{GridOptions, LayoutDecodeError, PlanError};
 pub use save::{Progress, SaveOptions, SaveReport, SaveRequest, save, save_with_objects};
 pub use state::{load_state, save_state};
 pub use storage::object::StoredScope;
-pub use storage::read::ReadMethod;
+pub use storage::read::{ReadMethod, ReadPhases};
 pub use storage::{Compression, StorageError};
 
 /// The README's Rust examples, compiled and run as doc tests so they cannot rot.

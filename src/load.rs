@@ -2,6 +2,7 @@
 
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use crate::comm::Communicator;
 use crate::coord::{Progress, agree};
@@ -12,7 +13,7 @@ use crate::model::copy::DisjointBuf;
 use crate::model::{LoadTarget, ObjectRequest, ObjectValue, TensorKey};
 use crate::plan::load::{ShardRead, StoredGeometry};
 use crate::storage::CheckpointMeta;
-use crate::storage::read::{ReadCounters, ReadMethod, read_shard, with_scratch};
+use crate::storage::read::{ReadCounters, ReadMethod, ReadPhases, read_shard, with_scratch};
 
 mod cast;
 pub(crate) mod collective;
@@ -66,6 +67,20 @@ impl std::fmt::Debug for LoadOptions {
     }
 }
 
+/// Where a collective load's time went on one rank: wall time of its steps, and what its
+/// reading threads did (summed over them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadPhases {
+    /// Reading the index, agreeing on it and planning with every rank (collective).
+    pub plan: Duration,
+    /// Executing this rank's reads and agreeing on their outcome.
+    pub read: Duration,
+    /// Exchanging the boxes several ranks need (collective), outcome agreed on included.
+    pub exchange: Duration,
+    /// The reading threads' time by step, summed over the threads.
+    pub io: ReadPhases,
+}
+
 /// What a load did on this rank.
 #[derive(Debug, Clone, Default)]
 pub struct LoadReport {
@@ -84,6 +99,9 @@ pub struct LoadReport {
     /// With [`load_with_objects`]: one value per object request, in order (`None` for a key
     /// the checkpoint lacks, when the strict mode skips it).
     pub objects: Vec<Option<ObjectValue>>,
+    /// Where the time went on this rank (the collective load fills it; reads through a
+    /// [`Reader`] leave it empty).
+    pub phases: LoadPhases,
 }
 
 /// Loads the requested boxes into the targets' buffers. Every rank of `comm` calls it with
@@ -133,8 +151,12 @@ fn load_impl(
     opts: &LoadOptions,
 ) -> Result<LoadReport> {
     collective::note_step();
+    let t0 = Instant::now();
     let reader = agree(comm, Reader::open(dir))?.with_io(opts.io_threads, opts.read_method);
-    load_with_reader(targets, objects, &reader, comm, opts)
+    let index = t0.elapsed();
+    let mut report = load_with_reader(targets, objects, &reader, comm, opts)?;
+    report.phases.plan += index;
+    Ok(report)
 }
 
 /// [`load_with_objects`] (`objects` given) or [`load`] through a reader this rank opened
@@ -176,8 +198,11 @@ fn load_boxes(
 ) -> Result<LoadReport> {
     let meta = reader.meta();
     let dir = reader.dir();
+    let t0 = Instant::now();
     let requests: Vec<Request> = targets.iter().map(|t| Request::of(t, meta)).collect();
     let plan = collective::plan(&requests, objects, dir, meta, comm, opts, 0)?;
+    let t_plan = t0.elapsed();
+    let t1 = Instant::now();
     let loaded: u64 = targets
         .iter()
         .filter(|t| meta.tensors.contains_key(t.key()))
@@ -202,6 +227,8 @@ fn load_boxes(
         )
     });
     agree(comm, local)?;
+    let t_read = t1.elapsed();
+    let t2 = Instant::now();
     let (sent, received) = if plan.exchanges() {
         let me = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
         let shared = collective::exchange_shared(
@@ -224,6 +251,12 @@ fn load_boxes(
             bytes_read: counters.bytes.load(Ordering::Relaxed),
             bytes_received: received,
             bytes_sent: sent,
+            phases: LoadPhases {
+                plan: t_plan,
+                read: t_read,
+                exchange: t2.elapsed(),
+                io: counters.phases(),
+            },
             ..LoadReport::default()
         },
     ))

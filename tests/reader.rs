@@ -414,14 +414,14 @@ fn checkpoint_reads_and_hf_export_make_no_collective_call() {
     );
 }
 
-/// Column strips long enough to be read straight into place (runs of at least 256 bytes of a
+/// Column strips long enough to be read straight into place (runs of at least 1 KiB of a
 /// box that cuts across the saved pieces): the reader and the collective load read the saved
 /// bytes, and a flipped byte inside such a strip is a checksum error naming the tensor.
 #[test]
 fn column_strips_read_in_place_are_checked() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");
-    let shape = [64u64, 1024];
+    let shape = [64u64, 4096];
     let data = tensor_bytes(11, &shape, DType::Float32);
     let res = run_local(2, T, |comm| {
         let r = comm.rank() as u64;
@@ -438,7 +438,7 @@ fn column_strips_read_in_place_are_checked() {
         .unwrap();
         let opts = SaveOptions {
             grid: GridOptions {
-                subchunk_target_bytes: 16 << 10,
+                subchunk_target_bytes: 64 << 10,
                 min_chunk_bytes: 1 << 10,
             },
             ..SaveOptions::default()
@@ -453,12 +453,12 @@ fn column_strips_read_in_place_are_checked() {
     let info = ck.tensor(&key).unwrap();
     let sub = &info.subchunk_shape;
     assert!(
-        sub[1] < shape[1] && sub[1] * 4 >= 256,
-        "column strips of at least 256 bytes a row: {sub:?}"
+        sub[1] < shape[1] && sub[1] * 4 >= 1024,
+        "column strips of at least 1 KiB a row: {sub:?}"
     );
     // Rows 0..64, columns cutting across both pieces: every subchunk inside is whole but
     // not contiguous in the box.
-    let region = Region::new(vec![0, 0], vec![64, 1024]).unwrap();
+    let region = Region::new(vec![0, 0], vec![64, 4096]).unwrap();
     let want = cut(&data, &shape, &region, 4);
     let mut got = vec![0u8; want.len()];
     ck.read_region(&key, &region, &mut got).unwrap();
@@ -495,8 +495,8 @@ fn column_strips_read_in_place_are_checked() {
     bytes[100] ^= 0x40;
     std::fs::write(&files[0], &bytes).unwrap();
     let fresh = Checkpoint::open(&dir).unwrap();
-    let region = Region::new(vec![0, 0], vec![64, 1024]).unwrap();
-    let mut got = vec![0u8; 64 * 1024 * 4];
+    let region = Region::new(vec![0, 0], vec![64, 4096]).unwrap();
+    let mut got = vec![0u8; 64 * 4096 * 4];
     let e = fresh.read_region(&key, &region, &mut got).unwrap_err();
     assert!(
         e.to_string().contains("strips") && e.to_string().contains("crc32c"),

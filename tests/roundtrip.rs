@@ -152,6 +152,16 @@ fn load_and_check(
         .collect();
     let report = load(&mut targets, dir, comm, opts).unwrap();
     drop(targets);
+    // The load says where its time went: planning, reading (read calls and checksums of
+    // its reading threads) whenever it read anything.
+    let p = report.phases;
+    assert!(p.plan > Duration::ZERO, "{p:?}");
+    if report.bytes_read > 0 {
+        assert!(p.read > Duration::ZERO, "{p:?}");
+        assert!(p.io.open > Duration::ZERO, "{p:?}");
+        assert!(p.io.read > Duration::ZERO, "{p:?}");
+        assert!(p.io.checksum > Duration::ZERO, "{p:?}");
+    }
     for (i, ((s, reg), b)) in specs.iter().zip(regions).zip(&bufs).enumerate() {
         let full = tensor_bytes(i as u64, &s.shape, s.dtype);
         assert_eq!(

@@ -320,8 +320,73 @@ fn max_secs(reports: &[Value]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// Where a load's time went: wall time of the slowest rank's steps, and the reading threads'
+/// time by step summed over every rank's threads (seconds).
+#[derive(Clone, Copy, Default)]
+struct Phases {
+    plan: f64,
+    read: f64,
+    exchange: f64,
+    open: f64,
+    io_read: f64,
+    checksum: f64,
+    copy: f64,
+}
+
+impl Phases {
+    fn of(reports: &[Value]) -> Phases {
+        let f = |r: &Value, k: &str| r["phases"][k].as_f64().unwrap_or(0.0);
+        let total = |k: &str| reports.iter().map(|r| f(r, k)).sum::<f64>();
+        let slowest = reports.iter().max_by(|a, b| {
+            f64::total_cmp(
+                &a["secs"].as_f64().unwrap_or(0.0),
+                &b["secs"].as_f64().unwrap_or(0.0),
+            )
+        });
+        let wall = |k: &str| slowest.map_or(0.0, |r| f(r, k));
+        Phases {
+            plan: wall("plan_s"),
+            read: wall("read_s"),
+            exchange: wall("exchange_s"),
+            open: total("io_open_s"),
+            io_read: total("io_read_s"),
+            checksum: total("io_checksum_s"),
+            copy: total("io_copy_s"),
+        }
+    }
+
+    fn median(all: &[Phases]) -> Phases {
+        let m = |f: fn(&Phases) -> f64| median(all.iter().map(f).collect());
+        Phases {
+            plan: m(|p| p.plan),
+            read: m(|p| p.read),
+            exchange: m(|p| p.exchange),
+            open: m(|p| p.open),
+            io_read: m(|p| p.io_read),
+            checksum: m(|p| p.checksum),
+            copy: m(|p| p.copy),
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "plan_s": self.plan, "read_s": self.read, "exchange_s": self.exchange,
+            "io_open_s": self.open, "io_read_s": self.io_read,
+            "io_checksum_s": self.checksum, "io_copy_s": self.copy,
+        })
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "slowest rank: plan {:.3} s, read {:.3} s, exchange {:.3} s | I/O threads, all ranks: open+index {:.3} s, read calls {:.3} s, checksum {:.3} s, copy {:.3} s",
+            self.plan, self.read, self.exchange, self.open, self.io_read, self.checksum, self.copy
+        )
+    }
+}
+
 struct LoadRun {
     secs: f64,
+    phases: Phases,
     loaded: u64,
     read: u64,
     received: u64,
@@ -355,6 +420,7 @@ fn load_run(a: &Args, w: &worker::Args, world: u64) -> anyhow::Result<LoadRun> {
     };
     Ok(LoadRun {
         secs: max_secs(&reports),
+        phases: Phases::of(&reports),
         loaded,
         read: sum(&reports, "bytes_read"),
         received: sum(&reports, "bytes_received"),
@@ -611,6 +677,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     };
     let mut load_rounds = Vec::new();
     let mut dest_rounds = Vec::new();
+    let mut phase_rounds = Vec::new();
     let mut plain_rounds = Vec::new();
     let mut last = None;
     let mut verified = true;
@@ -633,7 +700,9 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             human(run.peak),
             human(run.loaded)
         ));
+        say(format!("         phases: {}", run.phases.describe()));
         load_rounds.push((run.secs, raw));
+        phase_rounds.push(run.phases);
         dest_rounds.push(dest);
         if dp > 1 {
             let plain = load_run(a, &plain_args, load_world)?;
@@ -709,7 +778,8 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         "read_amplification": amplification, "peak_rss_bytes": run.peak, "load_overhead_bytes": run.overhead,
         "bytes_received": run.received, "write_balance": balance, "verified": verified,
         "save_rounds": save_rounds.iter().map(|p| json!({"zarrckpt_s": p.0, "raw_s": p.1})).collect::<Vec<_>>(),
-        "load_rounds": load_rounds.iter().map(|p| json!({"zarrckpt_s": p.0, "raw_s": p.1})).collect::<Vec<_>>(),
+        "load_rounds": load_rounds.iter().zip(&phase_rounds).zip(&dest_rounds).map(|((p, ph), d)| json!({"zarrckpt_s": p.0, "raw_s": p.1, "raw_into_dest_s": d, "phases": ph.json()})).collect::<Vec<_>>(),
+        "load_phases": Phases::median(&phase_rounds).json(),
     });
     if let (Value::Object(d), Value::Object(x)) = (&mut doc, async_summary(&async_rounds)) {
         d.extend(x);
@@ -733,8 +803,13 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             save_ratio * 100.0
         );
         println!(
-            "         load {load_gbps:.2} GB/s vs raw page-cache read {raw_read_gbps:.2} GB/s -> {:.0}% (target 80%)",
-            load_ratio * 100.0
+            "         load {load_gbps:.2} GB/s vs raw page-cache read {raw_read_gbps:.2} GB/s -> {:.0}% (target 80%); vs a read into destination-sized buffers {raw_read_dest_gbps:.2} GB/s -> {:.0}%",
+            load_ratio * 100.0,
+            load_ratio_dest * 100.0
+        );
+        println!(
+            "         load phases (medians): {}",
+            Phases::median(&phase_rounds).describe()
         );
         println!(
             "         bytes read from storage / bytes needed {amplification:.4} (target <= 1.05)"

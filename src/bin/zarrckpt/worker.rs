@@ -226,6 +226,7 @@ pub fn run_rank(a: &Args, shared: Arc<dyn Communicator>) -> anyhow::Result<serde
                 "rank": rank, "secs": secs, "loaded_bytes": rep.loaded_bytes, "bytes_read": rep.bytes_read,
                 "bytes_received": rep.bytes_received, "bytes_sent": rep.bytes_sent,
                 "rss_before": before, "peak_rss": peak, "verified": verified.is_ok(),
+                "phases": phases_json(&rep.phases),
             }))
         }
     }
@@ -366,4 +367,15 @@ mod objects {
             Err(format!("objects differ: {got:?}"))
         }
     }
+}
+
+/// A load's phases in seconds: wall time of plan, read and exchange on this rank, and the
+/// reading threads' time by step (summed over them).
+pub fn phases_json(p: &zarrckpt::LoadPhases) -> serde_json::Value {
+    json!({
+        "plan_s": p.plan.as_secs_f64(), "read_s": p.read.as_secs_f64(),
+        "exchange_s": p.exchange.as_secs_f64(), "io_open_s": p.io.open.as_secs_f64(),
+        "io_read_s": p.io.read.as_secs_f64(), "io_checksum_s": p.io.checksum.as_secs_f64(),
+        "io_copy_s": p.io.copy.as_secs_f64(),
+    })
 }
