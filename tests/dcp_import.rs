@@ -203,7 +203,7 @@ fn huge_declared_sizes_and_non_plain_values_are_typed_errors() {
     let e = import_dcp(&src, &tmp.path().join("o2"), &DcpImportOptions::default()).unwrap_err();
     let msg = e.to_string();
     assert!(
-        matches!(&e, FormatError::Dcp { item, .. } if item == "odd") && msg.contains("builtins.set"),
+        matches!(&e, FormatError::Pickle { item, .. } if item == "odd") && msg.contains(".set`"),
         "{msg}"
     );
 }

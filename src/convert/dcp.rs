@@ -246,9 +246,21 @@ impl DcpMetadata {
                 Ok(DcpEntry::Bytes)
             }
             Some("torch.distributed.checkpoint.metadata.TensorStorageMetadata") => {
+                // TensorProperties pickles its state as a tuple (dtype, layout, ...) through
+                // __getstate__; older versions as a dict.
                 let dtype = e
                     .attr("properties")
-                    .and_then(|p| p.attr("dtype"))
+                    .and_then(|p| match p {
+                        Value::Object {
+                            state: Some(st), ..
+                        } if matches!(st.as_ref(), Value::Tuple(t) if t.len() > 2) => {
+                            let Value::Tuple(t) = st.as_ref() else {
+                                return None;
+                            };
+                            t.first()
+                        }
+                        p => p.attr("dtype"),
+                    })
                     .ok_or_else(|| bad(path, fqn, "a tensor without properties.dtype"))?;
                 let dtype = torch_dtype(dtype).ok_or_else(|| {
                     bad(

@@ -83,16 +83,20 @@ impl Value {
         else {
             return None;
         };
-        let find = |d: &Value| match d {
-            Value::Dict(items) => items
-                .iter()
-                .find(|(k, _)| matches!(k, Value::Str(s) if s == name))
-                .map(|(_, v)| v),
-            _ => None,
-        };
+        fn find<'v>(d: &'v Value, name: &str) -> Option<&'v Value> {
+            match d {
+                Value::Dict(items) => items
+                    .iter()
+                    .find(|(k, _)| matches!(k, Value::Str(s) if s == name))
+                    .map(|(_, v)| v),
+                _ => None,
+            }
+        }
         match state.as_ref() {
-            Value::Tuple(pair) if pair.len() == 2 => find(&pair[0]).or_else(|| find(&pair[1])),
-            d => find(d),
+            Value::Tuple(pair) if pair.len() == 2 => {
+                find(&pair[0], name).or_else(|| find(&pair[1], name))
+            }
+            d => find(d, name),
         }
     }
 
@@ -348,10 +352,11 @@ impl Vm<'_> {
     }
 
     fn utf8(&mut self, n: usize) -> Result<(), PickleError> {
+        let pos = self.op_pos;
         let b = self.take(n)?;
         let s = std::str::from_utf8(b)
             .map_err(|_| PickleError::Malformed {
-                pos: self.op_pos,
+                pos,
                 msg: "a str is not UTF-8".into(),
             })?
             .to_owned();
