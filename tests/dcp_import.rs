@@ -3,6 +3,9 @@
 //! tensor compared with what torch's own DCP load returns; hostile sources refused with typed
 //! errors and nothing run.
 
+#[path = "../fuzz/src/lib.rs"]
+mod fuzz_checks;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -206,4 +209,40 @@ fn huge_declared_sizes_and_non_plain_values_are_typed_errors() {
         matches!(&e, FormatError::Pickle { item, .. } if item == "odd") && msg.contains(".set`"),
         "{msg}"
     );
+}
+
+/// The `dcp_pickle` fuzz seeds (and any crash regressions) replayed, and every prefix of the
+/// real DCP seeds (truncation at each byte).
+#[test]
+fn fuzz_dcp_pickle_inputs() {
+    let root = repo().join("fuzz");
+    let mut n = 0;
+    for kind in ["seeds", "regressions"] {
+        let Ok(entries) = std::fs::read_dir(root.join(kind).join("dcp_pickle")) else {
+            continue;
+        };
+        for e in entries {
+            let p = e.unwrap().path();
+            let bytes = std::fs::read(&p).unwrap();
+            fuzz_checks::check_dcp_pickle(&bytes);
+            for cut in (0..bytes.len()).step_by(13) {
+                fuzz_checks::check_dcp_pickle(&bytes[..cut]);
+            }
+            n += 1;
+        }
+    }
+    assert!(n >= 5, "seeds exist");
+    // The real metadata seed parses, the tensor item decodes to the saved values.
+    let md = std::fs::read(root.join("seeds/dcp_pickle/metadata")).unwrap();
+    let md = zarrckpt::convert::dcp::DcpMetadata::parse(Path::new("metadata"), &md).unwrap();
+    assert_eq!(md.entries.len(), 7);
+    let item = std::fs::read(root.join("seeds/dcp_pickle/item_w")).unwrap();
+    let zarrckpt::convert::dcp::ItemValue::Tensor { dtype, shape, data } =
+        zarrckpt::convert::dcp::read_item(Path::new("item"), "w", &item).unwrap()
+    else {
+        panic!("not a tensor");
+    };
+    assert_eq!((dtype, shape), (zarrckpt::DType::Float32, vec![3, 4]));
+    let want: Vec<u8> = (0..12).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    assert_eq!(&*data, &want[..]);
 }
