@@ -634,9 +634,18 @@ pub fn check_dcp_pickle(data: &[u8]) {
     use zarrckpt::convert::pickle::{self, Value};
     let p = Path::new("fuzz");
     let _ = DcpMetadata::parse(p, data);
-    if let Ok(ItemValue::Tensor { dtype, shape, data: bytes }) = read_item(p, "x", data) {
+    if let Ok(ItemValue::Tensor {
+        dtype,
+        shape,
+        data: bytes,
+    }) = read_item(p, "x", data)
+    {
         let n: u64 = shape.iter().product();
-        assert_eq!(n * dtype.size() as u64, bytes.len() as u64, "tensor bytes match the shape");
+        assert_eq!(
+            n * dtype.size() as u64,
+            bytes.len() as u64,
+            "tensor bytes match the shape"
+        );
     }
     fn no_bad_global(v: &Value) {
         match v {

@@ -228,7 +228,11 @@ impl DcpMetadata {
                     })
                     .collect();
                 let parts = parts.ok_or_else(|| {
-                    bad(path, fqn, "a flattening path element that is not a str or an int")
+                    bad(
+                        path,
+                        fqn,
+                        "a flattening path element that is not a str or an int",
+                    )
                 })?;
                 mappings.insert(fqn.clone(), parts);
             }
@@ -311,9 +315,9 @@ impl DcpMetadata {
         };
         let offset = match idx.attr("offset") {
             None | Some(Value::None) => None,
-            Some(o) => Some(
-                dims(o).ok_or_else(|| bad(path, fqn, "a storage index with a bad offset"))?,
-            ),
+            Some(o) => {
+                Some(dims(o).ok_or_else(|| bad(path, fqn, "a storage index with a bad offset"))?)
+            }
         };
         let Some(Value::Str(file)) = info.attr("relative_path") else {
             return Err(bad(path, fqn, "storage info without relative_path"));
@@ -387,7 +391,11 @@ pub enum ItemValue<'a> {
 /// [`FormatError::Dcp`] for an archive that is not a stored zip with one `data.pkl`, a storage
 /// that is missing, too short or big-endian, a tensor view outside its storage;
 /// [`FormatError::Pickle`] for a pickle refused by the restricted reader.
-pub fn read_item<'a>(path: &Path, what: &str, bytes: &'a [u8]) -> Result<ItemValue<'a>, FormatError> {
+pub fn read_item<'a>(
+    path: &Path,
+    what: &str,
+    bytes: &'a [u8],
+) -> Result<ItemValue<'a>, FormatError> {
     let archive = Archive::open(path, what, bytes)?;
     let pkl = archive.entry(path, what, "data.pkl")?;
     let v = pickle::read(pkl, ITEM_ALLOW).map_err(|source| FormatError::Pickle {
@@ -454,8 +462,8 @@ fn rebuild_tensor<'a>(
         .try_fold(1u64, |a, &d| a.checked_mul(d))
         .ok_or_else(overflow)?;
     let storage_elems = storage.len() as u64 / elem;
-    let nbytes = usize::try_from(numel.checked_mul(elem).ok_or_else(overflow)?)
-        .map_err(|_| overflow())?;
+    let nbytes =
+        usize::try_from(numel.checked_mul(elem).ok_or_else(overflow)?).map_err(|_| overflow())?;
     if numel == 0 {
         return Ok(ItemValue::Tensor {
             dtype,
@@ -551,7 +559,9 @@ impl<'a> Archive<'a> {
             let f = zip.by_index_raw(i).map_err(|x| e(x.to_string()))?;
             let name = f.name().map_err(|x| e(x.to_string()))?.into_owned();
             if f.compression() != zip::CompressionMethod::Stored {
-                return Err(e(format!("entry {name} is compressed (torch stores entries)")));
+                return Err(e(format!(
+                    "entry {name} is compressed (torch stores entries)"
+                )));
             }
             let start = f
                 .data_start()
@@ -579,13 +589,8 @@ impl<'a> Archive<'a> {
     }
 
     fn entry(&self, path: &Path, what: &str, name: &str) -> Result<&'a [u8], FormatError> {
-        self.find(name).ok_or_else(|| {
-            bad(
-                path,
-                what,
-                format!("the torch.save archive has no {name}"),
-            )
-        })
+        self.find(name)
+            .ok_or_else(|| bad(path, what, format!("the torch.save archive has no {name}")))
     }
 }
 

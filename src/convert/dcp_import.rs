@@ -68,7 +68,12 @@ fn bad(path: &Path, item: &str, msg: impl Into<String>) -> FormatError {
     }
 }
 
-fn region(path: &Path, fqn: &str, offset: Vec<u64>, shape: Vec<u64>) -> Result<Region, FormatError> {
+fn region(
+    path: &Path,
+    fqn: &str,
+    offset: Vec<u64>,
+    shape: Vec<u64>,
+) -> Result<Region, FormatError> {
     Region::new(offset, shape).map_err(|e| bad(path, fqn, e.to_string()))
 }
 
@@ -105,7 +110,10 @@ impl Files {
     fn bytes(&self, s: &super::dcp::DcpStorage) -> Result<&[u8], FormatError> {
         let p = item_file(&self.dir, s);
         let m = &self.maps[&s.file];
-        let end = s.start.checked_add(s.length).filter(|&e| e <= m.len() as u64);
+        let end = s
+            .start
+            .checked_add(s.length)
+            .filter(|&e| e <= m.len() as u64);
         let Some(end) = end else {
             return Err(bad(
                 &p,
@@ -176,7 +184,11 @@ pub fn import_dcp(
             DcpEntry::Bytes => {
                 let mut found = md.storage.iter().filter(|s| &s.fqn == fqn);
                 let (Some(s), None) = (found.next(), found.next()) else {
-                    return Err(bad(src, fqn, "a bytes item without exactly one storage entry"));
+                    return Err(bad(
+                        src,
+                        fqn,
+                        "a bytes item without exactly one storage entry",
+                    ));
                 };
                 let bytes = files.bytes(s)?;
                 let p = item_file(src, s);
@@ -193,7 +205,9 @@ pub fn import_dcp(
                             },
                         );
                     }
-                    ItemValue::Other(Value::Bytes(b)) => objects.push((tkey, ObjectValue::Bytes(b))),
+                    ItemValue::Other(Value::Bytes(b)) => {
+                        objects.push((tkey, ObjectValue::Bytes(b)))
+                    }
                     ItemValue::Other(v) => {
                         let j = to_json(&v).map_err(|what| {
                             bad(
@@ -267,7 +281,9 @@ fn read_tensor<'a>(
             return Err(bad(
                 &p,
                 fqn,
-                format!("chunk at {offset:?} of shape {shape:?} lies outside the tensor's {size:?}"),
+                format!(
+                    "chunk at {offset:?} of shape {shape:?} lies outside the tensor's {size:?}"
+                ),
             ));
         }
         covered = covered.saturating_add(volume(&shape).unwrap_or(u64::MAX));
@@ -303,14 +319,19 @@ fn resplit(t: &mut Tensor<'_>, n: u64) {
     for (r, d) in &t.pieces {
         copy_region(d, r, &mut whole, &full, r, elem);
     }
-    let row = total.checked_div(usize::try_from(d0).unwrap_or(1)).unwrap_or(0);
+    let row = total
+        .checked_div(usize::try_from(d0).unwrap_or(1))
+        .unwrap_or(0);
     let part = d0.div_ceil(n);
     let mut pieces = Vec::new();
     for r in 0..n {
         let lo = (r * part).min(d0);
         let hi = (lo + part).min(d0);
         if hi > lo {
-            let reg = full.clone().with_axis(0, lo, hi - lo).expect("inside the tensor");
+            let reg = full
+                .clone()
+                .with_axis(0, lo, hi - lo)
+                .expect("inside the tensor");
             // Rows lo..hi of a buffer of d0 rows: in bounds.
             let bytes = whole[lo as usize * row..hi as usize * row].to_vec();
             pieces.push((reg, Cow::Owned(bytes)));
@@ -416,7 +437,11 @@ fn write(
     for (k, v) in objects {
         let got = ck.read_object(k, &ObjectSlot::Common).map_err(ck_err)?;
         if &got != v {
-            return Err(bad(dst, k.as_str(), "the imported object differs from the source"));
+            return Err(bad(
+                dst,
+                k.as_str(),
+                "the imported object differs from the source",
+            ));
         }
     }
     Ok(DcpImportReport {

@@ -433,9 +433,10 @@ impl Vm<'_> {
 
     /// `_codecs.encode(s, "latin1")`: protocol 2's `bytes`.
     fn codecs_encode(&mut self, args: &[usize]) -> Result<(), PickleError> {
-        let (Some(Node::Scalar(Value::Str(s))), Some(Node::Scalar(Value::Str(enc)))) =
-            (args.first().map(|&a| &self.nodes[a]), args.get(1).map(|&a| &self.nodes[a]))
-        else {
+        let (Some(Node::Scalar(Value::Str(s))), Some(Node::Scalar(Value::Str(enc)))) = (
+            args.first().map(|&a| &self.nodes[a]),
+            args.get(1).map(|&a| &self.nodes[a]),
+        ) else {
             return Err(self.err("_codecs.encode without (str, encoding)"));
         };
         if enc != "latin1" && enc != "latin-1" {
@@ -732,7 +733,12 @@ impl Vm<'_> {
                     let k = u32::from_le_bytes(self.le()?);
                     self.memo_get(k.into())?;
                 }
-                op => return Err(PickleError::Opcode { pos: self.op_pos, op }),
+                op => {
+                    return Err(PickleError::Opcode {
+                        pos: self.op_pos,
+                        op,
+                    });
+                }
             }
         }
     }
@@ -845,10 +851,22 @@ mod tests {
             read(b"\x80\x04X\xff\xff\xff\x00ab", NONE),
             Err(PickleError::Truncated { .. })
         ));
-        assert!(matches!(read(b"", NONE), Err(PickleError::Truncated { .. })));
-        assert!(matches!(read(b"a.", NONE), Err(PickleError::Malformed { .. })));
-        assert!(matches!(read(b"h\x05.", NONE), Err(PickleError::Malformed { .. })));
-        assert!(matches!(read(b"\xff", NONE), Err(PickleError::Opcode { .. })));
+        assert!(matches!(
+            read(b"", NONE),
+            Err(PickleError::Truncated { .. })
+        ));
+        assert!(matches!(
+            read(b"a.", NONE),
+            Err(PickleError::Malformed { .. })
+        ));
+        assert!(matches!(
+            read(b"h\x05.", NONE),
+            Err(PickleError::Malformed { .. })
+        ));
+        assert!(matches!(
+            read(b"\xff", NONE),
+            Err(PickleError::Opcode { .. })
+        ));
     }
 
     #[test]

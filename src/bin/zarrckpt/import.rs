@@ -280,8 +280,8 @@ fn import_dcp(a: &Args, dir: &std::path::Path) -> anyhow::Result<ExitCode> {
             },
         );
     }
-    if a.hf.is_some() || a.dry_run || !a.files.is_empty() {
-        bail!("import --dcp takes no --hf, --dry-run or files");
+    if a.hf.is_some() || a.dry_run || !a.files.is_empty() || a.procs != 0 || a.map.is_some() {
+        bail!("import --dcp takes no --hf, --map, --procs, --dry-run or files");
     }
     let opts = zarrckpt::convert::DcpImportOptions {
         ranks: a.ranks,
