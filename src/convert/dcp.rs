@@ -403,10 +403,8 @@ pub fn read_item<'a>(
         item: what.to_owned(),
         source,
     })?;
-    if let Some(order) = archive.find("byteorder") {
-        if order != b"little" {
-            return Err(bad(path, what, "a big-endian torch.save archive"));
-        }
+    if archive.find("byteorder").is_some_and(|o| o != b"little") {
+        return Err(bad(path, what, "a big-endian torch.save archive"));
     }
     match &v {
         Value::Object {

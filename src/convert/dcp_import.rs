@@ -52,12 +52,15 @@ pub struct DcpImportReport {
     pub save: SaveReport,
 }
 
-/// One tensor to write: its pieces (box, bytes).
+/// A piece of a tensor: its box and bytes (borrowed from a mapped file when they can be).
+type Piece<'a> = (Region, Cow<'a, [u8]>);
+
+/// One tensor to write: its pieces.
 struct Tensor<'a> {
     key: TensorKey,
     dtype: DType,
     shape: Vec<u64>,
-    pieces: Vec<(Region, Cow<'a, [u8]>)>,
+    pieces: Vec<Piece<'a>>,
 }
 
 fn bad(path: &Path, item: &str, msg: impl Into<String>) -> FormatError {
@@ -242,7 +245,7 @@ fn read_tensor<'a>(
     dtype: DType,
     size: &[u64],
     declared: usize,
-) -> Result<Vec<(Region, Cow<'a, [u8]>)>, FormatError> {
+) -> Result<Vec<Piece<'a>>, FormatError> {
     let mut pieces = Vec::new();
     let mut covered: u64 = 0;
     for s in md.storage.iter().filter(|s| s.fqn == fqn) {

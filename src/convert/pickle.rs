@@ -468,7 +468,7 @@ impl Vm<'_> {
     }
 
     fn set_items(&mut self, dict: usize, items: &[usize]) -> Result<(), PickleError> {
-        if items.len() % 2 != 0 {
+        if !items.len().is_multiple_of(2) {
             return Err(self.err("SETITEMS with an odd number of values"));
         }
         let pairs = items.chunks(2).map(|p| (p[0], p[1]));
