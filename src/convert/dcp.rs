@@ -6,7 +6,7 @@
 //! Pickles are read by the restricted interpreter of [`super::pickle`] with an allow-list of
 //! the torch and `collections` classes DCP and `torch.save` use; everything is bounded:
 //! [`MAX_METADATA_BYTES`], item ranges inside their files, tensor views inside their storages,
-//! every size computed with checked arithmetic. The import engine is [`super::dcp_import`].
+//! every size computed with checked arithmetic. The import engine is [`import_dcp`](super::import_dcp).
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
