@@ -12,10 +12,13 @@
 //!
 //! The formats' files are written and read here too, acting on a checkpoint: [`hf`]
 //! (safetensors shards and index out, an HF folder into a Megatron layout in), [`vllm`]
-//! (per-rank `sharded_state` files), all through the one safetensors writer of
+//! (per-rank `sharded_state` files), [`dcp`] (PyTorch DCP checkpoints in, read by the
+//! restricted [`pickle`] reader, which runs nothing), all through the one safetensors writer of
 //! [`safetensors`]. The CLI and the Python package only call these.
 
 pub mod check;
+pub mod dcp;
+mod dcp_import;
 pub mod describe;
 pub mod error;
 pub mod exec;
@@ -24,6 +27,7 @@ pub mod expr;
 pub mod geom;
 pub mod hf;
 mod hf_import;
+pub mod pickle;
 pub mod plan;
 pub mod safetensors;
 pub mod table;
@@ -32,6 +36,7 @@ pub mod vllm;
 pub mod write;
 
 pub use check::{Direction, Inventory};
+pub use dcp_import::{DcpImportOptions, DcpImportReport, TORCH_SAVE_FLAG, import_dcp};
 pub use error::{ConvertError, FormatError};
 pub use exec::{FillStats, fill_from_checkpoint, fill_from_sources};
 pub use expand::{Expanded, Layout, expand};

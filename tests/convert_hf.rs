@@ -984,11 +984,23 @@ fn cli_vllm_options_do_what_they_say() {
         ],
         "unknown unit",
     );
-    // DCP: refused with the command that imports it, nothing run, nothing written.
+    // DCP: a folder that is not a DCP checkpoint (no .metadata) is named, nothing written;
+    // --megatron needs the Python package and names its command (tests/dcp_import.rs imports
+    // real DCP checkpoints).
     let o = bin()
         .args(["import", "--dcp"])
         .arg(&hf)
         .arg("--out")
+        .arg(tmp.path().join("dcp"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains(".metadata"), "{err}");
+    assert!(!tmp.path().join("dcp").exists());
+    let o = bin()
+        .args(["import", "--dcp"])
+        .arg(&hf)
+        .args(["--megatron", "--out"])
         .arg(tmp.path().join("dcp"))
         .output()
         .unwrap();

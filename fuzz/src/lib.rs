@@ -22,12 +22,13 @@ use zarrckpt::{
 
 /// The names of the fuzz targets, which are also the folder names under `fuzz/seeds/` and
 /// `fuzz/regressions/`.
-pub const TARGETS: [&str; 5] = [
+pub const TARGETS: [&str; 6] = [
     "layout_decode",
     "root_metadata",
     "tensor_key",
     "shard_read",
     "shard_footer",
+    "dcp_pickle",
 ];
 
 /// Runs the check of target `name` on `data`.
@@ -38,6 +39,7 @@ pub fn check(name: &str, data: &[u8]) {
         "tensor_key" => check_tensor_key(data),
         "shard_read" => check_shard_read(data),
         "shard_footer" => check_shard_footer(data),
+        "dcp_pickle" => check_dcp_pickle(data),
         other => panic!("unknown fuzz target {other}"),
     }
 }
@@ -621,4 +623,58 @@ pub fn check_shard_footer(data: &[u8]) {
     let _ = footer::check(&bytes, SaveId([0; 16]), &key, chunk, n_sub).map(|_| {
         panic!("a footer was accepted for another save id");
     });
+}
+
+/// `dcp_pickle`: arbitrary bytes as a DCP `.metadata` pickle, as a `torch.save` item (zip
+/// archive) and as a bare pickle with the item allow-list: each is accepted or refused with a
+/// typed error, never a panic, a hang or an unbounded allocation; and no accepted value holds
+/// a global outside the allow-lists (`os`, `subprocess`, `builtins.eval`, ...).
+pub fn check_dcp_pickle(data: &[u8]) {
+    use zarrckpt::convert::dcp::{DcpMetadata, ItemValue, read_item};
+    use zarrckpt::convert::pickle::{self, Value};
+    let p = Path::new("fuzz");
+    let _ = DcpMetadata::parse(p, data);
+    if let Ok(ItemValue::Tensor {
+        dtype,
+        shape,
+        data: bytes,
+    }) = read_item(p, "x", data)
+    {
+        let n: u64 = shape.iter().product();
+        assert_eq!(
+            n * dtype.size() as u64,
+            bytes.len() as u64,
+            "tensor bytes match the shape"
+        );
+    }
+    fn no_bad_global(v: &Value) {
+        match v {
+            Value::Global { module, .. } | Value::Object { module, .. } => {
+                assert!(
+                    module == "torch" || module == "collections" || module == "_codecs",
+                    "a global of {module} accepted"
+                );
+            }
+            _ => {}
+        }
+        match v {
+            Value::List(x) | Value::Tuple(x) | Value::Set(x) => x.iter().for_each(no_bad_global),
+            Value::Dict(x) => x.iter().for_each(|(k, v)| {
+                no_bad_global(k);
+                no_bad_global(v);
+            }),
+            Value::Object { args, state, .. } => {
+                args.iter().for_each(no_bad_global);
+                if let Some(s) = state {
+                    no_bad_global(s);
+                }
+            }
+            Value::PersId(x) => no_bad_global(x),
+            _ => {}
+        }
+    }
+    let allow: pickle::AllowList<'_> = &[("torch", "*"), ("collections", "OrderedDict")];
+    if let Ok(v) = pickle::read(data, allow) {
+        no_bad_global(&v);
+    }
 }

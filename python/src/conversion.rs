@@ -270,6 +270,53 @@ pub(crate) fn inspect_map(
     .map_err(|e: FormatError| conversion_error(py, &e))
 }
 
+/// Imports the DCP checkpoint directory `src` into a zarrckpt checkpoint at `dst` with the
+/// library's importer (no torch, no pickle run: non-tensor values must be bytes or plain
+/// data). `ranks`: split each tensor that many ways along its first axis (default: the
+/// source's chunks). `compression`: none, zstd or blosc. Returns JSON text: `tensors`,
+/// `objects`, `tensor_bytes`, and `save` (`chunks_written`, `data_bytes`, `file_bytes`).
+/// Failures raise `ConversionError` naming the file and the item (or the checkpoint error).
+#[pyfunction]
+#[pyo3(signature = (src, dst, ranks = None, overwrite = false, compression = "none"))]
+pub(crate) fn import_dcp(
+    py: Python<'_>,
+    src: PathBuf,
+    dst: PathBuf,
+    ranks: Option<u64>,
+    overwrite: bool,
+    compression: &str,
+) -> PyResult<String> {
+    let compression = match compression {
+        "none" => zarrckpt::Compression::None,
+        "zstd" => zarrckpt::Compression::Zstd,
+        "blosc" => zarrckpt::Compression::Blosc,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown compression `{other}` (none, zstd, blosc)"
+            )));
+        }
+    };
+    let opts = convert::DcpImportOptions {
+        ranks,
+        overwrite,
+        compression,
+    };
+    let rep = py
+        .detach(|| convert::import_dcp(&src, &dst, &opts))
+        .map_err(|e| conversion_error(py, &e))?;
+    Ok(serde_json::json!({
+        "tensors": rep.tensors,
+        "objects": rep.objects,
+        "tensor_bytes": rep.tensor_bytes,
+        "save": {
+            "chunks_written": rep.save.chunks_written,
+            "data_bytes": rep.save.data_bytes,
+            "file_bytes": rep.save.file_bytes,
+        },
+    })
+    .to_string())
+}
+
 /// Plans a conversion (spec § 19) from metadata alone and returns the plan as JSON text.
 ///
 /// `kind`: `"hf"` (export of a Megatron-layout checkpoint to HF names), `"megatron"` (import of
@@ -438,6 +485,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(table_expand, m)?)?;
     m.add_function(wrap_pyfunction!(export, m)?)?;
     m.add_function(wrap_pyfunction!(import_hf, m)?)?;
+    m.add_function(wrap_pyfunction!(import_dcp, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_map, m)?)?;
     Ok(())
 }

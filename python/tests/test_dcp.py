@@ -652,7 +652,7 @@ def test_strided_shard_fsdp2_tp_saved_on_2x2_loads_on_3(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# the command line: python -m zarrckpt.migrate (the Rust CLI refuses --dcp and names it)
+# the command lines: python -m zarrckpt.migrate and zarrckpt import --dcp (the same importer)
 
 
 def built_cli() -> str:
@@ -684,18 +684,36 @@ def test_migrate_command_imports_a_dcp_checkpoint(jobs, tmp_path):
     assert again.returncode != 0 and "exist" in again.stderr, again.stderr
 
 
-def test_cli_refuses_dcp_and_names_the_python_command(jobs, tmp_path):
-    """DCP's .metadata is a pickle: the Rust CLI neither reads it nor starts Python; it
-    refuses with the command that imports the checkpoint."""
+def test_cli_imports_dcp_without_python(jobs, tmp_path):
+    """The Rust CLI imports a DCP checkpoint with the library's importer (the same as
+    zarrckpt.dcp.import_dcp): no Python started, the same bytes; --megatron still needs the
+    Python package and names its command."""
     root, _, _ = jobs
     exe = built_cli()
-    bad = subprocess.run(
-        [exe, "import", "--dcp", f"{root}/fs", "--out", str(tmp_path / "never")],
+    env = {**os.environ, "ZARRCKPT_PYTHON": str(tmp_path / "no-python"), "PATH": "/nonexistent"}
+    out = subprocess.run(
+        [exe, "import", "--dcp", f"{root}/fs", "--out", str(tmp_path / "cli")],
         capture_output=True,
         text=True,
-        env={**os.environ, "ZARRCKPT_PYTHON": str(tmp_path / "no-python")},
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    ours = zarrckpt.open(f"{root}/dcp", output="torch")
+    cli = zarrckpt.open(tmp_path / "cli", output="torch")
+    assert summary["tensors"] == len(ours.tensors) == len(cli.tensors)
+    for key in ours.tensors:
+        a, b = ours[key][...], cli[key][...]
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
+    assert cli.object("extra/step") == STEPS
+    bad = subprocess.run(
+        [exe, "import", "--dcp", f"{root}/fs", "--megatron", "--out", str(tmp_path / "never")],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert bad.returncode != 0
-    assert f"python -m zarrckpt.migrate {root}/fs --out {tmp_path / 'never'}" in bad.stderr
-    assert "pickle" in bad.stderr, bad.stderr
+    assert f"python -m zarrckpt.migrate {root}/fs --out {tmp_path / 'never'} --megatron" in (
+        bad.stderr
+    ), bad.stderr
     assert not (tmp_path / "never").exists()

@@ -867,25 +867,59 @@ def import_dcp(
 ) -> dict:
     """Converts the DCP checkpoint directory ``src`` (``FileSystemWriter``'s format: a
     pickled ``.metadata`` and ``.distcp`` files, as torchtitan writes) into a zarrckpt
-    checkpoint at ``dst``, in this process, then reads every tensor and object back from
-    ``dst`` and compares it with the source's, byte for byte.
+    checkpoint at ``dst``, then reads every tensor chunk and object back from ``dst`` and
+    compares it with the source's, byte for byte.
+
+    The library's importer does the work (through the extension; ``zarrckpt import --dcp``
+    in the CLI calls the same function): it reads the pickles with a restricted reader that
+    runs nothing (the globals it may name are an allow-list of the torch classes DCP and
+    ``torch.save`` use), so no torch reader is involved and no code in the checkpoint runs.
 
     Layout: each tensor is written in the chunks the source saved (one piece per saved
     shard, so a job with the source's sharding reads exactly its own chunks), or, with
     ``ranks=N``, split ``N`` ways along its first axis as ``N`` ranks would hold it (any
-    layout loads any other; this only picks the chunking).
+    layout loads any other; this only picks the chunking). ``options``: ``compression``
+    (``"none"``, ``"zstd"``, ``"blosc"``).
 
-    Trust: the source is read with torch's own DCP reader, which unpickles its ``.metadata``
-    (and, with ``weights_only=False``, its non-tensor values with the unrestricted
-    unpickler): import only checkpoints you trust, with the torch you train with. The
-    result holds no pickle: tensors as tensors (a non-tensor value that is a tensor too),
-    JSON-able values as JSON, ``bytes`` as bytes; any other value is an error naming its
+    The result holds no pickle: tensors as tensors (a non-tensor value that is a tensor too),
+    plain data (``dict`` with ``str`` keys, ``list``, ``tuple``, ``str``, ``int``, ``float``,
+    ``bool``, ``None``) as JSON, ``bytes`` as bytes; any other value is an error naming its
     key. Keys are the ``/``-joined state-dict paths DCP recorded (as the writer here keys
-    them). The whole state is held in memory. Returns ``tensors``, ``objects``,
-    ``tensor_bytes`` and the save report (``save``)."""
+    them). Returns ``tensors``, ``objects``, ``tensor_bytes`` and a summary of the save
+    (``save``).
+
+    ``weights_only=False`` instead reads the source with torch's own DCP reader and
+    unpickles non-tensor values with torch's unrestricted unpickler, which runs whatever
+    code they hold (the values must still come out as tensors, bytes or plain data): use it
+    only on checkpoints you trust."""
     if ranks is not None and ranks < 1:
         raise InvalidArgumentError("ranks must be at least 1")
-    md, state, mappings = _read_dcp(_path(src), weights_only)
+    if weights_only:
+        extra = sorted(set(options) - {"compression"})
+        if extra:
+            raise InvalidArgumentError(f"import_dcp: unknown options {extra} (compression)")
+        text = _native.import_dcp(
+            _path(src),
+            _path(dst),
+            ranks=ranks,
+            overwrite=overwrite,
+            compression=options.get("compression", "none"),
+        )
+        return json.loads(text)
+    return _import_dcp_torch(src, dst, ranks=ranks, overwrite=overwrite, **options)
+
+
+def _import_dcp_torch(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    ranks: int | None,
+    overwrite: bool,
+    **options: Any,
+) -> dict:
+    """:func:`import_dcp` with ``weights_only=False``: torch's DCP reader and unrestricted
+    unpickler, in this process."""
+    md, state, mappings = _read_dcp(_path(src), False)
     pieces: list[_core.Piece] = []
     objects: list[_core.Object] = []
     tensors: dict[str, torch.Tensor] = {}

@@ -1,12 +1,15 @@
-"""Command-line entry of the DCP importers (the Rust CLI's ``zarrckpt import --dcp`` refuses
-and names this command: DCP's metadata is a pickle, read here by torch)::
+"""Command-line entry of the DCP importers (``zarrckpt import --dcp`` in the Rust CLI runs the
+same library importer for plain DCP; this command also takes ``--megatron`` and
+``--trust-pickles``, which need Python)::
 
     python -m zarrckpt.migrate DIR --out CKPT [--megatron] [--ranks N] [--trust-pickles]
         [--overwrite] [--compression none|zstd|blosc]
 
 ``DIR`` is a DCP checkpoint directory (``FileSystemWriter``'s format, e.g. a torchtitan step)
 or, with ``--megatron``, a Megatron-LM ``torch_dist`` checkpoint (an ``iter_*`` directory);
-see :func:`zarrckpt.dcp.import_dcp` and :func:`zarrckpt.dcp.import_megatron`. Prints one JSON
+see :func:`zarrckpt.dcp.import_dcp` (the library's importer, which runs no pickle; with
+``--trust-pickles``, torch's reader and unrestricted unpickler) and
+:func:`zarrckpt.dcp.import_megatron`. Prints one JSON
 line (``tensors``, ``objects``, ``tensor_bytes``, ``seconds``, ``out``); on an error, a
 message on stderr and exit status 1 (2 for bad arguments).
 """

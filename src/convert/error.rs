@@ -105,6 +105,29 @@ pub enum FormatError {
         /// What is wrong.
         msg: String,
     },
+    /// A DCP checkpoint (or one of its items) that this importer cannot read: a missing or
+    /// malformed field, a range past the end of its file, a tensor view outside its storage,
+    /// a value that is not plain data.
+    #[error("{path}: `{item}`: {msg}")]
+    Dcp {
+        /// The file (or directory).
+        path: std::path::PathBuf,
+        /// The item (its state-dict key, or `.metadata`).
+        item: String,
+        /// What is wrong, with the numbers.
+        msg: String,
+    },
+    /// A pickle refused by the restricted reader (nothing in it was run).
+    #[error("{path}: `{item}`: {source}")]
+    Pickle {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The item (its state-dict key, or `.metadata`).
+        item: String,
+        /// Why.
+        #[source]
+        source: super::pickle::PickleError,
+    },
     /// A writer thread panicked (a bug): its files are incomplete.
     #[error("writer {index} of {writers} stopped unexpectedly; its files are incomplete")]
     Writer {

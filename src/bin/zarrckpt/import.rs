@@ -21,9 +21,9 @@ pub struct Args {
     /// safetensors files (a multi-file model: all its shards).
     #[arg(required_unless_present_any = ["dcp", "hf"], conflicts_with_all = ["dcp", "hf"])]
     files: Vec<PathBuf>,
-    /// A PyTorch DCP checkpoint directory: refused with the command that imports it
-    /// (`python -m zarrckpt.migrate`; DCP's metadata is a pickle, read by torch in the Python
-    /// package, never here).
+    /// A PyTorch DCP checkpoint directory (`FileSystemWriter`'s format): imported by the
+    /// library's DCP reader, whose pickle reader runs nothing (non-tensor values must be
+    /// bytes or plain data). Prints one JSON line: tensors, objects, tensor_bytes, seconds, out.
     #[arg(long, value_name = "DIR", conflicts_with = "hf")]
     dcp: Option<PathBuf>,
     /// With `--dcp`, bare: DIR is a Megatron-LM `torch_dist` checkpoint (an `iter_*` directory
@@ -31,8 +31,8 @@ pub struct Args {
     /// checkpoint. With `--hf`: the Megatron layout to write, `tp=T,pp=P[,ep=E]`.
     #[arg(long, num_args = 0..=1, default_missing_value = "", value_name = "LAYOUT")]
     megatron: Option<String>,
-    /// With `--dcp`: unpickle non-tensor values (and `common.pt`) with torch's unrestricted
-    /// unpickler, which runs whatever code they hold (default: torch's restricted one).
+    /// With `--dcp`: refused with the Python command that can (`python -m zarrckpt.migrate
+    /// --trust-pickles`, torch's unrestricted unpickler): this tool runs no pickle.
     #[arg(long, requires = "dcp")]
     trust_pickles: bool,
     /// Import a Hugging Face model directory (config.json and safetensors) into a Megatron
@@ -97,30 +97,7 @@ fn split_first_axis(shape: &[u64], r: u64, n: u64) -> Region {
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if let Some(dir) = &a.dcp {
-        // DCP's `.metadata` (and Megatron's `common.pt`) are pickles, which the Rust side
-        // never unpickles; torch's own reader does it in the Python package.
-        bail!(
-            "import --dcp: a DCP checkpoint's .metadata is a Python pickle, which this tool does \
-             not read; import it with the Python package (torch's DCP reader):\n  python -m \
-             zarrckpt.migrate {} --out {}{}{}\nor from Python: zarrckpt.dcp.{}(src, out, ...)",
-            dir.display(),
-            a.out.display(),
-            if a.megatron.is_some() {
-                " --megatron"
-            } else {
-                ""
-            },
-            if a.trust_pickles {
-                " --trust-pickles"
-            } else {
-                ""
-            },
-            if a.megatron.is_some() {
-                "import_megatron"
-            } else {
-                "import_dcp"
-            },
-        );
+        return import_dcp(a, dir);
     }
     if let Some(hf) = &a.hf {
         return crate::hf::import_hf(
@@ -268,5 +245,58 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         total as f64 / 1e9 / secs.max(1e-9),
         file_bytes as f64 / 1e9
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `import --dcp DIR`: the library's DCP importer; `--megatron` and `--trust-pickles` need
+/// Python (megatron-core's value encoding, torch's unpickler) and are refused with the command.
+fn import_dcp(a: &Args, dir: &std::path::Path) -> anyhow::Result<ExitCode> {
+    if a.megatron.is_some() || a.trust_pickles {
+        bail!(
+            "import --dcp{}: {}; run it with the Python package:\n  python -m zarrckpt.migrate {} \
+             --out {}{}{}",
+            if a.megatron.is_some() {
+                " --megatron"
+            } else {
+                " --trust-pickles"
+            },
+            if a.megatron.is_some() {
+                "a torch_dist checkpoint's objects and common.pt are encoded by megatron-core's \
+                 rules, in the Python package"
+            } else {
+                "this tool runs no pickle"
+            },
+            dir.display(),
+            a.out.display(),
+            if a.megatron.is_some() {
+                " --megatron"
+            } else {
+                ""
+            },
+            if a.trust_pickles {
+                " --trust-pickles"
+            } else {
+                ""
+            },
+        );
+    }
+    if a.hf.is_some() || a.dry_run || !a.files.is_empty() || a.procs != 0 || a.map.is_some() {
+        bail!("import --dcp takes no --hf, --map, --procs, --dry-run or files");
+    }
+    let opts = zarrckpt::convert::DcpImportOptions {
+        ranks: a.ranks,
+        overwrite: a.overwrite,
+        compression: parse_compression(&a.compression)?,
+    };
+    let t0 = Instant::now();
+    let rep = zarrckpt::convert::import_dcp(dir, &a.out, &opts)?;
+    let line = serde_json::json!({
+        "tensors": rep.tensors,
+        "objects": rep.objects,
+        "tensor_bytes": rep.tensor_bytes,
+        "seconds": (t0.elapsed().as_secs_f64() * 1000.0).round() / 1000.0,
+        "out": a.out.display().to_string(),
+    });
+    println!("{line}");
     Ok(ExitCode::SUCCESS)
 }
