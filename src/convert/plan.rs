@@ -569,10 +569,16 @@ pub fn plan_vllm_part(
         .iter()
         .map(|ls| ls.iter().any(|l| kept[l.m]))
         .collect();
+    // With `keep`, the (tensor, stack index) pairs with a kept piece, found on the first
+    // rank built (every check ran there; later ranks skip the others).
+    let mut relevant: std::collections::HashSet<(usize, Vec<u64>)> =
+        std::collections::HashSet::new();
+    let mut first: Option<u64> = None;
     for r in 0..k {
         if part_of.ranks.is_some_and(|rs| !rs.contains(&r)) {
             continue;
         }
+        let later = *first.get_or_insert(r) != r;
         for (vti, vt) in vllm.tensors.iter().enumerate() {
             let rname = format!("vllm:{}", vt.name);
             if let Some(w) = &vt.when
@@ -602,6 +608,9 @@ pub fn plan_vllm_part(
                 i64::try_from(i).map_err(|_| vop(format!("capture {name} = {i} is beyond i64")))
             };
             for idx in stack_indices(&ranges) {
+                if later && part_of.keep.is_some() && !relevant.contains(&(vti, idx.clone())) {
+                    continue;
+                }
                 let caps: Vec<(String, i64)> = ranges
                     .iter()
                     .zip(&idx)
@@ -619,7 +628,7 @@ pub fn plan_vllm_part(
                         n
                     }
                 };
-                if r == 0 {
+                if !later {
                     *names.entry(name.clone()).or_default() += 1;
                     if names[&name] > 1 {
                         return Err(ConvertError::Duplicate {
@@ -763,6 +772,9 @@ pub fn plan_vllm_part(
                         // Pieces: the real (unpadded) part of the box, through the links.
                         if !h_kept[hi] {
                             continue;
+                        }
+                        if !later && part_of.keep.is_some() {
+                            relevant.insert((vti, idx.clone()));
                         }
                         if let Some(real) = pbox.intersect(&Bx::full(hs)) {
                             for l in by_h[hi].iter().filter(|l| kept[l.m]) {

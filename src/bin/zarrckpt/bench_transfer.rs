@@ -180,23 +180,17 @@ fn boxes(m: &Model, l: Layout, t: u64, p: u64) -> Vec<(String, Bx, bool)> {
     out
 }
 
-fn decl(opts: &Options, bx: &[(String, Bx, bool)], m: &Model) -> Decl {
-    Decl {
-        options: opts.fingerprint(),
-        role: Role::Trainer(
-            bx.iter()
-                .map(|(k, b, main)| SourceBox {
-                    key: k.clone(),
-                    dtype: "bfloat16".into(),
-                    global_shape: m[k].0.clone(),
-                    off: b.off.clone(),
-                    len: b.len.clone(),
-                    holder: if *main { Holder::Main } else { Holder::Copy },
-                })
-                .collect(),
-        ),
-        error: None,
-    }
+/// CPU seconds this thread has used (user and system): planning's cost apart from the
+/// machine's load.
+fn thread_cpu() -> f64 {
+    // SAFETY: `getrusage` fills the zeroed struct it is given and reads nothing else.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_THREAD, &raw mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
 fn gb(b: u64) -> f64 {
@@ -629,6 +623,7 @@ fn plan_deepseek() -> anyhow::Result<()> {
         ("trainer rank 100", 100),
     ] {
         let t0 = Instant::now();
+        let c0 = thread_cpu();
         let (lp, peak) = peak_of(|| -> anyhow::Result<_> {
             let decls: Vec<Decl> = gathered
                 .iter()
@@ -644,8 +639,9 @@ fn plan_deepseek() -> anyhow::Result<()> {
         });
         let (lp, moves, sent) = lp?;
         let secs = t0.elapsed().as_secs_f64();
+        let cpu = thread_cpu() - c0;
         println!(
-            "  {what}: planned in {secs:.3} s (target < 1 s), peak heap {:.1} MiB with the gathered declarations' parse (target < 64 MiB), {moves} moves, {} rounds, sends {:.2} GB, receives {:.2} GB",
+            "  {what}: planned in {secs:.3} s wall, {cpu:.3} s CPU (target < 1 s), peak heap {:.1} MiB with the gathered declarations' parse (target < 64 MiB), {moves} moves, {} rounds, sends {:.2} GB, receives {:.2} GB",
             peak as f64 / f64::from(1 << 20),
             lp.rounds(),
             gb(sent),
