@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde_json::json;
 use zarrckpt::comm::{RecvBuf, SendBuf};
-use zarrckpt::convert::{self, Layout, Plan, Table};
 use zarrckpt::convert::geom::Bx;
+use zarrckpt::convert::{self, Layout, Plan, Table};
 use zarrckpt::transfer::plan::{self as tplan, Move};
 use zarrckpt::transfer::{
     Decl, EngineLayout, EngineTensor, Holder, LocalPlan, Options, RankPlan, Role, SourceBox,

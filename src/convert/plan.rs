@@ -565,10 +565,7 @@ pub fn plan_vllm_part(
         .map(|s| part_of.keep.is_none_or(|f| f(&s.name)))
         .collect();
     // Per HF tensor: whether any link reads a kept source.
-    let h_kept: Vec<bool> = by_h
-        .iter()
-        .map(|ls| ls.iter().any(|l| kept[l.m]))
-        .collect();
+    let h_kept: Vec<bool> = by_h.iter().map(|ls| ls.iter().any(|l| kept[l.m])).collect();
     // With `keep`, the (tensor, stack index) pairs with a kept piece, found on the first
     // rank built (every check ran there; later ranks skip the others).
     let mut relevant: std::collections::HashSet<(usize, Vec<u64>)> =
