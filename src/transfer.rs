@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 pub use decl::{Decl, EngineTensor, Holder, Role, SourceBox};
 pub use error::TransferError;
-pub use exec::{Buffers, LocalPlan, Moved, Sink};
+pub use exec::{Buffers, LocalPlan, Messages, Moved, Sink};
 pub use plan::{DEFAULT_BUCKET_BYTES, EngineLayout, GlobalPlan, Options};
 pub use rank::{RankPlan, build_rank};
 

@@ -13,6 +13,9 @@ use crate::convert::geom::{Bx, copy_box};
 use crate::convert::{Dest, Piece};
 use crate::model::{DType, ShardedTensor, usize_of};
 
+/// Messages of one round: (peer, bytes), in plan order.
+pub type Messages = Vec<(usize, u64)>;
+
 /// A box this rank sends.
 #[derive(Debug, Clone)]
 pub(crate) struct SendItem {
@@ -165,7 +168,7 @@ impl LocalPlan {
 
     /// Round `r`'s messages: (peer, bytes) sent and (peer, bytes) received, in plan order.
     #[must_use]
-    pub fn messages(&self, r: usize) -> (Vec<(usize, u64)>, Vec<(usize, u64)>) {
+    pub fn messages(&self, r: usize) -> (Messages, Messages) {
         let sizes = |v: &[(usize, Vec<SendItem>)]| -> Vec<(usize, u64)> {
             v.iter()
                 .map(|(p, items)| (*p, items.iter().map(|i| i.bytes).sum()))
