@@ -234,12 +234,16 @@ impl Sink for Buffers<'_, '_> {
 }
 
 /// Trainer side of one round: the packed message per receiver.
-fn pack(items: &[(usize, Vec<SendItem>)], boxes: &[ShardedTensor<'_>]) -> Vec<(usize, Vec<u8>)> {
+fn pack(
+    items: &[(usize, Vec<SendItem>)],
+    boxes: &[ShardedTensor<'_>],
+    pool: &Pool,
+) -> Vec<(usize, Vec<u8>)> {
     items
         .iter()
         .map(|(peer, v)| {
             let total: u64 = v.iter().map(|s| s.bytes).sum();
-            let mut buf = vec![0u8; usize_of(total)];
+            let mut buf = pool.take(usize_of(total));
             let mut at = 0;
             for s in v {
                 let p = &boxes[s.piece];
@@ -275,13 +279,46 @@ pub struct Moved {
     pub received: u64,
 }
 
+/// Message buffers handed back once their round is done, reused by later rounds (a fresh
+/// buffer per message costs its page faults again every round). Holds at most `cap` buffers,
+/// each at most a chunk: one round's worth at most.
+struct Pool {
+    bufs: std::sync::Mutex<Vec<Vec<u8>>>,
+    cap: usize,
+}
+
+impl Pool {
+    /// A buffer of `n` bytes (contents unspecified: every byte is written before use).
+    fn take(&self, n: usize) -> Vec<u8> {
+        let got = self
+            .bufs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
+        let mut b = got.unwrap_or_default();
+        b.resize(n, 0);
+        b
+    }
+
+    fn give(&self, b: Vec<u8>) {
+        let mut v = self
+            .bufs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if v.len() < self.cap {
+            v.push(b);
+        }
+    }
+}
+
 /// Received messages of one round, one per peer in plan order.
 type Round = Result<Vec<Vec<u8>>, CommError>;
 
 /// Runs every round of `lp` on this rank: a trainer rank sends from `boxes`, an engine rank
 /// receives into `sink`. Rounds overlap: a wire thread moves round `k` while this thread
 /// packs round `k + 1` (trainer) or unpacks round `k - 1` (engine), through channels of one
-/// round each, so a rank holds at most three rounds' messages (3 x the bucket) at once.
+/// round each, so a rank holds at most three rounds' messages at once, and keeps at most one
+/// round's worth of used buffers for reuse: 4 x the bucket in all.
 ///
 /// # Errors
 /// Communication errors; conversion errors of a copy; the sink's errors.
@@ -296,11 +333,20 @@ pub fn run(
             s.buffer(l).fill(0);
         }
     }
+    let per_round = (0..lp.rounds)
+        .map(|r| lp.sends[r].len() + lp.recvs[r].len())
+        .max()
+        .unwrap_or(0);
+    let pool = Pool {
+        bufs: std::sync::Mutex::new(Vec::new()),
+        cap: per_round,
+    };
+    let pool = &pool;
     let moved = std::thread::scope(|sc| {
         let (to_wire, wire_in) = sync_channel::<Vec<(usize, Vec<u8>)>>(1);
         let (wire_out, from_wire) = sync_channel::<Round>(1);
-        sc.spawn(move || wire(comm, lp, &wire_in, &wire_out));
-        drive(lp, boxes, sink, to_wire, &from_wire)
+        sc.spawn(move || wire(comm, lp, pool, &wire_in, &wire_out));
+        drive(lp, boxes, sink, pool, to_wire, &from_wire)
     })?;
     Ok(moved)
 }
@@ -309,6 +355,7 @@ pub fn run(
 fn wire(
     comm: &dyn Communicator,
     lp: &LocalPlan,
+    pool: &Pool,
     packed_in: &Receiver<Vec<(usize, Vec<u8>)>>,
     out: &SyncSender<Round>,
 ) {
@@ -323,7 +370,7 @@ fn wire(
             .collect();
         let mut bufs: Vec<Vec<u8>> = lp.recvs[r]
             .iter()
-            .map(|(_, v)| vec![0u8; usize_of(v.iter().map(|i| i.bytes).sum())])
+            .map(|(_, v)| pool.take(usize_of(v.iter().map(|i| i.bytes).sum())))
             .collect();
         let res = {
             let mut recvs: Vec<RecvBuf<'_>> = bufs
@@ -337,7 +384,9 @@ fn wire(
             comm.exchange(&sends, &mut recvs)
         };
         drop(sends);
-        drop(packed);
+        for (_, b) in packed {
+            pool.give(b);
+        }
         let failed = res.is_err();
         if out.send(res.map(|()| bufs)).is_err() || failed {
             return;
@@ -351,6 +400,7 @@ fn drive(
     lp: &LocalPlan,
     boxes: &[ShardedTensor<'_>],
     mut sink: Option<&mut dyn Sink>,
+    pool: &Pool,
     to_wire: SyncSender<Vec<(usize, Vec<u8>)>>,
     from_wire: &Receiver<Round>,
 ) -> Result<Moved, TransferError> {
@@ -358,7 +408,7 @@ fn drive(
     let mut packed = 0;
     for r in 0..lp.rounds {
         while packed < lp.rounds && packed <= r + 1 {
-            let p = pack(&lp.sends[packed], boxes);
+            let p = pack(&lp.sends[packed], boxes, pool);
             moved.sent += p.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
             if to_wire.send(p).is_err() {
                 break; // the wire thread failed: its error comes next
@@ -388,6 +438,9 @@ fn drive(
                 moved.received += data.len() as u64;
             }
             s.complete(&lp.completes[r])?;
+        }
+        for b in bufs {
+            pool.give(b);
         }
     }
     if let Some(s) = sink {
