@@ -42,7 +42,10 @@ pub use exec::{FillStats, fill_from_checkpoint, fill_from_sources};
 pub use expand::{Expanded, Layout, expand};
 pub use hf::{ExportOptions, ExportReport, HfExport};
 pub use hf_import::{HfDir, HfImport, ImportReport};
-pub use plan::{Dest, Piece, Plan, Source, plan_hf_export, plan_megatron_import, plan_vllm};
+pub use plan::{
+    Dest, Part, Piece, Plan, Source, plan_hf_export, plan_megatron_import, plan_vllm,
+    plan_vllm_part,
+};
 pub use table::Table;
 pub use validate::load_checked;
 pub use vllm::VllmExport;

@@ -17,13 +17,16 @@ pub mod error;
 pub mod exec;
 pub mod identity;
 pub mod plan;
+pub mod rank;
+mod verdict;
 
 use std::time::{Duration, Instant};
 
 pub use decl::{Decl, EngineTensor, Holder, Role, SourceBox};
 pub use error::TransferError;
-pub use exec::{Buffers, LocalPlan, Moved, Sink};
+pub use exec::{Buffers, LocalPlan, Messages, Moved, Sink};
 pub use plan::{DEFAULT_BUCKET_BYTES, EngineLayout, GlobalPlan, Options, TrainerNames};
+pub use rank::{RankPlan, build_rank};
 
 use crate::comm::Communicator;
 use crate::model::{DType, ShardedTensor, usize_of};
@@ -132,7 +135,8 @@ impl Transfer {
     }
 
     /// Agrees on the plan: the cached one when every rank's structure is unchanged (one
-    /// all-reduce of 9 bytes), else gathers the declarations and builds it.
+    /// all-reduce of 9 bytes), else gathers the declarations, builds this rank's part and
+    /// agrees on every rank's verdict (one all-reduce) before any byte moves.
     fn agree(&mut self, comm: &dyn Communicator, decl: Decl) -> Result<bool, TransferError> {
         let local = decl.fingerprint();
         let mut mine = [0u8; 9];
@@ -152,7 +156,14 @@ impl Transfer {
         self.cache = None;
         let text = serde_json::to_vec(&decl).map_err(|e| TransferError::Setup(e.to_string()))?;
         let all = comm.all_gather(&text)?;
-        let decls = all
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for b in &all {
+            h.update(&(b.len() as u64).to_le_bytes());
+            h.update(b);
+        }
+        let global = h.digest();
+        let me = comm.rank();
+        let built = all
             .iter()
             .enumerate()
             .map(|(r, b)| {
@@ -160,15 +171,32 @@ impl Transfer {
                     TransferError::Setup(format!("rank {r} sent an unreadable declaration: {e}"))
                 })
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        let g = plan::build(&self.opts, decls)?;
-        let lp = LocalPlan::of(&g, comm.rank());
+            .collect::<Result<Vec<_>, _>>()
+            .and_then(|decls| {
+                drop(all);
+                rank::build_rank(&self.opts, &decls, me)
+            });
+        let v = verdict::agree(comm, &built)?;
+        let rp = built?;
+        if let Some(e) = v.error {
+            return Err(e);
+        }
+        let chunk = self.opts.bucket_bytes / v.fan.max(1);
+        let lp = LocalPlan::schedule(&rp, chunk, v.busiest, v.total);
         self.cache = Some(Cached {
             local,
-            global: g.fingerprint,
+            global,
             plan: lp,
         });
         Ok(true)
+    }
+
+    /// The cached plan.
+    fn plan(&self) -> Result<&LocalPlan, TransferError> {
+        self.cache
+            .as_ref()
+            .map(|c| &c.plan)
+            .ok_or_else(|| TransferError::Setup("no plan".into()))
     }
 
     fn report(&self, planned: bool, plan_time: Duration, t: Instant, moved: Moved) -> Report {
@@ -208,12 +236,7 @@ impl Transfer {
         let planned = self.agree(comm, d)?;
         let plan_time = t0.elapsed();
         let t = Instant::now();
-        let lp = &self
-            .cache
-            .as_ref()
-            .ok_or_else(|| TransferError::Setup("no plan".into()))?
-            .plan;
-        let moved = exec::run(comm, lp, &boxes, None)?;
+        let moved = exec::run(comm, self.plan()?, &boxes, None)?;
         Ok(self.report(planned, plan_time, t, moved))
     }
 
@@ -229,19 +252,7 @@ impl Transfer {
         tensors: &[EngineTensor],
         bufs: &mut [&mut [u8]],
     ) -> Result<Report, TransferError> {
-        let t0 = Instant::now();
-        let error = check_buffers(tensors, Some(bufs)).err();
-        let planned = self.agree(comm, engine_decl(self.opts_fp, tensors, error))?;
-        let plan_time = t0.elapsed();
-        let t = Instant::now();
-        let lp = &self
-            .cache
-            .as_ref()
-            .ok_or_else(|| TransferError::Setup("no plan".into()))?
-            .plan;
-        let mut sink = Buffers { bufs };
-        let moved = exec::run(comm, lp, &[], Some(&mut sink))?;
-        Ok(self.report(planned, plan_time, t, moved))
+        self.receive_into(comm, tensors, Target::Buffers(bufs))
     }
 
     /// Engine side, checkpoint format: `tensors` are the tensors wanted (names, data types,
@@ -257,28 +268,52 @@ impl Transfer {
         tensors: &[EngineTensor],
         on_bucket: &mut dyn FnMut(Vec<Received>) -> Result<(), TransferError>,
     ) -> Result<Report, TransferError> {
+        self.receive_into(comm, tensors, Target::Collect(on_bucket))
+    }
+
+    /// The engine side of both: the declaration, the agreement, then the rounds into the
+    /// target.
+    fn receive_into(
+        &mut self,
+        comm: &dyn Communicator,
+        tensors: &[EngineTensor],
+        target: Target<'_, '_, '_>,
+    ) -> Result<Report, TransferError> {
         let t0 = Instant::now();
-        let error = check_buffers(tensors, None).err();
+        let bufs = match &target {
+            Target::Buffers(b) => Some(&**b),
+            Target::Collect(_) => None,
+        };
+        let error = check_buffers(tensors, bufs).err();
         let planned = self.agree(comm, engine_decl(self.opts_fp, tensors, error))?;
         let plan_time = t0.elapsed();
         let t = Instant::now();
-        let lp = &self
-            .cache
-            .as_ref()
-            .ok_or_else(|| TransferError::Setup("no plan".into()))?
-            .plan;
-        let mut sink = Collect {
-            bufs: vec![None; lp.dests.len()],
-            dests: lp
-                .dests
-                .iter()
-                .map(|d| (d.name.clone(), d.dtype, d.shape.clone(), d.nbytes()))
-                .collect(),
-            on_bucket,
+        let lp = self.plan()?;
+        let moved = match target {
+            Target::Buffers(bufs) => exec::run(comm, lp, &[], Some(&mut Buffers { bufs }))?,
+            Target::Collect(on_bucket) => {
+                let mut sink = Collect {
+                    bufs: vec![None; lp.dests.len()],
+                    dests: lp
+                        .dests
+                        .iter()
+                        .map(|d| (d.name.clone(), d.dtype, d.shape.clone(), d.nbytes()))
+                        .collect(),
+                    on_bucket,
+                };
+                exec::run(comm, lp, &[], Some(&mut sink))?
+            }
         };
-        let moved = exec::run(comm, lp, &[], Some(&mut sink))?;
         Ok(self.report(planned, plan_time, t, moved))
     }
+}
+
+/// Where an engine rank's bytes go.
+enum Target<'b, 'a, 'f> {
+    /// The caller's buffers, filled in place.
+    Buffers(&'b mut [&'a mut [u8]]),
+    /// Whole tensors handed to a callback as they complete.
+    Collect(&'f mut dyn FnMut(Vec<Received>) -> Result<(), TransferError>),
 }
 
 fn engine_decl(options: u64, tensors: &[EngineTensor], error: Option<String>) -> Decl {

@@ -10,8 +10,13 @@ use std::time::Duration;
 
 use serde_json::json;
 use zarrckpt::comm::{RecvBuf, SendBuf};
+use zarrckpt::convert::geom::Bx;
 use zarrckpt::convert::{self, Layout, Plan, Table};
-use zarrckpt::transfer::{EngineLayout, EngineTensor, Options, Transfer, TransferError};
+use zarrckpt::transfer::plan::{self as tplan, Move};
+use zarrckpt::transfer::{
+    Decl, EngineLayout, EngineTensor, Holder, LocalPlan, Options, RankPlan, Role, SourceBox,
+    Transfer, TransferError, build_rank,
+};
 use zarrckpt::{
     CommError, Communicator, DType, LocalComm, Region, ShardedTensor, TensorKey, run_local,
 };
@@ -626,5 +631,166 @@ fn receive_with_hands_over_whole_tensors_in_buckets() {
     assert_eq!(seen.len(), want.len());
     for (t, b) in &want {
         assert_eq!(&seen[&t.name], b, "{}", t.name);
+    }
+}
+
+/// The declarations of a transfer of the test model from `trainer` to `engines` engine ranks
+/// at `engine`: replicated trainer boxes main on one rank (`auto` false) or declared `Auto` by
+/// every holder; each engine rank's tensors in an order shuffled by `seed`.
+fn declarations(
+    opts: &Options,
+    trainer: Layout,
+    engine: EngineLayout,
+    engines: usize,
+    auto: bool,
+    seed: u64,
+) -> Vec<Decl> {
+    let table = &opts.table;
+    let m = megatron(table, &cfg(), trainer, 1);
+    let mut decls = Vec::new();
+    for r in 0..trainer.tp * trainer.pp {
+        let (t, p) = (r % trainer.tp, r / trainer.tp);
+        let sb = m
+            .boxes(trainer, t, p)
+            .into_iter()
+            .map(|(k, off, len, replica, _)| {
+                let replicated = m.tensors[&k].2.is_none() || m.tensors[&k].1 == 0;
+                SourceBox {
+                    dtype: "bfloat16".into(),
+                    global_shape: m.tensors[&k].0.clone(),
+                    key: k,
+                    off,
+                    len,
+                    holder: match (replica, auto && replicated) {
+                        (_, true) => Holder::Auto,
+                        (0, false) => Holder::Main,
+                        _ => Holder::Copy,
+                    },
+                }
+            })
+            .collect();
+        decls.push(Decl {
+            options: opts.fingerprint(),
+            role: Role::Trainer(sb),
+            error: None,
+        });
+    }
+    let inv = m.inventory();
+    let plan = match engine {
+        EngineLayout::Vllm { tp } => convert::plan_vllm(table, &cfg(), trainer, &inv, tp),
+        _ => convert::plan_hf_export(table, &cfg(), trainer, &inv, u64::MAX),
+    }
+    .unwrap();
+    let mut s = seed | 1;
+    for e in 0..engines {
+        let group = match engine {
+            EngineLayout::Vllm { tp } => Some(e % usize::try_from(tp).unwrap()),
+            _ => None,
+        };
+        let mut t: Vec<EngineTensor> = plan
+            .dests
+            .iter()
+            .filter(|d| group.is_none_or(|g| d.group == g))
+            .map(|d| EngineTensor::new(&d.name, d.dtype, d.shape.clone()))
+            .collect();
+        for i in (1..t.len()).rev() {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            t.swap(i, usize::try_from(s % (i as u64 + 1)).unwrap());
+        }
+        decls.push(Decl {
+            options: opts.fingerprint(),
+            role: Role::Engine(t),
+            error: None,
+        });
+    }
+    decls
+}
+
+type MoveKey = (usize, usize, usize, usize, usize, Bx, Bx, u64);
+
+fn key(m: &Move) -> MoveKey {
+    (
+        m.src,
+        m.dst,
+        m.local,
+        m.piece,
+        m.cut.src,
+        m.cut.sbox.clone(),
+        m.cut.dbox.clone(),
+        m.bytes,
+    )
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// Per-rank plans against the global plan: the trainer ranks' sends and the engine
+    /// ranks' receives are each exactly the global plan's moves, both ends of every pair
+    /// derive that pair's moves in the same order, and their schedules put the same bytes in
+    /// the same rounds.
+    #[test]
+    fn per_rank_plans_union_to_the_global_plan(
+        tp in 1u64..=2,
+        pp in proptest::sample::select(vec![1u64, 2, 4]),
+        etp in proptest::sample::select(vec![0u64, 1, 2, 4]),
+        replicas in 1usize..=2,
+        auto in proptest::bool::ANY,
+        seed in 1u64..u64::MAX,
+        chunk in proptest::sample::select(vec![64u64, 1000, 1 << 20]),
+    ) {
+        let trainer = Layout { tp, pp, ep: 1 };
+        let (engine, engines) = if etp == 0 {
+            (EngineLayout::Hf, replicas)
+        } else {
+            (EngineLayout::Vllm { tp: etp }, replicas * usize::try_from(etp).unwrap())
+        };
+        let mut opts = Options::new(Table::builtin("llama").unwrap(), cfg(), trainer, engine);
+        // No cut by the bucket in either plan: the moves compare one for one.
+        opts.bucket_bytes = u64::MAX / 4;
+        let decls = declarations(&opts, trainer, engine, engines, auto, seed);
+        let global = tplan::build(&opts, decls.clone()).unwrap();
+        let mut want: Vec<MoveKey> = global.moves.iter().map(key).collect();
+        want.sort();
+        let nt = usize::try_from(tp * pp).unwrap();
+        let ranks: Vec<_> = (0..decls.len())
+            .map(|me| build_rank(&opts, &decls, me).unwrap())
+            .collect();
+        let mut sends: Vec<MoveKey> = ranks[..nt].iter().flat_map(|r| r.moves.iter().map(key)).collect();
+        let mut recvs: Vec<MoveKey> = ranks[nt..].iter().flat_map(|r| r.moves.iter().map(key)).collect();
+        sends.sort();
+        recvs.sort();
+        proptest::prop_assert_eq!(&sends, &want);
+        proptest::prop_assert_eq!(&recvs, &want);
+        let fan = ranks.iter().map(|r| r.fan).max().unwrap() as u64;
+        let plans: Vec<LocalPlan> = ranks
+            .iter()
+            .map(|r| LocalPlan::schedule(r, chunk, 0, 0))
+            .collect();
+        for s in 0..nt {
+            for d in nt..decls.len() {
+                let of = |r: &RankPlan| -> Vec<MoveKey> {
+                    r.moves.iter().filter(|m| m.src == s && m.dst == d).map(key).collect()
+                };
+                proptest::prop_assert_eq!(of(&ranks[s]), of(&ranks[d]), "pair {} -> {}", s, d);
+                let rounds = plans[s].rounds().max(plans[d].rounds());
+                for r in 0..rounds {
+                    let out: Vec<u64> = plans[s].messages(r).0.iter().filter(|x| x.0 == d).map(|x| x.1).collect();
+                    let inb: Vec<u64> = plans[d].messages(r).1.iter().filter(|x| x.0 == s).map(|x| x.1).collect();
+                    proptest::prop_assert_eq!(&out, &inb, "pair {} -> {} round {}", s, d, r);
+                    proptest::prop_assert!(out.iter().all(|&n| n <= chunk.max(8)));
+                }
+            }
+        }
+        // Per round, no rank sends or receives more than the fan's share of a bucket of
+        // chunk x fan bytes.
+        for p in &plans {
+            for r in 0..p.rounds() {
+                let (o, i) = p.messages(r);
+                proptest::prop_assert!(o.iter().map(|x| x.1).sum::<u64>() <= chunk.max(8) * fan);
+                proptest::prop_assert!(i.iter().map(|x| x.1).sum::<u64>() <= chunk.max(8) * fan);
+            }
+        }
     }
 }

@@ -498,6 +498,35 @@ pub fn plan_vllm(
     inv: &Inventory,
     k: u64,
 ) -> Result<Plan, ConvertError> {
+    plan_vllm_part(table, config, saved, inv, k, &Part::default())
+}
+
+/// The part of a vLLM plan to build ([`plan_vllm_part`]): a live transfer's rank needs only
+/// its own TP rank's destinations (engine) or the pieces of the tensors it sends (trainer).
+#[derive(Clone, Copy, Default)]
+pub struct Part<'a> {
+    /// Only these TP ranks' destinations (`None`: every rank).
+    pub ranks: Option<&'a [u64]>,
+    /// Only pieces of the Megatron keys this accepts, and only destinations left with a
+    /// piece (`None`: every piece and every destination).
+    pub keep: Option<&'a dyn Fn(&str) -> bool>,
+}
+
+/// [`plan_vllm`] restricted to `part`: the same checks (each of them depends on the TP size
+/// and the tensor, never on which TP rank is built, so one rank's part refuses exactly what
+/// the whole plan refuses), the same destinations and pieces in the same order, less those
+/// left out.
+///
+/// # Errors
+/// As [`plan_vllm`].
+pub fn plan_vllm_part(
+    table: &Table,
+    config: &serde_json::Value,
+    saved: Layout,
+    inv: &Inventory,
+    k: u64,
+    part_of: &Part<'_>,
+) -> Result<Plan, ConvertError> {
     let hf = plan_hf_export(table, config, saved, inv, u64::MAX)?;
     let ex = &hf.expanded;
     // A table without a `vllm` section has no vLLM tensors: refused just below.
@@ -530,7 +559,23 @@ pub fn plan_vllm(
         ex.h.iter()
             .map(|h| hdest.get(h.name.as_str()).copied())
             .collect();
+    let kept: Vec<bool> = hf
+        .sources
+        .iter()
+        .map(|s| part_of.keep.is_none_or(|f| f(&s.name)))
+        .collect();
+    // Per HF tensor: whether any link reads a kept source.
+    let h_kept: Vec<bool> = by_h.iter().map(|ls| ls.iter().any(|l| kept[l.m])).collect();
+    // With `keep`, the (tensor, stack index) pairs with a kept piece, found on the first
+    // rank built (every check ran there; later ranks skip the others).
+    let mut relevant: std::collections::HashSet<(usize, Vec<u64>)> =
+        std::collections::HashSet::new();
+    let mut first: Option<u64> = None;
     for r in 0..k {
+        if part_of.ranks.is_some_and(|rs| !rs.contains(&r)) {
+            continue;
+        }
+        let later = *first.get_or_insert(r) != r;
         for (vti, vt) in vllm.tensors.iter().enumerate() {
             let rname = format!("vllm:{}", vt.name);
             if let Some(w) = &vt.when
@@ -560,6 +605,9 @@ pub fn plan_vllm(
                 i64::try_from(i).map_err(|_| vop(format!("capture {name} = {i} is beyond i64")))
             };
             for idx in stack_indices(&ranges) {
+                if later && part_of.keep.is_some() && !relevant.contains(&(vti, idx.clone())) {
+                    continue;
+                }
                 let caps: Vec<(String, i64)> = ranges
                     .iter()
                     .zip(&idx)
@@ -577,7 +625,7 @@ pub fn plan_vllm(
                         n
                     }
                 };
-                if r == 0 {
+                if !later {
                     *names.entry(name.clone()).or_default() += 1;
                     if names[&name] > 1 {
                         return Err(ConvertError::Duplicate {
@@ -719,8 +767,14 @@ pub fn plan_vllm(
                         }
                         s[cat] += pbox.len[cat];
                         // Pieces: the real (unpadded) part of the box, through the links.
+                        if !h_kept[hi] {
+                            continue;
+                        }
+                        if !later && part_of.keep.is_some() {
+                            relevant.insert((vti, idx.clone()));
+                        }
                         if let Some(real) = pbox.intersect(&Bx::full(hs)) {
-                            for l in &by_h[hi] {
+                            for l in by_h[hi].iter().filter(|l| kept[l.m]) {
                                 if let Some(x) = l.hbox.intersect(&real) {
                                     let st = ex.m[l.m].stack_axes;
                                     let mut dbox = x.relative_to(&pbox);
@@ -767,6 +821,9 @@ pub fn plan_vllm(
                     shape.insert(0, inner.len() as u64);
                 }
                 let pieces = all_pieces;
+                if part_of.keep.is_some() && pieces.is_empty() {
+                    continue;
+                }
                 dests.push(Dest {
                     name,
                     region: Bx::full(&shape),

@@ -208,7 +208,7 @@ fn inventory(decls: &[Decl]) -> Result<(Inventory, Vec<usize>), TransferError> {
 }
 
 /// Per Megatron key, the boxes that send: main replicas, and one holder of each `Auto` box.
-struct Senders {
+pub(super) struct Senders {
     /// (box, rank, piece index), sorted by the first axis' offset.
     boxes: Vec<(Bx, usize, usize)>,
     /// Prefix maximum of the first axis' end.
@@ -230,7 +230,7 @@ impl Senders {
     }
 
     /// The boxes intersecting `q`, with the intersections.
-    fn hits(&self, q: &Bx) -> Vec<(Bx, usize, usize)> {
+    pub(super) fn hits(&self, q: &Bx) -> Vec<(Bx, usize, usize)> {
         let mut out = Vec::new();
         let Some(&q0) = q.off.first() else {
             // A scalar: every box is the whole of it.
@@ -257,49 +257,46 @@ impl Senders {
     }
 }
 
-/// Picks the sending boxes per key and checks they cover each tensor exactly once.
-fn senders(
-    decls: &[Decl],
-    inv: &Inventory,
-    used: &[String],
-) -> Result<HashMap<String, Senders>, TransferError> {
-    let mut main: BTreeMap<&str, Vec<(Bx, usize, usize)>> = BTreeMap::new();
-    let mut auto: BTreeMap<(&str, &Bx), Vec<(usize, usize)>> = BTreeMap::new();
-    let boxes: Vec<Vec<Bx>> = decls
-        .iter()
-        .map(|d| match &d.role {
-            Role::Trainer(b) => b
-                .iter()
-                .map(|s| Bx {
-                    off: s.off.clone(),
-                    len: s.len.clone(),
-                })
-                .collect(),
-            Role::Engine(_) => Vec::new(),
-        })
-        .collect();
+/// The sending boxes per key: main replicas, and one holder of each `Auto` box, as
+/// (box, rank, piece index).
+pub(super) type Picked<'d> = BTreeMap<&'d str, Vec<(Bx, usize, usize)>>;
+
+/// Picks the sending boxes per key (every rank picks the same).
+pub(super) fn pick(decls: &[Decl]) -> Picked<'_> {
+    let mut main: Picked<'_> = BTreeMap::new();
+    let mut auto: BTreeMap<(&str, Bx), Vec<(usize, usize)>> = BTreeMap::new();
     for (g, d) in decls.iter().enumerate() {
         let Role::Trainer(sb) = &d.role else {
             continue;
         };
         for (i, s) in sb.iter().enumerate() {
+            let b = || Bx {
+                off: s.off.clone(),
+                len: s.len.clone(),
+            };
             match s.holder {
-                Holder::Main => main
-                    .entry(&s.key)
-                    .or_default()
-                    .push((boxes[g][i].clone(), g, i)),
-                Holder::Auto => auto.entry((&s.key, &boxes[g][i])).or_default().push((g, i)),
+                Holder::Main => main.entry(&s.key).or_default().push((b(), g, i)),
+                Holder::Auto => auto.entry((&s.key, b())).or_default().push((g, i)),
                 Holder::Copy => {}
             }
         }
     }
-    for ((key, b), holders) in &auto {
+    for ((key, b), holders) in auto {
         // Spread over the holders: a hash of the key and the box picks one.
         let h = xxhash_rust::xxh3::xxh3_64(format!("{key}{b}").as_bytes());
         let pick = usize::try_from(h % holders.len() as u64).unwrap_or(0);
         let (g, i) = holders[pick];
-        main.entry(key).or_default().push(((*b).clone(), g, i));
+        main.entry(key).or_default().push((b, g, i));
     }
+    main
+}
+
+/// Checks that the picked boxes cover each tensor of `used` exactly once.
+pub(super) fn cover(
+    mut main: Picked<'_>,
+    inv: &Inventory,
+    used: &[String],
+) -> Result<HashMap<String, Senders>, TransferError> {
     let mut out = HashMap::new();
     for key in used {
         let shape = &inv[key].1;
@@ -353,7 +350,7 @@ pub fn sub_dbox(p: &Piece, s: &Bx) -> Bx {
 }
 
 /// Cuts `b` into boxes of at most `limit` bytes (elements of `esize` bytes; `limit >= esize`).
-fn split(b: &Bx, esize: u64, limit: u64, out: &mut Vec<Bx>) {
+pub(super) fn split(b: &Bx, esize: u64, limit: u64, out: &mut Vec<Bx>) {
     let bytes = b.volume() * esize;
     let Some(a) = b.len.iter().position(|&l| l > 1) else {
         out.push(b.clone());
@@ -401,7 +398,7 @@ fn float(d: DType) -> bool {
 }
 
 /// Matches engine rank `g`'s declared tensors with the destinations the table gives it.
-fn match_engine(
+pub(super) fn match_engine(
     opts: &Options,
     conv: &Plan,
     g: usize,
@@ -496,11 +493,13 @@ fn match_engine(
     Ok(dest_of)
 }
 
-/// Builds the plan from every rank's declaration (indexed by rank).
-///
-/// # Errors
-/// The refusals of [`TransferError`], the same on every rank.
-pub fn build(opts: &Options, decls: Vec<Decl>) -> Result<GlobalPlan, TransferError> {
+/// The checks every rank makes on the gathered declarations alone (the same on every rank):
+/// no local refusal, the same options, a bucket of at least one element, both roles present,
+/// trainer tensors agreed. Returns the inventory, the trainer ranks and the engine ranks.
+pub(super) fn setup(
+    opts: &Options,
+    decls: &[Decl],
+) -> Result<(Inventory, Vec<usize>, Vec<usize>), TransferError> {
     let want = opts.fingerprint();
     if let Some((g, d)) = decls.iter().enumerate().find(|(_, d)| d.error.is_some()) {
         return Err(TransferError::Peer {
@@ -519,7 +518,7 @@ pub fn build(opts: &Options, decls: Vec<Decl>) -> Result<GlobalPlan, TransferErr
             opts.bucket_bytes
         )));
     }
-    let (inv, trainers) = inventory(&decls)?;
+    let (inv, trainers) = inventory(decls)?;
     let engines: Vec<usize> = (0..decls.len())
         .filter(|&g| matches!(decls[g].role, Role::Engine(_)))
         .collect();
@@ -538,6 +537,22 @@ pub fn build(opts: &Options, decls: Vec<Decl>) -> Result<GlobalPlan, TransferErr
             engines.len()
         )));
     }
+    Ok((inv, trainers, engines))
+}
+
+/// The refusal of a trainer holding HF-named tensors feeding vLLM TP buffers.
+pub(super) fn hf_names_into_vllm(tp: u64) -> TransferError {
+    TransferError::Setup(format!(
+        "a trainer holding HF-named tensors feeds an engine holding whole HF tensors, not vLLM TP {tp} buffers (declare the trainer's tensors in Megatron names for that)"
+    ))
+}
+
+/// Builds the plan from every rank's declaration (indexed by rank).
+///
+/// # Errors
+/// The refusals of [`TransferError`], the same on every rank.
+pub fn build(opts: &Options, decls: Vec<Decl>) -> Result<GlobalPlan, TransferError> {
+    let (inv, _, engines) = setup(opts, &decls)?;
     let conv = match (opts.names, opts.engine) {
         (TrainerNames::Megatron, EngineLayout::Vllm { tp }) => {
             plan_vllm(&opts.table, &opts.config, opts.trainer, &inv, tp)?
@@ -548,11 +563,7 @@ pub fn build(opts: &Options, decls: Vec<Decl>) -> Result<GlobalPlan, TransferErr
         (TrainerNames::Hf, EngineLayout::Hf) => {
             super::identity::plan_hf_identity(&opts.table, &opts.config, &inv)?
         }
-        (TrainerNames::Hf, EngineLayout::Vllm { tp }) => {
-            return Err(TransferError::Setup(format!(
-                "a trainer holding HF-named tensors feeds an engine holding whole HF tensors, not vLLM TP {tp} buffers (declare the trainer's tensors in Megatron names for that)"
-            )));
-        }
+        (TrainerNames::Hf, EngineLayout::Vllm { tp }) => return Err(hf_names_into_vllm(tp)),
     };
     let mut dest_of = BTreeMap::new();
     for (e, &g) in engines.iter().enumerate() {
@@ -562,7 +573,7 @@ pub fn build(opts: &Options, decls: Vec<Decl>) -> Result<GlobalPlan, TransferErr
         dest_of.insert(g, match_engine(opts, &conv, g, e, t)?);
     }
     let used: Vec<String> = conv.sources.iter().map(|s| s.name.clone()).collect();
-    let send = senders(&decls, &inv, &used)?;
+    let send = cover(pick(&decls), &inv, &used)?;
     // Moves, in plan order per engine rank.
     let mut moves = Vec::new();
     for (&g, locals) in &dest_of {

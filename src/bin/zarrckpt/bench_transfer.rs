@@ -4,7 +4,7 @@
 //! same bytes in the same rounds are then moved by the transport's raw point-to-point exchange
 //! (no packing, no copying into buffers). Also: bytes sent by the busiest trainer rank against
 //! its share, the agreement bytes of a repeated (cached) transfer, and planning alone for a
-//! DeepSeek-V3-shaped job (PP 16 x EP 16 trainer -> vLLM TP 32).
+//! DeepSeek-V3-shaped job (PP 16 x EP 16 trainer -> vLLM TP 32), per rank as each rank plans.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -15,7 +15,7 @@ use anyhow::Context;
 use zarrckpt::comm::{CommError, Communicator, RecvBuf, SendBuf, TcpComm, TcpConfig, TcpMaster};
 use zarrckpt::convert::geom::Bx;
 use zarrckpt::convert::{self, Layout, Table};
-use zarrckpt::transfer::plan::{self as tplan, GlobalPlan};
+use zarrckpt::transfer::rank as tplan_rank;
 use zarrckpt::transfer::{
     Decl, EngineLayout, EngineTensor, Holder, Options, Role, SourceBox, Transfer,
 };
@@ -180,23 +180,17 @@ fn boxes(m: &Model, l: Layout, t: u64, p: u64) -> Vec<(String, Bx, bool)> {
     out
 }
 
-fn decl(opts: &Options, bx: &[(String, Bx, bool)], m: &Model) -> Decl {
-    Decl {
-        options: opts.fingerprint(),
-        role: Role::Trainer(
-            bx.iter()
-                .map(|(k, b, main)| SourceBox {
-                    key: k.clone(),
-                    dtype: "bfloat16".into(),
-                    global_shape: m[k].0.clone(),
-                    off: b.off.clone(),
-                    len: b.len.clone(),
-                    holder: if *main { Holder::Main } else { Holder::Copy },
-                })
-                .collect(),
-        ),
-        error: None,
-    }
+/// CPU seconds this thread has used (user and system): planning's cost apart from the
+/// machine's load.
+fn thread_cpu() -> f64 {
+    // SAFETY: `getrusage` fills the zeroed struct it is given and reads nothing else.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_THREAD, &raw mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
 fn gb(b: u64) -> f64 {
@@ -208,24 +202,55 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// The engine ranks' tensors, from the plan.
-fn engine_tensors(g: &GlobalPlan, rank: usize) -> Vec<EngineTensor> {
-    g.dest_of[&rank]
-        .iter()
-        .map(|&i| {
-            let d = &g.conv.dests[i];
-            EngineTensor::new(&d.name, d.dtype, d.shape.clone())
-        })
-        .collect()
+/// One rank's figures in the live benchmark.
+#[derive(Default)]
+struct Timed {
+    transfer: Vec<f64>,
+    raw: Vec<f64>,
+    raw1: Vec<f64>,
+    plan: f64,
+    rounds: usize,
+    sent: u64,
+    busiest: u64,
+    total: u64,
 }
 
-/// Per round, per (src, dst): the bytes the plan moves.
-fn schedule(g: &GlobalPlan) -> Vec<BTreeMap<(usize, usize), u64>> {
-    let mut s = vec![BTreeMap::new(); g.rounds];
-    for m in &g.moves {
-        *s[m.round].entry((m.src, m.dst)).or_insert(0) += m.bytes;
+/// Rounds of (peer, bytes) sent and (peer, bytes) received.
+type Msgs = Vec<(Vec<(usize, u64)>, Vec<(usize, u64)>)>;
+
+/// Times the raw exchange of `msgs` (buffers allocated before the clock starts).
+fn time_raw(comm: &dyn Communicator, msgs: &Msgs) -> anyhow::Result<f64> {
+    let n = |v: &[(usize, u64)]| usize::try_from(v.iter().map(|x| x.1).sum::<u64>()).unwrap_or(0);
+    let most_out = msgs
+        .iter()
+        .flat_map(|(s, _)| s.iter().map(|x| x.1))
+        .max()
+        .unwrap_or(0);
+    let most_in = msgs.iter().map(|(_, r)| n(r)).max().unwrap_or(0);
+    let out = vec![1u8; usize::try_from(most_out).unwrap_or(0)];
+    let mut inb = vec![0u8; most_in];
+    let t = Instant::now();
+    for (s, r) in msgs {
+        let sends: Vec<SendBuf<'_>> = s
+            .iter()
+            .map(|(p, k)| SendBuf {
+                peer: *p,
+                data: &out[..usize::try_from(*k).unwrap_or(0)],
+            })
+            .collect();
+        let mut rest = inb.as_mut_slice();
+        let mut recvs = Vec::with_capacity(r.len());
+        for (p, k) in r {
+            let (head, tail) = rest.split_at_mut(usize::try_from(*k).unwrap_or(0));
+            recvs.push(RecvBuf {
+                peer: *p,
+                buf: head,
+            });
+            rest = tail;
+        }
+        comm.exchange(&sends, &mut recvs)?;
     }
-    s
+    Ok(t.elapsed().as_secs_f64())
 }
 
 fn live(a: &Args) -> anyhow::Result<()> {
@@ -268,73 +293,31 @@ fn live(a: &Args) -> anyhow::Result<()> {
                 .collect()
         })
         .collect();
-    // The global plan, built here once for the engine declarations and the raw schedule
-    // (each rank builds its own inside `Transfer`).
-    let mut decls: Vec<Decl> = per_rank.iter().map(|b| decl(&opts, b, &m)).collect();
     // Engine declarations: what the table gives each TP rank.
     let inv: convert::Inventory = m
         .iter()
         .map(|(k, (s, ..))| (k.clone(), ("bfloat16".to_string(), s.clone())))
         .collect();
     let conv = convert::plan_vllm(&table, &cfg, l, &inv, a.engine_tp)?;
-    for e in 0..ne {
-        decls.push(Decl {
-            options: opts.fingerprint(),
-            role: Role::Engine(
-                conv.dests
-                    .iter()
-                    .filter(|d| d.group == e)
-                    .map(|d| EngineTensor::new(&d.name, d.dtype, d.shape.clone()))
-                    .collect(),
-            ),
-            error: None,
-        });
-    }
-    let t0 = Instant::now();
-    let g = tplan::build(&opts, decls)?;
-    let plan_s = t0.elapsed().as_secs_f64();
-    let sched = schedule(&g);
-    let sent = g.sent_per_rank();
-    let total: u64 = sent.iter().sum();
+    let engine_decl: Vec<Vec<EngineTensor>> = (0..ne)
+        .map(|e| {
+            conv.dests
+                .iter()
+                .filter(|d| d.group == e % usize::try_from(a.engine_tp).unwrap_or(1))
+                .map(|d| EngineTensor::new(&d.name, d.dtype, d.shape.clone()))
+                .collect()
+        })
+        .collect();
+    let model_bytes: u64 = inv
+        .values()
+        .map(|(_, s)| s.iter().product::<u64>() * 2)
+        .sum();
+    drop(conv);
     let held: Vec<u64> = per_rank
         .iter()
         .map(|bs| bs.iter().filter(|x| x.2).map(|x| x.1.volume() * 2).sum())
         .collect();
-    let (busiest, bsent) = sent[..nt]
-        .iter()
-        .enumerate()
-        .max_by_key(|x| *x.1)
-        .map(|(r, s)| (r, *s))
-        .unwrap_or((0, 0));
-    println!(
-        "transfer: Llama-shaped {:.2} GB (hidden {}, {} layers) from trainer TP{} x PP{} ({nt} ranks) to vLLM TP{} ({ne} ranks), bucket {} bytes: {} rounds, planned in {plan_s:.3} s",
-        gb(inv
-            .values()
-            .map(|(_, s)| s.iter().product::<u64>() * 2)
-            .sum()),
-        a.hidden,
-        a.layers,
-        a.tp,
-        a.pp,
-        a.engine_tp,
-        bucket,
-        g.rounds
-    );
-    println!(
-        "  bytes sent: total {:.3} GB; busiest trainer rank {busiest} sends {:.3} GB = {:.3} x the average share ({:.3} GB) and {:.3} x what it holds as main replica ({:.3} GB); an all-gather-then-send design sends {} x its share from the gathering rank",
-        gb(total),
-        gb(bsent),
-        bsent as f64 / (total as f64 / nt as f64),
-        gb(total / nt as u64),
-        bsent as f64 / held[busiest].max(1) as f64,
-        gb(held[busiest]),
-        a.tp
-    );
-    let engine_decl: Vec<Vec<EngineTensor>> = (nt..world).map(|r| engine_tensors(&g, r)).collect();
-    let mut tr_times = Vec::new();
-    let mut raw_times = Vec::new();
-    let mut agreement = 0u64;
-    let results = run_tcp(world, |c| -> anyhow::Result<(Vec<f64>, Vec<f64>, u64)> {
+    let results = run_tcp(world, |c| -> anyhow::Result<Timed> {
         let comm = Counting {
             inner: c,
             native: true,
@@ -371,75 +354,104 @@ fn live(a: &Args) -> anyhow::Result<()> {
         } else {
             Vec::new()
         };
-        let mut tt = Vec::new();
-        let mut rt = Vec::new();
-        let agree = 0;
+        let mut out = Timed::default();
         for step in 0..=a.rounds {
             comm.barrier()?;
             let t0 = Instant::now();
-            if me < nt {
-                t.send(&comm, &pieces)?;
+            let rep = if me < nt {
+                t.send(&comm, &pieces)?
             } else {
                 let mut refs: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
-                t.receive(&comm, &engine_decl[me - nt], &mut refs)?;
-            }
+                t.receive(&comm, &engine_decl[me - nt], &mut refs)?
+            };
             let el = t0.elapsed().as_secs_f64();
-            comm.barrier()?;
-            // The raw exchange of the same bytes in the same rounds.
-            let t1 = Instant::now();
-            for round in &sched {
-                let out: Vec<(usize, Vec<u8>)> = round
-                    .iter()
-                    .filter(|((s, _), _)| *s == me)
-                    .map(|((_, d), n)| (*d, vec![1u8; usize::try_from(*n).unwrap_or(0)]))
-                    .collect();
-                let mut inb: Vec<(usize, Vec<u8>)> = round
-                    .iter()
-                    .filter(|((_, d), _)| *d == me)
-                    .map(|((s, _), n)| (*s, vec![0u8; usize::try_from(*n).unwrap_or(0)]))
-                    .collect();
-                let sends: Vec<SendBuf<'_>> = out
-                    .iter()
-                    .map(|(p, d)| SendBuf { peer: *p, data: d })
-                    .collect();
-                let mut recvs: Vec<RecvBuf<'_>> = inb
-                    .iter_mut()
-                    .map(|(p, b)| RecvBuf {
-                        peer: *p,
-                        buf: b.as_mut_slice(),
-                    })
-                    .collect();
-                comm.exchange(&sends, &mut recvs)?;
+            if step == 0 {
+                out.plan = rep.plan_time.as_secs_f64();
+                out.rounds = rep.rounds;
+                out.sent = rep.moved.sent;
+                out.busiest = rep.busiest_sent;
+                out.total = rep.total_bytes;
             }
-            let raw = t1.elapsed().as_secs_f64();
+            let lp = t.local_plan().context("no plan")?;
+            let msgs: Vec<_> = (0..lp.rounds()).map(|r| lp.messages(r)).collect();
+            comm.barrier()?;
+            // The raw exchange of the same bytes in the same rounds, one round after the other.
+            let raw = time_raw(&comm, &msgs)?;
+            comm.barrier()?;
+            // The raw exchange of the same bytes in one message per pair.
+            let mut whole: BTreeMap<usize, u64> = BTreeMap::new();
+            let mut whole_in: BTreeMap<usize, u64> = BTreeMap::new();
+            for (s, r) in &msgs {
+                for (p, n) in s {
+                    *whole.entry(*p).or_default() += n;
+                }
+                for (p, n) in r {
+                    *whole_in.entry(*p).or_default() += n;
+                }
+            }
+            let one = vec![(
+                whole.into_iter().collect::<Vec<_>>(),
+                whole_in.into_iter().collect::<Vec<_>>(),
+            )];
+            let raw1 = time_raw(&comm, &one)?;
             if step > 0 {
-                tt.push(el);
-                rt.push(raw);
+                out.transfer.push(el);
+                out.raw.push(raw);
+                out.raw1.push(raw1);
             }
         }
-        Ok((tt, rt, agree))
+        Ok(out)
     })?;
-    for r in results {
-        let (tt, rt, ag) = r?;
-        tr_times.push(tt);
-        raw_times.push(rt);
-        agreement = agreement.max(ag);
-    }
+    let results: Vec<Timed> = results.into_iter().collect::<anyhow::Result<_>>()?;
+    let total = results[0].total;
+    let (busiest, bsent) = results[..nt]
+        .iter()
+        .enumerate()
+        .max_by_key(|x| x.1.sent)
+        .map(|(r, x)| (r, x.sent))
+        .unwrap_or((0, 0));
+    println!(
+        "transfer: Llama-shaped {:.2} GB (hidden {}, {} layers) from trainer TP{} x PP{} ({nt} ranks) to vLLM TP{} ({ne} ranks), bucket {} bytes: per-rank plans in at most {:.3} s, at most {} rounds on a rank",
+        gb(model_bytes),
+        a.hidden,
+        a.layers,
+        a.tp,
+        a.pp,
+        a.engine_tp,
+        bucket,
+        results.iter().map(|r| r.plan).fold(0.0, f64::max),
+        results.iter().map(|r| r.rounds).max().unwrap_or(0),
+    );
+    println!(
+        "  bytes sent: total {:.3} GB; busiest trainer rank {busiest} sends {:.3} GB (agreed busiest {:.3} GB) = {:.3} x the average share ({:.3} GB) and {:.3} x what it holds as main replica ({:.3} GB); an all-gather-then-send design sends {} x its share from the gathering rank",
+        gb(total),
+        gb(bsent),
+        gb(results[0].busiest),
+        bsent as f64 / (total as f64 / nt as f64),
+        gb(total / nt as u64),
+        bsent as f64 / held[busiest].max(1) as f64,
+        gb(held[busiest]),
+        a.tp
+    );
     // Per timed round, the slowest rank's time.
-    let slowest = |v: &[Vec<f64>]| -> Vec<f64> {
-        (0..v[0].len())
-            .map(|i| v.iter().map(|x| x[i]).fold(0.0, f64::max))
+    let slowest = |f: &dyn Fn(&Timed) -> &Vec<f64>| -> Vec<f64> {
+        (0..a.rounds)
+            .map(|i| results.iter().map(|x| f(x)[i]).fold(0.0, f64::max))
             .collect()
     };
-    let tt = median(slowest(&tr_times));
-    let rt = median(slowest(&raw_times));
+    let tt = median(slowest(&|x| &x.transfer));
+    let rt = median(slowest(&|x| &x.raw));
+    let r1 = median(slowest(&|x| &x.raw1));
     println!(
-        "  throughput (cached plan, TcpComm on 127.0.0.1, median of {}): transfer {tt:.3} s = {:.2} GB/s; raw point-to-point of the same bytes in the same rounds {rt:.3} s = {:.2} GB/s; transfer / raw = {:.0}%",
+        "  throughput (cached plan, TcpComm on 127.0.0.1, median of {}, slowest rank): transfer {tt:.3} s = {:.2} GB/s; raw point-to-point of the same bytes in the same rounds {rt:.3} s = {:.2} GB/s (transfer / raw = {:.0}%); raw in one message per pair {r1:.3} s = {:.2} GB/s (transfer / raw = {:.0}%; target 80%)",
         a.rounds,
         gb(total) / tt,
         gb(total) / rt,
-        100.0 * rt / tt
+        100.0 * rt / tt,
+        gb(total) / r1,
+        100.0 * r1 / tt
     );
+    let mut agreement = 0u64;
     // The agreement of a repeated transfer, counted over the shared tree collectives.
     let counted = zarrckpt::run_local(
         world,
@@ -589,36 +601,53 @@ fn plan_deepseek() -> anyhow::Result<()> {
         });
     }
     drop(conv);
-    let decl_bytes: usize = decls
+    drop(ex);
+    // What every rank holds after the gather: each rank's declaration as it was sent.
+    let gathered: Vec<Vec<u8>> = decls
         .iter()
-        .map(|d| serde_json::to_vec(d).map_or(0, |v| v.len()))
-        .sum();
-    let t0 = Instant::now();
-    let (g, peak) = peak_of(|| tplan::build(&opts, decls));
-    let g = g?;
-    let secs = t0.elapsed().as_secs_f64();
-    let (lp0, peak0) = peak_of(|| zarrckpt::transfer::LocalPlan::of(&g, 0));
-    let (lpe, peake) = peak_of(|| zarrckpt::transfer::LocalPlan::of(&g, 256));
-    let sent = g.sent_per_rank();
-    let total: u64 = sent.iter().sum();
-    let busiest = sent.iter().copied().max().unwrap_or(0);
+        .map(serde_json::to_vec)
+        .collect::<Result<_, _>>()?;
+    drop(decls);
+    let decl_bytes: usize = gathered.iter().map(Vec::len).sum();
     println!(
-        "DeepSeek-V3 transfer planning (no data): trainer PP16 x EP16 (256 ranks) -> vLLM TP32 (32 ranks): {} moves in {} rounds of 512 MiB, built (every rank builds the same) in {secs:.2} s, peak heap {:.1} MiB; declarations gathered {:.1} MiB in all",
-        g.moves.len(),
-        g.rounds,
-        peak as f64 / f64::from(1 << 20),
-        decl_bytes as f64 / f64::from(1 << 20),
+        "DeepSeek-V3 transfer planning (no data): trainer PP16 x EP16 (256 ranks) -> vLLM TP32 (32 ranks), bucket 512 MiB; gathered declarations {:.1} MiB (every rank receives them once per structure)",
+        decl_bytes as f64 / f64::from(1 << 20)
     );
-    println!(
-        "  kept per rank: trainer rank 0 {} rounds, {:.1} MiB extracted; engine rank 0 {:.1} MiB; bytes moved {:.1} GB, busiest trainer rank {:.2} GB = {:.2} x the average share",
-        lp0.rounds(),
-        peak0 as f64 / f64::from(1 << 20),
-        peake as f64 / f64::from(1 << 20),
-        gb(total),
-        gb(busiest),
-        busiest as f64 / (total as f64 / 256.0)
-    );
-    drop(lpe);
+    // Per rank, as `Transfer` does it: parse the gathered declarations, build this rank's
+    // part, schedule it (the fan: the largest number of peers, the engine ranks' 256).
+    let mut fan = 0;
+    for (what, me) in [
+        ("engine rank 0", 256usize),
+        ("trainer rank 0 (stage 0, embedding)", 0),
+        ("trainer rank 255 (last stage, head and MTP)", 255),
+        ("trainer rank 100", 100),
+    ] {
+        let t0 = Instant::now();
+        let c0 = thread_cpu();
+        let (lp, peak) = peak_of(|| -> anyhow::Result<_> {
+            let decls: Vec<Decl> = gathered
+                .iter()
+                .map(|b| serde_json::from_slice(b))
+                .collect::<Result<_, _>>()?;
+            let rp = tplan_rank::build_rank(&opts, &decls, me)?;
+            drop(decls);
+            fan = fan.max(rp.fan as u64);
+            let sent = rp.bytes_sent();
+            let moves = rp.moves.len();
+            let lp = zarrckpt::transfer::LocalPlan::schedule(&rp, (512 << 20) / fan.max(1), 0, 0);
+            Ok((lp, moves, sent))
+        });
+        let (lp, moves, sent) = lp?;
+        let secs = t0.elapsed().as_secs_f64();
+        let cpu = thread_cpu() - c0;
+        println!(
+            "  {what}: planned in {secs:.3} s wall, {cpu:.3} s CPU (target < 1 s), peak heap {:.1} MiB with the gathered declarations' parse (target < 64 MiB), {moves} moves, {} rounds, sends {:.2} GB, receives {:.2} GB",
+            peak as f64 / f64::from(1 << 20),
+            lp.rounds(),
+            gb(sent),
+            gb(lp.bytes_received())
+        );
+    }
     Ok(())
 }
 
