@@ -86,3 +86,50 @@ def test_torch_save_of_a_state_dict_to_an_s3_url(s3_server, monkeypatch):  # noq
         read=True,
     ).result()
     np.testing.assert_array_equal(arr.read().result(), sd["layer.weight"].numpy())
+
+
+def test_torch_load_and_open_read_straight_from_an_s3_url(s3_server, monkeypatch):  # noqa: F811
+    """A state dict saved to a URL loads back from the URL bit for bit (ranged reads of the
+    committed generation, no local copy), and ``zarrckpt.open`` reads boxes of it."""
+    torch = pytest.importorskip("torch")
+    import zarrckpt
+    import zarrckpt.torch as zt
+
+    _env(s3_server, monkeypatch)
+    url = f"s3://{BUCKET}/py/roundtrip"
+    g = torch.Generator().manual_seed(7)
+    sd = {
+        "w": torch.randn(96, 40, generator=g),
+        "b": torch.randn(40, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(12, dtype=torch.int64),
+    }
+    zt.save(sd, url)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    zt.load(out, url)
+    for k, v in sd.items():
+        assert torch.equal(out[k], v), k
+    ck = zarrckpt.open(url)
+    (w,) = [k for k in ck if k.split("/")[-1].split(".")[-1] == "w"]
+    np.testing.assert_array_equal(np.asarray(ck[w][10:20, 3:9]), sd["w"][10:20, 3:9].numpy())
+    # A missing checkpoint at a URL is an error naming it, never an empty load.
+    with pytest.raises(Exception, match="nothing-here"):
+        zt.load(out, f"s3://{BUCKET}/py/nothing-here")
+
+
+def test_dcp_writer_and_reader_on_an_s3_url(s3_server, monkeypatch):  # noqa: F811
+    """``dcp.save`` through ``zarrckpt.dcp.StorageWriter`` and ``dcp.load`` through
+    ``StorageReader`` on an ``s3://`` URL (one process, no process group)."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    import zarrckpt.dcp as zd
+
+    _env(s3_server, monkeypatch)
+    url = f"s3://{BUCKET}/py/dcp"
+    g = torch.Generator().manual_seed(3)
+    state = {"model.w": torch.randn(33, 17, generator=g), "model.v": torch.randn(5, generator=g)}
+    dcp.save(state, storage_writer=zd.StorageWriter(url), planner=zd.SavePlanner())
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=zd.StorageReader(url), planner=zd.LoadPlanner())
+    for k, v in state.items():
+        assert torch.equal(back[k], v), k

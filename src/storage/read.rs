@@ -222,20 +222,33 @@ fn open_shard_index(
     file.read_exact_at(&mut encoded, len - tail)
         .map_err(StorageError::io("read", &path))?;
     counters.add(tail);
-    let (footer, encoded) = encoded.split_at(crate::model::usize_of(foot));
+    let (index, crcs) = check_tail(arr, geom, chunk, len, &encoded)?;
+    Ok((file, index, crcs))
+}
+
+/// Decodes and checks a shard's tail (its last `index + footer` bytes, `tail`) of a shard
+/// `len` bytes long: index checksum, footer (format 1.1), absent entries against the footer,
+/// every entry inside the data, of the right size, none overlapping.
+fn check_tail(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    chunk: &[u64],
+    len: u64,
+    tail: &[u8],
+) -> Result<(ShardIndex, FooterCrcs), StorageError> {
+    let (footer, encoded) = tail.split_at(crate::model::usize_of(arr.footer_bytes()));
     let index = arr.decode_index(chunk, encoded)?;
     let crcs = check_shard_footer(arr, chunk, footer)?;
     if let Some(c) = &crcs {
         check_absent_against_footer(&index, c).map_err(|d| corrupt(arr, chunk, d))?;
     }
-    let data_end = len - tail;
     check_index_entries(
         &index,
-        data_end,
+        len - tail.len() as u64,
         arr.uncompressed().then(|| geom.subchunk_bytes() + 4),
     )
     .map_err(|d| corrupt(arr, chunk, d))?;
-    Ok((file, index, crcs))
+    Ok((index, crcs))
 }
 
 /// Checks that every subchunk the index says is absent has the footer entry 0 (spec section
@@ -895,7 +908,6 @@ unsafe fn compressed_subchunks(
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
     let path = arr.chunk_path(&shard.chunk);
-    let sub_bytes = crate::model::usize_of(geom.subchunk_bytes());
     for s in &shard.subchunks {
         match index[crate::model::usize_of(s.linear)] {
             None => {
@@ -903,48 +915,80 @@ unsafe fn compressed_subchunks(
                 unsafe { dest.zero(&s.needed) };
             }
             Some((off, n)) => {
-                if n < 4 {
-                    return Err(corrupt(
-                        arr,
-                        &shard.chunk,
-                        format!("subchunk {} is only {n} bytes", s.linear),
-                    ));
-                }
+                stored_at_least_crc(arr, shard, s.linear, n)?;
                 scratch.resize(crate::model::usize_of(n), 0);
                 timed(&counters.read_ns, || file.read_exact_at(scratch, off))
                     .map_err(StorageError::io("read", &path))?;
                 counters.add(n);
-                let (payload, crc) = scratch.split_at(scratch.len() - 4);
-                timed(&counters.checksum_ns, || {
-                    check_crc(
-                        arr,
-                        shard,
-                        s.linear,
-                        payload,
-                        [crc[0], crc[1], crc[2], crc[3]],
-                        footer,
-                    )
-                })?;
-                check_declared_size(arr.entry().compression, payload, sub_bytes).map_err(|d| {
-                    corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear))
-                })?;
-                super::frame::check(
-                    arr.entry().compression,
-                    payload,
-                    geom.subchunk_bytes(),
-                    geom.elem,
-                )
-                .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
-                timed(&counters.copy_ns, || {
-                    let decoded = arr.decode_subchunk(&shard.chunk, s.linear, scratch)?;
-                    // SAFETY: disjoint destination ranges (caller's contract).
-                    unsafe { scatter(std::iter::once((s, 0)), &decoded, dest) };
-                    Ok::<(), StorageError>(())
-                })?;
+                // SAFETY: forwarded (caller's contract).
+                unsafe { decode_compressed(arr, geom, shard, s, scratch, footer, dest, counters)? };
             }
         }
     }
     Ok(())
+}
+
+/// A stored subchunk of `n` bytes holds at least its crc32c.
+fn stored_at_least_crc(
+    arr: &TensorArray,
+    shard: &ShardRead,
+    linear: u64,
+    n: u64,
+) -> Result<(), StorageError> {
+    if n < 4 {
+        return Err(corrupt(
+            arr,
+            &shard.chunk,
+            format!("subchunk {linear} is only {n} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks one compressed subchunk's stored bytes (`stored`: the payload, then its crc32c; at
+/// least 4 bytes) against its checksum, footer entry, declared size and frame, then decodes
+/// it into its place in `dest`.
+///
+/// # Safety
+/// As [`read_shard_direct`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn decode_compressed(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    s: &SubchunkRead,
+    stored: &[u8],
+    footer: Option<&[u32]>,
+    dest: Dest<'_>,
+    counters: &ReadCounters,
+) -> Result<(), StorageError> {
+    let (payload, crc) = stored.split_at(stored.len() - 4);
+    timed(&counters.checksum_ns, || {
+        check_crc(
+            arr,
+            shard,
+            s.linear,
+            payload,
+            [crc[0], crc[1], crc[2], crc[3]],
+            footer,
+        )
+    })?;
+    let sub_bytes = crate::model::usize_of(geom.subchunk_bytes());
+    check_declared_size(arr.entry().compression, payload, sub_bytes)
+        .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
+    super::frame::check(
+        arr.entry().compression,
+        payload,
+        geom.subchunk_bytes(),
+        geom.elem,
+    )
+    .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
+    timed(&counters.copy_ns, || {
+        let decoded = arr.decode_subchunk(&shard.chunk, s.linear, stored)?;
+        // SAFETY: disjoint destination ranges (caller's contract).
+        unsafe { scatter(std::iter::once((s, 0)), &decoded, dest) };
+        Ok::<(), StorageError>(())
+    })
 }
 
 /// Fills the parts of `dest` that lie in `shard`.
@@ -1425,18 +1469,7 @@ pub fn decode_shard_tail(
             ),
         ));
     }
-    let (footer, encoded) = tail.split_at(crate::model::usize_of(arr.footer_bytes()));
-    let index = arr.decode_index(chunk, encoded)?;
-    let crcs = check_shard_footer(arr, chunk, footer)?;
-    if let Some(c) = &crcs {
-        check_absent_against_footer(&index, c).map_err(|d| corrupt(arr, chunk, d))?;
-    }
-    check_index_entries(
-        &index,
-        len - want,
-        arr.uncompressed().then(|| geom.subchunk_bytes() + 4),
-    )
-    .map_err(|d| corrupt(arr, chunk, d))?;
+    let (index, crcs) = check_tail(arr, geom, chunk, len, tail)?;
     Ok(FetchedIndex {
         index,
         footer: crcs,
@@ -1465,7 +1498,8 @@ pub unsafe fn read_shard_from(
 ) -> Result<(), StorageError> {
     check_entries(arr, shard, &index.index)?;
     let footer = index.footer.as_deref();
-    let sub_bytes = crate::model::usize_of(geom.subchunk_bytes());
+    // Fetched reads time their requests themselves; these counters go unread.
+    let counters = ReadCounters::default();
     for s in &shard.subchunks {
         let Some((off, n)) = index.entry(s.linear) else {
             // SAFETY: disjoint destination ranges (caller's contract).
@@ -1490,26 +1524,23 @@ pub unsafe fn read_shard_from(
                     ),
                 )
             })?;
-        let (payload, crc) = piece.split_at(piece.len() - 4);
-        let crc = [crc[0], crc[1], crc[2], crc[3]];
-        check_crc(arr, shard, s.linear, payload, crc, footer)?;
+        stored_at_least_crc(arr, shard, s.linear, n)?;
         if arr.uncompressed() {
+            let (payload, crc) = piece.split_at(piece.len() - 4);
+            check_crc(
+                arr,
+                shard,
+                s.linear,
+                payload,
+                [crc[0], crc[1], crc[2], crc[3]],
+                footer,
+            )?;
             // SAFETY: disjoint destination ranges (caller's contract).
             unsafe { scatter(std::iter::once((s, 0)), payload, dest) };
             continue;
         }
-        check_declared_size(arr.entry().compression, payload, sub_bytes)
-            .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
-        super::frame::check(
-            arr.entry().compression,
-            payload,
-            geom.subchunk_bytes(),
-            geom.elem,
-        )
-        .map_err(|d| corrupt(arr, &shard.chunk, format!("subchunk {}: {d}", s.linear)))?;
-        let decoded = arr.decode_subchunk(&shard.chunk, s.linear, piece)?;
-        // SAFETY: disjoint destination ranges (caller's contract).
-        unsafe { scatter(std::iter::once((s, 0)), &decoded, dest) };
+        // SAFETY: forwarded (caller's contract).
+        unsafe { decode_compressed(arr, geom, shard, s, piece, footer, dest, &counters)? };
     }
     if arr.entry().dtype == crate::model::DType::Bool {
         // SAFETY: forwarded; this thread just filled these bytes.
