@@ -417,7 +417,7 @@ impl Checkpoint {
                 rank: 0,
             }
         })?;
-        crate::objects::read(&self.dir, self.meta(), e, &r)
+        crate::objects::read(self.reader.values(), self.meta(), e, &r)
     }
 
     /// Reads every value of every object, collecting problems. Returns (values, bytes).

@@ -200,7 +200,14 @@ fn load_boxes(
     let dir = reader.dir();
     let t0 = Instant::now();
     let requests: Vec<Request> = targets.iter().map(|t| Request::of(t, meta)).collect();
-    let plan = collective::plan(&requests, objects, dir, meta, comm, opts, 0)?;
+    let plan = collective::plan(
+        &requests,
+        objects,
+        (dir, meta, reader.values()),
+        comm,
+        opts,
+        0,
+    )?;
     let t_plan = t0.elapsed();
     let t1 = Instant::now();
     let loaded: u64 = targets

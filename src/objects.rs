@@ -227,12 +227,12 @@ pub(crate) fn check_request<'m>(
 
 /// Reads one checked value.
 pub(crate) fn read(
-    dir: &Path,
+    src: store::ValueSource<'_>,
     meta: &CheckpointMeta,
     e: &ObjectEntry,
     r: &ObjectRequest,
 ) -> Result<ObjectValue> {
-    let bytes = store::read_value(dir, &r.key, e, &r.slot, meta.object_save_id())?;
+    let bytes = store::read_value_from(src, &r.key, e, &r.slot, meta.object_save_id())?;
     Ok(ObjectValue::from_stored(&r.key, e.encoding, bytes)?)
 }
 
@@ -250,6 +250,7 @@ pub(crate) struct ObjectLoad {
 /// objects no rank requested (one bit per object gathered) for the modes that report them.
 pub(crate) fn load_objects(
     dir: &Path,
+    src: crate::storage::object::ValueSource<'_>,
     meta: &CheckpointMeta,
     requests: &[ObjectRequest],
     comm: &dyn Communicator,
@@ -314,7 +315,7 @@ pub(crate) fn load_objects(
     let values = requests
         .iter()
         .zip(&entries)
-        .map(|(r, e)| e.map(|e| read(dir, meta, e, r)).transpose())
+        .map(|(r, e)| e.map(|e| read(src, meta, e, r)).transpose())
         .collect::<Result<Vec<_>>>();
     let values = agree(comm, values)?;
     Ok(ObjectLoad {

@@ -240,7 +240,14 @@ fn load_device_impl(
         alone: true,
     }));
     let mine = rounds.len().max(1) as u64;
-    let plan = collective::plan(&requests, objects, dir, meta, comm, opts, mine)?;
+    let plan = collective::plan(
+        &requests,
+        objects,
+        (dir, meta, reader.values()),
+        comm,
+        opts,
+        mine,
+    )?;
     let n = plan.extra_max.max(mine);
     let dev = Arc::clone(&staging.device);
     let ready = if rounds.is_empty() {

@@ -18,6 +18,7 @@ use crate::plan::load::{ShardRead, local_reads};
 use crate::plan::rule::World;
 use crate::plan::ruled::plan_load;
 use crate::storage::CheckpointMeta;
+use crate::storage::object::ValueSource;
 
 thread_local! {
     static STEPS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
@@ -132,8 +133,7 @@ impl CollectivePlan {
 pub(crate) fn plan(
     requests: &[Request],
     objects: Option<&[ObjectRequest]>,
-    dir: &Path,
-    meta: &CheckpointMeta,
+    (dir, meta, values): (&Path, &CheckpointMeta, ValueSource<'_>),
     comm: &dyn Communicator,
     opts: &LoadOptions,
     extra: u64,
@@ -147,7 +147,7 @@ pub(crate) fn plan(
     let (mut unexpected, mut missing) = check_requests(dir, meta, &world, me, opts.strict)?;
     let objects = match objects {
         Some(requests) => {
-            let o = crate::objects::load_objects(dir, meta, requests, comm, opts.strict)?;
+            let o = crate::objects::load_objects(dir, values, meta, requests, comm, opts.strict)?;
             unexpected.extend(o.unexpected);
             missing.extend(o.missing);
             o.values

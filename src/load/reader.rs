@@ -226,6 +226,15 @@ impl Reader {
         self.fetcher.as_ref().map_or(0, |f| f.cache.decoded())
     }
 
+    /// Where this checkpoint's object values are read from: its directory, or its store.
+    pub(crate) fn values(&self) -> crate::storage::object::ValueSource<'_> {
+        use crate::storage::object::ValueSource;
+        match &self.fetcher {
+            None => ValueSource::Dir(&self.dir),
+            Some(f) => ValueSource::Store(&*f.store, &f.prefix),
+        }
+    }
+
     /// Opens the array of `key` (not kept): what [`crate::Checkpoint::verify`] checks.
     pub(crate) fn open_array(
         &self,

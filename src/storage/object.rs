@@ -360,13 +360,87 @@ pub fn read_value(
     slot: &ObjectSlot,
     save_id: Option<SaveId>,
 ) -> Result<Vec<u8>, StorageError> {
-    let adir = dir.join(e.value_path(slot));
-    let json_path = adir.join("zarr.json");
+    read_value_from(ValueSource::Dir(dir), key, e, slot, save_id)
+}
+
+/// Where object values are read from: a checkpoint's directory, or the prefix of a
+/// checkpoint in a store without local files (read by whole-object gets).
+#[derive(Clone, Copy, Debug)]
+pub enum ValueSource<'a> {
+    /// A local directory.
+    Dir(&'a Path),
+    /// A store and the checkpoint's prefix in it.
+    Store(&'a dyn Store, &'a str),
+}
+
+impl ValueSource<'_> {
+    /// The path (or URL) shown for `rel` in errors.
+    fn shown(&self, rel: &str) -> std::path::PathBuf {
+        match self {
+            ValueSource::Dir(d) => d.join(rel),
+            ValueSource::Store(s, prefix) => s.display_path(&join(prefix, rel)),
+        }
+    }
+
+    /// The whole object `rel`, of at most `max` bytes (a larger one: [`StorageError::TooLarge`]
+    /// from a store, [`StorageError::Malformed`] from a file).
+    fn get(&self, rel: &str, max: u64) -> Result<Vec<u8>, StorageError> {
+        match self {
+            ValueSource::Dir(d) => super::doc::read_metadata_file(&d.join(rel), max),
+            ValueSource::Store(s, prefix) => s.get(&join(prefix, rel), max),
+        }
+    }
+}
+
+/// The chunk file of an object value of `len` bytes: exactly `len + 4` bytes (the value and
+/// its CRC-32C), or `wrong_length` of its length.
+fn read_chunk_file(
+    path: &Path,
+    key: &TensorKey,
+    len: u64,
+    wrong_length: &dyn Fn(u64) -> StorageError,
+) -> Result<Vec<u8>, StorageError> {
+    let mut f = match fs::File::open(path) {
+        Ok(f) => f,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+            return Err(StorageError::MissingChunk {
+                key: key.to_string(),
+                chunk: vec![0],
+                path: path.to_owned(),
+            });
+        }
+        Err(err) => return Err(StorageError::io("open", path)(err)),
+    };
+    let file_len = f.metadata().map_err(StorageError::io("stat", path))?.len();
+    if file_len != len + 4 {
+        return Err(wrong_length(file_len));
+    }
+    // `len + 4` equals the file length just checked.
+    let mut buf = vec![0u8; crate::model::usize_of(len + 4)];
+    f.read_exact(&mut buf)
+        .map_err(StorageError::io("read", path))?;
+    Ok(buf)
+}
+
+/// [`read_value`] from a directory or a store.
+///
+/// # Errors
+/// As [`read_value`].
+pub fn read_value_from(
+    src: ValueSource<'_>,
+    key: &TensorKey,
+    e: &ObjectEntry,
+    slot: &ObjectSlot,
+    save_id: Option<SaveId>,
+) -> Result<Vec<u8>, StorageError> {
+    let arel = e.value_path(slot);
+    let json_rel = join(&arel, "zarr.json");
+    let json_path = src.shown(&json_rel);
     let malformed = |reason: String| StorageError::Malformed {
         path: json_path.clone(),
         reason: format!("object `{key}` ({slot}): {reason}"),
     };
-    let raw = super::doc::read_metadata_file(&json_path, MAX_VALUE_JSON_BYTES)?;
+    let raw = src.get(&json_rel, MAX_VALUE_JSON_BYTES)?;
     let doc: Value =
         super::doc::parse_json(&raw).map_err(|err| malformed(format!("not JSON: {err}")))?;
     let len = match doc
@@ -457,35 +531,34 @@ pub fn read_value(
     if len == 0 {
         return Ok(Vec::new());
     }
-    let path = adir.join("c.0");
+    let chunk_rel = join(&arel, "c.0");
+    let path = src.shown(&chunk_rel);
     let chunk = vec![0];
-    let mut f = match fs::File::open(&path) {
-        Ok(f) => f,
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
-            return Err(StorageError::MissingChunk {
-                key: key.to_string(),
-                chunk,
-                path,
-            });
-        }
-        Err(err) => return Err(StorageError::io("open", &path)(err)),
+    let wrong_length = |file_len: u64| StorageError::CorruptChunk {
+        key: key.to_string(),
+        chunk: vec![0],
+        path: path.clone(),
+        detail: format!(
+            "object chunk is {file_len} bytes, expected {} (the value and its CRC-32C)",
+            len + 4
+        ),
     };
-    let file_len = f.metadata().map_err(StorageError::io("stat", &path))?.len();
-    if file_len != len + 4 {
-        return Err(StorageError::CorruptChunk {
-            key: key.to_string(),
-            chunk,
-            path,
-            detail: format!(
-                "object chunk is {file_len} bytes, expected {} (the value and its CRC-32C)",
-                len + 4
-            ),
-        });
-    }
-    // `len + 4` equals the file length just checked.
-    let mut buf = vec![0u8; crate::model::usize_of(len + 4)];
-    f.read_exact(&mut buf)
-        .map_err(StorageError::io("read", &path))?;
+    let mut buf = match src {
+        ValueSource::Dir(_) => read_chunk_file(&path, key, len, &wrong_length)?,
+        ValueSource::Store(..) => match src.get(&chunk_rel, len + 4) {
+            Ok(b) if b.len() as u64 == len + 4 => b,
+            Ok(b) => return Err(wrong_length(b.len() as u64)),
+            Err(StorageError::NotFound { .. }) => {
+                return Err(StorageError::MissingChunk {
+                    key: key.to_string(),
+                    chunk,
+                    path,
+                });
+            }
+            Err(StorageError::TooLarge { bytes, .. }) => return Err(wrong_length(bytes)),
+            Err(err) => return Err(err),
+        },
+    };
     let split = buf.len() - 4;
     let stored = u32::from_le_bytes([buf[split], buf[split + 1], buf[split + 2], buf[split + 3]]);
     let computed = crc32c::crc32c(&buf[..split]);
