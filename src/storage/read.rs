@@ -356,6 +356,27 @@ unsafe fn check_bools(
     Ok(())
 }
 
+/// Checks a stored subchunk (`stored`: its bytes, then their crc32c; at least 4 bytes) as
+/// [`check_crc`] does; returns its bytes without the crc.
+fn check_stored<'b>(
+    arr: &TensorArray,
+    shard: &ShardRead,
+    linear: u64,
+    stored: &'b [u8],
+    footer: Option<&[u32]>,
+) -> Result<&'b [u8], StorageError> {
+    let (data, crc) = stored.split_at(stored.len() - 4);
+    check_crc(
+        arr,
+        shard,
+        linear,
+        data,
+        [crc[0], crc[1], crc[2], crc[3]],
+        footer,
+    )?;
+    Ok(data)
+}
+
 fn check_crc(
     arr: &TensorArray,
     shard: &ShardRead,
@@ -647,16 +668,9 @@ unsafe fn pread_subchunks(
             counters.add(slot_bytes as u64);
             // Checked right after the read, while the slot is in cache, in one call over
             // its contiguous bytes (a crc computed run by run costs more for short runs).
-            let (data, crc) = slot.split_at(sub_bytes);
+            debug_assert_eq!(slot.len(), sub_bytes + 4);
             timed(&counters.checksum_ns, || {
-                check_crc(
-                    arr,
-                    shard,
-                    s.linear,
-                    data,
-                    [crc[0], crc[1], crc[2], crc[3]],
-                    footer,
-                )
+                check_stored(arr, shard, s.linear, slot, footer)
             })?;
         }
         // Copied out of the private scratch (the bytes checked), still in cache: the group
@@ -962,16 +976,8 @@ unsafe fn decode_compressed(
     dest: Dest<'_>,
     counters: &ReadCounters,
 ) -> Result<(), StorageError> {
-    let (payload, crc) = stored.split_at(stored.len() - 4);
-    timed(&counters.checksum_ns, || {
-        check_crc(
-            arr,
-            shard,
-            s.linear,
-            payload,
-            [crc[0], crc[1], crc[2], crc[3]],
-            footer,
-        )
+    let payload = timed(&counters.checksum_ns, || {
+        check_stored(arr, shard, s.linear, stored, footer)
     })?;
     let sub_bytes = crate::model::usize_of(geom.subchunk_bytes());
     check_declared_size(arr.entry().compression, payload, sub_bytes)
@@ -1162,15 +1168,7 @@ unsafe fn read_shard_mapped(
             for (s, start) in partial {
                 scratch.clear();
                 scratch.extend_from_slice(&bytes[start..start + slot]);
-                let (data, crc) = scratch.split_at(slot - 4);
-                check_crc(
-                    arr,
-                    shard,
-                    s.linear,
-                    data,
-                    [crc[0], crc[1], crc[2], crc[3]],
-                    footer,
-                )?;
+                check_stored(arr, shard, s.linear, scratch, footer)?;
                 // SAFETY: disjoint destination ranges (caller's contract).
                 unsafe { scatter(std::iter::once((s, 0)), scratch, dest) };
             }
@@ -1526,15 +1524,7 @@ pub unsafe fn read_shard_from(
             })?;
         stored_at_least_crc(arr, shard, s.linear, n)?;
         if arr.uncompressed() {
-            let (payload, crc) = piece.split_at(piece.len() - 4);
-            check_crc(
-                arr,
-                shard,
-                s.linear,
-                payload,
-                [crc[0], crc[1], crc[2], crc[3]],
-                footer,
-            )?;
+            let payload = check_stored(arr, shard, s.linear, piece, footer)?;
             // SAFETY: disjoint destination ranges (caller's contract).
             unsafe { scatter(std::iter::once((s, 0)), payload, dest) };
             continue;

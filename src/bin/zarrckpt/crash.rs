@@ -299,28 +299,7 @@ fn trial(
     };
     let mut proc = child(kind, &target, new, size).spawn()?;
     let _out = wait_ready(&mut proc)?;
-    let t0 = Instant::now();
-    let mut exited = None;
-    while t0.elapsed() < delay {
-        if let Some(st) = proc.try_wait()? {
-            exited = Some(st);
-            break;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    if exited.is_none() {
-        proc.kill()?; // SIGKILL
-    }
-    let status = proc.wait()?;
-    let finished = exited.is_some_and(|s| s.success());
-    if exited.is_some() && !finished {
-        let mut err = String::new();
-        if let Some(mut e) = proc.stderr.take() {
-            use std::io::Read;
-            let _ = e.read_to_string(&mut err);
-        }
-        bail!("the child failed on its own ({status}): {err}");
-    }
+    let finished = kill_after(&mut proc, delay)?;
     tally.finished_before_kill += usize::from(finished);
     let parent = target.parent().context("no parent")?;
     let got = match kind {
@@ -495,4 +474,32 @@ pub fn run_child(a: &ChildArgs) -> anyhow::Result<ExitCode> {
     writeln!(out, "saved")?;
     out.flush()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Lets `proc` run for `delay`, then SIGKILLs it unless it exited. Returns whether it had
+/// finished successfully first; an error when it failed on its own.
+fn kill_after(proc: &mut std::process::Child, delay: Duration) -> anyhow::Result<bool> {
+    let t0 = Instant::now();
+    let mut exited = None;
+    while t0.elapsed() < delay {
+        if let Some(st) = proc.try_wait()? {
+            exited = Some(st);
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    if exited.is_none() {
+        proc.kill()?; // SIGKILL
+    }
+    let status = proc.wait()?;
+    let finished = exited.is_some_and(|s| s.success());
+    if exited.is_some() && !finished {
+        let mut err = String::new();
+        if let Some(mut e) = proc.stderr.take() {
+            use std::io::Read;
+            let _ = e.read_to_string(&mut err);
+        }
+        bail!("the child failed on its own ({status}): {err}");
+    }
+    Ok(finished)
 }

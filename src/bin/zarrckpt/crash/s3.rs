@@ -9,7 +9,7 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, ensure};
 use zarrckpt::remote::{self, RemoteStore};
 
 use super::{Args, Kind, Rng, child, generation_of, save_generation, wait_ready};
@@ -69,28 +69,7 @@ fn trial(url: &str, size: u64, delay: Duration, tally: &mut Tally) -> anyhow::Re
     save_generation(Kind::Fresh, path, 1, size)?;
     let mut proc = child(Kind::Overwrite, path, 2, size).spawn()?;
     let _out = wait_ready(&mut proc)?;
-    let t0 = Instant::now();
-    let mut exited = None;
-    while t0.elapsed() < delay {
-        if let Some(st) = proc.try_wait()? {
-            exited = Some(st);
-            break;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    if exited.is_none() {
-        proc.kill()?; // SIGKILL
-    }
-    let status = proc.wait()?;
-    let finished = exited.is_some_and(|s| s.success());
-    if exited.is_some() && !finished {
-        let mut err = String::new();
-        if let Some(mut e) = proc.stderr.take() {
-            use std::io::Read;
-            let _ = e.read_to_string(&mut err);
-        }
-        bail!("the child failed on its own ({status}): {err}");
-    }
+    let finished = super::kill_after(&mut proc, delay)?;
     tally.finished += usize::from(finished);
     match committed(url, size, &[1, 2])? {
         2 => tally.new_committed += 1,
