@@ -56,10 +56,10 @@
 //! ```
 //!
 //! The modules follow the layers of the README's "Architecture" section: [`model`] (types, no
-//! I/O) -> [`plan`] (pure decisions) -> storage, [`comm`] and device memory (I/O behind traits)
-//! -> the engines ([`save()`], [`load()`], [`device`], [`convert`], [`manager`], ...) -> the
-//! front doors (the `zarrckpt` CLI and the Python package). `storage` is hidden from these
-//! docs (no stability promise yet) though public for the CLI, tests and benches.
+//! I/O) -> [`plan`] (pure decisions) -> [`storage`] (behind its [`storage::store::Store`]
+//! seam), [`comm`] and device memory (I/O behind traits) -> the engines ([`save()`],
+//! [`load()`], [`device`], [`convert`], [`manager`], ...) -> the front doors (the `zarrckpt`
+//! CLI and the Python package).
 #![cfg(target_endian = "little")]
 #![warn(missing_docs)]
 
@@ -83,9 +83,6 @@ pub mod transfer;
 pub mod plan;
 #[cfg(feature = "object-store")]
 pub mod remote;
-// The storage layer is public for the CLI, the tests, the fuzz targets and the benches, but
-// hidden from the docs until its `Store` seam (issue 21 item 1) gives it an API to promise.
-#[doc(hidden)]
 pub mod storage;
 
 pub use async_save::{IfBusy, SaveHandle, Saver, SaverOptions};

@@ -1,5 +1,12 @@
-//! The only layer that touches zarrs and the file system: array metadata, shard encoding and
-//! decoding, durable writes and the commit protocol.
+//! The only layer that touches zarrs, the file system and object stores: array metadata,
+//! shard encoding and decoding, durable writes, reads and the commit protocols.
+//!
+//! Everything goes through the [`store::Store`] seam (put, put-if-absent, put-if-match, a
+//! bounded multipart writer, ranged gets, head, list, delete), with capability methods for
+//! the local fast paths (rename, flock, fsync, local paths for `pread` / `mmap`):
+//! [`store::LocalStore`] for file systems and, with the `object-store` feature,
+//! [`remote::RemoteStore`] for S3, GCS, Azure and memory. The CLI, the benches and the fuzz
+//! targets use this layer directly; applications normally need only the engines above it.
 
 pub mod array;
 pub mod checksum;
