@@ -236,7 +236,7 @@ impl Transfer {
         let planned = self.agree(comm, d)?;
         let plan_time = t0.elapsed();
         let t = Instant::now();
-        let moved = exec::run(comm, self.plan()?, &boxes, None)?;
+        let moved = close(comm, exec::run(comm, self.plan()?, &boxes, None))?;
         Ok(self.report(planned, plan_time, t, moved))
     }
 
@@ -290,7 +290,7 @@ impl Transfer {
         let t = Instant::now();
         let lp = self.plan()?;
         let moved = match target {
-            Target::Buffers(bufs) => exec::run(comm, lp, &[], Some(&mut Buffers { bufs }))?,
+            Target::Buffers(bufs) => exec::run(comm, lp, &[], Some(&mut Buffers { bufs })),
             Target::Collect(on_bucket) => {
                 let mut sink = Collect {
                     bufs: vec![None; lp.dests.len()],
@@ -301,11 +301,25 @@ impl Transfer {
                         .collect(),
                     on_bucket,
                 };
-                exec::run(comm, lp, &[], Some(&mut sink))?
+                exec::run(comm, lp, &[], Some(&mut sink))
             }
         };
+        let moved = close(comm, moved)?;
         Ok(self.report(planned, plan_time, t, moved))
     }
+}
+
+/// Ends a transfer on every rank together (a 1-byte all-reduce), so that a rank whose own part
+/// finished still learns that a peer failed: a rank that failed returns its error without
+/// joining, and its peers get a communication error here (the peer lost, or the timeout),
+/// never a silent success.
+fn close(
+    comm: &dyn Communicator,
+    moved: Result<Moved, TransferError>,
+) -> Result<Moved, TransferError> {
+    let moved = moved?;
+    comm.all_reduce(&[1], &|a: &[u8], _: &[u8]| Ok(a.to_vec()))?;
+    Ok(moved)
 }
 
 /// Where an engine rank's bytes go.

@@ -511,7 +511,7 @@ fn live(a: &Args) -> anyhow::Result<()> {
         agreement = agreement.max(c?);
     }
     println!(
-        "  repeated transfer agreement: at most {agreement} bytes received per rank (one 9-byte all-reduce over the tree)"
+        "  repeated transfer agreement: at most {agreement} bytes received per rank (a 9-byte all-reduce over the tree before the rounds, a 1-byte one after)"
     );
     Ok(())
 }
