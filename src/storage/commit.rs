@@ -544,6 +544,22 @@ impl<S: Store> RenameCommit<S> {
         Ok(old)
     }
 
+    /// The save lock for a reader's repair, waiting up to [`READER_LOCK_WAIT`] while it is
+    /// held: a save that is ending, or a child process that inherited the lock's descriptor
+    /// between its fork and its exec, holds it for moments; a running save holds it longer,
+    /// and the reader then gets [`StorageError::Locked`].
+    fn lock_briefly(&self) -> Result<SaveLock, StorageError> {
+        let t0 = std::time::Instant::now();
+        loop {
+            match self.try_lock() {
+                Err(StorageError::Locked { .. }) if t0.elapsed() < READER_LOCK_WAIT => {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                r => return r,
+            }
+        }
+    }
+
     fn lock_error(&self, e: StorageError) -> StorageError {
         match e {
             StorageError::Locked { lock, .. } => StorageError::Locked {
@@ -554,6 +570,10 @@ impl<S: Store> RenameCommit<S> {
         }
     }
 }
+
+/// How long a reader that finds a checkpoint parked waits for the save lock before it gives
+/// up repairing it.
+const READER_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl<S: Store> CommitProtocol for RenameCommit<S> {
     fn kind(&self) -> CommitKind {
@@ -735,7 +755,7 @@ impl<S: Store> CommitProtocol for RenameCommit<S> {
             // previous checkpoint back if no save is running. A reader removes nothing (R-b
             // belongs to the next save and to `zarrckpt recover`).
             return match self
-                .try_lock()
+                .lock_briefly()
                 .and_then(|lock| self.restore_previous(&lock))
             {
                 Ok(true) => self.read_index(),
