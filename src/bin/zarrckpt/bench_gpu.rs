@@ -47,20 +47,6 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / secs / 1e9
 }
 
-fn linear(device: u64, host_offset: usize, len: usize) -> Pitched {
-    Pitched {
-        host_offset,
-        host_pitch: len,
-        host_slice_pitch: len,
-        device,
-        device_pitch: len as u64,
-        device_slice_pitch: len as u64,
-        width: len,
-        height: 1,
-        depth: 1,
-    }
-}
-
 /// Runs the benchmark.
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if !CudaDevice::available() {
@@ -96,14 +82,14 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         let t = Instant::now();
         for &b in &bases {
             // SAFETY: `host` outlives the wait below; `b` is a device allocation of `per`.
-            let f = unsafe { dev.to_device(host.as_ptr(), &[linear(b, 0, per)]) }?;
+            let f = unsafe { dev.to_device(host.as_ptr(), &[Pitched::linear(0, b, per)]) }?;
             dev.wait(f)?;
         }
         h2d = h2d.min(t.elapsed().as_secs_f64());
         let t = Instant::now();
         for &b in &bases {
             // SAFETY: as above.
-            let f = unsafe { dev.to_host(host.as_mut_ptr(), &[linear(b, 0, per)]) }?;
+            let f = unsafe { dev.to_host(host.as_mut_ptr(), &[Pitched::linear(0, b, per)]) }?;
             dev.wait(f)?;
         }
         d2h = d2h.min(t.elapsed().as_secs_f64());
