@@ -87,7 +87,8 @@ fn cores() -> usize {
     std::thread::available_parallelism().map_or(2, std::num::NonZero::get)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median (the mean of the middle two for an even count; 0 for none).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     match n {

@@ -25,6 +25,7 @@ mod proxy;
 #[path = "../../../tests/common/s3.rs"]
 mod s3_server;
 
+use crate::bench::median;
 use crate::rss;
 use crate::synth::{Held, SynthModel, Topology, Wanted};
 
@@ -66,16 +67,6 @@ pub struct Args {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    match n {
-        0 => 0.0,
-        _ if n % 2 == 1 => v[n / 2],
-        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
 
 /// One round's times.

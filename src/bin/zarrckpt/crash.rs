@@ -379,22 +379,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let tmp = tempfile_dir(a.dir.as_deref())?;
     // Calibrate: how long does an uninterrupted child save take?
     let cal = tmp.join("calibrate");
-    let mut times = Vec::new();
-    for _ in 0..5 {
-        use std::io::BufRead;
-        let mut p = child(Kind::Overwrite, &cal.join("ckpt"), 2, a.size).spawn()?;
-        let mut out = wait_ready(&mut p)?;
-        let t0 = Instant::now();
-        let mut line = String::new();
-        out.read_line(&mut line)?;
-        times.push(t0.elapsed());
-        ensure!(
-            p.wait()?.success() && line.trim() == "saved",
-            "calibration save failed"
-        );
-    }
-    times.sort();
-    let full = times[times.len() / 2];
+    let full = calibrate(&cal.join("ckpt"), a.size)?;
     std::fs::remove_dir_all(&cal).ok();
     println!(
         "crash trials: {} trials, {} MiB per save, {WORLD} ranks, uninterrupted save {:.1} ms (median of 5, from the child's start of saving to the return of save); kill uniformly in [0, 1x] of that",
@@ -502,4 +487,25 @@ fn kill_after(proc: &mut std::process::Child, delay: Duration) -> anyhow::Result
         bail!("the child failed on its own ({status}): {err}");
     }
     Ok(finished)
+}
+
+/// How long an uninterrupted child overwrite of `target` takes, from the child's start of
+/// saving to the return of save: the median of 5.
+fn calibrate(target: &Path, size: u64) -> anyhow::Result<Duration> {
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        use std::io::BufRead;
+        let mut p = child(Kind::Overwrite, target, 2, size).spawn()?;
+        let mut out = wait_ready(&mut p)?;
+        let t0 = Instant::now();
+        let mut line = String::new();
+        out.read_line(&mut line)?;
+        times.push(t0.elapsed());
+        ensure!(
+            p.wait()?.success() && line.trim() == "saved",
+            "calibration save failed"
+        );
+    }
+    times.sort();
+    Ok(times[times.len() / 2])
 }

@@ -7,7 +7,7 @@
 //! environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...).
 
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use zarrckpt::remote::{self, RemoteStore};
@@ -106,23 +106,8 @@ pub(super) fn run(a: &Args, url: &str) -> anyhow::Result<ExitCode> {
     // Calibrate: how long does an uninterrupted overwrite take?
     let cal = format!("{url}/calibrate");
     save_generation(Kind::Fresh, std::path::Path::new(&cal), 1, a.size)?;
-    let mut times = Vec::new();
-    for _ in 0..5 {
-        use std::io::BufRead;
-        let mut p = child(Kind::Overwrite, std::path::Path::new(&cal), 2, a.size).spawn()?;
-        let mut out = wait_ready(&mut p)?;
-        let t0 = Instant::now();
-        let mut line = String::new();
-        out.read_line(&mut line)?;
-        times.push(t0.elapsed());
-        ensure!(
-            p.wait()?.success() && line.trim() == "saved",
-            "calibration save failed"
-        );
-    }
+    let full = super::calibrate(std::path::Path::new(&cal), a.size)?;
     remove_all(&cal)?;
-    times.sort();
-    let full = times[times.len() / 2];
     println!(
         "crash trials on {url}: {} trials, {} MiB per save, {} ranks, uninterrupted overwrite {:.1} ms (median of 5); kill uniformly in [0, 1x] of that",
         a.trials,
