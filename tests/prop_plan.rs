@@ -920,49 +920,118 @@ proptest! {
     /// each from a piece the writer holds, and every array document once.
     #[test]
     fn rule_plans_agree_with_the_general_plan(case in g::save_case(g::PLAN, 1), opts in plan_options()) {
-        let layouts = case.layouts();
-        let general = build(&layouts, &opts);
-        let ruled = ruled_plans(&layouts, &opts);
-        let (general, ruled) = match (general, ruled) {
-            (Ok(g), Ok(r)) => (g, r),
-            (Err(_), Err(_)) => return Ok(()),
-            (g, r) => {
-                return Err(TestCaseError::fail(format!(
-                    "general {:?} but rule-based {:?}",
-                    g.err(),
-                    r.err()
-                )))
+        check_rule_plans(&case, &opts)?;
+    }
+}
+
+/// The plan each rank builds from the world's rule-based description agrees with the general
+/// plan: the same chunk grids, every chunk written once by a rank holding its parts.
+fn check_rule_plans(case: &SaveCase, opts: &SavePlanOptions) -> Result<(), TestCaseError> {
+    let layouts = case.layouts();
+    let general = build(&layouts, opts);
+    let ruled = ruled_plans(&layouts, opts);
+    let (general, ruled) = match (general, ruled) {
+        (Ok(g), Ok(r)) => (g, r),
+        (Err(_), Err(_)) => return Ok(()),
+        (g, r) => {
+            return Err(TestCaseError::fail(format!(
+                "general {:?} but rule-based {:?}",
+                g.err(),
+                r.err()
+            )));
+        }
+    };
+    let held = held_pieces(&layouts);
+    for (ti, tp) in general.tensors.iter().enumerate() {
+        for (r, rp) in ruled.iter().enumerate() {
+            let t = &rp.plan.tensors[ti];
+            prop_assert_eq!(&t.key, &tp.key);
+            if !t.aligned && t.pieces.is_empty() {
+                continue; // a flat cut: chunks of whole rows holding whole parts
             }
-        };
-        let held = held_pieces(&layouts);
-        for (ti, tp) in general.tensors.iter().enumerate() {
-            for (r, rp) in ruled.iter().enumerate() {
-                let t = &rp.plan.tensors[ti];
-                prop_assert_eq!(&t.key, &tp.key);
-                if !t.aligned && t.pieces.is_empty() {
-                    continue; // a flat cut: chunks of whole rows holding whole parts
-                }
-                prop_assert_eq!(&t.chunk_shape, &tp.chunk_shape, "{} on rank {}", tp.key, r);
-                prop_assert_eq!(&t.subchunk_shape, &tp.subchunk_shape, "{}", tp.key);
-                prop_assert_eq!(t.aligned, tp.aligned, "{}", tp.key);
-            }
-            let mut written: HashMap<Vec<u64>, u32> = HashMap::new();
-            let mut elements = 0u64;
-            let mut documents = 0;
-            for (r, rp) in ruled.iter().enumerate() {
-                documents += rp.tasks.metadata.iter().filter(|&&m| m == ti).count();
-                for w in rp.tasks.writes.iter().filter(|w| w.tensor == ti) {
-                    prop_assert!(written.insert(w.chunk.clone(), r as u32).is_none(), "{} chunk {:?} written twice", tp.key, w.chunk);
-                    elements += numel(w.region.shape());
-                    for p in &w.parts {
-                        if let Source::Local(piece) = &p.source {
-                            prop_assert!(held.contains(&(r as u32, tp.key.to_string(), piece.clone())), "rank {} writes {} from {} it does not hold", r, tp.key, piece);
-                        }
+            prop_assert_eq!(&t.chunk_shape, &tp.chunk_shape, "{} on rank {}", tp.key, r);
+            prop_assert_eq!(&t.subchunk_shape, &tp.subchunk_shape, "{}", tp.key);
+            prop_assert_eq!(t.aligned, tp.aligned, "{}", tp.key);
+        }
+        let mut written: HashMap<Vec<u64>, u32> = HashMap::new();
+        let mut elements = 0u64;
+        let mut documents = 0;
+        for (r, rp) in ruled.iter().enumerate() {
+            documents += rp.tasks.metadata.iter().filter(|&&m| m == ti).count();
+            for w in rp.tasks.writes.iter().filter(|w| w.tensor == ti) {
+                prop_assert!(
+                    written.insert(w.chunk.clone(), r as u32).is_none(),
+                    "{} chunk {:?} written twice",
+                    tp.key,
+                    w.chunk
+                );
+                elements += numel(w.region.shape());
+                for p in &w.parts {
+                    if let Source::Local(piece) = &p.source {
+                        prop_assert!(
+                            held.contains(&(r as u32, tp.key.to_string(), piece.clone())),
+                            "rank {} writes {} from {} it does not hold",
+                            r,
+                            tp.key,
+                            piece
+                        );
                     }
                 }
             }
-            prop_assert_eq!(elements, numel(&tp.global_shape), "{}: elements written", tp.key);
-            prop_assert_eq!(documents, 1, "{}: array documents", tp.key);
         }
+        prop_assert_eq!(
+            elements,
+            numel(&tp.global_shape),
+            "{}: elements written",
+            tp.key
+        );
+        prop_assert_eq!(documents, 1, "{}: array documents", tp.key);
     }
+    Ok(())
+}
+
+/// Found by `rule_plans_agree_with_the_general_plan`: replicated row blocks too small for
+/// chunks of their own (an unaligned, refined grid), with replica balancing moving writers
+/// because another tensor already loads rank 1. The rule-based plan chose chunks of 4 rows,
+/// the general one 7.
+#[test]
+fn refined_grids_agree_when_balancing_moves_writers() {
+    let rows = |o: u64, l: u64, cols: u64, main: u32, holders: &[u32]| g::PieceCase {
+        region: Region::new(vec![o, 0], vec![l, cols]).unwrap(),
+        main,
+        holders: holders.to_vec(),
+    };
+    let case = SaveCase {
+        world: 2,
+        rotate: false,
+        tensors: vec![
+            g::TensorCase {
+                key: "layers.0.weight".into(),
+                dtype: DType::Bool,
+                shape: vec![10, 42],
+                pieces: vec![rows(0, 10, 42, 1, &[1])],
+                strays: vec![],
+            },
+            g::TensorCase {
+                key: "optimizer/exp_avg/t1".into(),
+                dtype: DType::Bool,
+                shape: vec![11, 17],
+                pieces: vec![
+                    rows(0, 1, 17, 1, &[0, 1]),
+                    rows(1, 2, 17, 0, &[0, 1]),
+                    rows(3, 1, 17, 1, &[0, 1]),
+                    rows(4, 7, 17, 0, &[0, 1]),
+                ],
+                strays: vec![],
+            },
+        ],
+    };
+    let opts = SavePlanOptions {
+        grid: GridOptions {
+            subchunk_target_bytes: 1,
+            min_chunk_bytes: 256,
+        },
+        balance_replicas: true,
+    };
+    check_rule_plans(&case, &opts).unwrap();
 }

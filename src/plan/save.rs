@@ -480,6 +480,10 @@ struct Pending {
     holders: Vec<u32>,
     /// Only the lowest holder rank may write (no balancing, no main holder).
     lowest_only: bool,
+    /// The writer before balancing: the lowest rank declaring the box main (else the lowest
+    /// declaring it replicated without an id). The chunk grid's cost model uses it, so that a
+    /// tensor's grid follows from its own layout, not from how other tensors loaded the ranks.
+    nominal: u32,
     n_holders: usize,
     bytes: u64,
 }
@@ -610,9 +614,20 @@ fn validate(
                 .num_elements()
                 .unwrap_or(0)
                 .saturating_mul(acc.dtype.size() as u64);
+            let declared = if b.main_layouts.is_empty() {
+                &b.auto_layouts
+            } else {
+                &b.main_layouts
+            };
+            let nominal = declared
+                .iter()
+                .filter_map(|&u| g.ranks[u as usize].first().copied())
+                .min()
+                .unwrap_or(0);
             pending.push(Pending {
                 tensor: ti,
                 region: region.clone(),
+                nominal,
                 holders: if opts.balance_replicas {
                     b.holder_layouts.clone()
                 } else if b.main_layouts.is_empty() {
@@ -636,7 +651,7 @@ fn assign_writers(
     mut pending: Vec<Pending>,
     g: &GatheredLayouts,
     n_tensors: usize,
-) -> (Vec<Vec<PiecePlan>>, Vec<u64>) {
+) -> (Vec<Vec<(PiecePlan, u32)>>, Vec<u64>) {
     pending.sort_by(|a, b| {
         (a.n_holders, std::cmp::Reverse(a.bytes), a.tensor, &a.region).cmp(&(
             b.n_holders,
@@ -646,7 +661,7 @@ fn assign_writers(
         ))
     });
     let mut load = vec![0u64; g.world_size()];
-    let mut pieces: Vec<Vec<PiecePlan>> = vec![Vec::new(); n_tensors];
+    let mut pieces: Vec<Vec<(PiecePlan, u32)>> = vec![Vec::new(); n_tensors];
     for p in pending {
         let mut best: Option<(u64, u32)> = None;
         for &u in &p.holders {
@@ -663,26 +678,30 @@ fn assign_writers(
         }
         let writer = best.map_or(0, |b| b.1);
         load[writer as usize] += p.bytes;
-        pieces[p.tensor].push(PiecePlan {
-            region: p.region,
-            writer,
-        });
+        pieces[p.tensor].push((
+            PiecePlan {
+                region: p.region,
+                writer,
+            },
+            p.nominal,
+        ));
     }
 
     (pieces, load)
 }
 
-/// Step 4: the chunk grid of one tensor from its main pieces, checked against the
-/// readers' limits ([`grid::checked_grid`]).
+/// Step 4: the chunk grid of one tensor from its main pieces (each with its writer and its
+/// nominal writer), checked against the readers' limits ([`grid::checked_grid`]). The grid's
+/// cost model sees the nominal writers, so the grid depends on this tensor's layout alone.
 fn tensor_grid(
     acc: TensorAcc,
-    mut pieces: Vec<PiecePlan>,
+    mut pieces: Vec<(PiecePlan, u32)>,
     smallest: u64,
     opts: &SavePlanOptions,
 ) -> Result<TensorPlan, PlanError> {
-    pieces.sort_by(|a, b| a.region.cmp(&b.region));
+    pieces.sort_by(|a, b| a.0.region.cmp(&b.0.region));
     let elem = acc.dtype.size();
-    let parts: Vec<(&Region, u32)> = pieces.iter().map(|p| (&p.region, p.writer)).collect();
+    let parts: Vec<(&Region, u32)> = pieces.iter().map(|p| (&p.0.region, p.1)).collect();
     let g =
         grid::checked_grid(&acc.shape, &parts, elem, smallest, &opts.grid).map_err(|limit| {
             PlanError::Limit {
@@ -690,7 +709,7 @@ fn tensor_grid(
                 limit,
             }
         })?;
-    let metadata_writer = pieces.first().map_or(0, |p| p.writer);
+    let metadata_writer = pieces.first().map_or(0, |p| p.0.writer);
     Ok(TensorPlan {
         key: acc.key,
         dtype: acc.dtype,
@@ -698,7 +717,7 @@ fn tensor_grid(
         chunk_shape: g.chunk_shape,
         subchunk_shape: g.subchunk_shape,
         aligned: g.aligned,
-        pieces,
+        pieces: pieces.into_iter().map(|p| p.0).collect(),
         metadata_writer,
     })
 }
