@@ -1045,13 +1045,6 @@ fn flat_holders(
     Ok(Some(parts))
 }
 
-fn gcd(mut a: u64, mut b: u64) -> u64 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
-}
-
 /// A flat-regular tensor's cut: part size, families, holders table, rows and parts per chunk.
 type FlatCut = (u64, Vec<FlatFamily>, usize, u64, u64);
 
@@ -1093,7 +1086,7 @@ fn flat_cut(
     if row == 0 {
         return Ok(None);
     }
-    let Some(lcm) = (size / gcd(size, row)).checked_mul(row) else {
+    let Some(lcm) = (size / grid::gcd(size, row)).checked_mul(row) else {
         return Ok(None);
     };
     let (rows, m) = (lcm / row, lcm / size);
