@@ -408,17 +408,7 @@ impl TensorArray {
     ) -> Result<Self, StorageError> {
         let path = path.to_owned();
         let expected = array_metadata(key, entry);
-        let fields = [
-            "zarr_format",
-            "node_type",
-            "shape",
-            "data_type",
-            "chunk_grid",
-            "chunk_key_encoding",
-            "fill_value",
-            "codecs",
-        ];
-        for field in fields {
+        for field in super::groups::ARRAY_DOC_MEMBERS {
             if !same_json(meta.get(field), expected.get(field)) {
                 return Err(StorageError::Malformed {
                     path,

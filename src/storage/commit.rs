@@ -933,12 +933,7 @@ pub fn write_groups_to<'a>(
     let mut groups: BTreeSet<String> = BTreeSet::new();
     groups.insert(TENSORS_GROUP.to_owned());
     for key in keys {
-        let path = tensor_path(key);
-        let mut p = path.as_str();
-        while let Some((g, _)) = p.rsplit_once('/') {
-            groups.insert(g.to_owned());
-            p = g;
-        }
+        super::groups::insert_parents(&mut groups, &tensor_path(key));
     }
     let groups: Vec<String> = groups.into_iter().collect();
     super::groups::write_group_documents_to(store, &groups)

@@ -10,6 +10,28 @@ use super::store::{LocalStore, Store};
 /// The document of a group with no attributes.
 pub const GROUP_JSON: &[u8] = br#"{"zarr_format":3,"node_type":"group","attributes":{}}"#;
 
+/// Adds every group above `path` (its proper `/`-separated prefixes) to `groups`.
+pub(crate) fn insert_parents(groups: &mut BTreeSet<String>, path: &str) {
+    let mut p = path;
+    while let Some((g, _)) = p.rsplit_once('/') {
+        groups.insert(g.to_owned());
+        p = g;
+    }
+}
+
+/// The members of a Zarr array document that a zarrckpt reader compares with what the index
+/// entry implies (attributes are checked on their own).
+pub(crate) const ARRAY_DOC_MEMBERS: [&str; 8] = [
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "fill_value",
+    "codecs",
+];
+
 /// Writes the group document of each of `groups` (paths relative to `dir`), creating the
 /// directories, and makes them durable.
 ///

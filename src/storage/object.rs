@@ -273,11 +273,7 @@ pub fn write_groups_to<'a>(
         if e.scope != StoredScope::Common {
             groups.insert(path.clone());
         }
-        let mut p = path.as_str();
-        while let Some((g, _)) = p.rsplit_once('/') {
-            groups.insert(g.to_owned());
-            p = g;
-        }
+        super::groups::insert_parents(&mut groups, &path);
     }
     let groups: Vec<String> = groups.into_iter().collect();
     super::groups::write_group_documents_to(store, &groups)
@@ -497,16 +493,7 @@ pub fn read_value_from(
         }
     };
     let want = value_metadata(key, e, slot, len, binding);
-    for member in [
-        "zarr_format",
-        "node_type",
-        "shape",
-        "data_type",
-        "chunk_grid",
-        "chunk_key_encoding",
-        "fill_value",
-        "codecs",
-    ] {
+    for member in super::groups::ARRAY_DOC_MEMBERS {
         if doc.get(member) != want.get(member) {
             return Err(malformed(format!(
                 "`{member}` is {}, expected {}",
