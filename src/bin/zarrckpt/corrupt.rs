@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use crate::crash::Rng;
 use anyhow::{bail, ensure};
 use zarrckpt::{
     Checkpoint, Compression, DType, Region, SaveOptions, ShardedTensor, TensorKey, save,
@@ -29,19 +30,6 @@ pub struct Args {
     /// Working directory (default: a fresh temporary directory).
     #[arg(long)]
     dir: Option<PathBuf>,
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        usize::try_from(self.next() % n.max(1) as u64).unwrap_or(0)
-    }
 }
 
 const KEYS: [&str; 3] = ["a", "b", "c/d"];
@@ -428,7 +416,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         }
         fixtures.push((dir, full));
     }
-    let mut rng = Rng(a.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = Rng::seeded(a.seed);
     let mut tally = Tally::default();
     let mut failures = 0usize;
     for i in 0..a.trials {

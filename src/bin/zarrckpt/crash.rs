@@ -361,14 +361,22 @@ fn wait_ready(
     Ok(out)
 }
 
-/// A small xorshift generator (reproducible kill times).
-struct Rng(u64);
+/// A small xorshift generator (reproducible kill times, and `corrupt`'s damage).
+pub(crate) struct Rng(pub(crate) u64);
 impl Rng {
-    fn next(&mut self) -> u64 {
+    /// A generator from a user's seed (any value, 0 included).
+    pub(crate) fn seeded(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
+    }
+    /// A value below `n` (0 when `n` is 0).
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        usize::try_from(self.next() % n.max(1) as u64).unwrap_or(0)
     }
 }
 
@@ -387,7 +395,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         a.size >> 20,
         full.as_secs_f64() * 1e3
     );
-    let mut rng = Rng(a.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let mut rng = Rng::seeded(a.seed);
     let mut tally = Tally::default();
     let mut failures = Vec::new();
     let kinds = [Kind::Fresh, Kind::Overwrite, Kind::Fallback, Kind::Manager];

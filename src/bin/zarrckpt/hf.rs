@@ -52,23 +52,39 @@ impl Export<'_> {
 /// `export --hf`.
 pub fn export_hf(a: &Export<'_>) -> anyhow::Result<ExitCode> {
     let e = HfExport::plan(a.ckpt, &load_checked(a.map)?, a.options()?)?;
-    if a.dry_run {
-        print!("{}", e.describe());
-    } else {
-        let r = e.write(a.out)?;
-        println!("{}", e.summary(a.out, &r));
-    }
-    Ok(ExitCode::SUCCESS)
+    run_export(
+        a.dry_run,
+        || e.describe(),
+        || {
+            let r = e.write(a.out)?;
+            Ok(e.summary(a.out, &r))
+        },
+    )
 }
 
 /// `export --vllm`.
 pub fn export_vllm(a: &Export<'_>, tp: u64) -> anyhow::Result<ExitCode> {
     let e = VllmExport::plan(a.ckpt, &load_checked(a.map)?, tp, a.options()?)?;
-    if a.dry_run {
-        print!("{}", e.describe());
+    run_export(
+        a.dry_run,
+        || e.describe(),
+        || {
+            let r = e.write(a.out)?;
+            Ok(e.summary(a.out, &r))
+        },
+    )
+}
+
+/// Prints a planned export's description (`--dry-run`), or writes it and prints its summary.
+fn run_export(
+    dry_run: bool,
+    describe: impl FnOnce() -> String,
+    write: impl FnOnce() -> anyhow::Result<String>,
+) -> anyhow::Result<ExitCode> {
+    if dry_run {
+        print!("{}", describe());
     } else {
-        let r = e.write(a.out)?;
-        println!("{}", e.summary(a.out, &r));
+        println!("{}", write()?);
     }
     Ok(ExitCode::SUCCESS)
 }
