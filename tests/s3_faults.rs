@@ -9,64 +9,37 @@
 mod common;
 #[path = "common/proxy.rs"]
 mod proxy;
-#[path = "common/s3.rs"]
-mod s3_server;
 
 use std::path::Path;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use common::s3;
 use common::state::{self, RankState};
 use proxy::{Fault, Proxy, Rule};
 use zarrckpt::comm::run_local;
 use zarrckpt::remote::{self, RemoteOptions, RemoteStore, SaveTarget};
 use zarrckpt::{Checkpoint, Communicator, Error, SaveOptions, save};
 
-fn server() -> &'static s3_server::S3Server {
-    static SERVER: OnceLock<s3_server::S3Server> = OnceLock::new();
-    SERVER.get_or_init(s3_server::S3Server::start)
-}
-
-/// Options reaching `endpoint` with the test credentials, retrying fast.
+/// Options reaching `endpoint` (the server or the proxy) with the test credentials, retrying
+/// fast.
 fn opts_for(endpoint: &str) -> RemoteOptions {
     RemoteOptions {
-        config: vec![
-            ("aws_endpoint".into(), endpoint.into()),
-            ("aws_access_key_id".into(), s3_server::ACCESS_KEY.into()),
-            ("aws_secret_access_key".into(), s3_server::SECRET_KEY.into()),
-            ("aws_region".into(), "us-east-1".into()),
-            ("aws_allow_http".into(), "true".into()),
-        ],
         max_retries: 20,
         init_backoff: Duration::from_millis(10),
         max_backoff: Duration::from_millis(200),
         request_timeout: Duration::from_secs(20),
         retry_timeout: Duration::from_secs(30),
-        ..RemoteOptions::builtin()
+        ..s3::options_for(endpoint)
     }
 }
 
 /// Options straight to the server, once it answers signed requests.
 fn direct_opts() -> RemoteOptions {
-    static READY: OnceLock<()> = OnceLock::new();
-    let opts = opts_for(&server().endpoint());
-    READY.get_or_init(|| {
-        let store = RemoteStore::open(&format!("s3://{}/ready", s3_server::BUCKET), &opts).unwrap();
-        let start = Instant::now();
-        while let Err(e) = store.list("") {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "SeaweedFS answers no signed LIST after 60 s: {e}\n{}",
-                server().log()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    });
-    opts
+    opts_for(&s3::shared().endpoint())
 }
 
 fn s3_url(name: &str) -> String {
-    format!("s3://{}/faults/{name}", s3_server::BUCKET)
+    format!("s3://{}/faults/{name}", s3::BUCKET)
 }
 
 fn save_state(
@@ -143,7 +116,7 @@ fn faults_seen(p: &Proxy) -> Vec<String> {
 
 fn save_and_load_through_faults(name: &str, multipart: bool) {
     let direct = direct_opts();
-    let proxy = Proxy::start(server().port, flaky_rules(), Duration::from_secs(300));
+    let proxy = Proxy::start(s3::shared().port, flaky_rules(), Duration::from_secs(300));
     let ropts = RemoteOptions {
         // Every object a multipart upload of one part, or none.
         multipart_threshold: if multipart { 1 } else { u64::MAX },
@@ -201,7 +174,7 @@ fn save_and_load_through_faults(name: &str, multipart: bool) {
 
 #[test]
 fn transient_503_409_and_drops_still_commit_and_read_back_bit_identical() {
-    if s3_server::skipped("transient_503_409_and_drops_still_commit_and_read_back_bit_identical") {
+    if s3::skipped("transient_503_409_and_drops_still_commit_and_read_back_bit_identical") {
         return;
     }
     save_and_load_through_faults("transient-single", false);
@@ -209,7 +182,7 @@ fn transient_503_409_and_drops_still_commit_and_read_back_bit_identical() {
 
 #[test]
 fn transient_faults_on_multipart_uploads_still_commit() {
-    if s3_server::skipped("transient_faults_on_multipart_uploads_still_commit") {
+    if s3::skipped("transient_faults_on_multipart_uploads_still_commit") {
         return;
     }
     save_and_load_through_faults("transient-multipart", true);
@@ -217,16 +190,15 @@ fn transient_faults_on_multipart_uploads_still_commit() {
 
 #[test]
 fn a_rank_whose_uploads_fail_for_good_is_named_on_every_rank_within_the_deadline() {
-    if s3_server::skipped(
-        "a_rank_whose_uploads_fail_for_good_is_named_on_every_rank_within_the_deadline",
-    ) {
+    if s3::skipped("a_rank_whose_uploads_fail_for_good_is_named_on_every_rank_within_the_deadline")
+    {
         return;
     }
     let direct = direct_opts();
     // Rank 1 reaches the server through a proxy that answers every upload into a generation
     // with 503 SlowDown, for good; the others reach it directly.
     let proxy = Proxy::start(
-        server().port,
+        s3::shared().port,
         vec![
             Rule::new(Fault::SlowDown, 1, u64::MAX)
                 .method("PUT")
@@ -285,14 +257,14 @@ fn a_rank_whose_uploads_fail_for_good_is_named_on_every_rank_within_the_deadline
 fn the_storage_seam_settles_conditional_puts_whose_answer_was_lost() {
     use zarrckpt::storage::StorageError;
     use zarrckpt::storage::store::Store;
-    if s3_server::skipped("the_storage_seam_settles_conditional_puts_whose_answer_was_lost") {
+    if s3::skipped("the_storage_seam_settles_conditional_puts_whose_answer_was_lost") {
         return;
     }
     let _ = direct_opts();
     // Every conditional PUT's answer is lost once (the server acts on it), and a 409 comes
     // before one of them: each put still reports what happened on the server.
     let proxy = Proxy::start(
-        server().port,
+        s3::shared().port,
         vec![
             Rule::new(Fault::Conflict, 3, 1).method("PUT").conditional(),
             Rule::new(Fault::DropAfterForward, 1, 3)
