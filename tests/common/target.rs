@@ -208,12 +208,13 @@ pub fn on_s3(module: &str, body: impl FnOnce(Target)) {
     );
 }
 
-/// Defines a test body `fn name(target: Target) { ... }` and three tests running it:
-/// `name::local`, `name::memory` and `name::s3` (see [`on_s3`]). Doc comments and attributes
-/// go on the module.
+/// Defines a test body `fn name(target: Target) { ... }` and tests running it: `name::local`,
+/// `name::memory` and `name::s3` (see [`on_s3`]); a leading `[local, s3]` picks the variants
+/// (`memory://` lives in this process only: a test whose body runs other processes on the
+/// checkpoint has no `memory` variant). Doc comments and attributes go on the module.
 #[macro_export]
 macro_rules! on_targets {
-    ($(#[$meta:meta])* fn $name:ident($target:ident: Target) $body:block) => {
+    ([$($variant:ident),+] $(#[$meta:meta])* fn $name:ident($target:ident: Target) $body:block) => {
         $(#[$meta])*
         mod $name {
             #[allow(unused_imports)]
@@ -222,20 +223,28 @@ macro_rules! on_targets {
 
             fn body($target: Target) $body
 
-            #[test]
-            fn local() {
-                body(Target::Local)
-            }
-
-            #[test]
-            fn memory() {
-                body(Target::Memory)
-            }
-
-            #[test]
-            fn s3() {
-                $crate::common::target::on_s3(module_path!(), body)
-            }
+            $($crate::on_targets!(@variant $variant);)+
         }
+    };
+    (@variant local) => {
+        #[test]
+        fn local() {
+            body(Target::Local)
+        }
+    };
+    (@variant memory) => {
+        #[test]
+        fn memory() {
+            body(Target::Memory)
+        }
+    };
+    (@variant s3) => {
+        #[test]
+        fn s3() {
+            $crate::common::target::on_s3(module_path!(), body)
+        }
+    };
+    ($(#[$meta:meta])* fn $name:ident($target:ident: Target) $body:block) => {
+        $crate::on_targets!([local, memory, s3] $(#[$meta])* fn $name($target: Target) $body);
     };
 }
