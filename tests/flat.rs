@@ -363,9 +363,8 @@ fn flat_round_trip(
 ) {
     let n = numel(&case.shape);
     let data: Vec<u32> = (0..n as u32).collect();
-    let per_rank: Vec<Vec<ShardedTensor<'_>>> = (0..case.world)
-        .map(|r| pieces_of(&case, r, &data))
-        .collect();
+    let per_rank: Vec<Vec<ShardedTensor<'_>>> =
+        (0..case.world).map(|r| pieces_of(case, r, &data)).collect();
     let grid = GridOptions {
         min_chunk_bytes,
         subchunk_target_bytes: 8,
@@ -387,11 +386,11 @@ fn flat_round_trip(
         grid,
         ..SaveOptions::default()
     };
-    for r in run_save(&case, &data, &dir, &opts) {
+    for r in run_save(case, &data, &dir, &opts) {
         r.unwrap_or_else(|e| panic!("{e}\n{case:?}"));
     }
     // Rank r loads every load_world-th segment of another flat split, and row boxes.
-    let c = cuts(n, &load_cuts);
+    let c = cuts(n, load_cuts);
     let mut flat = vec![Vec::new(); load_world];
     for (i, w) in c.windows(2).enumerate() {
         flat[i % load_world].push(w[0]..w[1]);

@@ -49,25 +49,6 @@ fn committed_generation(url: &str, ropts: &RemoteOptions) -> zarrckpt::Result<St
     Ok(remote::resolve(&store)?.generation)
 }
 
-/// Every tensor of two checkpoint directories, read whole, is bit-identical.
-fn same_tensors(a: &Path, b: &Path) {
-    let (ca, cb) = (Checkpoint::open(a).unwrap(), Checkpoint::open(b).unwrap());
-    let keys: Vec<_> = ca.tensors().iter().map(|t| t.key.clone()).collect();
-    assert_eq!(
-        keys,
-        cb.tensors()
-            .iter()
-            .map(|t| t.key.clone())
-            .collect::<Vec<_>>()
-    );
-    for k in keys {
-        assert!(
-            ca.read_tensor(&k).unwrap() == cb.read_tensor(&k).unwrap(),
-            "tensor `{k}` differs"
-        );
-    }
-}
-
 fn round_trip(url: &str, ropts: &RemoteOptions) {
     for r in save_state(url, 2, 3, ropts, false) {
         r.unwrap();
@@ -80,7 +61,7 @@ fn round_trip(url: &str, ropts: &RemoteOptions) {
     });
     let fetched = remote::fetch_url(url, ropts, None).unwrap();
     state::check(fetched.dir(), 3);
-    same_tensors(fetched.dir(), &dir);
+    common::target::same_tensors(fetched.dir(), &dir);
     let report = Checkpoint::open(fetched.dir())
         .unwrap()
         .verify(2, None)
@@ -281,28 +262,9 @@ fn a_rank_whose_upload_fails_is_named_on_every_rank() {
         save(&st.sharded(), Path::new(&url), &comm, &opts)
     });
     assert!(t0.elapsed() < deadline, "{:?}", t0.elapsed());
-    for (rank, r) in results.iter().enumerate() {
-        let e = r.as_ref().unwrap_err();
-        let text = e.to_string();
-        if rank == 0 {
-            assert!(
-                matches!(e, Error::RemoteFailure { rank: 1, .. }),
-                "rank 0: {text}"
-            );
-        }
-        // Both name the failing key (its full URL) and the cause.
-        assert!(
-            text.contains(&format!("{url}/generations/")),
-            "rank {rank}: {text}"
-        );
-        assert!(text.contains("PUT"), "rank {rank}: {text}");
-    }
+    // Both name the failing key (its full URL) and the cause.
     let store = RemoteStore::open(&url, &ropts).unwrap();
-    assert!(
-        zarrckpt::storage::remote::generation::read_pointer(&store)
-            .unwrap()
-            .is_none()
-    );
+    s3::assert_failure_named(&results, 1, &url, "PUT", &store);
 }
 
 #[test]

@@ -411,3 +411,37 @@ impl Drop for JuiceGateway {
         let _ = self.child.wait();
     }
 }
+
+/// Every rank's result of a save in which rank `failed`'s uploads failed for good: an error
+/// naming a key under `<url>/generations/` and `cause` (a method or an HTTP status), on the
+/// other ranks the typed [`zarrckpt::Error::RemoteFailure`] naming that rank; and no pointer at
+/// `url` in `store` (nothing committed).
+pub fn assert_failure_named<T: std::fmt::Debug>(
+    results: &[zarrckpt::Result<T>],
+    failed: usize,
+    url: &str,
+    cause: &str,
+    store: &RemoteStore,
+) {
+    for (rank, r) in results.iter().enumerate() {
+        let e = r.as_ref().unwrap_err();
+        let text = e.to_string();
+        if rank != failed {
+            assert!(
+                matches!(e, zarrckpt::Error::RemoteFailure { rank, .. } if *rank == failed),
+                "rank {rank}: {text}"
+            );
+        }
+        assert!(
+            text.contains(&format!("{url}/generations/")),
+            "rank {rank}: {text}"
+        );
+        assert!(text.contains(cause), "rank {rank}: {text}");
+    }
+    assert!(
+        zarrckpt::storage::remote::generation::read_pointer(store)
+            .unwrap()
+            .is_none(),
+        "a pointer at {url}: something was committed"
+    );
+}

@@ -15,6 +15,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::s3;
+use zarrckpt::Checkpoint;
 
 /// Set (to the server's endpoint) in the child process an `s3` variant runs in.
 pub const S3_CHILD: &str = "ZARRCKPT_TEST_S3_CHILD";
@@ -169,6 +170,25 @@ pub fn assert_same_files(target: Target, path: &Path, local: &Path) {
             x.len(),
             local.display(),
             y.len()
+        );
+    }
+}
+
+/// Every tensor of two local checkpoint directories, read whole, is bit-identical.
+pub fn same_tensors(a: &Path, b: &Path) {
+    let (ca, cb) = (Checkpoint::open(a).unwrap(), Checkpoint::open(b).unwrap());
+    let keys: Vec<_> = ca.tensors().iter().map(|t| t.key.clone()).collect();
+    assert_eq!(
+        keys,
+        cb.tensors()
+            .iter()
+            .map(|t| t.key.clone())
+            .collect::<Vec<_>>()
+    );
+    for k in keys {
+        assert!(
+            ca.read_tensor(&k).unwrap() == cb.read_tensor(&k).unwrap(),
+            "tensor `{k}` differs"
         );
     }
 }
