@@ -1,6 +1,10 @@
 //! The `zarrckpt` command line, end to end: import/export round trips on a real Hugging Face
 //! model (fp32, and converted to fp16/bf16 multi-file form), fp8 and bool tensors, verify on a
-//! corrupted checkpoint, inspect, demo.
+//! corrupted checkpoint, inspect, demo. The import / verify / export / inspect round trips
+//! also with the checkpoint on `s3://` (SeaweedFS; `tests/common/target.rs`; `ls`, `diff`,
+//! `cp` and `gc` on `s3://` are in `tests/s3.rs`).
+
+mod common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -83,127 +87,131 @@ fn f32_to_bf16(b: &[u8]) -> Vec<u8> {
         .collect()
 }
 
-#[test]
-fn real_model_round_trips_bit_identically() {
-    let Some(model) = real_model() else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let ckpt = tmp.path().join("ckpt");
-    let out = tmp.path().join("out.safetensors");
-    let o = run(bin()
-        .arg("import")
-        .arg(&model)
-        .arg("--out")
-        .arg(&ckpt)
-        .args(["--ranks", "3"]));
-    assert!(
-        String::from_utf8_lossy(&o.stdout).contains("imported 104 tensors"),
-        "{}",
-        String::from_utf8_lossy(&o.stdout)
-    );
-    run(bin().arg("verify").arg(&ckpt));
-    run(bin().arg("export").arg(&ckpt).arg("--out").arg(&out));
-    let (a, b) = (tensors(&model), tensors(&out));
-    assert_eq!(a.len(), b.len());
-    for (name, t) in &a {
-        assert_eq!(Some(t), b.get(name), "{name}");
+on_targets! {
+    [local, s3]
+    fn real_model_round_trips_bit_identically(target: Target) {
+        let Some(model) = real_model() else { return };
+        let tmp = tempfile::tempdir().unwrap();
+        let ckpt = target.path(tmp.path(), "ckpt");
+        let out = tmp.path().join("out.safetensors");
+        let o = run(bin()
+            .arg("import")
+            .arg(&model)
+            .arg("--out")
+            .arg(&ckpt)
+            .args(["--ranks", "3"]));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("imported 104 tensors"),
+            "{}",
+            String::from_utf8_lossy(&o.stdout)
+        );
+        run(bin().arg("verify").arg(&ckpt));
+        run(bin().arg("export").arg(&ckpt).arg("--out").arg(&out));
+        let (a, b) = (tensors(&model), tensors(&out));
+        assert_eq!(a.len(), b.len());
+        for (name, t) in &a {
+            assert_eq!(Some(t), b.get(name), "{name}");
+        }
+        // safetensors files are canonical: the whole file comes back identical.
+        assert_eq!(std::fs::read(&model).unwrap(), std::fs::read(&out).unwrap());
+        let o = run(bin().arg("inspect").arg(&ckpt).arg("--json"));
+        let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(doc["total_tensors"], 104);
+        assert_eq!(doc["world_size"], 3);
+        let total: u64 = a.values().map(|t| t.2.len() as u64).sum();
+        assert_eq!(doc["total_bytes"], total);
     }
-    // safetensors files are canonical: the whole file comes back identical.
-    assert_eq!(std::fs::read(&model).unwrap(), std::fs::read(&out).unwrap());
-    let o = run(bin().arg("inspect").arg(&ckpt).arg("--json"));
-    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert_eq!(doc["total_tensors"], 104);
-    assert_eq!(doc["world_size"], 3);
-    let total: u64 = a.values().map(|t| t.2.len() as u64).sum();
-    assert_eq!(doc["total_bytes"], total);
 }
 
-#[test]
-fn multi_file_fp16_bf16_fp8_bool_model_round_trips() {
-    let tmp = tempfile::tempdir().unwrap();
-    let mut items: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-    if let Some(model) = real_model() {
-        // The real model's weights, converted: fp16 and bf16 halves, int64 position ids.
-        let mut src: Vec<_> = tensors(&model).into_iter().collect();
-        src.sort_by(|a, b| a.0.cmp(&b.0));
-        for (i, (name, (dtype, shape, data))) in src.into_iter().enumerate() {
-            let (d, bytes) = match dtype {
-                Dtype::F32 if i % 2 == 0 => (Dtype::F16, f32_to_f16(&data)),
-                Dtype::F32 => (Dtype::BF16, f32_to_bf16(&data)),
-                other => (other, data),
-            };
-            items.push((name, d, shape, bytes));
+on_targets! {
+    [local, s3]
+    fn multi_file_fp16_bf16_fp8_bool_model_round_trips(target: Target) {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut items: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+        if let Some(model) = real_model() {
+            // The real model's weights, converted: fp16 and bf16 halves, int64 position ids.
+            let mut src: Vec<_> = tensors(&model).into_iter().collect();
+            src.sort_by(|a, b| a.0.cmp(&b.0));
+            for (i, (name, (dtype, shape, data))) in src.into_iter().enumerate() {
+                let (d, bytes) = match dtype {
+                    Dtype::F32 if i % 2 == 0 => (Dtype::F16, f32_to_f16(&data)),
+                    Dtype::F32 => (Dtype::BF16, f32_to_bf16(&data)),
+                    other => (other, data),
+                };
+                items.push((name, d, shape, bytes));
+            }
         }
+        // fp8, bool and odd shapes, every byte value.
+        let all: Vec<u8> = (0..=255u8).collect();
+        items.push((
+            "fp8.e4m3fn".into(),
+            Dtype::F8_E4M3,
+            vec![16, 16],
+            all.clone(),
+        ));
+        items.push(("fp8.e5m2".into(), Dtype::F8_E5M2, vec![256], all));
+        items.push((
+            "mask".into(),
+            Dtype::BOOL,
+            vec![7, 3],
+            (0..21).map(|i| (i % 3 == 0) as u8).collect(),
+        ));
+        items.push((
+            "scalar".into(),
+            Dtype::I64,
+            vec![],
+            42i64.to_le_bytes().to_vec(),
+        ));
+        items.push(("empty".into(), Dtype::F32, vec![0, 5], vec![]));
+        // Three files, as a sharded Hugging Face checkpoint.
+        let mut files = Vec::new();
+        for part in 0..3 {
+            let chunk: Vec<_> = items
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| i % 3 == part)
+                .map(|(_, t)| t.clone())
+                .collect();
+            let p = tmp
+                .path()
+                .join(format!("model-{:05}-of-00003.safetensors", part + 1));
+            let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+            write_st(&p, &chunk, Some(meta));
+            files.push(p);
+        }
+        let ckpt = target.path(tmp.path(), "ckpt");
+        let out = tmp.path().join("out.safetensors");
+        run(bin()
+            .arg("import")
+            .args(&files)
+            .arg("--out")
+            .arg(&ckpt)
+            .args(["--ranks", "4", "--compression", "zstd"]));
+        run(bin().arg("verify").arg(&ckpt));
+        run(bin().arg("export").arg(&ckpt).arg("--out").arg(&out));
+        let back = tensors(&out);
+        assert_eq!(back.len(), items.len());
+        for (name, d, s, b) in &items {
+            assert_eq!(back.get(name), Some(&(*d, s.clone(), b.clone())), "{name}");
+        }
+        // The same tensor in two files is refused.
+        let dup = tmp.path().join("dup.safetensors");
+        write_st(&dup, &items[..1], None);
+        let o = bin()
+            .arg("import")
+            .arg(&files[0])
+            .arg(&dup)
+            .arg("--out")
+            .arg(tmp.path().join("x"))
+            .output()
+            .unwrap();
+        assert!(!o.status.success());
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("appears in both"),
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
     }
-    // fp8, bool and odd shapes, every byte value.
-    let all: Vec<u8> = (0..=255u8).collect();
-    items.push((
-        "fp8.e4m3fn".into(),
-        Dtype::F8_E4M3,
-        vec![16, 16],
-        all.clone(),
-    ));
-    items.push(("fp8.e5m2".into(), Dtype::F8_E5M2, vec![256], all));
-    items.push((
-        "mask".into(),
-        Dtype::BOOL,
-        vec![7, 3],
-        (0..21).map(|i| (i % 3 == 0) as u8).collect(),
-    ));
-    items.push((
-        "scalar".into(),
-        Dtype::I64,
-        vec![],
-        42i64.to_le_bytes().to_vec(),
-    ));
-    items.push(("empty".into(), Dtype::F32, vec![0, 5], vec![]));
-    // Three files, as a sharded Hugging Face checkpoint.
-    let mut files = Vec::new();
-    for part in 0..3 {
-        let chunk: Vec<_> = items
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| i % 3 == part)
-            .map(|(_, t)| t.clone())
-            .collect();
-        let p = tmp
-            .path()
-            .join(format!("model-{:05}-of-00003.safetensors", part + 1));
-        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        write_st(&p, &chunk, Some(meta));
-        files.push(p);
-    }
-    let ckpt = tmp.path().join("ckpt");
-    let out = tmp.path().join("out.safetensors");
-    run(bin()
-        .arg("import")
-        .args(&files)
-        .arg("--out")
-        .arg(&ckpt)
-        .args(["--ranks", "4", "--compression", "zstd"]));
-    run(bin().arg("verify").arg(&ckpt));
-    run(bin().arg("export").arg(&ckpt).arg("--out").arg(&out));
-    let back = tensors(&out);
-    assert_eq!(back.len(), items.len());
-    for (name, d, s, b) in &items {
-        assert_eq!(back.get(name), Some(&(*d, s.clone(), b.clone())), "{name}");
-    }
-    // The same tensor in two files is refused.
-    let dup = tmp.path().join("dup.safetensors");
-    write_st(&dup, &items[..1], None);
-    let o = bin()
-        .arg("import")
-        .arg(&files[0])
-        .arg(&dup)
-        .arg("--out")
-        .arg(tmp.path().join("x"))
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    assert!(
-        String::from_utf8_lossy(&o.stderr).contains("appears in both"),
-        "{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
 }
 
 #[test]

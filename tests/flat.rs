@@ -9,10 +9,17 @@
 //!   ranks); the test prints the bytes sent point to point against the bytes saved.
 //! - Boxes declared `ShardedTensor::replicated` on every holder are stored once; the error for
 //!   a box declared main on several ranks names them and says what to set.
+//!
+//! The tests through storage also run on `memory://` and `s3://` (SeaweedFS;
+//! `tests/common/target.rs`), the property test with fewer cases there.
+
+mod common;
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Duration;
+
+use common::target::Target;
 
 use proptest::prelude::*;
 use zarrckpt::comm::run_local;
@@ -342,40 +349,100 @@ proptest! {
         load_cuts in proptest::collection::vec(0u16..=1000, 0..=4),
         min_chunk_bytes in prop_oneof![Just(0u64), Just(16), Just(1 << 20)],
     ) {
-        let n = numel(&case.shape);
-        let data: Vec<u32> = (0..n as u32).collect();
-        let per_rank: Vec<Vec<ShardedTensor<'_>>> =
-            (0..case.world).map(|r| pieces_of(&case, r, &data)).collect();
-        let grid = GridOptions { min_chunk_bytes, subchunk_target_bytes: 8 };
-        let g = GatheredLayouts::from_layouts(&layouts_of(&per_rank));
-        let plan = SavePlan::build(&g, &SavePlanOptions { grid, balance_replicas: true })
-            .unwrap_or_else(|e| panic!("{e}\n{case:?}"));
-        check_written_once(&plan, case.world);
+        flat_round_trip(Target::Local, &case, load_world, &load_cuts, min_chunk_bytes);
+    }
+}
 
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path().join("ck");
-        let opts = SaveOptions { grid, ..SaveOptions::default() };
-        for r in run_save(&case, &data, &dir, &opts) {
-            r.unwrap_or_else(|e| panic!("{e}\n{case:?}"));
+/// One case of `flat_and_box_splits_round_trip` on `target`.
+fn flat_round_trip(
+    target: Target,
+    case: &FlatCase,
+    load_world: usize,
+    load_cuts: &[u16],
+    min_chunk_bytes: u64,
+) {
+    let n = numel(&case.shape);
+    let data: Vec<u32> = (0..n as u32).collect();
+    let per_rank: Vec<Vec<ShardedTensor<'_>>> =
+        (0..case.world).map(|r| pieces_of(case, r, &data)).collect();
+    let grid = GridOptions {
+        min_chunk_bytes,
+        subchunk_target_bytes: 8,
+    };
+    let g = GatheredLayouts::from_layouts(&layouts_of(&per_rank));
+    let plan = SavePlan::build(
+        &g,
+        &SavePlanOptions {
+            grid,
+            balance_replicas: true,
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}\n{case:?}"));
+    check_written_once(&plan, case.world);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = target.path(tmp.path(), "ck");
+    let opts = SaveOptions {
+        grid,
+        ..SaveOptions::default()
+    };
+    for r in run_save(case, &data, &dir, &opts) {
+        r.unwrap_or_else(|e| panic!("{e}\n{case:?}"));
+    }
+    // Rank r loads every load_world-th segment of another flat split, and row boxes.
+    let c = cuts(n, load_cuts);
+    let mut flat = vec![Vec::new(); load_world];
+    for (i, w) in c.windows(2).enumerate() {
+        flat[i % load_world].push(w[0]..w[1]);
+    }
+    let rows = case.shape[0];
+    let boxes: Vec<Vec<Region>> = (0..load_world as u64)
+        .map(|r| {
+            let (a, b) = (
+                rows * r / load_world as u64,
+                rows * (r + 1) / load_world as u64,
+            );
+            let mut shape = case.shape.clone();
+            shape[0] = b - a;
+            let mut offset = vec![0; shape.len()];
+            offset[0] = a;
+            vec![Region::new(offset, shape).unwrap()]
+        })
+        .collect();
+    load_and_check(&dir, &case.shape, &flat, &boxes);
+}
+
+on_targets! {
+    [memory, s3]
+    /// `flat_and_box_splits_round_trip` on the object stores: 6 cases on `memory://` (random),
+    /// 2 on `s3://` (SeaweedFS) from a fixed seed, the same on every run.
+    fn stores_flat_and_box_splits_round_trip(target: Target) {
+        use proptest::test_runner::{RngAlgorithm, TestRng, TestRunner};
+        let cases = if target == Target::S3 { 2 } else { 6 };
+        let mut runner = if target == Target::S3 {
+            TestRunner::new_with_rng(
+                config(cases),
+                TestRng::deterministic_rng(RngAlgorithm::ChaCha),
+            )
+        } else {
+            TestRunner::new(config(cases))
+        };
+        let strategy = (
+            flat_case(),
+            1usize..=3,
+            proptest::collection::vec(0u16..=1000, 0..=4),
+            prop_oneof![Just(0u64), Just(16), Just(1 << 20)],
+        );
+        let result = runner.run(
+            &strategy,
+            |(case, load_world, load_cuts, min_chunk_bytes)| {
+                flat_round_trip(target, &case, load_world, &load_cuts, min_chunk_bytes);
+                Ok(())
+            },
+        );
+        if let Err(e) = result {
+            panic!("{target:?}: {e}");
         }
-        // Rank r loads every load_world-th segment of another flat split, and row boxes.
-        let c = cuts(n, &load_cuts);
-        let mut flat = vec![Vec::new(); load_world];
-        for (i, w) in c.windows(2).enumerate() {
-            flat[i % load_world].push(w[0]..w[1]);
-        }
-        let rows = case.shape[0];
-        let boxes: Vec<Vec<Region>> = (0..load_world as u64)
-            .map(|r| {
-                let (a, b) = (rows * r / load_world as u64, rows * (r + 1) / load_world as u64);
-                let mut shape = case.shape.clone();
-                shape[0] = b - a;
-                let mut offset = vec![0; shape.len()];
-                offset[0] = a;
-                vec![Region::new(offset, shape).unwrap()]
-            })
-            .collect();
-        load_and_check(&dir, &case.shape, &flat, &boxes);
     }
 }
 
@@ -528,190 +595,193 @@ fn typical_flat_layouts_get_sensible_grids() {
     }
 }
 
-/// Flat to box, box to flat and flat to flat with other boundaries, through real storage,
-/// with a multi-dimensional tensor cut at arbitrary flat offsets.
-#[test]
-fn flat_saves_load_in_every_direction() {
-    let shape = vec![6u64, 5, 4];
-    let n = numel(&shape);
-    let data: Vec<u32> = (0..n as u32).collect();
-    let tmp = tempfile::tempdir().unwrap();
-    // flat save by 3 ranks at odd offsets
-    let flat_dir = tmp.path().join("flat");
-    let case = FlatCase {
-        shape: shape.clone(),
-        world: 3,
-        segments: vec![
-            (0..7, 0, Decl::Flat),
-            (7..61, 1, Decl::Flat),
-            (61..n, 2, Decl::Flat),
-        ],
-        copies: 0,
-    };
-    for r in run_save(&case, &data, &flat_dir, &SaveOptions::default()) {
-        r.unwrap();
-    }
-    // box save by 2 ranks (rows 0..3 and 3..6)
-    let box_dir = tmp.path().join("box");
-    let res = run_local(2, TIMEOUT, |comm| {
-        let r = comm.rank() as u64;
-        let slice = &data[(r * 60) as usize..((r + 1) * 60) as usize];
-        let p = ShardedTensor::from_slice("t", &shape, &[3 * r, 0, 0], slice, &[3, 5, 4], 0)?;
-        save(&[p], &box_dir, &comm, &SaveOptions::default())
-    });
-    for r in res {
-        r.unwrap();
-    }
-    let rows = |a: u64, b: u64| Region::new(vec![a, 0, 0], vec![b - a, 5, 4]).unwrap();
-    let cols = Region::new(vec![1, 1, 1], vec![4, 3, 2]).unwrap();
-    for dir in [&flat_dir, &box_dir] {
-        // flat -> flat (other boundaries) and box -> flat
-        load_and_check(
-            dir,
-            &shape,
-            &[vec![0..33, 90..91], vec![33..90, 91..n], vec![5..5, 7..7]],
-            &[vec![], vec![], vec![]],
-        );
-        // flat -> box, and box -> box
-        load_and_check(
-            dir,
-            &shape,
-            &[vec![], vec![]],
-            &[vec![rows(0, 4), cols.clone()], vec![rows(4, 6)]],
-        );
-    }
-}
-
-/// Every data-parallel rank declares the same biases `replicated`: stored once each, spread
-/// over the holders, and loaded back; a box declared main on several ranks is an error that
-/// names the ranks and says what to set.
-#[test]
-fn replicated_declarations_store_once_and_errors_say_what_to_set() {
-    let bias: Vec<f32> = (0..2048).map(|i| i as f32 * 0.5).collect();
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ck");
-    let res = run_local(4, TIMEOUT, |comm| {
-        let pieces: Vec<ShardedTensor<'_>> = (0..4)
-            .map(|i| {
-                ShardedTensor::replicated(&format!("b{i}"), &[2048], &[0], &bias, &[2048]).unwrap()
-            })
-            .collect();
-        save(&pieces, &dir, &comm, &SaveOptions::default())
-    });
-    let reports: Vec<SaveReport> = res.into_iter().map(Result::unwrap).collect();
-    let chunks: Vec<usize> = reports.iter().map(|r| r.chunks_written).collect();
-    assert_eq!(
-        chunks,
-        vec![1, 1, 1, 1],
-        "each bias written once, one per rank"
-    );
-    assert_eq!(reports[0].data_bytes, 2048 * 4);
-    let res = run_local(2, TIMEOUT, |comm| {
-        let mut out = vec![vec![0f32; 1024]; 4];
-        let r = comm.rank() as u64;
-        let mut t: Vec<LoadTarget<'_>> = out
-            .iter_mut()
-            .enumerate()
-            .map(|(i, b)| {
-                LoadTarget::from_slice(&format!("b{i}"), &[2048], &[1024 * r], b, &[1024]).unwrap()
-            })
-            .collect();
-        load(&mut t, &dir, &comm, &LoadOptions::default())?;
-        drop(t);
-        for b in &out {
-            assert_eq!(b[..], bias[(1024 * r) as usize..(1024 * (r + 1)) as usize]);
+on_targets! {
+    /// Flat to box, box to flat and flat to flat with other boundaries, through real storage,
+    /// with a multi-dimensional tensor cut at arbitrary flat offsets.
+    fn flat_saves_load_in_every_direction(target: Target) {
+        let shape = vec![6u64, 5, 4];
+        let n = numel(&shape);
+        let data: Vec<u32> = (0..n as u32).collect();
+        let tmp = tempfile::tempdir().unwrap();
+        // flat save by 3 ranks at odd offsets
+        let flat_dir = target.path(tmp.path(), "flat");
+        let case = FlatCase {
+            shape: shape.clone(),
+            world: 3,
+            segments: vec![
+                (0..7, 0, Decl::Flat),
+                (7..61, 1, Decl::Flat),
+                (61..n, 2, Decl::Flat),
+            ],
+            copies: 0,
+        };
+        for r in run_save(&case, &data, &flat_dir, &SaveOptions::default()) {
+            r.unwrap();
         }
-        Ok::<(), Error>(())
-    });
-    for r in res {
-        r.unwrap();
-    }
-
-    // Forgetting the declaration: all four claim the main replica.
-    let res = run_local(4, TIMEOUT, |comm| {
-        let p = ShardedTensor::from_slice("bias", &[2048], &[0], &bias, &[2048], 0)?;
-        save(
-            &[p],
-            &tmp.path().join("bad"),
-            &comm,
-            &SaveOptions::default(),
-        )
-    });
-    for r in res {
-        let e = r.unwrap_err();
-        let Error::Plan(p) = &e else { panic!("{e:?}") };
-        assert!(
-            matches!(p, PlanError::Overlap { first_ranks, first, second, .. }
-                if first_ranks == &vec![0, 1, 2, 3] && first == second),
-            "{p:?}"
-        );
-        let msg = e.to_string();
-        for want in [
-            "`bias`",
-            "ranks [0, 1, 2, 3] each declare [0..2048] as the main replica",
-            "ShardedTensor::replicated",
-            "non-zero replica id",
-        ] {
-            assert!(msg.contains(want), "{want:?} not in {msg}");
-        }
-    }
-}
-
-/// ZeRO-3 / FSDP1 style: every rank holds part `r` of its tensor's flattening cut in parts of
-/// `S` elements, cut inside rows (so a part is up to three boxes), the last part shorter. These
-/// are described by one flat rule and planned without instantiating every rank's layout: chunks
-/// of whole rows holding whole parts, written by the holder of their first part. Saved on 7,
-/// 12 and 16 ranks, with data-parallel copies too, and loaded back as the same cut on more
-/// ranks (read groups share reads), as another cut and as row boxes, every element checked.
-#[test]
-fn zero_style_flat_parts_save_and_load_by_rule() {
-    let shape = [9u64, 10];
-    let n = numel(&shape);
-    let data: Vec<u32> = (0..n as u32).collect();
-    let tmp = tempfile::tempdir().unwrap();
-    for (world, copies, size) in [(7u64, 1u64, 13u64), (12, 1, 8), (16, 2, 12)] {
-        let parts = world / copies;
-        assert!(n.div_ceil(size) <= parts);
-        let dir = tmp.path().join(format!("z{world}-{copies}-{size}"));
-        let res = run_local(world as usize, TIMEOUT, |comm| {
+        // box save by 2 ranks (rows 0..3 and 3..6)
+        let box_dir = target.path(tmp.path(), "box");
+        let res = run_local(2, TIMEOUT, |comm| {
             let r = comm.rank() as u64;
-            let (part, copy) = (r % parts, r / parts);
-            let a = (part * size).min(n);
-            let b = (a + size).min(n);
-            let piece = ShardedTensor::from_flat_slice(
-                "t",
-                &shape,
-                a..b,
-                &data[a as usize..b as usize],
-                u32::try_from(copy).unwrap(),
-            )
-            .unwrap();
-            save(&[piece], &dir, &comm, &SaveOptions::default())
+            let slice = &data[(r * 60) as usize..((r + 1) * 60) as usize];
+            let p = ShardedTensor::from_slice("t", &shape, &[3 * r, 0, 0], slice, &[3, 5, 4], 0)?;
+            save(&[p], &box_dir, &comm, &SaveOptions::default())
         });
         for r in res {
-            r.unwrap_or_else(|e| panic!("world {world} size {size}: {e}"));
+            r.unwrap();
         }
-        // Chunks of whole rows holding whole parts: lcm(size, 10) / 10 rows.
-        let ck = zarrckpt::Checkpoint::open(&dir).unwrap();
-        let entry = &ck.meta().tensors[&zarrckpt::TensorKey::new("t").unwrap()];
-        let rows = (size * 10 / gcd(size, 10) / 10).min(shape[0]);
-        assert_eq!(entry.chunk_shape, vec![rows, 10], "size {size}");
-        // The same cut, every part asked for by two ranks (read once, shared).
-        let cut: Vec<Vec<Range<u64>>> = (0..2 * parts)
-            .map(|r| {
-                let a = ((r % parts) * size).min(n);
-                std::iter::once(a..(a + size).min(n)).collect()
-            })
-            .collect();
-        load_and_check(&dir, &shape, &cut, &vec![Vec::new(); cut.len()]);
-        // Another cut, and rows.
-        let other: Vec<Vec<Range<u64>>> = (0..3u64)
-            .map(|r| std::iter::once(n * r / 3..n * (r + 1) / 3).collect())
-            .collect();
-        let rows: Vec<Vec<Region>> = (0..3u64)
-            .map(|r| vec![Region::new(vec![3 * r, 0], vec![3, 10]).unwrap()])
-            .collect();
-        load_and_check(&dir, &shape, &other, &rows);
+        let rows = |a: u64, b: u64| Region::new(vec![a, 0, 0], vec![b - a, 5, 4]).unwrap();
+        let cols = Region::new(vec![1, 1, 1], vec![4, 3, 2]).unwrap();
+        for dir in [&flat_dir, &box_dir] {
+            // flat -> flat (other boundaries) and box -> flat
+            load_and_check(
+                dir,
+                &shape,
+                &[vec![0..33, 90..91], vec![33..90, 91..n], vec![5..5, 7..7]],
+                &[vec![], vec![], vec![]],
+            );
+            // flat -> box, and box -> box
+            load_and_check(
+                dir,
+                &shape,
+                &[vec![], vec![]],
+                &[vec![rows(0, 4), cols.clone()], vec![rows(4, 6)]],
+            );
+        }
+    }
+}
+
+on_targets! {
+    /// Every data-parallel rank declares the same biases `replicated`: stored once each, spread
+    /// over the holders, and loaded back; a box declared main on several ranks is an error that
+    /// names the ranks and says what to set.
+    fn replicated_declarations_store_once_and_errors_say_what_to_set(target: Target) {
+        let bias: Vec<f32> = (0..2048).map(|i| i as f32 * 0.5).collect();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = target.path(tmp.path(), "ck");
+        let res = run_local(4, TIMEOUT, |comm| {
+            let pieces: Vec<ShardedTensor<'_>> = (0..4)
+                .map(|i| {
+                    ShardedTensor::replicated(&format!("b{i}"), &[2048], &[0], &bias, &[2048]).unwrap()
+                })
+                .collect();
+            save(&pieces, &dir, &comm, &SaveOptions::default())
+        });
+        let reports: Vec<SaveReport> = res.into_iter().map(Result::unwrap).collect();
+        let chunks: Vec<usize> = reports.iter().map(|r| r.chunks_written).collect();
+        assert_eq!(
+            chunks,
+            vec![1, 1, 1, 1],
+            "each bias written once, one per rank"
+        );
+        assert_eq!(reports[0].data_bytes, 2048 * 4);
+        let res = run_local(2, TIMEOUT, |comm| {
+            let mut out = vec![vec![0f32; 1024]; 4];
+            let r = comm.rank() as u64;
+            let mut t: Vec<LoadTarget<'_>> = out
+                .iter_mut()
+                .enumerate()
+                .map(|(i, b)| {
+                    LoadTarget::from_slice(&format!("b{i}"), &[2048], &[1024 * r], b, &[1024]).unwrap()
+                })
+                .collect();
+            load(&mut t, &dir, &comm, &LoadOptions::default())?;
+            drop(t);
+            for b in &out {
+                assert_eq!(b[..], bias[(1024 * r) as usize..(1024 * (r + 1)) as usize]);
+            }
+            Ok::<(), Error>(())
+        });
+        for r in res {
+            r.unwrap();
+        }
+
+        // Forgetting the declaration: all four claim the main replica.
+        let res = run_local(4, TIMEOUT, |comm| {
+            let p = ShardedTensor::from_slice("bias", &[2048], &[0], &bias, &[2048], 0)?;
+            save(
+                &[p],
+                &target.path(tmp.path(), "bad"),
+                &comm,
+                &SaveOptions::default(),
+            )
+        });
+        for r in res {
+            let e = r.unwrap_err();
+            let Error::Plan(p) = &e else { panic!("{e:?}") };
+            assert!(
+                matches!(p, PlanError::Overlap { first_ranks, first, second, .. }
+                    if first_ranks == &vec![0, 1, 2, 3] && first == second),
+                "{p:?}"
+            );
+            let msg = e.to_string();
+            for want in [
+                "`bias`",
+                "ranks [0, 1, 2, 3] each declare [0..2048] as the main replica",
+                "ShardedTensor::replicated",
+                "non-zero replica id",
+            ] {
+                assert!(msg.contains(want), "{want:?} not in {msg}");
+            }
+        }
+    }
+}
+
+on_targets! {
+    /// ZeRO-3 / FSDP1 style: every rank holds part `r` of its tensor's flattening cut in parts of
+    /// `S` elements, cut inside rows (so a part is up to three boxes), the last part shorter. These
+    /// are described by one flat rule and planned without instantiating every rank's layout: chunks
+    /// of whole rows holding whole parts, written by the holder of their first part. Saved on 7,
+    /// 12 and 16 ranks, with data-parallel copies too, and loaded back as the same cut on more
+    /// ranks (read groups share reads), as another cut and as row boxes, every element checked.
+    fn zero_style_flat_parts_save_and_load_by_rule(target: Target) {
+        let shape = [9u64, 10];
+        let n = numel(&shape);
+        let data: Vec<u32> = (0..n as u32).collect();
+        let tmp = tempfile::tempdir().unwrap();
+        for (world, copies, size) in [(7u64, 1u64, 13u64), (12, 1, 8), (16, 2, 12)] {
+            let parts = world / copies;
+            assert!(n.div_ceil(size) <= parts);
+            let dir = target.path(tmp.path(), &format!("z{world}-{copies}-{size}"));
+            let res = run_local(world as usize, TIMEOUT, |comm| {
+                let r = comm.rank() as u64;
+                let (part, copy) = (r % parts, r / parts);
+                let a = (part * size).min(n);
+                let b = (a + size).min(n);
+                let piece = ShardedTensor::from_flat_slice(
+                    "t",
+                    &shape,
+                    a..b,
+                    &data[a as usize..b as usize],
+                    u32::try_from(copy).unwrap(),
+                )
+                .unwrap();
+                save(&[piece], &dir, &comm, &SaveOptions::default())
+            });
+            for r in res {
+                r.unwrap_or_else(|e| panic!("world {world} size {size}: {e}"));
+            }
+            // Chunks of whole rows holding whole parts: lcm(size, 10) / 10 rows.
+            let ck = zarrckpt::Checkpoint::open(&dir).unwrap();
+            let entry = &ck.meta().tensors[&zarrckpt::TensorKey::new("t").unwrap()];
+            let rows = (size * 10 / gcd(size, 10) / 10).min(shape[0]);
+            assert_eq!(entry.chunk_shape, vec![rows, 10], "size {size}");
+            // The same cut, every part asked for by two ranks (read once, shared).
+            let cut: Vec<Vec<Range<u64>>> = (0..2 * parts)
+                .map(|r| {
+                    let a = ((r % parts) * size).min(n);
+                    std::iter::once(a..(a + size).min(n)).collect()
+                })
+                .collect();
+            load_and_check(&dir, &shape, &cut, &vec![Vec::new(); cut.len()]);
+            // Another cut, and rows.
+            let other: Vec<Vec<Range<u64>>> = (0..3u64)
+                .map(|r| std::iter::once(n * r / 3..n * (r + 1) / 3).collect())
+                .collect();
+            let rows: Vec<Vec<Region>> = (0..3u64)
+                .map(|r| vec![Region::new(vec![3 * r, 0], vec![3, 10]).unwrap()])
+                .collect();
+            load_and_check(&dir, &shape, &other, &rows);
+        }
     }
 }
 

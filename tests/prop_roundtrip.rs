@@ -7,6 +7,11 @@
 //! Cases are kept small (at most 600 elements per tensor, 24 cases per property) so the file
 //! runs in seconds in debug builds; a failure prints the resolved save layout, the load
 //! requests and the options, and names the first wrong element.
+//!
+//! The same three properties also run on the object stores (`tests/common/target.rs`), with
+//! fewer cases since every case is a commit through the store: 8 cases each on `memory://`
+//! (random, as the local ones), 2 each on `s3://` (SeaweedFS), drawn from a fixed seed so the
+//! sample is the same on every run.
 
 mod common;
 
@@ -15,6 +20,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::r#gen::{self as g, LoadCase, SaveCase, numel};
+use common::target::Target;
 use common::{cut, tensor_bytes};
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -235,9 +241,9 @@ fn load_all(rt: &RoundTrip, dir: &Path, flat: bool) -> Result<Vec<Vec<Vec<u8>>>,
 
 /// Saves, loads, and compares every loaded buffer with the original bytes; with `flat`,
 /// contiguous pieces are saved as flat pieces and requests ask for flat spans.
-fn check_round_trip(rt: &RoundTrip, flat: bool) -> Result<(), TestCaseError> {
+fn check_round_trip(rt: &RoundTrip, target: Target, flat: bool) -> Result<(), TestCaseError> {
     let tmp = tempfile::tempdir().map_err(|e| TestCaseError::fail(e.to_string()))?;
-    let dir = tmp.path().join("ckpt");
+    let dir = target.path(tmp.path(), "ckpt");
     let tensors = &rt.save.tensors;
     let fulls: Vec<Vec<u8>> = tensors
         .iter()
@@ -283,14 +289,14 @@ proptest! {
     /// Any save topology, any load topology, random grid options and compression.
     #[test]
     fn save_and_load_in_any_topology(rt in round_trip(grid_options())) {
-        check_round_trip(&rt, false)?;
+        check_round_trip(&rt, Target::Local, false)?;
     }
 
     /// The same with flat declarations: pieces contiguous in the flattening saved as flat
     /// pieces (mixed with box pieces), every request asking for the flat span of its box.
     #[test]
     fn flat_pieces_and_requests_round_trip(rt in round_trip(grid_options())) {
-        check_round_trip(&rt, true)?;
+        check_round_trip(&rt, Target::Local, true)?;
     }
 
     /// The tiny-chunk fallback for every unevenly split tensor: unaligned chunks assembled
@@ -302,6 +308,55 @@ proptest! {
                 .prop_map(|s| GridOptions { min_chunk_bytes: u64::MAX, subchunk_target_bytes: s }),
         ),
     ) {
-        check_round_trip(&rt, false)?;
+        check_round_trip(&rt, Target::Local, false)?;
+    }
+}
+
+/// Runs `check_round_trip` on `target` for a few cases of `strategy` (see the file's doc).
+fn on_store(target: Target, flat: bool, strategy: impl Strategy<Value = RoundTrip>) {
+    use proptest::test_runner::{RngAlgorithm, TestRng, TestRunner};
+    let config = ProptestConfig {
+        cases: if target == Target::S3 { 2 } else { 8 },
+        max_shrink_iters: 50,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    };
+    let mut runner = if target == Target::S3 {
+        TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha))
+    } else {
+        TestRunner::new(config)
+    };
+    if let Err(e) = runner.run(&strategy, |rt| check_round_trip(&rt, target, flat)) {
+        panic!("{target:?}: {e}");
+    }
+}
+
+on_targets! {
+    [memory, s3]
+    fn stores_save_and_load_in_any_topology(target: Target) {
+        on_store(target, false, round_trip(grid_options()));
+    }
+}
+
+on_targets! {
+    [memory, s3]
+    fn stores_flat_pieces_and_requests_round_trip(target: Target) {
+        on_store(target, true, round_trip(grid_options()));
+    }
+}
+
+on_targets! {
+    [memory, s3]
+    fn stores_unaligned_fallback_round_trips(target: Target) {
+        on_store(
+            target,
+            false,
+            round_trip(
+                prop::sample::select(vec![1u64, 8, 1 << 20]).prop_map(|s| GridOptions {
+                    min_chunk_bytes: u64::MAX,
+                    subchunk_target_bytes: s,
+                }),
+            ),
+        );
     }
 }

@@ -10,6 +10,10 @@
 //!   to wait on).
 //! - `Checkpoint::read_region`, `read_tensor` and a Hugging Face export start no collective
 //!   step (`zarrckpt::load::collective_steps` stays put), while a collective `load` does.
+//!
+//! Those four run on a local directory, `memory://` and `s3://` (SeaweedFS; see
+//! `tests/common/target.rs`); the tests that delete or damage files in place stay on the local
+//! file system (`tests/s3_read.rs` damages objects on the stores).
 
 mod common;
 
@@ -103,9 +107,9 @@ fn random_box(shape: &[u64], state: &mut u64) -> Region {
     Region::new(offset, size).unwrap()
 }
 
-fn check_against_load(compression: Compression) {
+fn check_against_load(target: common::target::Target, compression: Compression) {
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ck");
+    let dir = target.path(tmp.path(), "ck");
     save3(&dir, compression);
     let ck = Checkpoint::open(&dir).unwrap();
     let mut state = 0x1234_5678_9abc_def1u64;
@@ -146,14 +150,16 @@ fn check_against_load(compression: Compression) {
     assert_eq!(ck.reader().arrays_opened(), TENSORS.len() as u64);
 }
 
-#[test]
-fn reader_reads_what_collective_load_reads_uncompressed() {
-    check_against_load(Compression::None);
+on_targets! {
+    fn reader_reads_what_collective_load_reads_uncompressed(target: Target) {
+        check_against_load(target, Compression::None);
+    }
 }
 
-#[test]
-fn reader_reads_what_collective_load_reads_zstd() {
-    check_against_load(Compression::Zstd);
+on_targets! {
+    fn reader_reads_what_collective_load_reads_zstd(target: Target) {
+        check_against_load(target, Compression::Zstd);
+    }
 }
 
 #[test]
@@ -192,71 +198,73 @@ fn second_read_does_not_reopen_zarr_json() {
     assert_eq!(e_buf, full(1));
 }
 
-#[test]
-fn one_reader_serves_several_threads() {
-    fn is_sync<S: Sync + Send>(_: &S) {}
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ck");
-    save3(&dir, Compression::Zstd);
-    let ck = Checkpoint::open(&dir).unwrap();
-    is_sync(ck.reader());
-    let whole = full(0);
-    std::thread::scope(|s| {
-        for t in 0..4u64 {
-            let ck = &ck;
-            let whole = &whole;
-            s.spawn(move || {
-                let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ (t + 1);
-                for _ in 0..25 {
-                    let region = random_box(&[37, 23], &mut state);
-                    let mut buf = vec![0u8; region.shape().iter().product::<u64>() as usize * 4];
-                    ck.read_region(&TensorKey::new("w").unwrap(), &region, &mut buf)
-                        .unwrap();
-                    assert_eq!(buf, cut(whole, &[37, 23], &region, 4));
-                }
-            });
-        }
-    });
-    assert_eq!(ck.reader().arrays_opened(), 1);
+on_targets! {
+    fn one_reader_serves_several_threads(target: Target) {
+        fn is_sync<S: Sync + Send>(_: &S) {}
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = target.path(tmp.path(), "ck");
+        save3(&dir, Compression::Zstd);
+        let ck = Checkpoint::open(&dir).unwrap();
+        is_sync(ck.reader());
+        let whole = full(0);
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let ck = &ck;
+                let whole = &whole;
+                s.spawn(move || {
+                    let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ (t + 1);
+                    for _ in 0..25 {
+                        let region = random_box(&[37, 23], &mut state);
+                        let mut buf = vec![0u8; region.shape().iter().product::<u64>() as usize * 4];
+                        ck.read_region(&TensorKey::new("w").unwrap(), &region, &mut buf)
+                            .unwrap();
+                        assert_eq!(buf, cut(whole, &[37, 23], &region, 4));
+                    }
+                });
+            }
+        });
+        assert_eq!(ck.reader().arrays_opened(), 1);
+    }
 }
 
-#[test]
-fn reader_refuses_wrong_dtype_shape_and_absent_key() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ck");
-    save3(&dir, Compression::None);
-    let reader = Reader::open(&dir).unwrap();
-    let mut buf = vec![0u8; 37 * 23 * 8];
-    let t = LoadTarget::new(
-        TensorKey::new("w").unwrap(),
-        DType::Int64,
-        vec![37, 23],
-        Region::full(&[37, 23]),
-        &mut buf,
-    )
-    .unwrap();
-    let e = reader.read(&mut [t]).unwrap_err();
-    assert!(matches!(e, zarrckpt::Error::DtypeMismatch { .. }), "{e:?}");
-    let mut buf = vec![0u8; 37 * 24 * 4];
-    let t = LoadTarget::new(
-        TensorKey::new("w").unwrap(),
-        DType::Float32,
-        vec![37, 24],
-        Region::full(&[37, 24]),
-        &mut buf,
-    )
-    .unwrap();
-    let e = reader.read(&mut [t]).unwrap_err();
-    assert!(matches!(e, zarrckpt::Error::ShapeMismatch { .. }), "{e:?}");
-    let e = reader
-        .read_region(
-            &TensorKey::new("absent").unwrap(),
-            &Region::full(&[1]),
-            &mut [0u8; 4],
+on_targets! {
+    fn reader_refuses_wrong_dtype_shape_and_absent_key(target: Target) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = target.path(tmp.path(), "ck");
+        save3(&dir, Compression::None);
+        let reader = Reader::open(&dir).unwrap();
+        let mut buf = vec![0u8; 37 * 23 * 8];
+        let t = LoadTarget::new(
+            TensorKey::new("w").unwrap(),
+            DType::Int64,
+            vec![37, 23],
+            Region::full(&[37, 23]),
+            &mut buf,
         )
-        .unwrap_err();
-    assert!(matches!(e, zarrckpt::Error::UnexpectedKeys { .. }), "{e:?}");
-    assert_eq!(reader.arrays_opened(), 0, "refused before opening anything");
+        .unwrap();
+        let e = reader.read(&mut [t]).unwrap_err();
+        assert!(matches!(e, zarrckpt::Error::DtypeMismatch { .. }), "{e:?}");
+        let mut buf = vec![0u8; 37 * 24 * 4];
+        let t = LoadTarget::new(
+            TensorKey::new("w").unwrap(),
+            DType::Float32,
+            vec![37, 24],
+            Region::full(&[37, 24]),
+            &mut buf,
+        )
+        .unwrap();
+        let e = reader.read(&mut [t]).unwrap_err();
+        assert!(matches!(e, zarrckpt::Error::ShapeMismatch { .. }), "{e:?}");
+        let e = reader
+            .read_region(
+                &TensorKey::new("absent").unwrap(),
+                &Region::full(&[1]),
+                &mut [0u8; 4],
+            )
+            .unwrap_err();
+        assert!(matches!(e, zarrckpt::Error::UnexpectedKeys { .. }), "{e:?}");
+        assert_eq!(reader.arrays_opened(), 0, "refused before opening anything");
+    }
 }
 
 /// A Llama-style model (2 layers, hidden 16) saved in the Megatron layout at tensor
@@ -339,79 +347,80 @@ fn saved_megatron(dir: &Path) -> (serde_json::Value, BTreeMap<String, Vec<u8>>) 
     (c, data)
 }
 
-/// `Checkpoint::read_region`, `read_tensor` and a Hugging Face export (planned by the
-/// library, filled through `fill_from_checkpoint`, as `zarrckpt export` does) start no
-/// collective step of the load engine, while a collective `load` of the same box on a
-/// one-process communicator does (so the count is live, and the test fails if reads are
-/// routed through the collective load again).
-#[test]
-fn checkpoint_reads_and_hf_export_make_no_collective_call() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ck");
-    let (c, data) = saved_megatron(&dir);
-    let before = collective_steps();
-    let ck = Checkpoint::open(&dir).unwrap();
-    let key = TensorKey::new("decoder.layers.self_attention.linear_qkv.weight").unwrap();
-    let info = ck.tensor(&key).unwrap();
-    let whole = ck.read_tensor(&key).unwrap();
-    let region = Region::new(vec![0, 3, 2], vec![info.shape[0], 9, 11]).unwrap();
-    let mut part = vec![0u8; info.shape[0] as usize * 9 * 11 * 2];
-    ck.read_region(&key, &region, &mut part).unwrap();
-    assert_eq!(part, cut(&whole, &info.shape, &region, 2));
-    // HF export, every byte checked against the model that was imported.
-    let inventory: Inventory = ck
-        .tensors()
-        .into_iter()
-        .map(|t| (t.key.to_string(), (t.dtype.to_string(), t.shape)))
-        .collect();
-    let t = Table::builtin("llama").unwrap();
-    let layout = Layout {
-        tp: 2,
-        pp: 1,
-        ep: 1,
-    };
-    let ep = convert::plan_hf_export(&t, &c, layout, &inventory, 4000).unwrap();
-    let mut exported = 0;
-    for b in ep.batches() {
-        let mut out: Vec<Vec<u8>> = ep.dests[b.clone()]
-            .iter()
-            .map(|d| vec![0u8; d.nbytes() as usize])
+on_targets! {
+    /// `Checkpoint::read_region`, `read_tensor` and a Hugging Face export (planned by the
+    /// library, filled through `fill_from_checkpoint`, as `zarrckpt export` does) start no
+    /// collective step of the load engine, while a collective `load` of the same box on a
+    /// one-process communicator does (so the count is live, and the test fails if reads are
+    /// routed through the collective load again).
+    fn checkpoint_reads_and_hf_export_make_no_collective_call(target: Target) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = target.path(tmp.path(), "ck");
+        let (c, data) = saved_megatron(&dir);
+        let before = collective_steps();
+        let ck = Checkpoint::open(&dir).unwrap();
+        let key = TensorKey::new("decoder.layers.self_attention.linear_qkv.weight").unwrap();
+        let info = ck.tensor(&key).unwrap();
+        let whole = ck.read_tensor(&key).unwrap();
+        let region = Region::new(vec![0, 3, 2], vec![info.shape[0], 9, 11]).unwrap();
+        let mut part = vec![0u8; info.shape[0] as usize * 9 * 11 * 2];
+        ck.read_region(&key, &region, &mut part).unwrap();
+        assert_eq!(part, cut(&whole, &info.shape, &region, 2));
+        // HF export, every byte checked against the model that was imported.
+        let inventory: Inventory = ck
+            .tensors()
+            .into_iter()
+            .map(|t| (t.key.to_string(), (t.dtype.to_string(), t.shape)))
             .collect();
-        let mut views: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
-        convert::fill_from_checkpoint(&ck, &ep, b.clone(), &mut views).unwrap();
-        for (d, o) in ep.dests[b].iter().zip(&out) {
-            assert_eq!(o, &data[&d.name], "{}", d.name);
-            exported += 1;
+        let t = Table::builtin("llama").unwrap();
+        let layout = Layout {
+            tp: 2,
+            pp: 1,
+            ep: 1,
+        };
+        let ep = convert::plan_hf_export(&t, &c, layout, &inventory, 4000).unwrap();
+        let mut exported = 0;
+        for b in ep.batches() {
+            let mut out: Vec<Vec<u8>> = ep.dests[b.clone()]
+                .iter()
+                .map(|d| vec![0u8; d.nbytes() as usize])
+                .collect();
+            let mut views: Vec<&mut [u8]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+            convert::fill_from_checkpoint(&ck, &ep, b.clone(), &mut views).unwrap();
+            for (d, o) in ep.dests[b].iter().zip(&out) {
+                assert_eq!(o, &data[&d.name], "{}", d.name);
+                exported += 1;
+            }
         }
+        assert_eq!(exported, data.len());
+        assert_eq!(
+            collective_steps(),
+            before,
+            "a checkpoint read or the export started a collective step"
+        );
+        // The same box through the collective load counts.
+        let mut again = vec![0u8; part.len()];
+        let mut targets = [LoadTarget::new(
+            key.clone(),
+            info.dtype,
+            info.shape.clone(),
+            region,
+            &mut again,
+        )
+        .unwrap()];
+        load(
+            &mut targets,
+            &dir,
+            &LocalComm::single(),
+            &LoadOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(again, part);
+        assert!(
+            collective_steps() > before,
+            "the collective load is counted"
+        );
     }
-    assert_eq!(exported, data.len());
-    assert_eq!(
-        collective_steps(),
-        before,
-        "a checkpoint read or the export started a collective step"
-    );
-    // The same box through the collective load counts.
-    let mut again = vec![0u8; part.len()];
-    let mut targets = [LoadTarget::new(
-        key.clone(),
-        info.dtype,
-        info.shape.clone(),
-        region,
-        &mut again,
-    )
-    .unwrap()];
-    load(
-        &mut targets,
-        &dir,
-        &LocalComm::single(),
-        &LoadOptions::default(),
-    )
-    .unwrap();
-    assert_eq!(again, part);
-    assert!(
-        collective_steps() > before,
-        "the collective load is counted"
-    );
 }
 
 /// Column strips long enough to be read straight into place (runs of at least 1 KiB of a

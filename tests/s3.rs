@@ -6,64 +6,16 @@
 //! refused).
 
 mod common;
-#[path = "common/s3.rs"]
-mod s3_server;
 
 use std::path::Path;
-use std::sync::{Arc, Barrier, OnceLock};
+use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+use common::s3;
 use common::state::{self, RankState};
 use zarrckpt::comm::run_local;
 use zarrckpt::remote::{self, RemoteError, RemoteOptions, RemoteStore};
 use zarrckpt::{Checkpoint, Communicator, Error, LocalComm, SaveOptions, save};
-
-/// One SeaweedFS for the whole test binary (each test uses its own prefix).
-fn server() -> &'static s3_server::S3Server {
-    static SERVER: OnceLock<s3_server::S3Server> = OnceLock::new();
-    SERVER.get_or_init(s3_server::S3Server::start)
-}
-
-/// Options reaching `endpoint` with the test credentials (no environment variables: the tests
-/// run in parallel threads).
-fn opts_for(endpoint: &str) -> RemoteOptions {
-    RemoteOptions {
-        config: vec![
-            ("aws_endpoint".into(), endpoint.into()),
-            ("aws_access_key_id".into(), s3_server::ACCESS_KEY.into()),
-            ("aws_secret_access_key".into(), s3_server::SECRET_KEY.into()),
-            ("aws_region".into(), "us-east-1".into()),
-            ("aws_allow_http".into(), "true".into()),
-        ],
-        max_retries: 3,
-        retry_timeout: Duration::from_secs(30),
-        ..RemoteOptions::default()
-    }
-}
-
-/// The S3 options, after waiting until the server answers signed requests (the bucket is
-/// created just after the port opens).
-fn s3_opts() -> RemoteOptions {
-    static READY: OnceLock<()> = OnceLock::new();
-    let opts = opts_for(&server().endpoint());
-    READY.get_or_init(|| {
-        let store = RemoteStore::open(&format!("s3://{}/ready", s3_server::BUCKET), &opts).unwrap();
-        let start = std::time::Instant::now();
-        while let Err(e) = store.list("") {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "SeaweedFS answers no signed LIST after 60 s: {e}\n{}",
-                server().log()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    });
-    opts
-}
-
-fn s3_url(name: &str) -> String {
-    format!("s3://{}/{name}", s3_server::BUCKET)
-}
 
 /// Save options writing to an object store through `ropts`.
 fn remote_save_opts(ropts: &RemoteOptions, overwrite: bool) -> SaveOptions {
@@ -97,25 +49,6 @@ fn committed_generation(url: &str, ropts: &RemoteOptions) -> zarrckpt::Result<St
     Ok(remote::resolve(&store)?.generation)
 }
 
-/// Every tensor of two checkpoint directories, read whole, is bit-identical.
-fn same_tensors(a: &Path, b: &Path) {
-    let (ca, cb) = (Checkpoint::open(a).unwrap(), Checkpoint::open(b).unwrap());
-    let keys: Vec<_> = ca.tensors().iter().map(|t| t.key.clone()).collect();
-    assert_eq!(
-        keys,
-        cb.tensors()
-            .iter()
-            .map(|t| t.key.clone())
-            .collect::<Vec<_>>()
-    );
-    for k in keys {
-        assert!(
-            ca.read_tensor(&k).unwrap() == cb.read_tensor(&k).unwrap(),
-            "tensor `{k}` differs"
-        );
-    }
-}
-
 fn round_trip(url: &str, ropts: &RemoteOptions) {
     for r in save_state(url, 2, 3, ropts, false) {
         r.unwrap();
@@ -128,7 +61,7 @@ fn round_trip(url: &str, ropts: &RemoteOptions) {
     });
     let fetched = remote::fetch_url(url, ropts, None).unwrap();
     state::check(fetched.dir(), 3);
-    same_tensors(fetched.dir(), &dir);
+    common::target::same_tensors(fetched.dir(), &dir);
     let report = Checkpoint::open(fetched.dir())
         .unwrap()
         .verify(2, None)
@@ -142,10 +75,10 @@ fn round_trip(url: &str, ropts: &RemoteOptions) {
 
 #[test]
 fn s3_round_trip_is_bit_identical_to_local() {
-    if s3_server::skipped("s3_round_trip_is_bit_identical_to_local") {
+    if s3::skipped("s3_round_trip_is_bit_identical_to_local") {
         return;
     }
-    round_trip(&s3_url("round-trip"), &s3_opts());
+    round_trip(&s3::url("round-trip"), &s3::options());
 }
 
 #[test]
@@ -155,10 +88,10 @@ fn memory_round_trip_is_bit_identical_to_local() {
 
 #[test]
 fn an_existing_checkpoint_is_kept_without_overwrite_and_replaced_with_it() {
-    if s3_server::skipped("an_existing_checkpoint_is_kept_without_overwrite_and_replaced_with_it") {
+    if s3::skipped("an_existing_checkpoint_is_kept_without_overwrite_and_replaced_with_it") {
         return;
     }
-    let (url, ropts) = (s3_url("overwrite"), s3_opts());
+    let (url, ropts) = (s3::url("overwrite"), s3::options());
     let g1 = save_state(&url, 1, 1, &ropts, false).remove(0).unwrap();
     let e = save_state(&url, 1, 2, &ropts, false).remove(0).unwrap_err();
     assert!(
@@ -196,12 +129,12 @@ fn an_existing_checkpoint_is_kept_without_overwrite_and_replaced_with_it() {
 
 #[test]
 fn two_concurrent_writers_exactly_one_commits() {
-    if s3_server::skipped("two_concurrent_writers_exactly_one_commits") {
+    if s3::skipped("two_concurrent_writers_exactly_one_commits") {
         return;
     }
-    let ropts = s3_opts();
+    let ropts = s3::options();
     for round in 0..20u64 {
-        let url = s3_url(&format!("race/{round}"));
+        let url = s3::url(&format!("race/{round}"));
         // Both writers read the (absent) pointer before either commits: they meet at a
         // barrier after their first shard is written (the progress callback), which is after
         // the pointer was read and before the commit.
@@ -249,16 +182,16 @@ fn two_concurrent_writers_exactly_one_commits() {
 
 #[test]
 fn large_shards_go_as_multipart_uploads() {
-    if s3_server::skipped("large_shards_go_as_multipart_uploads") {
+    if s3::skipped("large_shards_go_as_multipart_uploads") {
         return;
     }
     let ropts = RemoteOptions {
         multipart_threshold: 6 << 20,
         part_size: 5 << 20,
         parts_in_flight: 2,
-        ..s3_opts()
+        ..s3::options()
     };
-    let url = s3_url("multipart");
+    let url = s3::url("multipart");
     // One 16 MiB tensor in one shard: 4 parts of 5 MiB (the last shorter).
     let key = zarrckpt::TensorKey::new("big").unwrap();
     let shape = vec![4u64 << 20];
@@ -304,17 +237,17 @@ fn large_shards_go_as_multipart_uploads() {
 
 #[test]
 fn a_rank_whose_upload_fails_is_named_on_every_rank() {
-    if s3_server::skipped("a_rank_whose_upload_fails_is_named_on_every_rank") {
+    if s3::skipped("a_rank_whose_upload_fails_is_named_on_every_rank") {
         return;
     }
-    let (url, ropts) = (s3_url("rank-failure"), s3_opts());
+    let (url, ropts) = (s3::url("rank-failure"), s3::options());
     // Rank 1 reaches the store through a port where nothing listens (a permanent failure of
     // its uploads after its retries); rank 0 reaches SeaweedFS.
-    let dead_port = s3_server::free_ports(1)[0];
+    let dead_port = s3::free_ports(1)[0];
     let broken = RemoteOptions {
         max_retries: 1,
         retry_timeout: Duration::from_secs(5),
-        ..opts_for(&format!("http://127.0.0.1:{dead_port}"))
+        ..s3::options_for(&format!("http://127.0.0.1:{dead_port}"))
     };
     // Every rank returns within the save's deadline (no rank waits on the failed one).
     let deadline = Duration::from_secs(30);
@@ -329,42 +262,23 @@ fn a_rank_whose_upload_fails_is_named_on_every_rank() {
         save(&st.sharded(), Path::new(&url), &comm, &opts)
     });
     assert!(t0.elapsed() < deadline, "{:?}", t0.elapsed());
-    for (rank, r) in results.iter().enumerate() {
-        let e = r.as_ref().unwrap_err();
-        let text = e.to_string();
-        if rank == 0 {
-            assert!(
-                matches!(e, Error::RemoteFailure { rank: 1, .. }),
-                "rank 0: {text}"
-            );
-        }
-        // Both name the failing key (its full URL) and the cause.
-        assert!(
-            text.contains(&format!("{url}/generations/")),
-            "rank {rank}: {text}"
-        );
-        assert!(text.contains("PUT"), "rank {rank}: {text}");
-    }
+    // Both name the failing key (its full URL) and the cause.
     let store = RemoteStore::open(&url, &ropts).unwrap();
-    assert!(
-        zarrckpt::storage::remote::generation::read_pointer(&store)
-            .unwrap()
-            .is_none()
-    );
+    s3::assert_failure_named(&results, 1, &url, "PUT", &store);
 }
 
 #[test]
 fn the_probe_passes_seaweedfs_and_refuses_the_juicefs_gateway() {
-    if s3_server::skipped("the_probe_passes_seaweedfs_and_refuses_the_juicefs_gateway") {
+    if s3::skipped("the_probe_passes_seaweedfs_and_refuses_the_juicefs_gateway") {
         return;
     }
-    let store = RemoteStore::open(&s3_url("probe"), &s3_opts()).unwrap();
+    let store = RemoteStore::open(&s3::url("probe"), &s3::options()).unwrap();
     let r = remote::probe(&store).unwrap();
     assert!(r.if_none_match && r.if_match, "{r:?}");
 
-    let jfs = s3_server::JuiceGateway::start();
-    let jopts = opts_for(&jfs.endpoint());
-    let url = s3_url("probe");
+    let jfs = s3::JuiceGateway::start();
+    let jopts = s3::options_for(&jfs.endpoint());
+    let url = s3::url("probe");
     let store = RemoteStore::open(&url, &jopts).unwrap();
     // The gateway answers signed requests a moment after its port opens.
     let start = std::time::Instant::now();
@@ -433,15 +347,15 @@ fn reading_a_missing_or_damaged_checkpoint_names_the_key() {
 fn the_storage_seam_on_seaweedfs() {
     use zarrckpt::storage::StorageError;
     use zarrckpt::storage::store::{Store, UpdateVersion};
-    if s3_server::skipped("the_storage_seam_on_seaweedfs") {
+    if s3::skipped("the_storage_seam_on_seaweedfs") {
         return;
     }
     let ropts = RemoteOptions {
         part_size: 5 << 20,
         parts_in_flight: 2,
-        ..s3_opts()
+        ..s3::options()
     };
-    let s = RemoteStore::open(&s3_url("seam"), &ropts).unwrap();
+    let s = RemoteStore::open(&s3::url("seam"), &ropts).unwrap();
     let r = Store::put_if_absent(&s, "k", &[b"ab", b"c"]).unwrap();
     assert!(matches!(
         Store::put_if_absent(&s, "k", &[b"x"]),
@@ -483,21 +397,21 @@ fn the_storage_seam_on_seaweedfs() {
 
 #[test]
 fn the_cli_copies_inspects_verifies_lists_and_collects() {
-    if s3_server::skipped("the_cli_copies_inspects_verifies_lists_and_collects") {
+    if s3::skipped("the_cli_copies_inspects_verifies_lists_and_collects") {
         return;
     }
-    let _ = s3_opts(); // the server is up and answers signed requests
+    let _ = s3::options(); // the server is up and answers signed requests
     let tmp = tempfile::tempdir().unwrap();
     let local = tmp.path().join("ckpt");
     run_local(2, Duration::from_secs(60), |comm| {
         let st = RankState::new(2, comm.rank() as u64, 5);
         save(&st.sharded(), &local, &comm, &SaveOptions::default()).unwrap();
     });
-    let url = s3_url("cli/step-5");
+    let url = s3::url("cli/step-5");
     let run = |args: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_zarrckpt"))
             .args(args)
-            .envs(server().env())
+            .envs(s3::shared().env())
             .env("TMPDIR", tmp.path())
             .output()
             .unwrap();
@@ -514,7 +428,7 @@ fn the_cli_copies_inspects_verifies_lists_and_collects() {
     run(&["cp", local_s, &url, "--overwrite"]);
     assert!(run(&["verify", &url]).contains("OK:"));
     assert!(run(&["inspect", &url]).contains("model.rows.weight"));
-    let ls = run(&["ls", &s3_url("cli")]);
+    let ls = run(&["ls", &s3::url("cli")]);
     assert!(
         ls.contains("step-5") && ls.contains("1 checkpoint(s)"),
         "{ls}"
@@ -524,7 +438,7 @@ fn the_cli_copies_inspects_verifies_lists_and_collects() {
     state::check(&back, 5);
     let diff = std::process::Command::new(env!("CARGO_BIN_EXE_zarrckpt"))
         .args(["diff", local_s, &url])
-        .envs(server().env())
+        .envs(s3::shared().env())
         .status()
         .unwrap();
     assert!(diff.success());
@@ -536,11 +450,11 @@ fn the_cli_copies_inspects_verifies_lists_and_collects() {
 /// committed generation straight from SeaweedFS, as the spec's section 20.2 says.
 #[test]
 fn tensorstore_reads_a_committed_generation_from_s3() {
-    if s3_server::skipped("tensorstore_reads_a_committed_generation_from_s3") {
+    if s3::skipped("tensorstore_reads_a_committed_generation_from_s3") {
         return;
     }
-    let python = s3_server::venv_binary("python", "ZARRCKPT_PYTHON");
-    let (url, ropts) = (s3_url("tensorstore"), s3_opts());
+    let python = s3::venv_binary("python", "ZARRCKPT_PYTHON");
+    let (url, ropts) = (s3::url("tensorstore"), s3::options());
     save_state(&url, 2, 4, &ropts, false).remove(0).unwrap();
     let store = RemoteStore::open(&url, &ropts).unwrap();
     let generation = remote::resolve(&store).unwrap().generation;
@@ -559,13 +473,13 @@ spec = {{"driver": "zarr3", "kvstore": {{"driver": "s3", "bucket": "{bucket}", "
 a = ts.open(spec, read=True).result()
 open("{out}", "wb").write(a.read().result().tobytes())
 "#,
-        bucket = s3_server::BUCKET,
-        endpoint = server().endpoint(),
+        bucket = s3::BUCKET,
+        endpoint = s3::shared().endpoint(),
         out = out.display()
     );
     let o = std::process::Command::new(python)
         .args(["-c", &script])
-        .envs(server().env())
+        .envs(s3::shared().env())
         .output()
         .unwrap();
     assert!(

@@ -9,64 +9,36 @@
 mod common;
 #[path = "common/proxy.rs"]
 mod proxy;
-#[path = "common/s3.rs"]
-mod s3_server;
 
-use std::path::Path;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use common::s3;
 use common::state::{self, RankState};
 use proxy::{Fault, Proxy, Rule};
 use zarrckpt::comm::run_local;
 use zarrckpt::remote::{self, RemoteOptions, RemoteStore, SaveTarget};
-use zarrckpt::{Checkpoint, Communicator, Error, SaveOptions, save};
+use zarrckpt::{Checkpoint, Communicator, SaveOptions, save};
 
-fn server() -> &'static s3_server::S3Server {
-    static SERVER: OnceLock<s3_server::S3Server> = OnceLock::new();
-    SERVER.get_or_init(s3_server::S3Server::start)
-}
-
-/// Options reaching `endpoint` with the test credentials, retrying fast.
+/// Options reaching `endpoint` (the server or the proxy) with the test credentials, retrying
+/// fast.
 fn opts_for(endpoint: &str) -> RemoteOptions {
     RemoteOptions {
-        config: vec![
-            ("aws_endpoint".into(), endpoint.into()),
-            ("aws_access_key_id".into(), s3_server::ACCESS_KEY.into()),
-            ("aws_secret_access_key".into(), s3_server::SECRET_KEY.into()),
-            ("aws_region".into(), "us-east-1".into()),
-            ("aws_allow_http".into(), "true".into()),
-        ],
         max_retries: 20,
         init_backoff: Duration::from_millis(10),
         max_backoff: Duration::from_millis(200),
         request_timeout: Duration::from_secs(20),
         retry_timeout: Duration::from_secs(30),
-        ..RemoteOptions::builtin()
+        ..s3::options_for(endpoint)
     }
 }
 
 /// Options straight to the server, once it answers signed requests.
 fn direct_opts() -> RemoteOptions {
-    static READY: OnceLock<()> = OnceLock::new();
-    let opts = opts_for(&server().endpoint());
-    READY.get_or_init(|| {
-        let store = RemoteStore::open(&format!("s3://{}/ready", s3_server::BUCKET), &opts).unwrap();
-        let start = Instant::now();
-        while let Err(e) = store.list("") {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "SeaweedFS answers no signed LIST after 60 s: {e}\n{}",
-                server().log()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    });
-    opts
+    opts_for(&s3::shared().endpoint())
 }
 
 fn s3_url(name: &str) -> String {
-    format!("s3://{}/faults/{name}", s3_server::BUCKET)
+    format!("s3://{}/faults/{name}", s3::BUCKET)
 }
 
 fn save_state(
@@ -87,24 +59,6 @@ fn save_state(
         })
         .map(|s| s.generation)
     })
-}
-
-fn same_tensors(a: &Path, b: &Path) {
-    let (ca, cb) = (Checkpoint::open(a).unwrap(), Checkpoint::open(b).unwrap());
-    let keys: Vec<_> = ca.tensors().iter().map(|t| t.key.clone()).collect();
-    assert_eq!(
-        keys,
-        cb.tensors()
-            .iter()
-            .map(|t| t.key.clone())
-            .collect::<Vec<_>>()
-    );
-    for k in keys {
-        assert!(
-            ca.read_tensor(&k).unwrap() == cb.read_tensor(&k).unwrap(),
-            "tensor `{k}` differs"
-        );
-    }
 }
 
 /// The faults of a flaky server: every kind, a few times each, on writes and reads.
@@ -143,7 +97,7 @@ fn faults_seen(p: &Proxy) -> Vec<String> {
 
 fn save_and_load_through_faults(name: &str, multipart: bool) {
     let direct = direct_opts();
-    let proxy = Proxy::start(server().port, flaky_rules(), Duration::from_secs(300));
+    let proxy = Proxy::start(s3::shared().port, flaky_rules(), Duration::from_secs(300));
     let ropts = RemoteOptions {
         // Every object a multipart upload of one part, or none.
         multipart_threshold: if multipart { 1 } else { u64::MAX },
@@ -162,7 +116,7 @@ fn save_and_load_through_faults(name: &str, multipart: bool) {
         save(&st.sharded(), &dir, &comm, &SaveOptions::default()).unwrap();
     });
     state::check(fetched.dir(), 7);
-    same_tensors(fetched.dir(), &dir);
+    common::target::same_tensors(fetched.dir(), &dir);
     let report = Checkpoint::open(fetched.dir())
         .unwrap()
         .verify(2, None)
@@ -196,12 +150,12 @@ fn save_and_load_through_faults(name: &str, multipart: bool) {
         );
     }
     let again = remote::fetch_url(&url, &direct, None).unwrap();
-    same_tensors(again.dir(), &dir);
+    common::target::same_tensors(again.dir(), &dir);
 }
 
 #[test]
 fn transient_503_409_and_drops_still_commit_and_read_back_bit_identical() {
-    if s3_server::skipped("transient_503_409_and_drops_still_commit_and_read_back_bit_identical") {
+    if s3::skipped("transient_503_409_and_drops_still_commit_and_read_back_bit_identical") {
         return;
     }
     save_and_load_through_faults("transient-single", false);
@@ -209,7 +163,7 @@ fn transient_503_409_and_drops_still_commit_and_read_back_bit_identical() {
 
 #[test]
 fn transient_faults_on_multipart_uploads_still_commit() {
-    if s3_server::skipped("transient_faults_on_multipart_uploads_still_commit") {
+    if s3::skipped("transient_faults_on_multipart_uploads_still_commit") {
         return;
     }
     save_and_load_through_faults("transient-multipart", true);
@@ -217,16 +171,15 @@ fn transient_faults_on_multipart_uploads_still_commit() {
 
 #[test]
 fn a_rank_whose_uploads_fail_for_good_is_named_on_every_rank_within_the_deadline() {
-    if s3_server::skipped(
-        "a_rank_whose_uploads_fail_for_good_is_named_on_every_rank_within_the_deadline",
-    ) {
+    if s3::skipped("a_rank_whose_uploads_fail_for_good_is_named_on_every_rank_within_the_deadline")
+    {
         return;
     }
     let direct = direct_opts();
     // Rank 1 reaches the server through a proxy that answers every upload into a generation
     // with 503 SlowDown, for good; the others reach it directly.
     let proxy = Proxy::start(
-        server().port,
+        s3::shared().port,
         vec![
             Rule::new(Fault::SlowDown, 1, u64::MAX)
                 .method("PUT")
@@ -257,42 +210,23 @@ fn a_rank_whose_uploads_fail_for_good_is_named_on_every_rank_within_the_deadline
         took < deadline + Duration::from_secs(20),
         "the save took {took:?} with a retry deadline of {deadline:?}"
     );
-    for (rank, r) in results.iter().enumerate() {
-        let e = r.as_ref().unwrap_err();
-        let text = e.to_string();
-        if rank != 1 {
-            assert!(
-                matches!(e, Error::RemoteFailure { rank: 1, .. }),
-                "rank {rank}: {text}"
-            );
-        }
-        assert!(
-            text.contains(&format!("{url}/generations/")),
-            "rank {rank}: {text}"
-        );
-        assert!(text.contains("503"), "rank {rank}: {text}");
-    }
     // Nothing committed.
     let store = RemoteStore::open(&url, &direct).unwrap();
-    assert!(
-        zarrckpt::storage::remote::generation::read_pointer(&store)
-            .unwrap()
-            .is_none()
-    );
+    s3::assert_failure_named(&results, 1, &url, "503", &store);
 }
 
 #[test]
 fn the_storage_seam_settles_conditional_puts_whose_answer_was_lost() {
     use zarrckpt::storage::StorageError;
     use zarrckpt::storage::store::Store;
-    if s3_server::skipped("the_storage_seam_settles_conditional_puts_whose_answer_was_lost") {
+    if s3::skipped("the_storage_seam_settles_conditional_puts_whose_answer_was_lost") {
         return;
     }
     let _ = direct_opts();
     // Every conditional PUT's answer is lost once (the server acts on it), and a 409 comes
     // before one of them: each put still reports what happened on the server.
     let proxy = Proxy::start(
-        server().port,
+        s3::shared().port,
         vec![
             Rule::new(Fault::Conflict, 3, 1).method("PUT").conditional(),
             Rule::new(Fault::DropAfterForward, 1, 3)

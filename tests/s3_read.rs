@@ -7,13 +7,11 @@
 //! is printed and bounded; a reader decodes each shard index once.
 
 mod common;
-#[path = "common/s3.rs"]
-mod s3_server;
 
 use std::path::Path;
-use std::sync::OnceLock;
 use std::time::Duration;
 
+use common::s3;
 use common::state::{self, RankState};
 use common::{cut, tensor_bytes};
 use zarrckpt::StorageError;
@@ -24,41 +22,6 @@ use zarrckpt::{
     Checkpoint, Communicator, DType, Error, LoadOptions, LoadTarget, Region, SaveOptions,
     ShardedTensor, TensorKey, save,
 };
-
-fn server() -> &'static s3_server::S3Server {
-    static SERVER: OnceLock<s3_server::S3Server> = OnceLock::new();
-    SERVER.get_or_init(s3_server::S3Server::start)
-}
-
-/// Options reaching the test server, after waiting until it answers signed requests.
-fn s3_opts() -> RemoteOptions {
-    static READY: OnceLock<()> = OnceLock::new();
-    let opts = RemoteOptions {
-        config: vec![
-            ("aws_endpoint".into(), server().endpoint()),
-            ("aws_access_key_id".into(), s3_server::ACCESS_KEY.into()),
-            ("aws_secret_access_key".into(), s3_server::SECRET_KEY.into()),
-            ("aws_region".into(), "us-east-1".into()),
-            ("aws_allow_http".into(), "true".into()),
-        ],
-        max_retries: 3,
-        retry_timeout: Duration::from_secs(30),
-        ..RemoteOptions::default()
-    };
-    READY.get_or_init(|| {
-        let store = RemoteStore::open(&format!("s3://{}/ready", s3_server::BUCKET), &opts).unwrap();
-        let start = std::time::Instant::now();
-        while let Err(e) = store.list("") {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "SeaweedFS answers no signed LIST after 60 s: {e}\n{}",
-                server().log()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    });
-    opts
-}
 
 /// Saves the test state of `step` with `world` ranks to `url` and the same to a local
 /// directory, returned.
@@ -178,11 +141,11 @@ fn memory_reads_are_bit_identical_to_local() {
 
 #[test]
 fn s3_reads_are_bit_identical_to_local() {
-    if s3_server::skipped("s3_reads_are_bit_identical_to_local") {
+    if s3::skipped("s3_reads_are_bit_identical_to_local") {
         return;
     }
-    let ropts = s3_opts();
-    let url = format!("s3://{}/read-identical", s3_server::BUCKET);
+    let ropts = s3::options();
+    let url = format!("s3://{}/read-identical", s3::BUCKET);
     let local = save_both(&url, &ropts, 2, 5);
     reads_match_local(&url, Some(&ropts), &local.path().join("ckpt"));
     damaged_objects_give_typed_errors(&url, &ropts);

@@ -1,7 +1,8 @@
 //! Nested state dicts: a small GPT-like model in bf16 with fp32 master weights and two fp32
 //! Adam moments (declared from their parameter's piece), plus objects (iteration, per-rank
 //! RNG bytes, a per-pipeline-stage sharded object), saved as TP2 x PP2 x DP1 and loaded as
-//! TP1 x PP1 x DP3 and TP4 x PP1 x DP1, every byte checked; in-process and TCP ranks.
+//! TP1 x PP1 x DP3 and TP4 x PP1 x DP1, every byte checked; in-process and TCP ranks. Every
+//! test on a local directory, `memory://` and `s3://` (SeaweedFS; `tests/common/target.rs`).
 
 mod common;
 
@@ -294,156 +295,159 @@ fn total_bytes() -> usize {
         .sum()
 }
 
-#[test]
-fn tp2_pp2_saves_and_loads_as_dp3_and_tp4() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ckpt");
-    for r in run_local(4, T, |c| save_rank(&c, &dir, 2, 2)) {
-        r.unwrap();
-    }
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let keys: Vec<String> = ckpt.tensors().iter().map(|t| t.key.to_string()).collect();
-    assert_eq!(keys.len(), model().len() * 4);
-    assert!(keys.contains(&"optimizer/exp_avg_sq/decoder.layers.3.mlp.linear_fc2.weight".into()));
-    let master = ckpt
-        .tensor(&TensorKey::new("optimizer/fp32_master/embedding.word_embeddings.weight").unwrap())
-        .unwrap();
-    assert_eq!(
-        (master.dtype, master.shape.as_slice()),
-        (DType::Float32, &[V, H][..])
-    );
-    let objects: Vec<String> = ckpt.objects().iter().map(|o| o.key.to_string()).collect();
-    assert_eq!(
-        objects,
-        ["iteration", "optimizer/param_groups/0", "pp_stage", "rng"]
-    );
-    // A job with another pipeline size reads each stage's value explicitly.
-    for stage in 0..2u64 {
+on_targets! {
+    fn tp2_pp2_saves_and_loads_as_dp3_and_tp4(target: Target) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = target.path(tmp.path(), "ckpt");
+        for r in run_local(4, T, |c| save_rank(&c, &dir, 2, 2)) {
+            r.unwrap();
+        }
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let keys: Vec<String> = ckpt.tensors().iter().map(|t| t.key.to_string()).collect();
+        assert_eq!(keys.len(), model().len() * 4);
+        assert!(keys.contains(&"optimizer/exp_avg_sq/decoder.layers.3.mlp.linear_fc2.weight".into()));
+        let master = ckpt
+            .tensor(&TensorKey::new("optimizer/fp32_master/embedding.word_embeddings.weight").unwrap())
+            .unwrap();
         assert_eq!(
-            ckpt.read_object(
-                &TensorKey::new("pp_stage").unwrap(),
-                &ObjectSlot::Shard(vec![stage])
-            )
-            .unwrap(),
-            ObjectValue::Json(json!({"stage": stage, "of": 2}))
+            (master.dtype, master.shape.as_slice()),
+            (DType::Float32, &[V, H][..])
         );
-    }
-    assert!(ckpt.verify(1, None).unwrap().problems.is_empty());
+        let objects: Vec<String> = ckpt.objects().iter().map(|o| o.key.to_string()).collect();
+        assert_eq!(
+            objects,
+            ["iteration", "optimizer/param_groups/0", "pp_stage", "rng"]
+        );
+        // A job with another pipeline size reads each stage's value explicitly.
+        for stage in 0..2u64 {
+            assert_eq!(
+                ckpt.read_object(
+                    &TensorKey::new("pp_stage").unwrap(),
+                    &ObjectSlot::Shard(vec![stage])
+                )
+                .unwrap(),
+                ObjectValue::Json(json!({"stage": stage, "of": 2}))
+            );
+        }
+        assert!(ckpt.verify(1, None).unwrap().problems.is_empty());
 
-    // TP1 x PP1 x DP3: every rank loads everything.
-    for r in run_local(3, T, |c| load_rank(&c, &dir, 1)) {
-        assert_eq!(r.unwrap(), total_bytes());
+        // TP1 x PP1 x DP3: every rank loads everything.
+        for r in run_local(3, T, |c| load_rank(&c, &dir, 1)) {
+            assert_eq!(r.unwrap(), total_bytes());
+        }
+        // TP4 x PP1 x DP1 over TCP.
+        let got: usize = run_tcp(4, |c| load_rank(c, &dir, 4))
+            .into_iter()
+            .map(|r| r.unwrap())
+            .sum();
+        let replicated: usize = model()
+            .iter()
+            .filter(|p| p.tp_axis.is_none())
+            .map(|p| p.shape.iter().product::<u64>() as usize * 14)
+            .sum();
+        assert_eq!(got, total_bytes() + 3 * replicated);
     }
-    // TP4 x PP1 x DP1 over TCP.
-    let got: usize = run_tcp(4, |c| load_rank(c, &dir, 4))
-        .into_iter()
-        .map(|r| r.unwrap())
-        .sum();
-    let replicated: usize = model()
-        .iter()
-        .filter(|p| p.tp_axis.is_none())
-        .map(|p| p.shape.iter().product::<u64>() as usize * 14)
-        .sum();
-    assert_eq!(got, total_bytes() + 3 * replicated);
 }
 
-#[test]
-fn tcp_save_loads_in_process() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ckpt");
-    for r in run_tcp(4, |c| save_rank(c, &dir, 2, 2)) {
-        r.unwrap();
-    }
-    for r in run_local(2, T, |c| load_rank(&c, &dir, 2)) {
-        r.unwrap();
+on_targets! {
+    fn tcp_save_loads_in_process(target: Target) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = target.path(tmp.path(), "ckpt");
+        for r in run_tcp(4, |c| save_rank(c, &dir, 2, 2)) {
+            r.unwrap();
+        }
+        for r in run_local(2, T, |c| load_rank(&c, &dir, 2)) {
+            r.unwrap();
+        }
     }
 }
 
-#[test]
-fn flattening_errors_fail_every_rank_and_strict_modes_see_flat_keys() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ckpt");
-    let results = run_local(2, T, |c| {
-        let inner = if c.rank() == 1 { "a/b" } else { "a" };
-        let sd = StateDict::new().with("m", StateDict::new().with(inner, json!(1)));
-        save_state(&sd, &dir, &c, &SaveOptions::default())
-    });
-    assert!(matches!(
-        &results[1],
-        Err(Error::State(StateError::BadSegment { segment, .. })) if segment == "a/b"
-    ));
-    assert!(matches!(
-        &results[0],
-        Err(Error::RemoteFailure { rank: 1, .. })
-    ));
-    assert!(Checkpoint::open(&dir).is_err());
+on_targets! {
+    fn flattening_errors_fail_every_rank_and_strict_modes_see_flat_keys(target: Target) {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = target.path(tmp.path(), "ckpt");
+        let results = run_local(2, T, |c| {
+            let inner = if c.rank() == 1 { "a/b" } else { "a" };
+            let sd = StateDict::new().with("m", StateDict::new().with(inner, json!(1)));
+            save_state(&sd, &dir, &c, &SaveOptions::default())
+        });
+        assert!(matches!(
+            &results[1],
+            Err(Error::State(StateError::BadSegment { segment, .. })) if segment == "a/b"
+        ));
+        assert!(matches!(
+            &results[0],
+            Err(Error::RemoteFailure { rank: 1, .. })
+        ));
+        assert!(Checkpoint::open(&dir).is_err());
 
-    // A load target in a save is refused.
-    let mut buf = [0f32; 2];
-    let sd = StateDict::new().with(
-        "t",
-        LoadTarget::from_slice("t", &[2], &[0], &mut buf, &[2]).unwrap(),
-    );
-    let e = run_local(1, T, |c| {
-        save_state(&sd, &dir, &c, &SaveOptions::default()).map(|_| ())
-    })
-    .pop()
-    .unwrap()
-    .unwrap_err();
-    assert!(e.to_string().contains("a load target"), "{e}");
+        // A load target in a save is refused.
+        let mut buf = [0f32; 2];
+        let sd = StateDict::new().with(
+            "t",
+            LoadTarget::from_slice("t", &[2], &[0], &mut buf, &[2]).unwrap(),
+        );
+        let e = run_local(1, T, |c| {
+            save_state(&sd, &dir, &c, &SaveOptions::default()).map(|_| ())
+        })
+        .pop()
+        .unwrap()
+        .unwrap_err();
+        assert!(e.to_string().contains("a load target"), "{e}");
 
-    // Save a small state, then load with an extra key in ReturnUnexpected mode.
-    let w = [1f32, 2.0];
-    for r in run_local(1, T, |c| {
-        let sd = StateDict::new()
-            .with(
-                "model",
-                StateDict::new().with(
-                    "w",
-                    ShardedTensor::from_slice("x", &[2], &[0], &w, &[2], 0).unwrap(),
-                ),
-            )
-            .with("step", json!(5));
-        save_state(&sd, &dir, &c, &SaveOptions::default())
-    }) {
-        r.unwrap();
-    }
-    let results = run_local(1, T, |c| {
-        let (mut a, mut b) = ([0f32; 2], [7f32; 2]);
-        let mut sd = StateDict::new()
-            .with(
-                "model",
-                StateDict::new()
-                    .with(
+        // Save a small state, then load with an extra key in ReturnUnexpected mode.
+        let w = [1f32, 2.0];
+        for r in run_local(1, T, |c| {
+            let sd = StateDict::new()
+                .with(
+                    "model",
+                    StateDict::new().with(
                         "w",
-                        LoadTarget::from_slice("x", &[2], &[0], &mut a, &[2]).unwrap(),
-                    )
-                    .with(
-                        "extra",
-                        LoadTarget::from_slice("x", &[2], &[0], &mut b, &[2]).unwrap(),
+                        ShardedTensor::from_slice("x", &[2], &[0], &w, &[2], 0).unwrap(),
                     ),
-            )
-            .with("step", json!(0))
-            .with("sched", json!("untouched"));
-        let opts = LoadOptions {
-            strict: StrictMode::ReturnUnexpected,
-            ..LoadOptions::default()
-        };
-        let rep = load_state(&mut sd, &dir, &c, &opts).unwrap();
-        let step = match sd.get("step") {
-            Some(StateValue::Scalar(v)) => v.clone(),
-            _ => json!(null),
-        };
-        let sched = match sd.get("sched") {
-            Some(StateValue::Scalar(v)) => v.clone(),
-            _ => json!(null),
-        };
-        drop(sd);
-        (rep.unexpected, a, b, step, sched)
-    });
-    let (unexpected, a, b, step, sched) = results.into_iter().next().unwrap();
-    let unexpected: Vec<String> = unexpected.iter().map(ToString::to_string).collect();
-    assert_eq!(unexpected, ["model/extra", "sched"]);
-    assert_eq!((a, b), ([1.0, 2.0], [7.0, 7.0]));
-    assert_eq!((step, sched), (json!(5), json!("untouched")));
+                )
+                .with("step", json!(5));
+            save_state(&sd, &dir, &c, &SaveOptions::default())
+        }) {
+            r.unwrap();
+        }
+        let results = run_local(1, T, |c| {
+            let (mut a, mut b) = ([0f32; 2], [7f32; 2]);
+            let mut sd = StateDict::new()
+                .with(
+                    "model",
+                    StateDict::new()
+                        .with(
+                            "w",
+                            LoadTarget::from_slice("x", &[2], &[0], &mut a, &[2]).unwrap(),
+                        )
+                        .with(
+                            "extra",
+                            LoadTarget::from_slice("x", &[2], &[0], &mut b, &[2]).unwrap(),
+                        ),
+                )
+                .with("step", json!(0))
+                .with("sched", json!("untouched"));
+            let opts = LoadOptions {
+                strict: StrictMode::ReturnUnexpected,
+                ..LoadOptions::default()
+            };
+            let rep = load_state(&mut sd, &dir, &c, &opts).unwrap();
+            let step = match sd.get("step") {
+                Some(StateValue::Scalar(v)) => v.clone(),
+                _ => json!(null),
+            };
+            let sched = match sd.get("sched") {
+                Some(StateValue::Scalar(v)) => v.clone(),
+                _ => json!(null),
+            };
+            drop(sd);
+            (rep.unexpected, a, b, step, sched)
+        });
+        let (unexpected, a, b, step, sched) = results.into_iter().next().unwrap();
+        let unexpected: Vec<String> = unexpected.iter().map(ToString::to_string).collect();
+        assert_eq!(unexpected, ["model/extra", "sched"]);
+        assert_eq!((a, b), ([1.0, 2.0], [7.0, 7.0]));
+        assert_eq!((step, sched), (json!(5), json!("untouched")));
+    }
 }

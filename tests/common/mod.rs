@@ -53,4 +53,6 @@ pub fn piece(shape: &[u64], axis: usize, n: u64, i: u64) -> Region {
     Region::new(offset, s).unwrap()
 }
 pub mod r#gen; // `gen` is a reserved keyword in edition 2024
+pub mod s3;
 pub mod state;
+pub mod target;

@@ -6,15 +6,20 @@
 //! `<repo>/.venv/bin/weed`. Without one the tests FAIL (never a silent pass), unless
 //! `ZARRCKPT_SKIP_S3=1`, which makes them print a skip line and return.
 //!
-//! Included with `#[path = "common/s3.rs"]` by the tests that need it: it uses no crate but
-//! `std` and `tempfile`.
+//! The tests reach it through `common::s3` ([`shared`]: one server per test binary, started on
+//! first use, answering signed requests; [`options`], [`url`]); `zarrckpt bench-s3` and
+//! `tests/crash.rs` include this file with `#[path]`. It uses no crate but `std`, `tempfile`
+//! and `zarrckpt`'s remote options.
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+
+use zarrckpt::remote::{RemoteOptions, RemoteStore};
 
 /// The access key of the server's only identity (Admin, Read, Write, List).
 pub const ACCESS_KEY: &str = "zarrckpt-test";
@@ -240,6 +245,65 @@ impl S3Server {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// Options reaching this server with the test credentials (see [`options_for`]).
+    pub fn options(&self) -> RemoteOptions {
+        options_for(&self.endpoint())
+    }
+
+    /// Waits until the server answers a signed `LIST` (its bucket is created just after the
+    /// port opens); panics with its log after 60 s.
+    pub fn wait_ready(&self) {
+        let store = RemoteStore::open(&format!("s3://{BUCKET}/ready"), &self.options())
+            .expect("open the readiness probe's store");
+        let start = Instant::now();
+        while let Err(e) = store.list("") {
+            assert!(
+                start.elapsed() < Duration::from_secs(60),
+                "SeaweedFS answers no signed LIST after 60 s: {e}\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+/// The one SeaweedFS of this test binary (each test uses its own prefix, see [`url`]):
+/// started on first use, ready for signed requests; killed when the process ends.
+pub fn shared() -> &'static S3Server {
+    static SERVER: OnceLock<S3Server> = OnceLock::new();
+    static READY: OnceLock<()> = OnceLock::new();
+    let server = SERVER.get_or_init(S3Server::start);
+    READY.get_or_init(|| server.wait_ready());
+    server
+}
+
+/// [`shared`]'s options: what most tests pass as `SaveOptions::remote` and to `open_url`.
+pub fn options() -> RemoteOptions {
+    shared().options()
+}
+
+/// Options reaching `endpoint` (the server, or a proxy in front of it) with the test
+/// credentials, set explicitly (no environment variables: the tests run in parallel threads),
+/// few retries, and the built-in defaults otherwise (not the `ZARRCKPT_REMOTE_*` variables).
+pub fn options_for(endpoint: &str) -> RemoteOptions {
+    RemoteOptions {
+        config: vec![
+            ("aws_endpoint".into(), endpoint.into()),
+            ("aws_access_key_id".into(), ACCESS_KEY.into()),
+            ("aws_secret_access_key".into(), SECRET_KEY.into()),
+            ("aws_region".into(), "us-east-1".into()),
+            ("aws_allow_http".into(), "true".into()),
+        ],
+        max_retries: 3,
+        retry_timeout: Duration::from_secs(30),
+        ..RemoteOptions::builtin()
+    }
+}
+
+/// `s3://<BUCKET>/<name>`.
+pub fn url(name: &str) -> String {
+    format!("s3://{BUCKET}/{name}")
 }
 
 /// Runs `"$@"` (weed) in the background and kills it when the process `$ZARRCKPT_PARENT` is
@@ -346,4 +410,38 @@ impl Drop for JuiceGateway {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Every rank's result of a save in which rank `failed`'s uploads failed for good: an error
+/// naming a key under `<url>/generations/` and `cause` (a method or an HTTP status), on the
+/// other ranks the typed [`zarrckpt::Error::RemoteFailure`] naming that rank; and no pointer at
+/// `url` in `store` (nothing committed).
+pub fn assert_failure_named<T: std::fmt::Debug>(
+    results: &[zarrckpt::Result<T>],
+    failed: usize,
+    url: &str,
+    cause: &str,
+    store: &RemoteStore,
+) {
+    for (rank, r) in results.iter().enumerate() {
+        let e = r.as_ref().unwrap_err();
+        let text = e.to_string();
+        if rank != failed {
+            assert!(
+                matches!(e, zarrckpt::Error::RemoteFailure { rank, .. } if *rank == failed),
+                "rank {rank}: {text}"
+            );
+        }
+        assert!(
+            text.contains(&format!("{url}/generations/")),
+            "rank {rank}: {text}"
+        );
+        assert!(text.contains(cause), "rank {rank}: {text}");
+    }
+    assert!(
+        zarrckpt::storage::remote::generation::read_pointer(store)
+            .unwrap()
+            .is_none(),
+        "a pointer at {url}: something was committed"
+    );
 }
