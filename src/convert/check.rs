@@ -101,7 +101,7 @@ fn cover(
         let mut pair_over = 0u64;
         for i in 0..bs.len() {
             for j in i + 1..bs.len() {
-                if let Some(x) = bs[i].1.intersect(&bs[j].1) {
+                if let Some(x) = bs[i].1.intersect(bs[j].1) {
                     pair_over += x.volume();
                     over_rules.push(bs[i].0);
                     over_rules.push(bs[j].0);

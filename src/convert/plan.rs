@@ -558,8 +558,11 @@ pub struct Part<'a> {
     /// Only pieces whose box of their Megatron tensor (key, box in its global coordinates)
     /// this accepts (`None`: every piece `keep` keeps). Like `keep`, it never changes which
     /// checks run.
-    pub boxes: Option<&'a dyn Fn(&str, &Bx) -> bool>,
+    pub boxes: Option<&'a KeepBox<'a>>,
 }
+
+/// A predicate on a piece's Megatron key and its box in the tensor's global coordinates.
+pub type KeepBox<'a> = dyn Fn(&str, &Bx) -> bool + 'a;
 
 /// [`plan_vllm`] restricted to `part`: the same checks (each of them depends on the TP size
 /// and the tensor, never on which TP rank is built, so one rank's part refuses exactly what
