@@ -40,38 +40,31 @@ fn rules_of(ex: &Expanded, ids: impl IntoIterator<Item = usize>) -> String {
 fn cover(
     shape: &[u64],
     group_axes: usize,
-    boxes: &[(usize, Bx)],
+    boxes: &[(usize, &Bx)],
     npads: usize,
 ) -> (u64, String, u64, Vec<usize>, String) {
     // The last `npads` boxes are padding: padding overlapping padding is not a conflict
     // (two rules may pad the same rows); counted once.
     let first_pad = boxes.len() - npads;
-    let boxes: Vec<(usize, Bx, bool)> = boxes
+    let mut seen_pads: Vec<&Bx> = Vec::new();
+    let boxes: Vec<(usize, &Bx)> = boxes
         .iter()
         .enumerate()
-        .map(|(i, (r, b))| (*r, b.clone(), i >= first_pad))
-        .collect();
-    let mut seen_pads: Vec<Bx> = Vec::new();
-    let boxes: Vec<(usize, Bx, bool)> = boxes
-        .into_iter()
-        .filter(|(_, b, pad)| {
-            if !*pad {
+        .filter(|&(i, &(_, b))| {
+            if i < first_pad {
                 return true;
             }
-            if seen_pads.contains(b) {
+            if seen_pads.contains(&b) {
                 return false;
             }
-            seen_pads.push(b.clone());
+            seen_pads.push(b);
             true
         })
+        .map(|(_, b)| *b)
         .collect();
-    let boxes = &boxes;
-    let mut groups: BTreeMap<Vec<u64>, Vec<&(usize, Bx, bool)>> = BTreeMap::new();
+    let mut groups: BTreeMap<&[u64], Vec<(usize, &Bx)>> = BTreeMap::new();
     for b in boxes {
-        groups
-            .entry(b.1.off[..group_axes].to_vec())
-            .or_default()
-            .push(b);
+        groups.entry(&b.1.off[..group_axes]).or_default().push(b);
     }
     let body: u64 = shape[group_axes..].iter().product();
     let ngroups: u64 = shape[..group_axes].iter().product();
@@ -85,7 +78,7 @@ fn cover(
         // First missing group.
         let mut idx = vec![0u64; group_axes];
         'find: loop {
-            if !groups.contains_key(&idx) {
+            if !groups.contains_key(idx.as_slice()) {
                 gap_at = format!(" at stack index {idx:?}");
                 break 'find;
             }
@@ -108,7 +101,7 @@ fn cover(
         let mut pair_over = 0u64;
         for i in 0..bs.len() {
             for j in i + 1..bs.len() {
-                if let Some(x) = bs[i].1.intersect(&bs[j].1) {
+                if let Some(x) = bs[i].1.intersect(bs[j].1) {
                     pair_over += x.volume();
                     over_rules.push(bs[i].0);
                     over_rules.push(bs[j].0);
@@ -162,17 +155,17 @@ fn cover(
 /// The first violation.
 pub fn check_structure(ex: &Expanded, dir: Direction) -> Result<(), ConvertError> {
     // Megatron side.
-    let mut mboxes: Vec<Vec<(usize, Bx)>> = vec![Vec::new(); ex.m.len()];
+    let mut mboxes: Vec<Vec<(usize, &Bx)>> = vec![Vec::new(); ex.m.len()];
     for l in &ex.links {
-        mboxes[l.m].push((l.rule, l.mbox.clone()));
+        mboxes[l.m].push((l.rule, &l.mbox));
     }
-    let mut pads: Vec<Vec<(usize, Bx)>> = vec![Vec::new(); ex.m.len()];
+    let mut pads: Vec<Vec<(usize, &Bx)>> = vec![Vec::new(); ex.m.len()];
     for (r, m, b) in &ex.pads {
-        pads[*m].push((*r, b.clone()));
+        pads[*m].push((*r, b));
     }
     for (mi, m) in ex.m.iter().enumerate() {
-        let mut all = mboxes[mi].clone();
-        all.extend(pads[mi].iter().cloned());
+        let mut all = std::mem::take(&mut mboxes[mi]);
+        all.extend(pads[mi].iter().copied());
         let (gap, gap_at, over, over_rules, over_at) =
             cover(&m.shape, m.stack_axes, &all, pads[mi].len());
         if over > 0 {
@@ -215,12 +208,18 @@ pub fn check_structure(ex: &Expanded, dir: Direction) -> Result<(), ConvertError
         }
     }
     // HF side.
-    let mut hboxes: Vec<Vec<(usize, Bx)>> = vec![Vec::new(); ex.h.len()];
+    drop(mboxes);
+    let fulls: Vec<(usize, usize, Bx)> = ex
+        .aux
+        .iter()
+        .map(|&(r, h)| (r, h, Bx::full(&ex.h[h].shape)))
+        .collect();
+    let mut hboxes: Vec<Vec<(usize, &Bx)>> = vec![Vec::new(); ex.h.len()];
     for l in &ex.links {
-        hboxes[l.h].push((l.rule, l.hbox.clone()));
+        hboxes[l.h].push((l.rule, &l.hbox));
     }
-    for (r, h) in &ex.aux {
-        hboxes[*h].push((*r, Bx::full(&ex.h[*h].shape)));
+    for (r, h, b) in &fulls {
+        hboxes[*h].push((*r, b));
     }
     for (hi, h) in ex.h.iter().enumerate() {
         let (gap, gap_at, over, over_rules, over_at) = cover(&h.shape, 0, &hboxes[hi], 0);

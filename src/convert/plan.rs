@@ -222,18 +222,30 @@ fn invert(value: &[ValueOp]) -> Vec<ValueOp> {
         .collect()
 }
 
-/// Plans an HF export of a Megatron-layout checkpoint whose tensors are `inv` (stored key ->
-/// (dtype, shape)). `max_shard_bytes` splits the output into files as HF does.
-///
-/// # Errors
-/// Any check of spec § 19.5.
-pub fn plan_hf_export(
+/// An HF tensor of an export, without its pieces: what a vLLM plan needs of it.
+struct Head {
+    /// Index into the expansion's HF tensors.
+    h: usize,
+    /// Data type of the exported tensor.
+    dtype: DType,
+    /// Value ops of the export direction.
+    value: Vec<ValueOp>,
+}
+
+/// The expansion, the checked sources and the exported HF tensors (in write order, without
+/// pieces) of an HF export: every check of [`plan_hf_export`], none of its boxes.
+struct Heads {
+    ex: Expanded,
+    sources: Vec<Source>,
+    heads: Vec<Head>,
+}
+
+fn hf_heads(
     table: &Table,
     config: &serde_json::Value,
     saved: Layout,
     inv: &Inventory,
-    max_shard_bytes: u64,
-) -> Result<Plan, ConvertError> {
+) -> Result<Heads, ConvertError> {
     let ex = super::expand::expand(table, config, saved)?;
     check::check_structure(&ex, Direction::Export)?;
     let stored = check::check_megatron_input(&ex, inv)?;
@@ -248,29 +260,34 @@ pub fn plan_hf_export(
             })
         })
         .collect::<Result<_, ConvertError>>()?;
-    let aux: Vec<usize> = ex.aux.iter().map(|a| a.1).collect();
-    let mut by_h: Vec<Vec<&Link>> = vec![Vec::new(); ex.h.len()];
-    for l in &ex.links {
-        by_h[l.h].push(l);
-    }
+    let aux: std::collections::HashSet<usize> = ex.aux.iter().map(|a| a.1).collect();
+    // Per HF tensor, its links as a range of `by_h` (links grouped by HF tensor, in order).
+    let mut by_h: Vec<u32> = (0..u32::try_from(ex.links.len()).unwrap_or(u32::MAX)).collect();
+    by_h.sort_by_key(|&i| ex.links[i as usize].h);
     let mut order: Vec<usize> = (0..ex.h.len()).filter(|h| !aux.contains(h)).collect();
     order.sort_by(|a, b| ex.h[*a].order.cmp(&ex.h[*b].order));
-    let mut dests = Vec::new();
+    let mut heads = Vec::with_capacity(order.len());
     for hi in order {
         let h = &ex.h[hi];
-        let links = &by_h[hi];
-        let first = links[0];
+        let lo = by_h.partition_point(|&i| ex.links[i as usize].h < hi);
+        let hi_end = by_h.partition_point(|&i| ex.links[i as usize].h <= hi);
+        let mut links = by_h[lo..hi_end].iter().map(|&i| &ex.links[i as usize]);
+        let first = links.clone().next().ok_or_else(|| ConvertError::Table {
+            table: table.name.clone(),
+            msg: format!(
+                "no rule reads a Megatron tensor into HF tensor `{}`",
+                h.name
+            ),
+        })?;
         let dtype = sources[first.m].dtype;
-        for l in links {
-            if sources[l.m].dtype != dtype {
-                return Err(ConvertError::Dtype {
-                    rule: ex.rules[l.rule].name.clone(),
-                    side: "megatron",
-                    key: sources[l.m].name.clone(),
-                    stored: sources[l.m].dtype.to_string(),
-                    expected: dtype.to_string(),
-                });
-            }
+        if let Some(l) = links.find(|l| sources[l.m].dtype != dtype) {
+            return Err(ConvertError::Dtype {
+                rule: ex.rules[l.rule].name.clone(),
+                side: "megatron",
+                key: sources[l.m].name.clone(),
+                stored: sources[l.m].dtype.to_string(),
+                expected: dtype.to_string(),
+            });
         }
         let rule = &ex.rules[first.rule];
         let dtype = match &h.dtype {
@@ -284,7 +301,47 @@ pub fn plan_hf_export(
             }
             _ => dtype,
         };
-        let pieces = links
+        heads.push(Head {
+            h: hi,
+            dtype,
+            value: invert(&rule.value),
+        });
+    }
+    Ok(Heads { ex, sources, heads })
+}
+
+/// The checks passed by an HF export.
+fn hf_checks(saved: Layout, dests: usize, sources: usize) -> Vec<String> {
+    vec![
+        format!("every HF tensor produced exactly once ({dests} tensors)"),
+        format!("every Megatron element consumed exactly once, padding aside ({sources} tensors)"),
+        "every checkpoint tensor consumed or listed in drop.megatron".into(),
+        format!("stored shapes equal config-implied shapes at {saved}"),
+        "fused tensors interleaved per unit".into(),
+    ]
+}
+
+/// Plans an HF export of a Megatron-layout checkpoint whose tensors are `inv` (stored key ->
+/// (dtype, shape)). `max_shard_bytes` splits the output into files as HF does.
+///
+/// # Errors
+/// Any check of spec § 19.5.
+pub fn plan_hf_export(
+    table: &Table,
+    config: &serde_json::Value,
+    saved: Layout,
+    inv: &Inventory,
+    max_shard_bytes: u64,
+) -> Result<Plan, ConvertError> {
+    let Heads { ex, sources, heads } = hf_heads(table, config, saved, inv)?;
+    let mut by_h: Vec<Vec<&Link>> = vec![Vec::new(); ex.h.len()];
+    for l in &ex.links {
+        by_h[l.h].push(l);
+    }
+    let mut dests = Vec::with_capacity(heads.len());
+    for head in heads {
+        let h = &ex.h[head.h];
+        let pieces = by_h[head.h]
             .iter()
             .map(|l| Piece {
                 src: l.m,
@@ -301,10 +358,10 @@ pub fn plan_hf_export(
             name: h.name.clone(),
             shape: h.shape.clone(),
             region: Bx::full(&h.shape),
-            dtype,
+            dtype: head.dtype,
             pieces,
             group: 0,
-            value: invert(&rule.value),
+            value: head.value,
         });
     }
     // Files, in order, at most `max_shard_bytes` each (a larger tensor alone).
@@ -319,19 +376,7 @@ pub fn plan_hf_export(
         d.group = file;
         size += n;
     }
-    let checks = vec![
-        format!(
-            "every HF tensor produced exactly once ({} tensors)",
-            dests.len()
-        ),
-        format!(
-            "every Megatron element consumed exactly once, padding aside ({} tensors)",
-            sources.len()
-        ),
-        "every checkpoint tensor consumed or listed in drop.megatron".into(),
-        format!("stored shapes equal config-implied shapes at {saved}"),
-        "fused tensors interleaved per unit".into(),
-    ];
+    let checks = hf_checks(saved, dests.len(), sources.len());
     Ok(Plan {
         sources,
         dests,
@@ -510,7 +555,14 @@ pub struct Part<'a> {
     /// Only pieces of the Megatron keys this accepts, and only destinations left with a
     /// piece (`None`: every piece and every destination).
     pub keep: Option<&'a dyn Fn(&str) -> bool>,
+    /// Only pieces whose box of their Megatron tensor (key, box in its global coordinates)
+    /// this accepts (`None`: every piece `keep` keeps). Like `keep`, it never changes which
+    /// checks run.
+    pub boxes: Option<&'a KeepBox<'a>>,
 }
+
+/// A predicate on a piece's Megatron key and its box in the tensor's global coordinates.
+pub type KeepBox<'a> = dyn Fn(&str, &Bx) -> bool + 'a;
 
 /// [`plan_vllm`] restricted to `part`: the same checks (each of them depends on the TP size
 /// and the tensor, never on which TP rank is built, so one rank's part refuses exactly what
@@ -527,8 +579,10 @@ pub fn plan_vllm_part(
     k: u64,
     part_of: &Part<'_>,
 ) -> Result<Plan, ConvertError> {
-    let hf = plan_hf_export(table, config, saved, inv, u64::MAX)?;
-    let ex = &hf.expanded;
+    // The export's checks and HF tensors, without its pieces (the vLLM pieces are cut from
+    // the links directly).
+    let hf = hf_heads(table, config, saved, inv)?;
+    let ex = &hf.ex;
     // A table without a `vllm` section has no vLLM tensors: refused just below.
     let vllm = table.vllm.clone().unwrap_or_default();
     if vllm.tensors.is_empty() {
@@ -547,7 +601,6 @@ pub fn plan_vllm_part(
     for l in &ex.links {
         by_h[l.h].push(l);
     }
-    let hdest: BTreeMap<&str, &Dest> = hf.dests.iter().map(|d| (d.name.as_str(), d)).collect();
     let mut dests = Vec::new();
     let mut names: BTreeMap<String, usize> = BTreeMap::new();
     // Names and HF tensors resolved once (for rank 0), reused by the other ranks.
@@ -555,10 +608,10 @@ pub fn plan_vllm_part(
         std::collections::HashMap::new();
     let mut name_cache: std::collections::HashMap<(usize, Vec<u64>), String> =
         std::collections::HashMap::new();
-    let hdest_of: Vec<Option<&Dest>> =
-        ex.h.iter()
-            .map(|h| hdest.get(h.name.as_str()).copied())
-            .collect();
+    let mut hdest_of: Vec<Option<&Head>> = vec![None; ex.h.len()];
+    for head in &hf.heads {
+        hdest_of[head.h] = Some(head);
+    }
     let kept: Vec<bool> = hf
         .sources
         .iter()
@@ -781,9 +834,16 @@ pub fn plan_vllm_part(
                                     for (d, o) in dbox.off.iter_mut().enumerate() {
                                         *o += at[d];
                                     }
+                                    let sbox = map_h_to_m(l, st, &x);
+                                    if part_of
+                                        .boxes
+                                        .is_some_and(|f| !f(&hf.sources[l.m].name, &sbox))
+                                    {
+                                        continue;
+                                    }
                                     pieces.push(Piece {
                                         src: l.m,
-                                        sbox: map_h_to_m(l, st, &x),
+                                        sbox,
                                         dbox,
                                         transpose: l.transpose,
                                         rule: l.rule,
@@ -821,7 +881,7 @@ pub fn plan_vllm_part(
                     shape.insert(0, inner.len() as u64);
                 }
                 let pieces = all_pieces;
-                if part_of.keep.is_some() && pieces.is_empty() {
+                if (part_of.keep.is_some() || part_of.boxes.is_some()) && pieces.is_empty() {
                     continue;
                 }
                 dests.push(Dest {
@@ -836,7 +896,7 @@ pub fn plan_vllm_part(
             }
         }
     }
-    let mut checks = hf.checks.clone();
+    let mut checks = hf_checks(saved, hf.heads.len(), hf.sources.len());
     checks.push(format!(
         "vLLM TP {k} divides every split (heads, kv heads or replication, ffn, padded vocab)"
     ));
@@ -844,7 +904,7 @@ pub fn plan_vllm_part(
         sources: hf.sources,
         dests,
         checks,
-        params: hf.params,
-        expanded: hf.expanded,
+        params: hf.ex.params.clone(),
+        expanded: hf.ex,
     })
 }

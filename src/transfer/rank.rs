@@ -10,13 +10,14 @@
 //! coverage checks on every tensor, and each engine rank checks its own declaration; the
 //! verdicts are then agreed collectively ([`super::Transfer`]) before any byte moves.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use super::decl::{Decl, Role};
 use super::error::TransferError;
 use super::plan::{
     EngineLayout, Move, Options, TrainerNames, cover, hf_names_into_vllm, match_engine, pick, setup,
 };
+use crate::convert::geom::Bx;
 use crate::convert::{Dest, Part, Plan, plan_hf_export, plan_vllm_part};
 use crate::model::DType;
 
@@ -60,14 +61,28 @@ impl RankPlan {
 /// are the same on every rank; an engine rank also refuses its own declaration.
 pub fn build_rank(opts: &Options, decls: &[Decl], me: usize) -> Result<RankPlan, TransferError> {
     let (inv, _, engines) = setup(opts, decls)?;
-    let picked = pick(decls);
-    let mine: HashSet<&str> = picked
-        .iter()
-        .filter(|(_, v)| v.iter().any(|(_, r, _)| *r == me))
-        .map(|(k, _)| *k)
-        .collect();
     let engine_index = engines.iter().position(|&g| g == me);
-    let keep = |k: &str| mine.contains(k);
+    // A trainer's own sending boxes, per key: it plans only the pieces they intersect. The
+    // world's picked boxes are dropped while the conversion plan is built, picked again after.
+    let my_boxes: HashMap<&str, Vec<Bx>> = if engine_index.is_none() {
+        let mut m: HashMap<&str, Vec<Bx>> = HashMap::new();
+        for (k, v) in pick(decls) {
+            for (b, r, _) in v {
+                if r == me {
+                    m.entry(k).or_default().push(b);
+                }
+            }
+        }
+        m
+    } else {
+        HashMap::new()
+    };
+    let keep = |k: &str| my_boxes.contains_key(k);
+    let keep_box = |k: &str, b: &Bx| {
+        my_boxes
+            .get(k)
+            .is_some_and(|v| v.iter().any(|x| x.intersect(b).is_some()))
+    };
     let conv = match (opts.names, opts.engine, engine_index) {
         (TrainerNames::Hf, EngineLayout::Hf, _) => {
             super::identity::plan_hf_identity(&opts.table, &opts.config, &inv)?
@@ -83,6 +98,11 @@ pub fn build_rank(opts: &Options, decls: &[Decl], me: usize) -> Result<RankPlan,
                 } else {
                     None
                 },
+                boxes: if e.is_none() {
+                    Some(&keep_box as &dyn Fn(&str, &Bx) -> bool)
+                } else {
+                    None
+                },
             };
             plan_vllm_part(&opts.table, &opts.config, opts.trainer, &inv, tp, &part)?
         }
@@ -90,8 +110,9 @@ pub fn build_rank(opts: &Options, decls: &[Decl], me: usize) -> Result<RankPlan,
             plan_hf_export(&opts.table, &opts.config, opts.trainer, &inv, u64::MAX)?
         }
     };
+    let conv = shed(conv);
     let used: Vec<String> = conv.sources.iter().map(|s| s.name.clone()).collect();
-    let send = cover(picked, &inv, &used)?;
+    let send = cover(pick(decls), &inv, &used)?;
     let mut rp = RankPlan {
         me,
         src_dtypes: conv.sources.iter().map(|s| s.dtype).collect(),
@@ -116,6 +137,19 @@ pub fn build_rank(opts: &Options, decls: &[Decl], me: usize) -> Result<RankPlan,
     peers.dedup();
     rp.fan = peers.len();
     Ok(rp)
+}
+
+/// The conversion plan less its expansion's tensors and links: from here on only the rules'
+/// names and the table's are read (refusals name them), and the expansion of a large model is
+/// most of a rank's planning memory.
+fn shed(mut conv: Plan) -> Plan {
+    let ex = &mut conv.expanded;
+    ex.m = Vec::new();
+    ex.h = Vec::new();
+    ex.links = Vec::new();
+    ex.pads = Vec::new();
+    ex.aux = Vec::new();
+    conv
 }
 
 /// The moves of one destination's pieces sent by `only` (or by anyone), in piece order.
