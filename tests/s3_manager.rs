@@ -387,3 +387,50 @@ fn s3_async_save_killed_before_commit_leaves_the_previous_step() {
     let fetched = remote::fetch_url(&format!("{root}/step-00000003"), &ropts, None).unwrap();
     state::check(fetched.dir(), 3);
 }
+
+/// Device pieces (the simulated device: host memory behind the device interface) save to a
+/// URL through the same staging and generation writer: rank 0 holds its rows on the device,
+/// rank 1 in host memory; `Saver::save` (staged, as every save with device pieces) and
+/// `Saver::save_async` both commit, and the tensor reads back whole.
+#[test]
+fn memory_saves_of_device_pieces_go_to_a_url() {
+    use zarrckpt::device::{DevicePiece, DeviceView, SimDevice};
+    use zarrckpt::{DType, Region, TensorKey};
+    let shape = [8u64, 6];
+    let full: Vec<u8> = (0..48u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let urls = ["memory://h3-device/sync", "memory://h3-device/async"];
+    let results = run_local(2, TIMEOUT, |comm| {
+        let comm = shared(comm);
+        let r = comm.rank() as u64;
+        let dev = Arc::new(SimDevice::new());
+        let mut saver = Saver::new(Arc::clone(&comm));
+        let rows = Region::new(vec![4 * r, 0], vec![4, 6]).unwrap();
+        let mine = full[(r as usize * 96)..(r as usize + 1) * 96].to_vec();
+        let key = TensorKey::new("w").unwrap();
+        let request = if r == 0 {
+            let base = dev.alloc(mine.len());
+            dev.write(base, &mine).unwrap();
+            // SAFETY: the allocation holds the rows' 96 bytes, contiguous.
+            let view = unsafe { DeviceView::contiguous(base, rows.shape()) };
+            let p = DevicePiece::new(key, DType::Float32, shape.to_vec(), rows, 0, view)?;
+            SaveRequest::new().with_device_tensors(dev.clone(), [p])
+        } else {
+            let p = ShardedTensor::new(key, DType::Float32, shape.to_vec(), rows, 0, &mine)?;
+            SaveRequest::new().with_tensors([p])
+        };
+        let opts = SaveOptions::default();
+        saver.save(&request, Path::new(urls[0]), &opts)?;
+        saver
+            .save_async(&request, Path::new(urls[1]), &opts)?
+            .wait()?;
+        Ok::<_, zarrckpt::Error>(())
+    });
+    for r in results {
+        r.unwrap();
+    }
+    for url in urls {
+        let ck = zarrckpt::Checkpoint::open(url).unwrap();
+        let got = ck.read_tensor(&TensorKey::new("w").unwrap()).unwrap();
+        assert!(got == full, "{url}");
+    }
+}
