@@ -6,6 +6,7 @@ dropped steps only after the newer step committed, and a resume from the latest 
 from __future__ import annotations
 
 import json
+import time
 import urllib.parse
 
 import pytest
@@ -15,8 +16,21 @@ torch = pytest.importorskip("torch")
 
 
 def _env(server, monkeypatch):
+    """Points ``s3://`` at the server, once it answers signed requests (the bucket is created
+    just after the port opens)."""
+    from zarrckpt.manager import CheckpointManager
+
     for k, v in server.env().items():
         monkeypatch.setenv(k, v)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            CheckpointManager(f"s3://{BUCKET}/ready").latest()
+            return
+        except Exception as e:
+            if "NoSuchBucket" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _kv(server, prefix: str):
