@@ -594,9 +594,9 @@ pub(crate) fn agree_on_layout_cached<'p, 'a>(
     })
 }
 
-/// Step 2 into a local directory: the target directory is prepared ([`prepare_target`]: lock, save id, staging
-/// sibling or in place, same-storage check) and rank 0 writes the group documents; every
-/// rank waits for the outcome. On error nothing is left to clean up.
+/// Step 2 into a local directory: the target directory is prepared ([`prepare_target`]:
+/// lock, save id, staging sibling or in place, same-storage check) and rank 0 writes the
+/// group documents; every rank waits for the outcome. On error nothing is left to clean up.
 fn prepare_directory(
     dir: &Path,
     comm: &dyn Communicator,

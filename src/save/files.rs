@@ -26,9 +26,9 @@ use crate::storage::{TensorArray, write};
 pub(crate) enum Destination {
     /// A local directory: the checkpoint's, or its staging sibling.
     Local(Prepared),
-    /// A fresh generation on an object store.
+    /// A fresh generation on an object store (boxed: it holds the store's client).
     #[cfg(feature = "object-store")]
-    Remote(super::remote::RemoteTarget),
+    Remote(Box<super::remote::RemoteTarget>),
 }
 
 impl Destination {
@@ -45,7 +45,7 @@ impl Destination {
         #[cfg(feature = "object-store")]
         if let Some(url) = super::remote::url_of(dir) {
             return super::remote::RemoteTarget::prepare(url, comm, plan, objects, opts)
-                .map(Destination::Remote);
+                .map(|t| Destination::Remote(Box::new(t)));
         }
         super::prepare_directory(dir, comm, plan, objects, opts).map(Destination::Local)
     }
