@@ -44,7 +44,8 @@ use crate::plan::ruled::RankPlan;
 use crate::plan::save::{RankTasks, SavePlan, Source};
 use crate::save::{self as steps, AgreedLayout, SaveOptions, SaveReport, SaveRequest, Sources};
 use crate::stage::{self, ItemSource, Lease, PartSource, StagingPool};
-use crate::storage::{fsio, write};
+use crate::storage::footer::SaveId;
+use crate::storage::store::Store;
 
 /// What a new save does while the previous asynchronous save of the same [`Saver`] is still
 /// in flight.
@@ -723,44 +724,30 @@ impl Background {
         }
         let comm = &*self.comm;
         let objects = self.objects.take();
-        let prepared = match steps::prepare_directory(
+        let plan = &self.plan.plan;
+        // The same destination as a synchronous save: a local directory, or a fresh
+        // generation on an object store committed through the pointer move.
+        let dest = match steps::Destination::prepare(
             &self.dir,
             comm,
-            &self.plan.plan,
+            plan,
             objects.as_ref(),
             &self.opts,
         ) {
-            Ok(p) => p,
+            Ok(d) => d,
             Err(e) => {
                 drop(rx);
                 return Err(e);
             }
         };
-        let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
-        let written = self
-            .write_rounds(rx, &prepared)
-            .and_then(|(data, files)| match &objects {
-                Some(o) => Ok((
-                    data,
-                    files + crate::objects::write_values(prepared.dir(), rank, o, prepared.id)?,
-                )),
-                None => Ok((data, files)),
-            });
-        let outcome = agree(comm, written).and_then(|totals| {
-            steps::commit_index(
-                comm,
-                &prepared,
-                &self.plan.plan,
-                objects.as_ref(),
-                &self.opts,
-            )?;
-            Ok(totals)
-        });
-        if outcome.is_err() {
-            prepared.abandon();
-        }
-        let (data_bytes, file_bytes) = outcome?;
-        drop(prepared);
+        let (data_bytes, file_bytes) = dest.write_and_commit(
+            comm,
+            plan,
+            objects.as_ref(),
+            &self.opts,
+            |store, root, id| self.write_rounds(rx, store, root, id),
+        )?;
+        drop(dest);
         if let Some(after) = self.after.take() {
             agree(comm, after(comm))?;
         }
@@ -777,42 +764,36 @@ impl Background {
         })
     }
 
-    /// Writes the staged rounds as they come; the receiver is dropped on return, so a caller
+    /// Writes the staged rounds as they come through `store` (holding the checkpoint at its
+    /// root, named `root` in messages); the receiver is dropped on return, so a caller
     /// waiting for staging memory is released even when writing failed.
     fn write_rounds(
         &self,
         rx: Receiver<StagedRound>,
-        prepared: &steps::Prepared,
+        store: &dyn Store,
+        root: &Path,
+        id: SaveId,
     ) -> Result<(u64, u64)> {
         let (plan, tasks, opts) = (&self.plan.plan, &self.tasks, &self.opts);
-        let arrays = steps::open_arrays(prepared.dir(), plan, tasks, opts, prepared.id)?;
         let pool = writer_pool(opts.io_threads, self.lower_priority)?;
-        let dirs = pool.install(|| steps::write_array_documents(tasks, &arrays))?;
+        let arrays = pool.install(|| steps::Arrays::start(store, root, plan, tasks, opts, id))?;
         let (mut data, mut files, mut done) = (0u64, 0u64, 0usize);
         for round in rx {
             let (d, f) = pool.install(|| -> Result<(u64, u64)> {
                 let totals = round
                     .items
                     .par_iter()
-                    .map(|(wi, range)| -> Result<(u64, u64)> {
+                    .map(|(wi, range)| {
                         let w = &tasks.writes[*wi];
-                        let tp = &plan.tensors[w.tensor];
-                        let full = steps::full_chunk_box(tp, &w.chunk);
+                        let full = steps::full_chunk_box(&plan.tensors[w.tensor], &w.chunk);
                         let src = &round.lease.bytes()[range.clone()];
-                        let n =
-                            write::write_shard(&arrays[&w.tensor], &w.chunk, src, &full, &full)?;
-                        // Invariant: a planned region lies inside its tensor.
-                        let d = w.region.num_elements().unwrap_or(0) * tp.dtype.size() as u64;
-                        if let Some(p) = &opts.progress {
-                            p(d);
-                        }
-                        Ok((d, n))
+                        arrays.write_chunk(store, plan, w, src, &full, opts)
                     })
                     .try_reduce(|| (0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1)))?;
-                round.items.par_iter().try_for_each(|(wi, _)| {
-                    let w = &tasks.writes[*wi];
-                    write::sync_file(&arrays[&w.tensor].chunk_path(&w.chunk))
-                })?;
+                arrays.sync_chunks(
+                    store,
+                    round.items.par_iter().map(|(wi, _)| &tasks.writes[*wi]),
+                )?;
                 Ok(totals)
             })?;
             data += d;
@@ -829,7 +810,7 @@ impl Background {
                 ),
             });
         }
-        pool.install(|| dirs.par_iter().try_for_each(|d| fsio::fsync_dir(d)))?;
+        pool.install(|| arrays.sync_prefixes(store))?;
         Ok((data, files))
     }
 }

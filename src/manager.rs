@@ -7,6 +7,14 @@
 //! The manager wraps a [`Saver`]: a step saves a whole [`SaveRequest`] (host and device
 //! tensors, objects, a nested state dict), synchronously or in the background, and the
 //! pointer and retention follow the commit in either case.
+//!
+//! The root may be an object-store URL (`s3://bucket/run1`, `gs://`, `az://`, `memory://`;
+//! feature `object-store`): each step is then a checkpoint under its own sub-prefix, `latest`
+//! an object under the root, and retention deletes a dropped step's objects only after the
+//! newer step's pointer moved (see the `remote` submodule and the spec).
+
+#[cfg(feature = "object-store")]
+mod remote;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -91,6 +99,43 @@ pub struct CheckpointManager {
 struct Root {
     root: PathBuf,
     opts: ManagerOptions,
+    /// How listings, `latest` and loads reach an object-store root (a save reaches it with
+    /// its own [`SaveOptions::remote`]).
+    #[cfg(feature = "object-store")]
+    remote: crate::storage::remote::RemoteOptions,
+}
+
+/// A step's directory name: `step-` and the step with at least 8 digits.
+fn step_name(step: u64) -> String {
+    format!("{STEP_PREFIX}{step:08}")
+}
+
+/// The steps older than `newest` that the rules drop: committed steps beyond the last
+/// `keep_last` committed ones up to `newest` (unless a multiple of `keep_every`), and
+/// incomplete ones; never the step `pointed` (the one `latest` names).
+fn to_remove(
+    steps: &[StepInfo],
+    opts: ManagerOptions,
+    newest: u64,
+    pointed: Option<u64>,
+) -> Vec<&StepInfo> {
+    let committed: Vec<u64> = steps
+        .iter()
+        .filter(|s| s.complete && s.step <= newest)
+        .map(|s| s.step)
+        .collect();
+    let kept = &committed[committed.len().saturating_sub(opts.keep_last)..];
+    steps
+        .iter()
+        .filter(|s| s.step < newest)
+        .filter(|s| {
+            !(kept.contains(&s.step)
+                || opts
+                    .keep_every
+                    .is_some_and(|k| k > 0 && s.complete && s.step % k == 0)
+                || pointed == Some(s.step))
+        })
+        .collect()
 }
 
 /// The step a directory name stands for: `step-` followed by ASCII digits only.
@@ -125,12 +170,25 @@ impl CheckpointManager {
             root: Root {
                 root: root.as_ref().to_owned(),
                 opts,
+                #[cfg(feature = "object-store")]
+                remote: crate::storage::remote::RemoteOptions::default(),
             },
             saver,
         }
     }
 
-    /// The root directory.
+    /// The same manager reaching an object-store root with `ropts` for its listings, the
+    /// `latest` object and loads (default: [`crate::storage::remote::RemoteOptions::default`],
+    /// from the environment). Saves use their own [`SaveOptions::remote`], which the pointer
+    /// update and retention after a save use too.
+    #[cfg(feature = "object-store")]
+    #[must_use]
+    pub fn with_remote_options(mut self, ropts: crate::storage::remote::RemoteOptions) -> Self {
+        self.root.remote = ropts;
+        self
+    }
+
+    /// The root directory (or object-store URL).
     #[must_use]
     pub fn root(&self) -> &Path {
         &self.root.root
@@ -173,7 +231,7 @@ impl CheckpointManager {
     /// As [`CheckpointManager::latest`], and index errors.
     pub fn latest_meta(&self) -> Result<Option<(u64, CheckpointMeta)>> {
         match self.latest()? {
-            Some(step) => Ok(Some((step, commit::read_index(&self.step_dir(step))?))),
+            Some(step) => Ok(Some((step, self.root.read_index(step)?))),
             None => Ok(None),
         }
     }
@@ -203,7 +261,7 @@ impl CheckpointManager {
     ) -> Result<SaveReport> {
         let report = self.saver.save(request, &self.root.step_dir(step), opts)?;
         let comm = Arc::clone(self.saver.communicator());
-        agree(&*comm, self.root.publish_on(&*comm, step))?;
+        agree(&*comm, self.root.publishing(opts).publish_on(&*comm, step))?;
         Ok(report)
     }
 
@@ -220,7 +278,7 @@ impl CheckpointManager {
         request: &SaveRequest<'_>,
         opts: &SaveOptions,
     ) -> Result<SaveHandle> {
-        let root = self.root.clone();
+        let root = self.root.publishing(opts);
         let dir = root.step_dir(step);
         self.saver.save_async_then(
             request,
@@ -247,7 +305,21 @@ impl CheckpointManager {
             return Ok(None);
         };
         let comm = Arc::clone(self.saver.communicator());
-        let report = load_with_objects(targets, objects, &self.step_dir(step), &*comm, opts)?;
+        let dir = self.step_dir(step);
+        #[cfg(feature = "object-store")]
+        if let Some(url) = self.root.url() {
+            // The manager's own store options (a plain load of a URL uses the defaults).
+            let url = format!("{url}/{}", step_name(step));
+            let reader = agree(
+                &*comm,
+                crate::load::Reader::open_url(&url, &self.root.remote),
+            )?
+            .with_io(opts.io_threads, opts.read_method);
+            let report =
+                crate::load::load_with_reader(targets, Some(objects), &reader, &*comm, opts)?;
+            return Ok(Some((step, report)));
+        }
+        let report = load_with_objects(targets, objects, &dir, &*comm, opts)?;
         Ok(Some((step, report)))
     }
 
@@ -300,10 +372,44 @@ impl CheckpointManager {
 
 impl Root {
     fn step_dir(&self, step: u64) -> PathBuf {
-        self.root.join(format!("{STEP_PREFIX}{step:08}"))
+        self.root.join(step_name(step))
+    }
+
+    /// The root's URL, when it names an object store.
+    #[cfg(feature = "object-store")]
+    fn url(&self) -> Option<&str> {
+        self.root
+            .to_str()
+            .filter(|s| crate::storage::remote::is_url(s))
+            .map(|s| s.trim_end_matches('/'))
+    }
+
+    /// This root, reaching an object store as the save with `opts` did (for what follows
+    /// the save's commit).
+    #[cfg_attr(not(feature = "object-store"), allow(unused_variables))]
+    fn publishing(&self, opts: &SaveOptions) -> Root {
+        #[allow(unused_mut)]
+        let mut root = self.clone();
+        #[cfg(feature = "object-store")]
+        if self.url().is_some() {
+            root.remote = opts.remote.clone();
+        }
+        root
+    }
+
+    fn read_index(&self, step: u64) -> Result<CheckpointMeta> {
+        #[cfg(feature = "object-store")]
+        if let Some(url) = self.url() {
+            return remote::read_index(&format!("{url}/{}", step_name(step)), &self.remote);
+        }
+        Ok(commit::read_index(&self.step_dir(step))?)
     }
 
     fn steps(&self) -> Result<Vec<StepInfo>> {
+        #[cfg(feature = "object-store")]
+        if let Some(url) = self.url() {
+            return remote::steps(url, &self.remote);
+        }
         let entries = match std::fs::read_dir(&self.root) {
             Ok(e) => e,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
@@ -327,8 +433,12 @@ impl Root {
         Ok(steps)
     }
 
-    /// The step the pointer file names, if it names a committed checkpoint.
+    /// The step the pointer names, if it names a committed checkpoint.
     fn pointed(&self) -> Option<u64> {
+        #[cfg(feature = "object-store")]
+        if let Some(url) = self.url() {
+            return remote::pointed(url, &self.remote);
+        }
         let text = std::fs::read_to_string(self.root.join(LATEST_FILE)).ok()?;
         let step = parse_step_dir(text.trim())?;
         let dir = self.step_dir(step);
@@ -354,8 +464,12 @@ impl Root {
         if comm.rank() != 0 {
             return Ok(());
         }
+        #[cfg(feature = "object-store")]
+        if let Some(url) = self.url() {
+            return remote::publish(url, &self.remote, self.opts, step);
+        }
         if self.pointed().is_none_or(|p| p <= step) {
-            let name = format!("{STEP_PREFIX}{step:08}\n");
+            let name = format!("{}\n", step_name(step));
             fsio::replace_durable(&self.root.join(LATEST_FILE), name.as_bytes())?;
         }
         self.apply_retention(step)
@@ -368,28 +482,15 @@ impl Root {
     /// # Errors
     /// I/O errors naming the path.
     fn apply_retention(&self, newest: u64) -> Result<()> {
+        #[cfg(feature = "object-store")]
+        if let Some(url) = self.url() {
+            return remote::apply_retention(url, &self.remote, self.opts, newest);
+        }
         if self.opts.keep_last == 0 {
             return Ok(());
         }
         let steps = self.steps()?;
-        let committed: Vec<u64> = steps
-            .iter()
-            .filter(|s| s.complete && s.step <= newest)
-            .map(|s| s.step)
-            .collect();
-        let keep_from = committed.len().saturating_sub(self.opts.keep_last);
-        let kept: Vec<u64> = committed[keep_from..].to_vec();
-        let pointed = self.pointed();
-        for s in steps.iter().filter(|s| s.step < newest) {
-            let keep = kept.contains(&s.step)
-                || self
-                    .opts
-                    .keep_every
-                    .is_some_and(|k| k > 0 && s.complete && s.step % k == 0)
-                || pointed == Some(s.step);
-            if keep {
-                continue;
-            }
+        for s in to_remove(&steps, self.opts, newest, self.pointed()) {
             // A running save holds the step's lock: leave it alone.
             let Ok(lock) = commit::try_lock(&s.dir) else {
                 continue;

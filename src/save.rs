@@ -2,20 +2,19 @@
 //! files and committing ([`save`] and [`crate::Saver`] run these steps), and the one value a
 //! rank saves ([`SaveRequest`]).
 
+mod files;
 #[cfg(feature = "object-store")]
 mod remote;
 mod request;
 
 use std::borrow::Cow;
-use std::collections::{BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rayon::prelude::*;
-
 use crate::comm::{Communicator, RecvBuf, SendBuf};
-use crate::coord::{BoxDecl, agree, all_reduce_u64, combine, describe, io_pool, rank_layout};
+use crate::coord::{BoxDecl, agree, all_reduce_u64, combine, describe, rank_layout};
 use crate::device::{Device, DevicePiece};
 use crate::error::{Error, Result};
 use crate::model::copy::copy_region;
@@ -29,10 +28,11 @@ use crate::plan::save::{ChunkWrite, RankTasks, SavePlan, SavePlanOptions, Source
 use crate::storage::commit::{SaveLock, Target};
 use crate::storage::footer::SaveId;
 use crate::storage::meta::tensor_path;
-use crate::storage::store::Store;
-use crate::storage::{CheckpointMeta, Compression, TensorArray, TensorEntry, commit, fsio, write};
+use crate::storage::{CheckpointMeta, Compression, TensorEntry, commit};
 
 pub use crate::coord::Progress;
+use files::write_files_to;
+pub(crate) use files::{Arrays, Destination};
 pub use request::SaveRequest;
 
 /// How to save.
@@ -335,130 +335,6 @@ fn exchange_parts(
     Ok(received)
 }
 
-/// The arrays this rank writes documents or chunks of, by tensor index.
-pub(crate) fn open_arrays(
-    dir: &Path,
-    plan: &SavePlan,
-    tasks: &RankTasks,
-    opts: &SaveOptions,
-    id: SaveId,
-) -> Result<HashMap<usize, TensorArray>> {
-    let mut arrays: HashMap<usize, TensorArray> = HashMap::new();
-    for &ti in tasks
-        .metadata
-        .iter()
-        .chain(tasks.writes.iter().map(|w| &w.tensor))
-    {
-        if let std::collections::hash_map::Entry::Vacant(v) = arrays.entry(ti) {
-            let tp = &plan.tensors[ti];
-            v.insert(TensorArray::create_for(
-                dir,
-                &tp.key,
-                &entry_of(tp, opts.compression),
-                id,
-            )?);
-        }
-    }
-    Ok(arrays)
-}
-
-/// Writes the array documents this rank owns and creates every array directory it writes
-/// into (in the current thread pool); returns those directories, to fsync once their files
-/// are written.
-pub(crate) fn write_array_documents(
-    tasks: &RankTasks,
-    arrays: &HashMap<usize, TensorArray>,
-) -> Result<BTreeSet<PathBuf>> {
-    tasks
-        .metadata
-        .par_iter()
-        .try_for_each(|ti| write::write_array_metadata(&arrays[ti]))?;
-    let dirs: BTreeSet<PathBuf> = arrays.values().map(|a| a.dir().to_owned()).collect();
-    for d in &dirs {
-        fsio::create_dir_durable(d)?;
-    }
-    Ok(dirs)
-}
-
-/// Step 4: this rank writes its shard files (and the array documents it owns) in parallel,
-/// then makes them durable. Returns (tensor bytes, file bytes) written.
-fn write_files(
-    dir: &Path,
-    plan: &SavePlan,
-    tasks: &RankTasks,
-    local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
-    received: &[Vec<Vec<u8>>],
-    opts: &SaveOptions,
-    id: SaveId,
-) -> Result<(u64, u64)> {
-    let store = crate::storage::store::LocalStore::new(dir);
-    write_files_to(&store, dir, plan, tasks, local, received, opts, id)
-}
-
-/// [`write_files`] through the storage seam: `store` holds the checkpoint at its root (a
-/// local directory, or a fresh generation on an object store), `root` names it in messages.
-/// Shards go through the one shard writer; where the store has
-/// [`crate::storage::store::Capabilities::explicit_sync`] (a file system) the shards and
-/// their directories are synced afterwards, elsewhere a completed write is durable.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn write_files_to(
-    store: &dyn Store,
-    root: &Path,
-    plan: &SavePlan,
-    tasks: &RankTasks,
-    local: &HashMap<(&TensorKey, &Region), &ShardedTensor<'_>>,
-    received: &[Vec<Vec<u8>>],
-    opts: &SaveOptions,
-    id: SaveId,
-) -> Result<(u64, u64)> {
-    let arrays = open_arrays(root, plan, tasks, opts, id)?;
-    let pool = io_pool(opts.io_threads)?;
-    let sync = store.capabilities().explicit_sync;
-    let (data, files) = pool.install(|| -> Result<(u64, u64)> {
-        tasks
-            .metadata
-            .par_iter()
-            .try_for_each(|ti| write::write_array_metadata_to(store, &arrays[ti]))?;
-        let prefixes: BTreeSet<&str> = arrays.values().map(|a| a.entry().path.as_str()).collect();
-        for p in &prefixes {
-            store.create_prefix(p)?;
-        }
-        let totals = tasks
-            .writes
-            .par_iter()
-            .zip(received.par_iter())
-            .map(|(w, recv)| -> Result<(u64, u64)> {
-                let tp = &plan.tensors[w.tensor];
-                let (src, src_box) = chunk_source(tp, w, local, recv);
-                let arr = &arrays[&w.tensor];
-                let n = write::write_shard_to(
-                    store,
-                    arr,
-                    &w.chunk,
-                    &src,
-                    &src_box,
-                    &full_chunk_box(tp, &w.chunk),
-                )?;
-                // Invariant: a planned region lies inside its tensor.
-                let data = w.region.num_elements().unwrap_or(0) * tp.dtype.size() as u64;
-                if let Some(p) = &opts.progress {
-                    p(data);
-                }
-                Ok((data, n))
-            })
-            .try_reduce(|| (0, 0), |a, b| Ok((a.0 + b.0, a.1 + b.1)))?;
-        if sync {
-            tasks
-                .writes
-                .par_iter()
-                .try_for_each(|w| store.sync(&arrays[&w.tensor].chunk_location(&w.chunk)))?;
-            prefixes.par_iter().try_for_each(|p| store.sync_prefix(p))?;
-        }
-        Ok(totals)
-    })?;
-    Ok((data, files))
-}
-
 /// Saves this rank's pieces into the checkpoint at `dir`. Every rank of `comm` calls it.
 ///
 /// A one-shot save of host tensors, written straight from the caller's buffers. It is
@@ -545,7 +421,8 @@ pub(crate) fn save_direct(
 }
 
 /// Steps 2, 4 and 5 of a save, once the ranks agreed on the plan (and on the objects, if any)
-/// and the unaligned parts travelled (step 3, `received`).
+/// and the unaligned parts travelled (step 3, `received`): into a local directory or an
+/// object store's fresh generation ([`Destination`]).
 fn save_agreed(
     dir: &Path,
     comm: &dyn Communicator,
@@ -554,50 +431,13 @@ fn save_agreed(
     received: &[Vec<Vec<u8>>],
     objects: Option<&AgreedObjects<'_>>,
 ) -> Result<SaveReport> {
-    let tasks = &agreed.plan.tasks;
-    #[cfg(feature = "object-store")]
-    if let Some(url) = remote::url_of(dir) {
-        return remote::save_agreed(url, comm, opts, agreed, received, objects);
-    }
-    let prepared = prepare_directory(dir, comm, &agreed.plan.plan, objects, opts)?;
-    let outcome = write_and_commit(comm, &prepared, agreed, received, objects, opts);
-    if outcome.is_err() {
-        prepared.abandon();
-    }
-    let (data_bytes, file_bytes) = outcome?;
-    Ok(agreed.report(tasks, data_bytes, file_bytes))
-}
-
-/// Steps 3 to 5 into a prepared target. Returns (tensor bytes, file bytes) this rank wrote.
-fn write_and_commit(
-    comm: &dyn Communicator,
-    prepared: &Prepared,
-    agreed: &AgreedLayout<'_, '_>,
-    received: &[Vec<Vec<u8>>],
-    objects: Option<&AgreedObjects<'_>>,
-    opts: &SaveOptions,
-) -> Result<(u64, u64)> {
-    let dir = prepared.dir();
-    let rank = u32::try_from(comm.rank()).unwrap_or(u32::MAX);
-    let written = write_files(
-        dir,
-        &agreed.plan.plan,
-        &agreed.plan.tasks,
-        &agreed.local,
-        received,
-        opts,
-        prepared.id,
-    )
-    .and_then(|(data, files)| match objects {
-        Some(o) => Ok((
-            data,
-            files + crate::objects::write_values(dir, rank, o, prepared.id)?,
-        )),
-        None => Ok((data, files)),
-    });
-    let (data_bytes, file_bytes) = agree(comm, written)?;
-    commit_index(comm, prepared, &agreed.plan.plan, objects, opts)?;
-    Ok((data_bytes, file_bytes))
+    let plan = &agreed.plan.plan;
+    let dest = Destination::prepare(dir, comm, plan, objects, opts)?;
+    let (data_bytes, file_bytes) =
+        dest.write_and_commit(comm, plan, objects, opts, |store, root, id| {
+            write_files_to(store, root, agreed, received, opts, id)
+        })?;
+    Ok(agreed.report(&agreed.plan.tasks, data_bytes, file_bytes))
 }
 
 /// This rank's share of the plan the ranks agreed on, and this rank's pieces.
@@ -754,20 +594,16 @@ pub(crate) fn agree_on_layout_cached<'p, 'a>(
     })
 }
 
-/// Step 2: the target directory is prepared ([`prepare_target`]: lock, save id, staging
-/// sibling or in place, same-storage check) and rank 0 writes the group documents; every
-/// rank waits for the outcome. On error nothing is left to clean up.
-pub(crate) fn prepare_directory(
+/// Step 2 into a local directory: the target directory is prepared ([`prepare_target`]:
+/// lock, save id, staging sibling or in place, same-storage check) and rank 0 writes the
+/// group documents; every rank waits for the outcome. On error nothing is left to clean up.
+fn prepare_directory(
     dir: &Path,
     comm: &dyn Communicator,
     plan: &SavePlan,
     objects: Option<&AgreedObjects<'_>>,
     opts: &SaveOptions,
 ) -> Result<Prepared> {
-    #[cfg(feature = "object-store")]
-    if let Some(url) = remote::url_of(dir) {
-        return Err(remote::unsupported(url));
-    }
     // Every limit a reader enforces on the index is checked before anything is written
     // (rank 0 holds the user metadata the index stores).
     let checked = if comm.rank() == 0 {
@@ -814,7 +650,7 @@ pub(crate) fn exchange_unaligned(
 
 /// Step 5: once every rank's files are durable, rank 0 writes the index (with the save id)
 /// and, for a save over an existing checkpoint, swaps the staging directory in: the commit.
-pub(crate) fn commit_index(
+fn commit_index(
     comm: &dyn Communicator,
     prepared: &Prepared,
     plan: &SavePlan,

@@ -55,15 +55,16 @@ impl CheckpointManager {
         })
     }
 
-    /// The root directory.
+    /// The root directory or object-store URL (a string: a `pathlib.Path` would fold the
+    /// `//` of `s3://bucket/run`).
     #[getter]
-    fn root(&self) -> PathBuf {
-        self.root.clone()
+    fn root(&self) -> String {
+        self.root.to_string_lossy().into_owned()
     }
 
-    /// The directory of `step`.
-    fn step_dir(&self, step: u64) -> PathBuf {
-        self.lock().step_dir(step)
+    /// The directory (or URL) of `step`.
+    fn step_dir(&self, step: u64) -> String {
+        self.lock().step_dir(step).to_string_lossy().into_owned()
     }
 
     /// Saves `step` and publishes it (collective); returns the report.
@@ -112,12 +113,20 @@ impl CheckpointManager {
         self.lock().latest().map_err(|e| self.comm.err(py, &e))
     }
 
-    /// Every step directory: `(step, dir, complete, bytes)` by increasing step (local).
-    fn steps(&self, py: Python<'_>) -> PyResult<Vec<(u64, PathBuf, bool, u64)>> {
+    /// Every step directory (or URL): `(step, dir, complete, bytes)` by increasing step
+    /// (local).
+    fn steps(&self, py: Python<'_>) -> PyResult<Vec<(u64, String, bool, u64)>> {
         let steps = self.lock().steps().map_err(|e| self.comm.err(py, &e))?;
         Ok(steps
             .into_iter()
-            .map(|s| (s.step, s.dir, s.complete, s.bytes))
+            .map(|s| {
+                (
+                    s.step,
+                    s.dir.to_string_lossy().into_owned(),
+                    s.complete,
+                    s.bytes,
+                )
+            })
             .collect())
     }
 

@@ -16,7 +16,10 @@
 Each step is a checkpoint directory ``ROOT/step-NNNNNNNN`` (spec § "Checkpoint manager"); a
 step's commit, the ``latest`` pointer and the removal of steps beyond ``keep_last`` (except
 multiples of ``keep_every``) follow in the background of an asynchronous save, and a step is
-only ever removed after a newer one is committed. State dicts are those of
+only ever removed after a newer one is committed. The root may be an object-store URL
+(``"s3://bucket/run1"``; endpoint and credentials from the environment): each step is then a
+checkpoint under ``ROOT/step-NNNNNNNN``, ``latest`` an object under the root, and a dropped
+step's objects are deleted only after the newer step's commit. State dicts are those of
 :mod:`zarrckpt.torch` (tensors, DTensors, modules, optimizers, JSON values, bytes, CUDA
 tensors): the whole training state, tensors and objects, in one commit per step.
 
@@ -82,7 +85,7 @@ class CheckpointManager:
 
     @property
     def root(self) -> str:
-        """The root directory."""
+        """The root directory (or object-store URL)."""
         return os.fspath(self._native.root)
 
     def step_dir(self, step: int) -> str:

@@ -8,6 +8,7 @@ pub mod client;
 pub mod error;
 pub mod generation;
 pub mod probe;
+pub mod prune;
 pub mod store;
 pub mod url;
 pub mod writer;
