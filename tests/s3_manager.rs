@@ -5,17 +5,14 @@
 //! as sub-prefixes with `latest`, deletes dropped steps only after the newer step committed,
 //! and resumes from the latest committed step; an asynchronous save killed before its commit
 //! leaves the previous step loadable.
-//!
-//! `server`, `opts_for` and `s3_opts` are copies of the helpers of `tests/s3.rs`.
 
 mod common;
-#[path = "common/s3.rs"]
-mod s3_server;
 
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
+use common::s3;
 use common::state::{self, RankState};
 use serde_json::json;
 use zarrckpt::comm::run_local;
@@ -26,52 +23,6 @@ use zarrckpt::{
 };
 
 const TIMEOUT: Duration = Duration::from_secs(120);
-
-/// One SeaweedFS for the whole test binary (each test uses its own prefix).
-fn server() -> &'static s3_server::S3Server {
-    static SERVER: OnceLock<s3_server::S3Server> = OnceLock::new();
-    SERVER.get_or_init(s3_server::S3Server::start)
-}
-
-/// Options reaching `endpoint` with the test credentials (no environment variables: the tests
-/// run in parallel threads).
-fn opts_for(endpoint: &str) -> RemoteOptions {
-    RemoteOptions {
-        config: vec![
-            ("aws_endpoint".into(), endpoint.into()),
-            ("aws_access_key_id".into(), s3_server::ACCESS_KEY.into()),
-            ("aws_secret_access_key".into(), s3_server::SECRET_KEY.into()),
-            ("aws_region".into(), "us-east-1".into()),
-            ("aws_allow_http".into(), "true".into()),
-        ],
-        max_retries: 3,
-        retry_timeout: Duration::from_secs(30),
-        ..RemoteOptions::default()
-    }
-}
-
-/// The S3 options, after waiting until the server answers signed requests.
-fn s3_opts() -> RemoteOptions {
-    static READY: OnceLock<()> = OnceLock::new();
-    let opts = opts_for(&server().endpoint());
-    READY.get_or_init(|| {
-        let store = RemoteStore::open(&format!("s3://{}/ready", s3_server::BUCKET), &opts).unwrap();
-        let start = std::time::Instant::now();
-        while let Err(e) = store.list("") {
-            assert!(
-                start.elapsed() < Duration::from_secs(60),
-                "SeaweedFS answers no signed LIST after 60 s: {e}\n{}",
-                server().log()
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    });
-    opts
-}
-
-fn s3_url(name: &str) -> String {
-    format!("s3://{}/{name}", s3_server::BUCKET)
-}
 
 fn save_opts(ropts: &RemoteOptions, overwrite: bool) -> SaveOptions {
     SaveOptions {
@@ -144,10 +95,10 @@ fn memory_async_saves_commit_through_the_pointer() {
 
 #[test]
 fn s3_async_saves_commit_through_the_pointer() {
-    if s3_server::skipped("s3_async_saves_commit_through_the_pointer") {
+    if s3::skipped("s3_async_saves_commit_through_the_pointer") {
         return;
     }
-    async_round_trip(&s3_url("h3/async"), &s3_opts());
+    async_round_trip(&s3::url("h3/async"), &s3::options());
 }
 
 /// The pieces and objects of `step` on rank `r` of 2.
@@ -263,10 +214,10 @@ fn memory_manager_keeps_the_last_n_steps_and_resumes() {
 
 #[test]
 fn s3_manager_keeps_the_last_n_steps_and_resumes() {
-    if s3_server::skipped("s3_manager_keeps_the_last_n_steps_and_resumes") {
+    if s3::skipped("s3_manager_keeps_the_last_n_steps_and_resumes") {
         return;
     }
-    manager_keeps_n_and_resumes(&s3_url("h3/run1"), &s3_opts());
+    manager_keeps_n_and_resumes(&s3::url("h3/run1"), &s3::options());
 }
 
 /// The child of the crash test: saves step 1 of the manager at `$H3_CRASH_ROOT` (on the S3
@@ -285,7 +236,7 @@ fn crash_child() {
     ) else {
         return;
     };
-    let ropts = opts_for(&endpoint);
+    let ropts = s3::options_for(&endpoint);
     let comm: Arc<dyn Communicator> = Arc::new(zarrckpt::LocalComm::single());
     let mopts = ManagerOptions {
         keep_last: 1,
@@ -315,17 +266,17 @@ fn crash_child() {
 /// committed save's retention removes it.
 #[test]
 fn s3_async_save_killed_before_commit_leaves_the_previous_step() {
-    if s3_server::skipped("s3_async_save_killed_before_commit_leaves_the_previous_step") {
+    if s3::skipped("s3_async_save_killed_before_commit_leaves_the_previous_step") {
         return;
     }
-    let ropts = s3_opts();
-    let root = s3_url("h3/crash");
+    let ropts = s3::options();
+    let root = s3::url("h3/crash");
     let tmp = tempfile::tempdir().unwrap();
     let mark = tmp.path().join("mark");
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "crash_child", "--ignored", "--nocapture"])
         .env("H3_CRASH_ROOT", &root)
-        .env("H3_CRASH_ENDPOINT", server().endpoint())
+        .env("H3_CRASH_ENDPOINT", s3::shared().endpoint())
         .env("H3_CRASH_MARK", &mark)
         .spawn()
         .unwrap();
