@@ -28,19 +28,31 @@ fn python() -> PathBuf {
     p
 }
 
-fn make(mode: &str, out: &Path, extra: &[&Path]) {
+/// Writes the checkpoint `out`, `out.expect/` and `out.hostile/` (see make_megatron.py).
+fn make(out: &Path, marker: &Path) {
     let o = Command::new(python())
         .arg(repo().join("tests/python/make_megatron.py"))
-        .arg(mode)
         .arg(out)
-        .args(extra)
+        .arg(marker)
         .output()
         .unwrap();
     assert!(
         o.status.success(),
-        "make_megatron.py {mode}: {}",
+        "make_megatron.py: {}",
         String::from_utf8_lossy(&o.stderr)
     );
+}
+
+/// A copy of `good` whose common.pt is `good.hostile/NAME.pt`.
+fn with_common(good: &Path, name: &str, out: &Path) {
+    copy_dir(good, out);
+    let mut h = good.as_os_str().to_owned();
+    h.push(".hostile");
+    std::fs::copy(
+        Path::new(&h).join(format!("{name}.pt")),
+        out.join("common.pt"),
+    )
+    .unwrap();
 }
 
 fn copy_dir(a: &Path, b: &Path) {
@@ -90,7 +102,7 @@ fn buf<'b>(header: &serde_json::Value, body: &'b [u8], i: &serde_json::Value) ->
 fn a_torch_dist_checkpoint_imports_without_python() {
     let tmp = tempfile::tempdir().unwrap();
     let src = tmp.path().join("iter_0000010");
-    make("good", &src, &[]);
+    make(&src, &tmp.path().join("unused-marker"));
     let expect = tmp.path().join("iter_0000010.expect");
     let dst = tmp.path().join("out").join("iter_0000010");
     let rep = import_megatron(&src, &dst, &DcpImportOptions::default()).unwrap();
@@ -224,9 +236,11 @@ fn refused(src: &Path, dst: &Path) -> FormatError {
 fn hostile_sources_are_typed_errors_and_run_nothing() {
     let tmp = tempfile::tempdir().unwrap();
     let t = tmp.path();
-    // common.pt calling os.system: refused at the global, nothing run.
+    let good = t.join("good");
     let marker = t.join("PWNED");
-    make("evil", &t.join("evil"), &[&marker]);
+    make(&good, &marker);
+    // common.pt calling os.system: refused at the global, nothing run.
+    with_common(&good, "evil", &t.join("evil"));
     let e = refused(&t.join("evil"), &t.join("o1"));
     assert!(
         matches!(&e, FormatError::Pickle { item, .. } if item == "common.pt")
@@ -235,7 +249,7 @@ fn hostile_sources_are_typed_errors_and_run_nothing() {
     );
     assert!(!marker.exists(), "the pickle ran");
     // An enum member (a class of the user's): refused, naming it.
-    make("enum", &t.join("enum"), &[]);
+    with_common(&good, "enum", &t.join("enum"));
     let e = refused(&t.join("enum"), &t.join("o2"));
     assert!(
         matches!(&e, FormatError::Pickle { item, .. } if item == "common.pt")
@@ -243,15 +257,13 @@ fn hostile_sources_are_typed_errors_and_run_nothing() {
         "{e}"
     );
     // A numpy array whose shape claims 2**40 elements over 8 bytes.
-    make("lying", &t.join("lying"), &[]);
+    with_common(&good, "lying", &t.join("lying"));
     let e = refused(&t.join("lying"), &t.join("o3"));
     assert!(
         matches!(&e, FormatError::Dcp { item, msg, .. } if item == "common.pt" && msg.contains("at `common.x`") && msg.contains("1099511627776")),
         "{e}"
     );
     // The good checkpoint, spoiled in turn.
-    let good = t.join("good");
-    make("good", &good, &[]);
     // common.pt that is not a torch.save archive.
     let g1 = t.join("g1");
     copy_dir(&good, &g1);

@@ -1,13 +1,12 @@
-"""Writes Megatron-LM torch_dist checkpoints with the venv's megatron-core for
-tests/megatron_import.rs (one gloo process; no zarrckpt involved).
+"""Writes a Megatron-LM torch_dist checkpoint with the venv's megatron-core for
+tests/megatron_import.rs (one gloo process; no zarrckpt involved)::
 
-    make_megatron.py good OUT          # tensors (two dtypes, a 0-d one), a ShardedObject and
-                                       # common.pt holding what Megatron-LM's common state
-                                       # holds; OUT.expect/KEY.bin: each tensor's raw bytes
-    make_megatron.py enum OUT          # common.pt holds an enum member
-    make_megatron.py evil OUT MARKER   # common.pt is a pickle calling os.system (touch MARKER)
-    make_megatron.py lying OUT         # common.pt holds a numpy array whose shape claims 2**40
-                                       # elements over 8 bytes of data
+    make_megatron.py OUT MARKER
+
+OUT: tensors (two dtypes, a 0-d one), a ShardedObject and common.pt holding what Megatron-LM's
+common state holds. OUT.expect/KEY.bin: each tensor's raw bytes. OUT.hostile/: replacements
+for common.pt: enum.pt (an enum member), evil.pt (a pickle calling os.system to touch MARKER),
+lying.pt (a numpy array whose shape claims 2**40 elements over 8 bytes of data).
 """
 
 import argparse
@@ -88,7 +87,7 @@ def state() -> dict:
 
 
 def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
+    out, marker = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)
     dist.init_process_group("gloo", init_method=f"file://{out}.init", rank=0, world_size=1)
     try:
@@ -97,23 +96,19 @@ def main() -> None:
         dist.destroy_process_group()
     if os.path.exists(f"{out}.init"):
         os.remove(f"{out}.init")
-    path = os.path.join(out, "common.pt")
-    if mode == "enum":
-        torch.save({"phase": Phase.WARMUP}, path)
-    elif mode == "evil":
-        torch.save({"x": Evil(sys.argv[3])}, path)
-    elif mode == "lying":
-        torch.save({"x": Lying()}, path)
-    else:
-        assert mode == "good", mode
-        os.makedirs(f"{out}.expect", exist_ok=True)
-        for v in state().values():
-            if isinstance(v, ShardedTensor):
-                raw = v.data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                with open(f"{out}.expect/{v.key}.bin", "wb") as f:
-                    f.write(raw)
     # torch.save's archive is what the importer reads; check it is one.
-    assert zipfile.is_zipfile(path)
+    assert zipfile.is_zipfile(os.path.join(out, "common.pt"))
+    os.makedirs(f"{out}.expect", exist_ok=True)
+    for v in state().values():
+        if isinstance(v, ShardedTensor):
+            raw = v.data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            with open(f"{out}.expect/{v.key}.bin", "wb") as f:
+                f.write(raw)
+    hostile = f"{out}.hostile"
+    os.makedirs(hostile, exist_ok=True)
+    torch.save({"phase": Phase.WARMUP}, os.path.join(hostile, "enum.pt"))
+    torch.save({"x": Evil(marker)}, os.path.join(hostile, "evil.pt"))
+    torch.save({"x": Lying()}, os.path.join(hostile, "lying.pt"))
 
 
 if __name__ == "__main__":
