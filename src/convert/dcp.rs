@@ -416,6 +416,9 @@ pub fn read_item<'a>(
     }
 }
 
+/// A tensor rebuilt from a `torch.save` archive: its data type, shape and bytes in C order.
+pub type RawTensor<'a> = (DType, Vec<u64>, Cow<'a, [u8]>);
+
 /// A whole `torch.save` archive read without running it: its pickle as a tree, and its
 /// storages, from which the tensors the tree references are rebuilt on demand.
 pub struct TorchSave<'a> {
@@ -463,7 +466,7 @@ impl<'a> TorchSave<'a> {
     /// # Errors
     /// [`FormatError::Dcp`] for a storage that is missing or too short, a view outside it, an
     /// unknown storage class.
-    pub fn tensor(&self, args: &[Value]) -> Result<(DType, Vec<u64>, Cow<'a, [u8]>), FormatError> {
+    pub fn tensor(&self, args: &[Value]) -> Result<RawTensor<'a>, FormatError> {
         match rebuild_tensor(&self.path, &self.what, &self.archive, args)? {
             ItemValue::Tensor { dtype, shape, data } => Ok((dtype, shape, data)),
             ItemValue::Other(_) => Err(bad(&self.path, &self.what, "not a tensor record")),
