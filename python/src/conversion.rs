@@ -283,8 +283,28 @@ fn compression_of(compression: &str) -> PyResult<zarrckpt::Compression> {
     })
 }
 
-fn import_report(rep: &convert::DcpImportReport) -> String {
-    serde_json::json!({
+/// Runs the library importer `f` with the bindings' arguments; its report as JSON text.
+fn run_import(
+    py: Python<'_>,
+    (src, dst): (PathBuf, PathBuf),
+    ranks: Option<u64>,
+    overwrite: bool,
+    compression: &str,
+    f: fn(
+        &std::path::Path,
+        &std::path::Path,
+        &convert::DcpImportOptions,
+    ) -> Result<convert::DcpImportReport, FormatError>,
+) -> PyResult<String> {
+    let opts = convert::DcpImportOptions {
+        ranks,
+        overwrite,
+        compression: compression_of(compression)?,
+    };
+    let rep = py
+        .detach(|| f(&src, &dst, &opts))
+        .map_err(|e| conversion_error(py, &e))?;
+    Ok(serde_json::json!({
         "tensors": rep.tensors,
         "objects": rep.objects,
         "tensor_bytes": rep.tensor_bytes,
@@ -294,7 +314,7 @@ fn import_report(rep: &convert::DcpImportReport) -> String {
             "file_bytes": rep.save.file_bytes,
         },
     })
-    .to_string()
+    .to_string())
 }
 
 /// Imports the DCP checkpoint directory `src` into a zarrckpt checkpoint at `dst` with the
@@ -313,15 +333,15 @@ pub(crate) fn import_dcp(
     overwrite: bool,
     compression: &str,
 ) -> PyResult<String> {
-    let opts = convert::DcpImportOptions {
+    let paths = (src, dst);
+    run_import(
+        py,
+        paths,
         ranks,
         overwrite,
-        compression: compression_of(compression)?,
-    };
-    let rep = py
-        .detach(|| convert::import_dcp(&src, &dst, &opts))
-        .map_err(|e| conversion_error(py, &e))?;
-    Ok(import_report(&rep))
+        compression,
+        convert::import_dcp,
+    )
 }
 
 /// Imports the Megatron-LM `torch_dist` checkpoint directory `src` into a zarrckpt-backed
@@ -338,15 +358,15 @@ pub(crate) fn import_megatron(
     overwrite: bool,
     compression: &str,
 ) -> PyResult<String> {
-    let opts = convert::DcpImportOptions {
+    let paths = (src, dst);
+    run_import(
+        py,
+        paths,
         ranks,
         overwrite,
-        compression: compression_of(compression)?,
-    };
-    let rep = py
-        .detach(|| convert::import_megatron(&src, &dst, &opts))
-        .map_err(|e| conversion_error(py, &e))?;
-    Ok(import_report(&rep))
+        compression,
+        convert::import_megatron,
+    )
 }
 
 /// Plans a conversion (spec § 19) from metadata alone and returns the plan as JSON text.

@@ -824,6 +824,23 @@ def _verify_tensors(dst: str, tensors: dict[str, torch.Tensor]) -> None:
             raise InvalidArgumentError(f"`{key}`: the imported tensor differs from the source")
 
 
+def _native_import(
+    fn: Any,
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    ranks: int | None,
+    overwrite: bool,
+    options: Mapping[str, Any],
+) -> dict:
+    """Runs the library importer ``fn`` (an extension function) and returns its report."""
+    extra = sorted(set(options) - {"compression"})
+    if extra:
+        raise InvalidArgumentError(f"{fn.__name__}: unknown options {extra} (compression)")
+    compression = options.get("compression", "none")
+    text = fn(_path(src), _path(dst), ranks=ranks, overwrite=overwrite, compression=compression)
+    return json.loads(text)
+
+
 def import_dcp(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -863,17 +880,7 @@ def import_dcp(
     if ranks is not None and ranks < 1:
         raise InvalidArgumentError("ranks must be at least 1")
     if weights_only:
-        extra = sorted(set(options) - {"compression"})
-        if extra:
-            raise InvalidArgumentError(f"import_dcp: unknown options {extra} (compression)")
-        text = _native.import_dcp(
-            _path(src),
-            _path(dst),
-            ranks=ranks,
-            overwrite=overwrite,
-            compression=options.get("compression", "none"),
-        )
-        return json.loads(text)
+        return _native_import(_native.import_dcp, src, dst, ranks, overwrite, options)
     return _import_dcp_torch(src, dst, ranks=ranks, overwrite=overwrite, **options)
 
 
@@ -974,17 +981,7 @@ def import_megatron(
     if ranks is not None and ranks < 1:
         raise InvalidArgumentError("ranks must be at least 1")
     if weights_only:
-        extra = sorted(set(options) - {"compression"})
-        if extra:
-            raise InvalidArgumentError(f"import_megatron: unknown options {extra} (compression)")
-        text = _native.import_megatron(
-            _path(src),
-            _path(dst),
-            ranks=ranks,
-            overwrite=overwrite,
-            compression=options.get("compression", "none"),
-        )
-        return json.loads(text)
+        return _native_import(_native.import_megatron, src, dst, ranks, overwrite, options)
     return _import_megatron_torch(src, dst, ranks=ranks, overwrite=overwrite, **options)
 
 

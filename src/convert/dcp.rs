@@ -396,23 +396,14 @@ pub fn read_item<'a>(
     what: &str,
     bytes: &'a [u8],
 ) -> Result<ItemValue<'a>, FormatError> {
-    let archive = Archive::open(path, what, bytes)?;
-    let pkl = archive.entry(path, what, "data.pkl")?;
-    let v = pickle::read(pkl, ITEM_ALLOW).map_err(|source| FormatError::Pickle {
-        path: path.to_owned(),
-        item: what.to_owned(),
-        source,
-    })?;
-    if archive.find("byteorder").is_some_and(|o| o != b"little") {
-        return Err(bad(path, what, "a big-endian torch.save archive"));
-    }
-    match &v {
+    let ts = TorchSave::read(path, what, bytes, ITEM_ALLOW)?;
+    match &ts.value {
         Value::Object {
             module, name, args, ..
         } if module == "torch._utils" && name == "_rebuild_tensor_v2" => {
-            rebuild_tensor(path, what, &archive, args)
+            rebuild_tensor(path, what, &ts.archive, args)
         }
-        _ => Ok(ItemValue::Other(v)),
+        _ => Ok(ItemValue::Other(ts.value)),
     }
 }
 

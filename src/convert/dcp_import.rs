@@ -146,12 +146,7 @@ pub fn import_dcp(
     dst: &Path,
     opts: &DcpImportOptions,
 ) -> Result<DcpImportReport, FormatError> {
-    if opts.ranks == Some(0) {
-        return Err(FormatError::Option {
-            option: "ranks",
-            msg: "must be at least 1".into(),
-        });
-    }
+    check_options(opts)?;
     let md = DcpMetadata::read(src)?;
     let files = Files::open(src, &md)?;
     let mut tensors: BTreeMap<String, Tensor<'_>> = BTreeMap::new();
@@ -185,16 +180,7 @@ pub fn import_dcp(
                 );
             }
             DcpEntry::Bytes => {
-                let mut found = md.storage.iter().filter(|s| &s.fqn == fqn);
-                let (Some(s), None) = (found.next(), found.next()) else {
-                    return Err(bad(
-                        src,
-                        fqn,
-                        "a bytes item without exactly one storage entry",
-                    ));
-                };
-                let bytes = files.bytes(s)?;
-                let p = item_file(src, s);
+                let (p, bytes) = bytes_item(src, &md, &files, fqn)?;
                 match read_item(&p, fqn, bytes)? {
                     ItemValue::Tensor { dtype, shape, data } => {
                         let r = Region::full(&shape);
@@ -233,6 +219,35 @@ pub fn import_dcp(
         }
     }
     write(dst, &tensors, &objects, opts, Marks::Dcp)
+}
+
+/// `ranks`, if given, is at least 1.
+pub(super) fn check_options(opts: &DcpImportOptions) -> Result<(), FormatError> {
+    if opts.ranks == Some(0) {
+        return Err(FormatError::Option {
+            option: "ranks",
+            msg: "must be at least 1".into(),
+        });
+    }
+    Ok(())
+}
+
+/// The file and the bytes of the bytes item `fqn` (exactly one storage entry).
+pub(super) fn bytes_item<'a>(
+    src: &Path,
+    md: &DcpMetadata,
+    files: &'a Files,
+    fqn: &str,
+) -> Result<(PathBuf, &'a [u8]), FormatError> {
+    let mut found = md.storage.iter().filter(|s| s.fqn == fqn);
+    let (Some(s), None) = (found.next(), found.next()) else {
+        return Err(bad(
+            src,
+            fqn,
+            "a bytes item without exactly one storage entry",
+        ));
+    };
+    Ok((item_file(src, s), files.bytes(s)?))
 }
 
 /// Every chunk of tensor `fqn`, checked against the metadata: same shapes, inside the tensor,

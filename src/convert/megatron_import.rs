@@ -19,9 +19,10 @@ use std::path::Path;
 
 use memmap2::Mmap;
 
-use super::dcp::{DcpEntry, DcpMetadata, TorchSave, item_file};
+use super::dcp::{DcpEntry, DcpMetadata, TorchSave};
 use super::dcp_import::{
-    DcpImportOptions, DcpImportReport, Files, Marks, Tensor, bad, read_tensor, resplit, write,
+    DcpImportOptions, DcpImportReport, Files, Marks, Tensor, bad, bytes_item, check_options,
+    read_tensor, resplit, write,
 };
 use super::error::FormatError;
 use super::megatron_value::{MEGATRON_ALLOW, encode};
@@ -55,12 +56,7 @@ pub fn import_megatron(
     dst: &Path,
     opts: &DcpImportOptions,
 ) -> Result<DcpImportReport, FormatError> {
-    if opts.ranks == Some(0) {
-        return Err(FormatError::Option {
-            option: "ranks",
-            msg: "must be at least 1".into(),
-        });
-    }
+    check_options(opts)?;
     check_config(src)?;
     let md = DcpMetadata::read(src)?;
     let files = Files::open(src, &md)?;
@@ -86,16 +82,8 @@ pub fn import_megatron(
                 );
             }
             DcpEntry::Bytes => {
-                let mut found = md.storage.iter().filter(|s| &s.fqn == fqn);
-                let (Some(s), None) = (found.next(), found.next()) else {
-                    return Err(bad(
-                        src,
-                        fqn,
-                        "a bytes item without exactly one storage entry",
-                    ));
-                };
-                let p = item_file(src, s);
-                let ts = TorchSave::read(&p, fqn, files.bytes(s)?, MEGATRON_ALLOW)?;
+                let (p, bytes) = bytes_item(src, &md, &files, fqn)?;
+                let ts = TorchSave::read(&p, fqn, bytes, MEGATRON_ALLOW)?;
                 match &ts.value {
                     Value::Object {
                         module, name, args, ..
