@@ -12,7 +12,8 @@
 //!
 //! The formats' files are written and read here too, acting on a checkpoint: [`hf`]
 //! (safetensors shards and index out, an HF folder into a Megatron layout in), [`vllm`]
-//! (per-rank `sharded_state` files), [`dcp`] (PyTorch DCP checkpoints in, read by the
+//! (per-rank `sharded_state` files), [`dcp`] (PyTorch DCP checkpoints in, and Megatron's
+//! `torch_dist` checkpoints with [`import_megatron`] and [`megatron_value`], read by the
 //! restricted [`pickle`] reader, which runs nothing), all through the one safetensors writer of
 //! [`safetensors`]. The CLI and the Python package only call these.
 
@@ -27,6 +28,8 @@ pub mod expr;
 pub mod geom;
 pub mod hf;
 mod hf_import;
+mod megatron_import;
+pub mod megatron_value;
 pub mod pickle;
 pub mod plan;
 pub mod safetensors;
@@ -42,6 +45,9 @@ pub use exec::{FillStats, fill_from_checkpoint, fill_from_sources};
 pub use expand::{Expanded, Layout, expand};
 pub use hf::{ExportOptions, ExportReport, HfExport};
 pub use hf_import::{HfDir, HfImport, ImportReport};
+pub use megatron_import::{
+    MAX_CONFIG_BYTES, MEGATRON_COMMON_KEY, MEGATRON_SUBDIR, import_megatron,
+};
 pub use plan::{
     Dest, Part, Piece, Plan, Source, plan_hf_export, plan_megatron_import, plan_vllm,
     plan_vllm_part,

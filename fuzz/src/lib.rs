@@ -658,7 +658,9 @@ pub fn check_dcp_pickle(data: &[u8]) {
             _ => {}
         }
         match v {
-            Value::List(x) | Value::Tuple(x) | Value::Set(x) => x.iter().for_each(no_bad_global),
+            Value::List(x) | Value::Tuple(x) | Value::Set(x) | Value::FrozenSet(x) => {
+                x.iter().for_each(no_bad_global);
+            }
             Value::Dict(x) => x.iter().for_each(|(k, v)| {
                 no_bad_global(k);
                 no_bad_global(v);
@@ -676,5 +678,33 @@ pub fn check_dcp_pickle(data: &[u8]) {
     let allow: pickle::AllowList<'_> = &[("torch", "*"), ("collections", "OrderedDict")];
     if let Ok(v) = pickle::read(data, allow) {
         no_bad_global(&v);
+    }
+    check_megatron_value(data);
+}
+
+/// A `torch.save` archive read as a Megatron object or `common.pt` is: the restricted reader
+/// with the Megatron allow-list, then the encoder. Never panics; an encoding it returns is
+/// well-formed (magic, a header of whole 8-byte words holding `{"value": ..., "buffers":
+/// [...]}` padded with spaces, a body of whole 8-byte words).
+pub fn check_megatron_value(data: &[u8]) {
+    use zarrckpt::ObjectValue;
+    use zarrckpt::convert::dcp::TorchSave;
+    use zarrckpt::convert::megatron_value::{MEGATRON_ALLOW, encode};
+    let p = Path::new("fuzz");
+    let Ok(ts) = TorchSave::read(p, "x", data, MEGATRON_ALLOW) else {
+        return;
+    };
+    if let Ok(ObjectValue::Bytes(b)) = encode(&ts, &ts.value, p, "x", "value") {
+        assert_eq!(&b[..8], b"ZCKPTMG\x01");
+        let n = usize::try_from(u64::from_le_bytes(b[8..16].try_into().unwrap())).unwrap();
+        assert_eq!(n % 8, 0, "header padded to 8 bytes");
+        assert_eq!((b.len() - 16 - n) % 8, 0, "buffers padded to 8 bytes");
+        let h = std::str::from_utf8(&b[16..16 + n]).expect("an ASCII header");
+        let h = h.trim_end_matches(' ');
+        assert!(
+            h.is_ascii() && h.starts_with("{\"value\": ") && h.ends_with("]}"),
+            "{h}"
+        );
+        assert!(h.contains("\"buffers\": ["), "{h}");
     }
 }

@@ -270,6 +270,53 @@ pub(crate) fn inspect_map(
     .map_err(|e: FormatError| conversion_error(py, &e))
 }
 
+fn compression_of(compression: &str) -> PyResult<zarrckpt::Compression> {
+    Ok(match compression {
+        "none" => zarrckpt::Compression::None,
+        "zstd" => zarrckpt::Compression::Zstd,
+        "blosc" => zarrckpt::Compression::Blosc,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown compression `{other}` (none, zstd, blosc)"
+            )));
+        }
+    })
+}
+
+/// Runs the library importer `f` with the bindings' arguments; its report as JSON text.
+fn run_import(
+    py: Python<'_>,
+    (src, dst): (PathBuf, PathBuf),
+    ranks: Option<u64>,
+    overwrite: bool,
+    compression: &str,
+    f: fn(
+        &std::path::Path,
+        &std::path::Path,
+        &convert::DcpImportOptions,
+    ) -> Result<convert::DcpImportReport, FormatError>,
+) -> PyResult<String> {
+    let opts = convert::DcpImportOptions {
+        ranks,
+        overwrite,
+        compression: compression_of(compression)?,
+    };
+    let rep = py
+        .detach(|| f(&src, &dst, &opts))
+        .map_err(|e| conversion_error(py, &e))?;
+    Ok(serde_json::json!({
+        "tensors": rep.tensors,
+        "objects": rep.objects,
+        "tensor_bytes": rep.tensor_bytes,
+        "save": {
+            "chunks_written": rep.save.chunks_written,
+            "data_bytes": rep.save.data_bytes,
+            "file_bytes": rep.save.file_bytes,
+        },
+    })
+    .to_string())
+}
+
 /// Imports the DCP checkpoint directory `src` into a zarrckpt checkpoint at `dst` with the
 /// library's importer (no torch, no pickle run: non-tensor values must be bytes or plain
 /// data). `ranks`: split each tensor that many ways along its first axis (default: the
@@ -286,35 +333,40 @@ pub(crate) fn import_dcp(
     overwrite: bool,
     compression: &str,
 ) -> PyResult<String> {
-    let compression = match compression {
-        "none" => zarrckpt::Compression::None,
-        "zstd" => zarrckpt::Compression::Zstd,
-        "blosc" => zarrckpt::Compression::Blosc,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "unknown compression `{other}` (none, zstd, blosc)"
-            )));
-        }
-    };
-    let opts = convert::DcpImportOptions {
+    let paths = (src, dst);
+    run_import(
+        py,
+        paths,
         ranks,
         overwrite,
         compression,
-    };
-    let rep = py
-        .detach(|| convert::import_dcp(&src, &dst, &opts))
-        .map_err(|e| conversion_error(py, &e))?;
-    Ok(serde_json::json!({
-        "tensors": rep.tensors,
-        "objects": rep.objects,
-        "tensor_bytes": rep.tensor_bytes,
-        "save": {
-            "chunks_written": rep.save.chunks_written,
-            "data_bytes": rep.save.data_bytes,
-            "file_bytes": rep.save.file_bytes,
-        },
-    })
-    .to_string())
+        convert::import_dcp,
+    )
+}
+
+/// Imports the Megatron-LM `torch_dist` checkpoint directory `src` into a zarrckpt-backed
+/// Megatron checkpoint directory `dst` (`dst/metadata.json`, `dst/zarrckpt/`) with the
+/// library's importer (no torch, no pickle run). Arguments and result as `import_dcp`
+/// (`objects`: the ShardedObjects and the common state).
+#[pyfunction]
+#[pyo3(signature = (src, dst, ranks = None, overwrite = false, compression = "none"))]
+pub(crate) fn import_megatron(
+    py: Python<'_>,
+    src: PathBuf,
+    dst: PathBuf,
+    ranks: Option<u64>,
+    overwrite: bool,
+    compression: &str,
+) -> PyResult<String> {
+    let paths = (src, dst);
+    run_import(
+        py,
+        paths,
+        ranks,
+        overwrite,
+        compression,
+        convert::import_megatron,
+    )
 }
 
 /// Plans a conversion (spec § 19) from metadata alone and returns the plan as JSON text.
@@ -486,6 +538,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(export, m)?)?;
     m.add_function(wrap_pyfunction!(import_hf, m)?)?;
     m.add_function(wrap_pyfunction!(import_dcp, m)?)?;
+    m.add_function(wrap_pyfunction!(import_megatron, m)?)?;
     m.add_function(wrap_pyfunction!(inspect_map, m)?)?;
     Ok(())
 }

@@ -689,8 +689,8 @@ def test_migrate_command_imports_a_dcp_checkpoint(jobs, tmp_path):
 
 def test_cli_imports_dcp_without_python(jobs, tmp_path):
     """The Rust CLI imports a DCP checkpoint with the library's importer (the same as
-    zarrckpt.dcp.import_dcp): no Python started, the same bytes; --megatron still needs the
-    Python package and names its command."""
+    zarrckpt.dcp.import_dcp): no Python started, the same values; --trust-pickles (running
+    the pickles) is only in the Python package, and the refusal names its command."""
     root, _, _ = jobs
     exe = built_cli()
     env = {**os.environ, "ZARRCKPT_PYTHON": str(tmp_path / "no-python"), "PATH": "/nonexistent"}
@@ -710,13 +710,13 @@ def test_cli_imports_dcp_without_python(jobs, tmp_path):
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
     assert cli.object("extra/step") == STEPS
     bad = subprocess.run(
-        [exe, "import", "--dcp", f"{root}/fs", "--megatron", "--out", str(tmp_path / "never")],
+        [exe, "import", "--dcp", f"{root}/fs", "--trust-pickles", "--out", str(tmp_path / "never")],
         capture_output=True,
         text=True,
         env=env,
     )
     assert bad.returncode != 0
-    assert f"python -m zarrckpt.migrate {root}/fs --out {tmp_path / 'never'} --megatron" in (
+    assert f"python -m zarrckpt.migrate {root}/fs --out {tmp_path / 'never'} --trust-pickles" in (
         bad.stderr
     ), bad.stderr
     assert not (tmp_path / "never").exists()

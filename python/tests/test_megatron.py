@@ -24,6 +24,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -555,13 +556,26 @@ def test_one_argument_switch_tp2_to_pp2_with_async_save(tmp_path):
     run(2, "gpt_load", tmp_path, tp=1, pp=2, ckpt=str(ckpt), saved_by="megatron", loader="zarrckpt")
 
 
+def _without_save_id(data: bytes) -> bytes:
+    """A checkpoint file's bytes with the save's random id zeroed: in JSON (``"save_id"``) and
+    in a shard's footer (spec/format.md: the id and the footer's CRC-32C that covers it)."""
+    data = re.sub(rb'"save_id": "[0-9a-f]{32}"', b'"save_id": ""', data)
+    at = data.rfind(b"ZCKPFOOT")
+    if at >= 0:
+        n = int.from_bytes(data[at + 12 : at + 16], "little")
+        chunks = int.from_bytes(data[at + 40 : at + 48], "little")
+        crc = at + 48 + 8 * n + 4 * chunks
+        data = data[: at + 16] + bytes(16) + data[at + 32 : crc] + bytes(4) + data[crc + 4 :]
+    return data
+
+
 def test_import_of_a_megatron_torch_dist_checkpoint(tmp_path):
     """A checkpoint megatron-core wrote in its own torch_dist format (TP2 x PP2 on 4 ranks:
     DCP files, .metadata, common.pt) imported into zarrckpt (every byte compared), then loaded
     by dist_checkpointing.load at TP1 x PP1 on 3 ranks, bit for bit."""
     import zarrckpt
     import zarrckpt.dcp as zd
-    from zarrckpt import InvalidArgumentError
+    from zarrckpt._errors import ConversionError
 
     src = tmp_path / "iter_0000300"
     run(4, "gpt_save", tmp_path, tp=2, pp=2, ckpt=str(src), saver="torch_dist", async_save=False)
@@ -570,13 +584,9 @@ def test_import_of_a_megatron_torch_dist_checkpoint(tmp_path):
     assert (src / "common.pt").exists() and (src / ".metadata").exists()
     assert list(src.glob("*.distcp"))
     dst = tmp_path / "imported" / "iter_0000300"
-    # The objects hold an int64 numpy array, a class megatron-core does not allow torch's
-    # restricted unpickler to build: refused, naming the object, until the user allows it.
-    with pytest.raises(InvalidArgumentError, match=r"test\.layer_objects/shard_.*Int64DType"):
-        zd.import_megatron(src, tmp_path / "refused")
-    allow = torch.serialization.safe_globals([np.dtypes.Int64DType])
-    with allow:
-        rep = zd.import_megatron(src, dst)
+    # The library's importer (no torch, no pickle run): the objects' numpy arrays, the common
+    # state's Namespace, dtype and tensors are read by its restricted reader.
+    rep = zd.import_megatron(src, dst)
     assert rep["tensors"] > 10 and rep["objects"] >= NUM_LAYERS + 1
     cfg = dist_checkpointing.core.maybe_load_config(str(dst))
     assert (cfg.sharded_backend, cfg.common_backend) == ("zarrckpt", "zarrckpt")
@@ -593,16 +603,16 @@ def test_import_of_a_megatron_torch_dist_checkpoint(tmp_path):
     )
     # Another layout on the way (3 parts along the first axis), same content.
     again = tmp_path / "imported3" / "iter_0000300"
-    with allow:
-        zd.import_megatron(src, again, ranks=3)
+    zd.import_megatron(src, again, ranks=3)
     ck3 = zarrckpt.open(again / "zarrckpt", output="torch")
     assert ck3.tensors["decoder.layers.self_attention.linear_qkv.weight"].chunk_shape[0] == 2
     ck = zarrckpt.open(dst / "zarrckpt", output="torch")
     for key in ck.tensors:
         a, b = ck[key][...], ck3[key][...]
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
-    # The command line (python -m zarrckpt.migrate), trusting the pickles (the unrestricted
-    # unpickler needs no allow-list).
+    # The command line (python -m zarrckpt.migrate), trusting the pickles: torch's reader and
+    # unrestricted unpickler, then zarrckpt.megatron.encode_value in Python. Every file of the
+    # result is byte-identical to the library's import (but for each save's random id).
     cli = tmp_path / "cli" / "iter_0000300"
     out = subprocess.run(
         [sys.executable, "-m", "zarrckpt.migrate", src, "--megatron", "--trust-pickles"]
@@ -617,6 +627,22 @@ def test_import_of_a_megatron_torch_dist_checkpoint(tmp_path):
     for key in ck.tensors:
         a, b = ck[key][...], ckc[key][...]
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
+    files = sorted(p.relative_to(dst) for p in dst.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(cli) for p in cli.rglob("*") if p.is_file())
+    assert len(files) > 2 * rep["tensors"]
+    for f in files:
+        assert _without_save_id((dst / f).read_bytes()) == _without_save_id(
+            (cli / f).read_bytes()
+        ), f
+    # A value the library's reader cannot read without running it (an enum member): refused,
+    # naming the item and the class; the trusted path reads it.
+    torch.save({"phase": Phase.WARMUP}, src / "common.pt")
+    cls = re.escape(f"{Phase.__module__}.Phase")
+    with pytest.raises(ConversionError, match=rf"common\.pt.*{cls}"):
+        zd.import_megatron(src, tmp_path / "enum")
+    zd.import_megatron(src, tmp_path / "enum-trusted", weights_only=False)
+    ck_enum = zarrckpt.open(tmp_path / "enum-trusted" / "zarrckpt")
+    assert zm.decode_value(ck_enum.object(zm.COMMON_KEY)) == {"phase": Phase.WARMUP}
 
 
 # --- edge cases on 2 ranks: dtypes, legacy flattened_range, views, duplicates, shape mismatch,

@@ -735,44 +735,26 @@ class StorageReader(_DcpStorageReader):
 # migration: an existing DCP checkpoint into zarrckpt
 
 
-class _ImportPlanner(DefaultLoadPlanner):
-    """Loads a DCP checkpoint's non-tensor values with ``torch.load(weights_only=...)``,
-    naming the key when torch's restricted unpickler refuses one."""
+class _TrustedPlanner(DefaultLoadPlanner):
+    """Loads a DCP checkpoint's non-tensor values with ``torch.load(weights_only=False)``:
+    torch's unrestricted unpickler, which runs whatever code the pickle holds (the
+    ``weights_only=False`` imports only)."""
 
-    def __init__(self, weights_only: bool) -> None:
+    def __init__(self) -> None:
         super().__init__(allow_partial_load=False)
-        self.weights_only = weights_only
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
-        loaded = _torch_load(value, self.weights_only, f"`{fqn}`")
+        loaded = torch.load(value, map_location="cpu", weights_only=False)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
 
 
-def _torch_load(source: Any, weights_only: bool, what: str) -> Any:
-    try:
-        return torch.load(source, map_location="cpu", weights_only=weights_only)
-    except Exception as e:
-        if not weights_only:
-            raise
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        why = next((ln for ln in lines if "but got" in ln or "Unsupported" in ln), None)
-        why = why or (lines[0] if lines else type(e).__name__)
-        raise InvalidArgumentError(
-            f"{what}: torch's restricted unpickler (weights_only=True) refused this pickle "
-            f"({why}). If you trust the "
-            "checkpoint, allow its classes with torch.serialization.add_safe_globals, or "
-            "import with weights_only=False (CLI: --trust-pickles), which runs whatever code "
-            "the pickle holds"
-        ) from e
-
-
-def _read_dcp(src: str, weights_only: bool) -> tuple[Metadata, dict[str, Any], Mapping]:
+def _read_dcp_trusted(src: str) -> tuple[Metadata, dict[str, Any], Mapping]:
     """Every value of the DCP checkpoint directory ``src`` read in this process with torch's
-    own reader: ``(metadata, {fqn: value}, flattening mappings)``."""
+    own reader and unrestricted unpickler: ``(metadata, {fqn: value}, flattening mappings)``."""
     from torch.distributed.checkpoint import FileSystemReader
 
     reader = FileSystemReader(src)
@@ -787,21 +769,7 @@ def _read_dcp(src: str, weights_only: bool) -> tuple[Metadata, dict[str, Any], M
     if state:
         import torch.distributed.checkpoint as dcp
 
-        try:
-            dcp.load(
-                state,
-                storage_reader=reader,
-                planner=_ImportPlanner(weights_only),
-                no_dist=True,
-            )
-        except BaseException as e:
-            # DCP wraps a failure in a CheckpointException (a BaseException): raise ours as
-            # it is.
-            for failure in (getattr(e, "failures", None) or {}).values():
-                inner = failure[0] if isinstance(failure, tuple) else failure
-                if isinstance(inner, InvalidArgumentError):
-                    raise inner from e
-            raise
+        dcp.load(state, storage_reader=reader, planner=_TrustedPlanner(), no_dist=True)
     return md, state, mappings
 
 
@@ -856,6 +824,23 @@ def _verify_tensors(dst: str, tensors: dict[str, torch.Tensor]) -> None:
             raise InvalidArgumentError(f"`{key}`: the imported tensor differs from the source")
 
 
+def _native_import(
+    fn: Any,
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    ranks: int | None,
+    overwrite: bool,
+    options: Mapping[str, Any],
+) -> dict:
+    """Runs the library importer ``fn`` (an extension function) and returns its report."""
+    extra = sorted(set(options) - {"compression"})
+    if extra:
+        raise InvalidArgumentError(f"{fn.__name__}: unknown options {extra} (compression)")
+    compression = options.get("compression", "none")
+    text = fn(_path(src), _path(dst), ranks=ranks, overwrite=overwrite, compression=compression)
+    return json.loads(text)
+
+
 def import_dcp(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -895,17 +880,7 @@ def import_dcp(
     if ranks is not None and ranks < 1:
         raise InvalidArgumentError("ranks must be at least 1")
     if weights_only:
-        extra = sorted(set(options) - {"compression"})
-        if extra:
-            raise InvalidArgumentError(f"import_dcp: unknown options {extra} (compression)")
-        text = _native.import_dcp(
-            _path(src),
-            _path(dst),
-            ranks=ranks,
-            overwrite=overwrite,
-            compression=options.get("compression", "none"),
-        )
-        return json.loads(text)
+        return _native_import(_native.import_dcp, src, dst, ranks, overwrite, options)
     return _import_dcp_torch(src, dst, ranks=ranks, overwrite=overwrite, **options)
 
 
@@ -919,7 +894,7 @@ def _import_dcp_torch(
 ) -> dict:
     """:func:`import_dcp` with ``weights_only=False``: torch's DCP reader and unrestricted
     unpickler, in this process."""
-    md, state, mappings = _read_dcp(_path(src), False)
+    md, state, mappings = _read_dcp_trusted(_path(src))
     pieces: list[_core.Piece] = []
     objects: list[_core.Object] = []
     tensors: dict[str, torch.Tensor] = {}
@@ -980,25 +955,50 @@ def import_megatron(
     :func:`zarrckpt.megatron.save` writes it (``metadata.json`` naming backend ``zarrckpt``,
     ``dst/zarrckpt/`` the zarrckpt checkpoint): ``dist_checkpointing.load`` reads it in any
     topology once :mod:`zarrckpt.megatron` is imported, and ``zarrckpt.open(dst + "/zarrckpt")``
-    without Megatron. Needs megatron-core.
+    without Megatron.
 
     Tensors keep Megatron's keys and global shapes (layer axes included); ShardedObjects
     become ``common`` objects named by their unique key, the content of ``common.pt`` the
-    object ``megatron/common``, both encoded by :func:`zarrckpt.megatron.encode_value` (no
-    pickle). Layout (``ranks``) as :func:`import_dcp`. Every tensor is read back and
-    compared byte for byte, every object decoded and re-encoded to the same bytes.
+    object ``megatron/common``, both encoded as :func:`zarrckpt.megatron.encode_value` encodes
+    them (no pickle). Layout (``ranks``) and ``options`` (``compression``) as
+    :func:`import_dcp`. Every tensor box and object is read back and compared byte for byte.
+    Returns ``tensors``, ``objects`` (ShardedObjects and the common state), ``tensor_bytes``
+    and ``save``.
 
-    Trust: ``common.pt`` and the objects are ``torch.save`` pickles and ``.metadata`` is one
-    too; they are read with your torch, ``common.pt`` and the objects with torch's restricted
-    unpickler (``weights_only=True``: no code runs; megatron-core registers its own classes,
-    argparse namespaces and numpy arrays as allowed) unless ``weights_only=False``, which
-    runs whatever code they hold: use it only on checkpoints you trust."""
+    Trust: ``common.pt``, the objects and ``.metadata`` are pickles. By default the library's
+    importer does the work (through the extension; ``zarrckpt import --megatron`` in the CLI
+    calls the same function, and neither needs torch or megatron-core): its pickle reader runs
+    nothing, and reads tensors, numpy arrays and scalars of numeric dtypes, plain data (also
+    tuples, sets, non-string dict keys, NaN), ``torch.Size`` / ``torch.dtype``,
+    ``argparse.Namespace``, ``types.SimpleNamespace`` and ``io.BytesIO``; any other value
+    (an enum member, your own class) is an error naming the item, where in it, and its class.
+
+    ``weights_only=False`` (CLI: ``python -m zarrckpt.migrate --megatron --trust-pickles``)
+    instead reads the source with torch's DCP reader and unrestricted unpickler (needs torch
+    and megatron-core), which runs whatever code the pickles hold: the one path of this
+    package that executes a checkpoint's pickles, for values the library's reader refuses.
+    Use it only on checkpoints you trust."""
+    if ranks is not None and ranks < 1:
+        raise InvalidArgumentError("ranks must be at least 1")
+    if weights_only:
+        return _native_import(_native.import_megatron, src, dst, ranks, overwrite, options)
+    return _import_megatron_torch(src, dst, ranks=ranks, overwrite=overwrite, **options)
+
+
+def _import_megatron_torch(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    ranks: int | None,
+    overwrite: bool,
+    **options: Any,
+) -> dict:
+    """:func:`import_megatron` with ``weights_only=False``: torch's DCP reader and
+    unrestricted unpickler, in this process."""
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 
     import zarrckpt.megatron as zm
 
-    if ranks is not None and ranks < 1:
-        raise InvalidArgumentError("ranks must be at least 1")
     src_p = _path(src)
     try:
         with open(os.path.join(src_p, "metadata.json")) as f:
@@ -1014,7 +1014,7 @@ def import_megatron(
         )
     dst_p = _path(dst)
     ck_dir = os.path.join(dst_p, zm.SUBDIR)
-    md, state, _ = _read_dcp(src_p, weights_only)
+    md, state, _ = _read_dcp_trusted(src_p)
     pieces: list[_core.Piece] = []
     objects: list[_core.Object] = []
     tensors: dict[str, torch.Tensor] = {}
@@ -1037,7 +1037,7 @@ def import_megatron(
             objects.append(_core.Object(key, zm._stored(zm.encode_value(value, path=key))))
     common_path = os.path.join(src_p, "common.pt")
     if os.path.exists(common_path):
-        common = _torch_load(common_path, weights_only, common_path)
+        common = torch.load(common_path, map_location="cpu", weights_only=False)
         sources[zm.COMMON_KEY] = common
         objects.append(
             _core.Object(zm.COMMON_KEY, zm._stored(zm.encode_value(common, path="common")))

@@ -1,17 +1,19 @@
-"""Command-line entry of the DCP importers (``zarrckpt import --dcp`` in the Rust CLI runs the
-same library importer for plain DCP; this command also takes ``--megatron`` and
-``--trust-pickles``, which need Python)::
+"""Command-line entry of the DCP and Megatron ``torch_dist`` importers::
 
     python -m zarrckpt.migrate DIR --out CKPT [--megatron] [--ranks N] [--trust-pickles]
         [--overwrite] [--compression none|zstd|blosc]
 
 ``DIR`` is a DCP checkpoint directory (``FileSystemWriter``'s format, e.g. a torchtitan step)
 or, with ``--megatron``, a Megatron-LM ``torch_dist`` checkpoint (an ``iter_*`` directory);
-see :func:`zarrckpt.dcp.import_dcp` (the library's importer, which runs no pickle; with
-``--trust-pickles``, torch's reader and unrestricted unpickler) and
-:func:`zarrckpt.dcp.import_megatron`. Prints one JSON
-line (``tensors``, ``objects``, ``tensor_bytes``, ``seconds``, ``out``); on an error, a
-message on stderr and exit status 1 (2 for bad arguments).
+see :func:`zarrckpt.dcp.import_dcp` and :func:`zarrckpt.dcp.import_megatron`. Without
+``--trust-pickles`` this runs the library's importers, as the Rust CLI's ``zarrckpt import
+--dcp DIR`` and ``zarrckpt import --megatron DIR`` do: their pickle reader runs nothing.
+``--trust-pickles`` is the one path that executes the checkpoint's pickles (torch's reader
+and unrestricted unpickler, in this process; ``--megatron`` then needs megatron-core), for
+values the library's reader refuses (an enum member, your own class): use it only on
+checkpoints you trust. Prints one JSON line (``tensors``, ``objects``, ``tensor_bytes``,
+``seconds``, ``out``); on an error, a message on stderr and exit status 1 (2 for bad
+arguments).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--trust-pickles",
         action="store_true",
-        help="unpickle non-tensor values with torch's unrestricted unpickler (runs their code)",
+        help="read the source with torch and its unrestricted unpickler, which runs whatever "
+        "code the pickles hold (only for checkpoints you trust)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
     p.add_argument("--compression", default="none", choices=("none", "zstd", "blosc"))

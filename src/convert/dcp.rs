@@ -396,23 +396,72 @@ pub fn read_item<'a>(
     what: &str,
     bytes: &'a [u8],
 ) -> Result<ItemValue<'a>, FormatError> {
-    let archive = Archive::open(path, what, bytes)?;
-    let pkl = archive.entry(path, what, "data.pkl")?;
-    let v = pickle::read(pkl, ITEM_ALLOW).map_err(|source| FormatError::Pickle {
-        path: path.to_owned(),
-        item: what.to_owned(),
-        source,
-    })?;
-    if archive.find("byteorder").is_some_and(|o| o != b"little") {
-        return Err(bad(path, what, "a big-endian torch.save archive"));
-    }
-    match &v {
+    let ts = TorchSave::read(path, what, bytes, ITEM_ALLOW)?;
+    match &ts.value {
         Value::Object {
             module, name, args, ..
         } if module == "torch._utils" && name == "_rebuild_tensor_v2" => {
-            rebuild_tensor(path, what, &archive, args)
+            rebuild_tensor(path, what, &ts.archive, args)
         }
-        _ => Ok(ItemValue::Other(v)),
+        _ => Ok(ItemValue::Other(ts.value)),
+    }
+}
+
+/// A tensor rebuilt from a `torch.save` archive: its data type, shape and bytes in C order.
+pub type RawTensor<'a> = (DType, Vec<u64>, Cow<'a, [u8]>);
+
+/// A whole `torch.save` archive read without running it: its pickle as a tree, and its
+/// storages, from which the tensors the tree references are rebuilt on demand.
+pub struct TorchSave<'a> {
+    archive: Archive<'a>,
+    path: PathBuf,
+    what: String,
+    /// The pickled value, as a tree (tensors appear as `torch._utils._rebuild_tensor_v2`
+    /// objects; see [`TorchSave::tensor`]).
+    pub value: Value,
+}
+
+impl<'a> TorchSave<'a> {
+    /// Reads the archive `bytes` (`path` and `what` name it in errors), accepting the globals
+    /// of `allow` in its `data.pkl`.
+    ///
+    /// # Errors
+    /// As [`read_item`].
+    pub fn read(
+        path: &Path,
+        what: &str,
+        bytes: &'a [u8],
+        allow: AllowList<'_>,
+    ) -> Result<TorchSave<'a>, FormatError> {
+        let archive = Archive::open(path, what, bytes)?;
+        let pkl = archive.entry(path, what, "data.pkl")?;
+        let value = pickle::read(pkl, allow).map_err(|source| FormatError::Pickle {
+            path: path.to_owned(),
+            item: what.to_owned(),
+            source,
+        })?;
+        if archive.find("byteorder").is_some_and(|o| o != b"little") {
+            return Err(bad(path, what, "a big-endian torch.save archive"));
+        }
+        Ok(TorchSave {
+            archive,
+            path: path.to_owned(),
+            what: what.to_owned(),
+            value,
+        })
+    }
+
+    /// The tensor `_rebuild_tensor_v2(args...)` makes: its data type, shape and bytes in C
+    /// order, bounded by its storage in the archive.
+    ///
+    /// # Errors
+    /// [`FormatError::Dcp`] for a storage that is missing or too short, a view outside it, an
+    /// unknown storage class.
+    pub fn tensor(&self, args: &[Value]) -> Result<RawTensor<'a>, FormatError> {
+        match rebuild_tensor(&self.path, &self.what, &self.archive, args)? {
+            ItemValue::Tensor { dtype, shape, data } => Ok((dtype, shape, data)),
+            ItemValue::Other(_) => Err(bad(&self.path, &self.what, "not a tensor record")),
+        }
     }
 }
 

@@ -53,17 +53,17 @@ pub struct DcpImportReport {
 }
 
 /// A piece of a tensor: its box and bytes (borrowed from a mapped file when they can be).
-type Piece<'a> = (Region, Cow<'a, [u8]>);
+pub(super) type Piece<'a> = (Region, Cow<'a, [u8]>);
 
 /// One tensor to write: its pieces.
-struct Tensor<'a> {
-    key: TensorKey,
-    dtype: DType,
-    shape: Vec<u64>,
-    pieces: Vec<Piece<'a>>,
+pub(super) struct Tensor<'a> {
+    pub(super) key: TensorKey,
+    pub(super) dtype: DType,
+    pub(super) shape: Vec<u64>,
+    pub(super) pieces: Vec<Piece<'a>>,
 }
 
-fn bad(path: &Path, item: &str, msg: impl Into<String>) -> FormatError {
+pub(super) fn bad(path: &Path, item: &str, msg: impl Into<String>) -> FormatError {
     FormatError::Dcp {
         path: path.to_owned(),
         item: item.to_owned(),
@@ -85,13 +85,13 @@ fn volume(shape: &[u64]) -> Option<u64> {
 }
 
 /// The source files, mapped.
-struct Files {
+pub(super) struct Files {
     dir: PathBuf,
     maps: BTreeMap<String, Mmap>,
 }
 
 impl Files {
-    fn open(dir: &Path, md: &DcpMetadata) -> Result<Files, FormatError> {
+    pub(super) fn open(dir: &Path, md: &DcpMetadata) -> Result<Files, FormatError> {
         let mut maps = BTreeMap::new();
         for s in &md.storage {
             if maps.contains_key(&s.file) {
@@ -110,7 +110,7 @@ impl Files {
         })
     }
 
-    fn bytes(&self, s: &super::dcp::DcpStorage) -> Result<&[u8], FormatError> {
+    pub(super) fn bytes(&self, s: &super::dcp::DcpStorage) -> Result<&[u8], FormatError> {
         let p = item_file(&self.dir, s);
         let m = &self.maps[&s.file];
         let end = s
@@ -146,12 +146,7 @@ pub fn import_dcp(
     dst: &Path,
     opts: &DcpImportOptions,
 ) -> Result<DcpImportReport, FormatError> {
-    if opts.ranks == Some(0) {
-        return Err(FormatError::Option {
-            option: "ranks",
-            msg: "must be at least 1".into(),
-        });
-    }
+    check_options(opts)?;
     let md = DcpMetadata::read(src)?;
     let files = Files::open(src, &md)?;
     let mut tensors: BTreeMap<String, Tensor<'_>> = BTreeMap::new();
@@ -185,16 +180,7 @@ pub fn import_dcp(
                 );
             }
             DcpEntry::Bytes => {
-                let mut found = md.storage.iter().filter(|s| &s.fqn == fqn);
-                let (Some(s), None) = (found.next(), found.next()) else {
-                    return Err(bad(
-                        src,
-                        fqn,
-                        "a bytes item without exactly one storage entry",
-                    ));
-                };
-                let bytes = files.bytes(s)?;
-                let p = item_file(src, s);
+                let (p, bytes) = bytes_item(src, &md, &files, fqn)?;
                 match read_item(&p, fqn, bytes)? {
                     ItemValue::Tensor { dtype, shape, data } => {
                         let r = Region::full(&shape);
@@ -232,12 +218,41 @@ pub fn import_dcp(
             resplit(t, n);
         }
     }
-    write(dst, &tensors, &objects, opts)
+    write(dst, &tensors, &objects, opts, Marks::Dcp)
+}
+
+/// `ranks`, if given, is at least 1.
+pub(super) fn check_options(opts: &DcpImportOptions) -> Result<(), FormatError> {
+    if opts.ranks == Some(0) {
+        return Err(FormatError::Option {
+            option: "ranks",
+            msg: "must be at least 1".into(),
+        });
+    }
+    Ok(())
+}
+
+/// The file and the bytes of the bytes item `fqn` (exactly one storage entry).
+pub(super) fn bytes_item<'a>(
+    src: &Path,
+    md: &DcpMetadata,
+    files: &'a Files,
+    fqn: &str,
+) -> Result<(PathBuf, &'a [u8]), FormatError> {
+    let mut found = md.storage.iter().filter(|s| s.fqn == fqn);
+    let (Some(s), None) = (found.next(), found.next()) else {
+        return Err(bad(
+            src,
+            fqn,
+            "a bytes item without exactly one storage entry",
+        ));
+    };
+    Ok((item_file(src, s), files.bytes(s)?))
 }
 
 /// Every chunk of tensor `fqn`, checked against the metadata: same shapes, inside the tensor,
 /// covering it exactly (by volume; the save checks overlaps).
-fn read_tensor<'a>(
+pub(super) fn read_tensor<'a>(
     src: &Path,
     md: &DcpMetadata,
     files: &'a Files,
@@ -311,7 +326,7 @@ fn read_tensor<'a>(
 
 /// Re-cuts a tensor into `n` parts along its first axis (torch.chunk style: uneven last part,
 /// empty parts dropped).
-fn resplit(t: &mut Tensor<'_>, n: u64) {
+pub(super) fn resplit(t: &mut Tensor<'_>, n: u64) {
     let elem = t.dtype.size();
     let Some(&d0) = t.shape.first() else {
         return;
@@ -387,11 +402,23 @@ fn dict_json(items: &[(Value, Value)]) -> Result<serde_json::Value, String> {
     Ok(serde_json::Value::Object(m))
 }
 
-fn write(
+/// How [`write`] marks the checkpoint: the DCP writer's per-rank flag object and
+/// `user_metadata.source = "dcp"` (plain DCP imports), or nothing (Megatron imports, as the
+/// Megatron backend writes its checkpoints).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Marks {
+    Dcp,
+    None,
+}
+
+/// Saves the tensors and objects at `dst` in one process, then reads every box and object
+/// back and compares it with the source's.
+pub(super) fn write(
     dst: &Path,
     tensors: &BTreeMap<String, Tensor<'_>>,
     objects: &[(TensorKey, ObjectValue)],
     opts: &DcpImportOptions,
+    marks: Marks,
 ) -> Result<DcpImportReport, FormatError> {
     let ck_err = |source: crate::Error| FormatError::Checkpoint {
         path: dst.to_owned(),
@@ -410,16 +437,18 @@ fn write(
     for (k, v) in objects {
         objs.push(StateObject::common(k.as_str(), v.clone()).map_err(|e| ck_err(e.into()))?);
     }
-    objs.push(
-        StateObject::per_rank(TORCH_SAVE_FLAG, serde_json::json!({"torch_save": []}))
-            .map_err(|e| ck_err(e.into()))?,
-    );
     let mut so = SaveOptions {
         overwrite: opts.overwrite,
         compression: opts.compression,
         ..Default::default()
     };
-    so.user_metadata.insert("source".into(), "dcp".into());
+    if marks == Marks::Dcp {
+        objs.push(
+            StateObject::per_rank(TORCH_SAVE_FLAG, serde_json::json!({"torch_save": []}))
+                .map_err(|e| ck_err(e.into()))?,
+        );
+        so.user_metadata.insert("source".into(), "dcp".into());
+    }
     let report =
         save_with_objects(&pieces, &objs, dst, &LocalComm::single(), &so).map_err(ck_err)?;
     // Every byte back, compared with the source's.

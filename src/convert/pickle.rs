@@ -47,8 +47,10 @@ pub enum Value {
     Tuple(Vec<Value>),
     /// A `dict`, in insertion order.
     Dict(Vec<(Value, Value)>),
-    /// A `set` or `frozenset`.
+    /// A `set`.
     Set(Vec<Value>),
+    /// A `frozenset` (the `FROZENSET` opcode).
+    FrozenSet(Vec<Value>),
     /// A global the pickle named (a class or a function), not resolved.
     Global {
         /// The module.
@@ -125,6 +127,7 @@ impl Value {
             Value::Tuple(_) => "tuple".into(),
             Value::Dict(_) => "dict".into(),
             Value::Set(_) => "set".into(),
+            Value::FrozenSet(_) => "frozenset".into(),
             Value::PersId(_) => "persistent id".into(),
             Value::Global { .. } | Value::Object { .. } => self.class().unwrap_or_default(),
         }
@@ -191,6 +194,7 @@ enum Node {
     Tuple(Vec<usize>),
     Dict(Vec<(usize, usize)>),
     Set(Vec<usize>),
+    FrozenSet(Vec<usize>),
     Object {
         module: String,
         name: String,
@@ -662,7 +666,7 @@ impl Vm<'_> {
                 }
                 0x91 => {
                     let items = self.pop_mark()?;
-                    self.push(Node::Set(items))?;
+                    self.push(Node::FrozenSet(items))?;
                 }
                 b'c' => {
                     let module = self.line()?.to_owned();
@@ -769,6 +773,7 @@ impl Vm<'_> {
             Node::List(v) => Value::List(all(v)?),
             Node::Tuple(v) => Value::Tuple(all(v)?),
             Node::Set(v) => Value::Set(all(v)?),
+            Node::FrozenSet(v) => Value::FrozenSet(all(v)?),
             Node::Dict(v) => Value::Dict(
                 v.iter()
                     .map(|&(k, x)| Ok((self.tree(k, depth + 1)?, self.tree(x, depth + 1)?)))

@@ -19,21 +19,26 @@ use crate::progress;
 #[derive(clap::Args)]
 pub struct Args {
     /// safetensors files (a multi-file model: all its shards).
-    #[arg(required_unless_present_any = ["dcp", "hf"], conflicts_with_all = ["dcp", "hf"])]
+    #[arg(required_unless_present_any = ["dcp", "hf", "megatron"], conflicts_with_all = ["dcp", "hf"])]
     files: Vec<PathBuf>,
     /// A PyTorch DCP checkpoint directory (`FileSystemWriter`'s format): imported by the
     /// library's DCP reader, whose pickle reader runs nothing (non-tensor values must be
     /// bytes or plain data). Prints one JSON line: tensors, objects, tensor_bytes, seconds, out.
     #[arg(long, value_name = "DIR", conflicts_with = "hf")]
     dcp: Option<PathBuf>,
-    /// With `--dcp`, bare: DIR is a Megatron-LM `torch_dist` checkpoint (an `iter_*` directory
-    /// with `metadata.json` and `common.pt`); `--out` becomes a zarrckpt-backed Megatron
-    /// checkpoint. With `--hf`: the Megatron layout to write, `tp=T,pp=P[,ep=E]`.
+    /// Alone, `--megatron DIR` (or bare, with `--dcp DIR`): DIR is a Megatron-LM `torch_dist`
+    /// checkpoint (an `iter_*` directory with `metadata.json`, `common.pt` and DCP files),
+    /// imported by the library (no pickle run: objects and `common.pt` may hold tensors, numpy
+    /// arrays, plain data, argparse / SimpleNamespace, BytesIO); `--out` becomes a
+    /// zarrckpt-backed Megatron checkpoint (`OUT/metadata.json`, `OUT/zarrckpt/`). With `--hf`:
+    /// the Megatron layout to write, `tp=T,pp=P[,ep=E]`.
     #[arg(long, num_args = 0..=1, default_missing_value = "", value_name = "LAYOUT")]
     megatron: Option<String>,
-    /// With `--dcp`: refused with the Python command that can (`python -m zarrckpt.migrate
-    /// --trust-pickles`, torch's unrestricted unpickler): this tool runs no pickle.
-    #[arg(long, requires = "dcp")]
+    /// Refused, with the command that does it: executing the source's pickles with torch's
+    /// unrestricted unpickler (for values the restricted reader refuses, e.g. enum members)
+    /// is only in the Python package (`python -m zarrckpt.migrate DIR --out OUT
+    /// --trust-pickles`); this tool runs no pickle.
+    #[arg(long)]
     trust_pickles: bool,
     /// Import a Hugging Face model directory (config.json and safetensors) into a Megatron
     /// layout (`--megatron tp=T,pp=P`) through a conversion table (`--map`).
@@ -97,7 +102,15 @@ fn split_first_axis(shape: &[u64], r: u64, n: u64) -> Region {
 
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if let Some(dir) = &a.dcp {
-        return import_dcp(a, dir);
+        return import_dcp(a, dir, a.megatron.is_some());
+    }
+    if a.hf.is_none()
+        && let Some(dir) = a.megatron.as_deref().filter(|d| !d.is_empty())
+    {
+        return import_dcp(a, std::path::Path::new(dir), true);
+    }
+    if a.trust_pickles {
+        bail!("--trust-pickles applies to DCP / Megatron imports (--dcp DIR, --megatron DIR) only");
     }
     if let Some(hf) = &a.hf {
         return crate::hf::import_hf(
@@ -248,40 +261,25 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `import --dcp DIR`: the library's DCP importer; `--megatron` and `--trust-pickles` need
-/// Python (megatron-core's value encoding, torch's unpickler) and are refused with the command.
-fn import_dcp(a: &Args, dir: &std::path::Path) -> anyhow::Result<ExitCode> {
-    if a.megatron.is_some() || a.trust_pickles {
+/// `import --dcp DIR [--megatron]` / `import --megatron DIR`: the library's DCP and Megatron
+/// `torch_dist` importers (no pickle run). `--trust-pickles` asks for torch's unrestricted
+/// unpickler, which only the Python package has: refused, naming its command.
+fn import_dcp(a: &Args, dir: &std::path::Path, megatron: bool) -> anyhow::Result<ExitCode> {
+    if a.trust_pickles {
         bail!(
-            "import --dcp{}: {}; run it with the Python package:\n  python -m zarrckpt.migrate {} \
-             --out {}{}{}",
-            if a.megatron.is_some() {
-                " --megatron"
-            } else {
-                " --trust-pickles"
-            },
-            if a.megatron.is_some() {
-                "a torch_dist checkpoint's objects and common.pt are encoded by megatron-core's \
-                 rules, in the Python package"
-            } else {
-                "this tool runs no pickle"
-            },
+            "import --trust-pickles: this tool reads pickles with a restricted reader that runs \
+             nothing (tensors, numpy arrays, plain data, argparse / SimpleNamespace, BytesIO); \
+             executing a checkpoint's pickles (torch.load(weights_only=False), for values such \
+             as enum members or your own classes) is done only by the Python package, with \
+             torch, and only on checkpoints you trust:\n  python -m zarrckpt.migrate {} --out \
+             {}{} --trust-pickles",
             dir.display(),
             a.out.display(),
-            if a.megatron.is_some() {
-                " --megatron"
-            } else {
-                ""
-            },
-            if a.trust_pickles {
-                " --trust-pickles"
-            } else {
-                ""
-            },
+            if megatron { " --megatron" } else { "" },
         );
     }
     if a.hf.is_some() || a.dry_run || !a.files.is_empty() || a.procs != 0 || a.map.is_some() {
-        bail!("import --dcp takes no --hf, --map, --procs, --dry-run or files");
+        bail!("import --dcp / --megatron DIR takes no --hf, --map, --procs, --dry-run or files");
     }
     let opts = zarrckpt::convert::DcpImportOptions {
         ranks: a.ranks,
@@ -289,7 +287,11 @@ fn import_dcp(a: &Args, dir: &std::path::Path) -> anyhow::Result<ExitCode> {
         compression: parse_compression(&a.compression)?,
     };
     let t0 = Instant::now();
-    let rep = zarrckpt::convert::import_dcp(dir, &a.out, &opts)?;
+    let rep = if megatron {
+        zarrckpt::convert::import_megatron(dir, &a.out, &opts)?
+    } else {
+        zarrckpt::convert::import_dcp(dir, &a.out, &opts)?
+    };
     let line = serde_json::json!({
         "tensors": rep.tensors,
         "objects": rep.objects,

@@ -52,8 +52,8 @@ enum Command {
     Demo(demo::Args),
     /// Write a checkpoint from safetensors files, as N ranks would (each tensor split N ways
     /// along its first axis); or, with `--hf DIR --map TABLE --megatron tp=T,pp=P`, a Hugging
-    /// Face model into a Megatron layout. (`--dcp DIR` is refused with the Python command
-    /// that imports a DCP checkpoint: its metadata is a pickle.)
+    /// Face model into a Megatron layout; or, with `--dcp DIR` / `--megatron DIR`, a PyTorch
+    /// DCP / Megatron `torch_dist` checkpoint (no pickle run).
     Import(import::Args),
     /// Write a checkpoint's full tensors into one safetensors file; or, with `--hf --map
     /// TABLE`, a Megatron-layout checkpoint as a Hugging Face model; or, with `--vllm --tp K`,
