@@ -4,6 +4,7 @@
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -71,6 +72,17 @@ pub struct Args {
     /// (by default they run at a lower one, yielding to ranks still staging).
     #[arg(long)]
     async_normal_priority: bool,
+    /// Also time cold loads: before each (and before each raw read it is compared with) the
+    /// checkpoint's files are evicted from the page cache (fsync, then
+    /// `posix_fadvise(POSIX_FADV_DONTNEED)` on every file, and `1` written to
+    /// `/proc/sys/vm/drop_caches` where this process may), with where the time went.
+    #[arg(long)]
+    cold: bool,
+    /// With `--cold`: evict with fsync + `posix_fadvise` only, never through
+    /// `/proc/sys/vm/drop_caches` (which empties the whole machine's page cache, other
+    /// programs' files included).
+    #[arg(long, requires = "cold")]
+    no_drop_caches: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -216,6 +228,86 @@ fn raw_read(files: &[(PathBuf, u64)], streams: usize, into_dest: bool) -> anyhow
         Ok(())
     })?;
     Ok(t0.elapsed().as_secs_f64())
+}
+
+/// Evicts `files` from the page cache: fsync each (so no dirty page stays), then
+/// `posix_fadvise(POSIX_FADV_DONTNEED)` over it, then (unless `fadvise_only`) writes `1` to
+/// `/proc/sys/vm/drop_caches` where this process may. Returns how it was done.
+fn evict(files: &[(PathBuf, u64)], fadvise_only: bool) -> anyhow::Result<&'static str> {
+    for (p, _) in files {
+        let f = File::open(p).with_context(|| format!("open {}", p.display()))?;
+        f.sync_all()
+            .with_context(|| format!("fsync {}", p.display()))?;
+        // SAFETY: a valid descriptor; offset 0 and length 0 mean the whole file.
+        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if rc != 0 {
+            bail!(
+                "posix_fadvise(DONTNEED) on {}: {}",
+                p.display(),
+                std::io::Error::from_raw_os_error(rc)
+            );
+        }
+    }
+    if !fadvise_only && fs::write("/proc/sys/vm/drop_caches", "1").is_ok() {
+        return Ok("fsync + posix_fadvise(DONTNEED) + drop_caches=1");
+    }
+    Ok("fsync + posix_fadvise(DONTNEED)")
+}
+
+/// The fraction of `files`' pages in the page cache (`mincore` over a read-only mapping).
+fn resident_fraction(files: &[(PathBuf, u64)]) -> anyhow::Result<f64> {
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+    let (mut resident, mut total) = (0usize, 0usize);
+    for (p, len) in files {
+        let len = usize::try_from(*len)?;
+        if len == 0 {
+            continue;
+        }
+        let f = File::open(p).with_context(|| format!("open {}", p.display()))?;
+        // SAFETY: a fresh read-only shared mapping of an open file, unmapped below; its
+        // bytes are never read.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            bail!("mmap {}: {}", p.display(), std::io::Error::last_os_error());
+        }
+        let pages = len.div_ceil(page);
+        let mut vec = vec![0u8; pages];
+        // SAFETY: `vec` holds one byte per page of the mapping.
+        let rc = unsafe { libc::mincore(addr, len, vec.as_mut_ptr()) };
+        let err = std::io::Error::last_os_error();
+        // SAFETY: the mapping made above, of `len` bytes.
+        unsafe { libc::munmap(addr, len) };
+        if rc != 0 {
+            bail!("mincore {}: {err}", p.display());
+        }
+        resident += vec.iter().filter(|&&b| b & 1 == 1).count();
+        total += pages;
+    }
+    Ok(if total == 0 {
+        0.0
+    } else {
+        resident as f64 / total as f64
+    })
+}
+
+/// One cold round: a raw read of every file (the faster of one stream and `streams`), then
+/// the load, each after evicting the files.
+struct ColdRound {
+    secs: f64,
+    raw: f64,
+    phases: Phases,
+    /// Largest fraction of the files' pages still cached right after an eviction.
+    resident: f64,
 }
 
 /// The ranks of one save or load: threads of this process or launched processes. Returns
@@ -551,6 +643,74 @@ fn print_async_summary(doc: &Value) {
     );
 }
 
+/// Rounds of (raw cold read, cold load), every one after evicting the checkpoint's files.
+/// Returns the rounds, how the files were evicted, and whether every load verified.
+fn cold_rounds(
+    a: &Args,
+    load_args: &worker::Args,
+    load_world: u64,
+    files: &[(PathBuf, u64)],
+    file_bytes: u64,
+    streams: usize,
+    say: &dyn Fn(String),
+) -> anyhow::Result<(Vec<ColdRound>, &'static str, bool)> {
+    let mut rounds = Vec::new();
+    let mut how = "";
+    let mut verified = true;
+    let mut evicted = || -> anyhow::Result<f64> {
+        how = evict(files, a.no_drop_caches)?;
+        resident_fraction(files)
+    };
+    for round in 0..a.rounds {
+        let mut resident = evicted()?;
+        let many = raw_read(files, streams, false)?;
+        resident = resident.max(evicted()?);
+        let one = raw_read(files, 1, false)?;
+        let raw = one.min(many);
+        resident = resident.max(evicted()?);
+        let run = load_run(a, load_args, load_world)?;
+        verified &= run.verified;
+        let gbps = run.loaded as f64 / run.secs / 1e9;
+        let raw_gbps = file_bytes as f64 / raw / 1e9;
+        say(format!(
+            "cold load round {round}: zarrckpt {:.3} s = {gbps:.2} GB/s | raw cold read {raw:.3} s = {raw_gbps:.2} GB/s (1 stream {:.2}, {streams} streams {:.2}) | ratio {:.2} | pages cached after eviction {:.2}%",
+            run.secs,
+            file_bytes as f64 / one / 1e9,
+            file_bytes as f64 / many / 1e9,
+            gbps / raw_gbps,
+            resident * 100.0
+        ));
+        say(format!("         phases: {}", run.phases.describe()));
+        rounds.push(ColdRound {
+            secs: run.secs,
+            raw,
+            phases: run.phases,
+            resident,
+        });
+    }
+    Ok((rounds, how, verified))
+}
+
+/// The cold rounds' medians (empty without rounds).
+fn cold_summary(rounds: &[ColdRound], how: &str, loaded: u64, file_bytes: u64) -> Value {
+    if rounds.is_empty() {
+        return json!({});
+    }
+    let phases: Vec<Phases> = rounds.iter().map(|r| r.phases).collect();
+    json!({
+        "cold_eviction": how,
+        "cold_resident_after_eviction": rounds.iter().map(|r| r.resident).fold(0.0, f64::max),
+        "cold_load_gbps": median(rounds.iter().map(|r| loaded as f64 / r.secs / 1e9).collect()),
+        "cold_raw_read_gbps": median(rounds.iter().map(|r| file_bytes as f64 / r.raw / 1e9).collect()),
+        "cold_load_ratio": median(rounds.iter().map(|r| (loaded as f64 / r.secs) / (file_bytes as f64 / r.raw)).collect()),
+        "cold_load_phases": Phases::median(&phases).json(),
+        "cold_rounds": rounds
+            .iter()
+            .map(|r| json!({"zarrckpt_s": r.secs, "raw_s": r.raw, "resident_after_eviction": r.resident, "phases": r.phases.json()}))
+            .collect::<Vec<_>>(),
+    })
+}
+
 pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if a.save_ranks == 0 || a.load_ranks == 0 || a.rounds == 0 || a.dp == 0 {
         bail!("ranks, dp and rounds must be at least 1");
@@ -718,6 +878,15 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         }
         last = Some(run);
     }
+    let (cold, eviction) = if a.cold {
+        let streams = load_world.min(cores() as u64 * 2) as usize;
+        let (rounds, how, ok) =
+            cold_rounds(a, &load_args, load_world, &files, file_bytes, streams, &say)?;
+        verified &= ok;
+        (rounds, how)
+    } else {
+        (Vec::new(), "")
+    };
     if !a.keep {
         fs::remove_dir_all(&a.dir).with_context(|| format!("remove {}", a.dir.display()))?;
     }
@@ -785,6 +954,12 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     if let (Value::Object(d), Value::Object(x)) = (&mut doc, async_summary(&async_rounds)) {
         d.extend(x);
     }
+    if let (Value::Object(d), Value::Object(x)) = (
+        &mut doc,
+        cold_summary(&cold, eviction, run.loaded, file_bytes),
+    ) {
+        d.extend(x);
+    }
     if dp > 1 {
         let plain_gbps = median(
             plain_rounds
@@ -812,6 +987,20 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             "         load phases (medians): {}",
             Phases::median(&phase_rounds).describe()
         );
+        if !cold.is_empty() {
+            let f = |k: &str| doc[k].as_f64().unwrap_or(0.0);
+            println!(
+                "         cold load {:.2} GB/s vs raw cold read {:.2} GB/s -> {:.0}% (evicted by {eviction}; at most {:.2}% of the pages still cached after an eviction)",
+                f("cold_load_gbps"),
+                f("cold_raw_read_gbps"),
+                f("cold_load_ratio") * 100.0,
+                f("cold_resident_after_eviction") * 100.0
+            );
+            println!(
+                "         cold load phases (medians): {}",
+                Phases::median(&cold.iter().map(|r| r.phases).collect::<Vec<_>>()).describe()
+            );
+        }
         println!(
             "         bytes read from storage / bytes needed {amplification:.4} (target <= 1.05)"
         );
