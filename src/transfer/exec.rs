@@ -187,6 +187,31 @@ impl LocalPlan {
         )
     }
 
+    /// Round `r`'s point-to-point messages as they travel (spec § 21.2: a box of at least
+    /// 64 KiB alone, runs of smaller ones together): (peer, bytes) sent and received, in
+    /// order per peer.
+    #[must_use]
+    pub fn frames(&self, r: usize) -> (Messages, Messages) {
+        fn on_wire<T>(v: &[(usize, Vec<T>)], bytes: impl Fn(&T) -> u64) -> Messages {
+            v.iter()
+                .flat_map(|(p, items)| {
+                    let sizes: Vec<u64> = items.iter().map(&bytes).collect();
+                    messages(&sizes, OWN_MESSAGE)
+                        .into_iter()
+                        .map(move |m| (*p, m.bytes))
+                })
+                .collect()
+        }
+        (
+            self.sends
+                .get(r)
+                .map_or_else(Vec::new, |v| on_wire(v.as_slice(), |i| i.bytes)),
+            self.recvs
+                .get(r)
+                .map_or_else(Vec::new, |v| on_wire(v.as_slice(), |i| i.bytes)),
+        )
+    }
+
     /// Bytes this rank sends.
     #[must_use]
     pub fn bytes_sent(&self) -> u64 {

@@ -5,6 +5,8 @@
 //! (no packing, no copying into buffers). Also: bytes sent by the busiest trainer rank against
 //! its share, the agreement bytes of a repeated (cached) transfer, and planning alone for a
 //! DeepSeek-V3-shaped job (PP 16 x EP 16 trainer -> vLLM TP 32), per rank as each rank plans.
+//! The raw exchange runs three ways: the transfer's own messages (a box of at least 64 KiB
+//! alone), one message per pair and round, and one message per pair.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -209,6 +211,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[derive(Default)]
 struct Timed {
     transfer: Vec<f64>,
+    frames: Vec<f64>,
     raw: Vec<f64>,
     raw1: Vec<f64>,
     plan: f64,
@@ -379,6 +382,10 @@ fn live(a: &Args) -> anyhow::Result<()> {
             }
             let lp = t.local_plan().context("no plan")?;
             let msgs: Vec<_> = (0..lp.rounds()).map(|r| lp.messages(r)).collect();
+            let frames: Vec<_> = (0..lp.rounds()).map(|r| lp.frames(r)).collect();
+            comm.barrier()?;
+            // The raw exchange of the transfer's own messages, round after round.
+            let raw_frames = time_raw(&comm, &frames)?;
             comm.barrier()?;
             // The raw exchange of the same bytes in the same rounds, one round after the other.
             let raw = time_raw(&comm, &msgs)?;
@@ -401,6 +408,7 @@ fn live(a: &Args) -> anyhow::Result<()> {
             let raw1 = time_raw(&comm, &one)?;
             if step > 0 {
                 out.transfer.push(el);
+                out.frames.push(raw_frames);
                 out.raw.push(raw);
                 out.raw1.push(raw1);
             }
@@ -445,12 +453,15 @@ fn live(a: &Args) -> anyhow::Result<()> {
             .collect()
     };
     let tt = median(slowest(&|x| &x.transfer));
+    let ft = median(slowest(&|x| &x.frames));
     let rt = median(slowest(&|x| &x.raw));
     let r1 = median(slowest(&|x| &x.raw1));
     println!(
-        "  throughput (cached plan, TcpComm on 127.0.0.1, median of {}, slowest rank): transfer {tt:.3} s = {:.2} GB/s; raw point-to-point of the same bytes in the same rounds {rt:.3} s = {:.2} GB/s (transfer / raw = {:.0}%); raw in one message per pair {r1:.3} s = {:.2} GB/s (transfer / raw = {:.0}%; target 80%)",
+        "  throughput (cached plan, TcpComm on 127.0.0.1, median of {}, slowest rank): transfer {tt:.3} s = {:.2} GB/s; raw point-to-point of the transfer's own messages in the same rounds {ft:.3} s = {:.2} GB/s (transfer / raw = {:.0}%); of the same bytes in one message per pair and round {rt:.3} s = {:.2} GB/s (transfer / raw = {:.0}%); in one message per pair {r1:.3} s = {:.2} GB/s (transfer / raw = {:.0}%; target 80% of each)",
         a.rounds,
         gb(total) / tt,
+        gb(total) / ft,
+        100.0 * ft / tt,
         gb(total) / rt,
         100.0 * rt / tt,
         gb(total) / r1,
