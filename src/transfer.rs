@@ -82,7 +82,9 @@ struct Collect<'f> {
     on_bucket: &'f mut dyn FnMut(Vec<Received>) -> Result<(), TransferError>,
 }
 
-impl Sink for Collect<'_> {
+// SAFETY: a destination's buffer, allocated once, stays in its slot (the slots are never
+// resized) until `complete` takes it out for the callback.
+unsafe impl Sink for Collect<'_> {
     fn buffer(&mut self, local: usize) -> &mut [u8] {
         let n = usize_of(self.dests[local].3);
         self.bufs[local].get_or_insert_with(|| vec![0u8; n])

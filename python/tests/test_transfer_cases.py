@@ -61,6 +61,34 @@ def _write(out: str, name: str, value) -> None:
     Path(out, name).write_text(json.dumps(value))
 
 
+def _run(tmp_path: Path, world: int, ntrain: int, scenario: str, **kwargs) -> tuple[Path, list]:
+    """Runs ``scenario`` of this module on ``world`` processes (the first ``ntrain`` trainers)
+    with a fresh ``out`` folder; returns it and each rank's log (None where a rank wrote
+    none)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    tt.run(world, ntrain, f"{MOD}:{scenario}", tmp_path, out=str(out), **kwargs)
+    logs = []
+    for r in range(world):
+        f = out / f"log-{r}.json"
+        logs.append(json.loads(f.read_text()) if f.exists() else None)
+    return out, logs
+
+
+def _take_buckets(t, spec) -> tuple[dict, list[int]]:
+    """Engine side through ``Transfer.buckets``: every tensor of ``spec`` ((name, dtype,
+    shape) each), received once, and the number of tensors per bucket."""
+    wanted = {n: (d, tuple(s)) for n, d, s in spec}
+    got: dict = {}
+    sizes = []
+    for bucket in t.buckets(wanted):
+        sizes.append(len(bucket))
+        for name, tensor in bucket:
+            assert name not in got, name
+            got[name] = tensor
+    return got, sizes
+
+
 # ---------------------------------------------------------------------------------------------
 # FSDP2 -> whole HF tensors
 
@@ -105,14 +133,7 @@ def scenario_fsdp2(rank, ntrain, comm, hf_dir, cfg, spec, out):
             t.receive(bad)
         log["refusal"] = str(info.value)
         log["untouched"] = _untouched(bufs)
-        got: dict = {}
-        sizes = []
-        for bucket in t.buckets(wanted):
-            sizes.append(len(bucket))
-            for name, tensor in bucket:
-                assert name not in got, name
-                got[name] = tensor
-        log["buckets"] = sizes
+        got, log["buckets"] = _take_buckets(t, spec)
         log["reports"] = [t.last_report]
         save_file(got, str(out_p / "step1.safetensors"))
         log["reports"].append(t.receive(bufs))
@@ -127,19 +148,7 @@ def test_fsdp2_to_whole_hf_tensors(tmp_path):
     cfg = cf.hf_config(hf_dir)
     hf = cf.read_hf(hf_dir)
     spec = [(n, str(v.dtype).removeprefix("torch."), list(v.shape)) for n, v in hf.items()]
-    out = tmp_path / "out"
-    out.mkdir()
-    tt.run(
-        5,
-        4,
-        f"{MOD}:scenario_fsdp2",
-        tmp_path,
-        hf_dir=str(hf_dir),
-        cfg=cfg,
-        spec=spec,
-        out=str(out),
-    )
-    logs = [json.loads((out / f"log-{r}.json").read_text()) for r in range(5)]
+    out, logs = _run(tmp_path, 5, 4, "scenario_fsdp2", hf_dir=str(hf_dir), cfg=cfg, spec=spec)
     first = spec[0][0]
     for lg in logs:
         m = lg["refusal"]
@@ -212,19 +221,7 @@ def test_hf_names_refusals_and_plain_tensors(tmp_path):
     cfg = cf.hf_config(hf_dir)
     hf = cf.read_hf(hf_dir)
     spec = [(n, str(v.dtype).removeprefix("torch."), list(v.shape)) for n, v in hf.items()]
-    out = tmp_path / "out"
-    out.mkdir()
-    tt.run(
-        2,
-        1,
-        f"{MOD}:scenario_hf_names",
-        tmp_path,
-        hf_dir=str(hf_dir),
-        cfg=cfg,
-        spec=spec,
-        out=str(out),
-    )
-    logs = [json.loads((out / f"log-{r}.json").read_text()) for r in range(2)]
+    out, logs = _run(tmp_path, 2, 1, "scenario_hf_names", hf_dir=str(hf_dir), cfg=cfg, spec=spec)
     for lg in logs:
         m = lg["missing"]
         assert "rule `" in m and "hf tensor `model.norm.weight` is not in the input" in m, m
@@ -265,13 +262,7 @@ def scenario_moe(rank, ntrain, comm, ckpt, cfg, spec, out):
             bufs = _sentinel(spec[e])
             log["reports"] = [t.receive(bufs)]
         else:
-            wanted = {n: (d, tuple(s)) for n, d, s in spec[e]}
-            bufs = {}
-            sizes = []
-            for bucket in t.buckets(wanted):
-                sizes.append(len(bucket))
-                bufs.update(dict(bucket))
-            log["buckets"] = sizes
+            bufs, log["buckets"] = _take_buckets(t, spec[e])
             log["reports"] = [t.last_report]
         save_file(bufs, str(Path(out) / f"rank{e}.safetensors"))
     _write(out, f"log-{rank}.json", log)
@@ -286,9 +277,7 @@ def test_qwen3_moe_ep4_to_vllm_tp2(tmp_path):
     vllm = tmp_path / "moe-vllm-tp2"
     zc.export_vllm(ckpt, vllm, "qwen3_moe", tp=2)
     spec = tt._spec(vllm, 2)
-    out = tmp_path / "out"
-    out.mkdir()
-    tt.run(6, 4, f"{MOD}:scenario_moe", tmp_path, ckpt=str(ckpt), cfg=cfg, spec=spec, out=str(out))
+    out, logs = _run(tmp_path, 6, 4, "scenario_moe", ckpt=str(ckpt), cfg=cfg, spec=spec)
     ref = cf.vllm_reference(cf.read_hf(moe), cfg, 2)
     for r in range(2):
         got = tt._same_files(out / f"rank{r}.safetensors", tt._read_rank(vllm, r))
@@ -297,7 +286,6 @@ def test_qwen3_moe_ep4_to_vllm_tp2(tmp_path):
         for n, v in ref[r].items():
             assert cf.same_bits(got[n], v), (r, n)
         assert any("w13_weight" in n for n in got) and any("w2_weight" in n for n in got)
-    logs = [json.loads((out / f"log-{r}.json").read_text()) for r in range(6)]
     assert len(logs[5]["buckets"]) > 1
     reps = [lg["reports"][0] for lg in logs]
     total = reps[0]["total_bytes"]
@@ -390,25 +378,15 @@ def test_negatives_refused_everywhere_and_a_dying_rank(tmp_path):
     vllm = tmp_path / "qwen2-vllm-tp1"
     zc.export_vllm(ckpt, vllm, "qwen2", tp=1)
     spec1 = tt._spec(vllm, 1)[0]
-    out = tmp_path / "out"
-    out.mkdir()
     timeout = 120  # PgComm's gloo timeout
     t0 = time.monotonic()
-    tt.run(
-        7,
-        4,
-        f"{MOD}:scenario_negatives",
-        tmp_path,
-        ckpt=str(ckpt),
-        cfg=cfg,
-        spec1=spec1,
-        out=str(out),
-        die_after=2,
+    _, logs = _run(
+        tmp_path, 7, 4, "scenario_negatives", ckpt=str(ckpt), cfg=cfg, spec1=spec1, die_after=2
     )
     elapsed = time.monotonic() - t0
     alive = [r for r in range(7) if r != 1]
-    logs = {r: json.loads((out / f"log-{r}.json").read_text()) for r in alive}
-    assert not (out / "log-1.json").exists()  # it died before writing
+    assert logs[1] is None  # it died before writing
+    assert all(logs[r] is not None for r in alive)
     for r in alive:
         lg = logs[r]
         m = lg["tp3"]
