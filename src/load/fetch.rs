@@ -13,7 +13,7 @@ use crate::model::copy::DisjointBuf;
 use crate::model::{Region, TensorKey};
 use crate::plan::load::{ShardRead, StoredGeometry};
 use crate::storage::read::{
-    FetchedIndex, ReadCounters, decode_shard_tail, read_shard_from, shard_tail_bytes,
+    FetchedIndex, ReadCounters, decode_shard_tail, read_shard_from, shard_tail_bytes, timed,
 };
 use crate::storage::store::{Store, join};
 use crate::storage::{StorageError, TensorArray};
@@ -193,7 +193,9 @@ impl Fetcher {
         dest: DisjointBuf<'_>,
         counters: &ReadCounters,
     ) -> Result<(), StorageError> {
-        let index = self.index(arr, geom, &shard.chunk, counters)?;
+        let index = timed(&counters.open_ns, || {
+            self.index(arr, geom, &shard.chunk, counters)
+        })?;
         let location = self.location(arr, &shard.chunk);
         for (ranges, subs) in batches(shard, &index) {
             let part = ShardRead {
@@ -203,7 +205,9 @@ impl Fetcher {
             let bufs = if ranges.is_empty() {
                 Vec::new()
             } else {
-                self.get(arr, &shard.chunk, &location, &ranges, counters)?
+                timed(&counters.read_ns, || {
+                    self.get(arr, &shard.chunk, &location, &ranges, counters)
+                })?
             };
             let fetched: Vec<(u64, &[u8])> = ranges
                 .iter()
@@ -211,7 +215,7 @@ impl Fetcher {
                 .map(|(r, b)| (r.start, b.as_slice()))
                 .collect();
             // SAFETY: forwarded to the caller.
-            unsafe { read_shard_from(arr, geom, &part, &index, &fetched, dest) }?;
+            unsafe { read_shard_from(arr, geom, &part, &index, &fetched, dest, counters) }?;
         }
         Ok(())
     }

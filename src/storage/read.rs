@@ -44,7 +44,8 @@ pub struct ReadCounters {
     /// decoding and checking their indexes and footers.
     pub open_ns: AtomicU64,
     /// Nanoseconds in read system calls (`pread` / `preadv`: the kernel's copy from the page
-    /// cache or the device) and, for mapped reads, mapping windows of the files.
+    /// cache or the device), for mapped reads mapping windows of the files, and for object
+    /// stores the ranged gets of subchunks.
     pub read_ns: AtomicU64,
     /// Nanoseconds computing and comparing crc32c checksums (and checking `bool` bytes).
     pub checksum_ns: AtomicU64,
@@ -97,7 +98,7 @@ impl ReadCounters {
 
 /// Runs `f`, adding the time it took to `slot` (nanoseconds).
 #[inline]
-fn timed<R>(slot: &AtomicU64, f: impl FnOnce() -> R) -> R {
+pub(crate) fn timed<R>(slot: &AtomicU64, f: impl FnOnce() -> R) -> R {
     let t = Instant::now();
     let r = f();
     let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -1478,7 +1479,8 @@ pub fn decode_shard_tail(
 /// `(offset in the shard, bytes)` pieces, sorted by offset, covering every present subchunk
 /// `shard` names. Each subchunk's crc32c (and footer entry) is checked before its bytes are
 /// copied out, compressed ones are size-checked and decoded by zarrs, absent ones zeroed,
-/// `bool` bytes checked: the same checks as a local read, with the same errors.
+/// `bool` bytes checked: the same checks as a local read, with the same errors. Checksum and
+/// copy time go to `counters` (the fetch itself is the caller's to count).
 ///
 /// # Errors
 /// [`StorageError::Checksum`] / [`StorageError::CorruptChunk`] naming key, chunk, subchunk
@@ -1493,11 +1495,10 @@ pub unsafe fn read_shard_from(
     index: &FetchedIndex,
     fetched: &[(u64, &[u8])],
     dest: Dest<'_>,
+    counters: &ReadCounters,
 ) -> Result<(), StorageError> {
     check_entries(arr, shard, &index.index)?;
     let footer = index.footer.as_deref();
-    // Fetched reads time their requests themselves; these counters go unread.
-    let counters = ReadCounters::default();
     for s in &shard.subchunks {
         let Some((off, n)) = index.entry(s.linear) else {
             // SAFETY: disjoint destination ranges (caller's contract).
@@ -1524,13 +1525,17 @@ pub unsafe fn read_shard_from(
             })?;
         stored_at_least_crc(arr, shard, s.linear, n)?;
         if arr.uncompressed() {
-            let payload = check_stored(arr, shard, s.linear, piece, footer)?;
+            let payload = timed(&counters.checksum_ns, || {
+                check_stored(arr, shard, s.linear, piece, footer)
+            })?;
             // SAFETY: disjoint destination ranges (caller's contract).
-            unsafe { scatter(std::iter::once((s, 0)), payload, dest) };
+            timed(&counters.copy_ns, || unsafe {
+                scatter(std::iter::once((s, 0)), payload, dest);
+            });
             continue;
         }
         // SAFETY: forwarded (caller's contract).
-        unsafe { decode_compressed(arr, geom, shard, s, piece, footer, dest, &counters)? };
+        unsafe { decode_compressed(arr, geom, shard, s, piece, footer, dest, counters)? };
     }
     if arr.entry().dtype == crate::model::DType::Bool {
         // SAFETY: forwarded; this thread just filled these bytes.
