@@ -683,4 +683,48 @@ mod tests {
         assert_eq!(r.removed, vec![g.to_string()]);
         assert!(s.list(GENERATIONS).unwrap().is_empty());
     }
+
+    #[test]
+    fn gc_aborts_the_uploads_recorded_in_an_abandoned_generation_and_leaves_a_live_one() {
+        use crate::storage::remote::multipart::{RecordedUpload, UploadRecord};
+        let s = RemoteStore::open("memory://gc-records/ckpt", &RemoteOptions::builtin()).unwrap();
+        let g = "0000000000003-c";
+        let mut up = s
+            .block_on(RecordedUpload::begin(
+                &s,
+                &generation_key(g, "a/c/0"),
+                Some(1),
+            ))
+            .unwrap()
+            .unwrap();
+        s.block_on(up.write(&vec![7u8; 6 << 20])).unwrap();
+        drop(up); // its writer "killed": the upload stays open, recorded
+        let records = s.list(&generation_key(g, "uploads")).unwrap();
+        assert_eq!(records.len(), 1);
+        let rec: UploadRecord =
+            serde_json::from_slice(&s.get(&records[0].0).unwrap().unwrap().0).unwrap();
+        // A plain gc leaves a newer generation alone (it may be a live save).
+        let r = gc(&s, 1, false).unwrap();
+        assert_eq!((r.uploads_aborted, r.removed.len()), (0, 0));
+        let r = gc_with(
+            &s,
+            &GcOptions {
+                abandoned_after: Some(std::time::Duration::ZERO),
+                ..GcOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            (r.uploads_aborted, r.removed.clone()),
+            (1, vec![g.to_string()])
+        );
+        assert!(s.list(GENERATIONS).unwrap().is_empty());
+        // The upload is gone from the store: completing it now fails.
+        let mp = std::sync::Arc::clone(s.multipart_store().unwrap());
+        let path = s.path(&generation_key(g, &rec.key));
+        assert!(
+            s.block_on(mp.complete_multipart(&path, &rec.upload_id, Vec::new()))
+                .is_err()
+        );
+    }
 }

@@ -99,21 +99,19 @@ impl<'a> GenerationWriter<'a> {
         generation_key(&self.generation, location)
     }
 
-    /// Before a write: the deadline, then another rank's abort marker.
+    /// Before a write: the deadline, then another rank's abort marker. A passed deadline puts
+    /// no marker: every rank has the same deadline and stops on it by itself.
     fn check(&self, location: &str) -> Result<(), StorageError> {
         match self.deadline {
             Some(d) if Instant::now() > d => {
-                return Err(self.failed(
-                    location,
-                    StorageError::Io {
-                        op: "PUT (save deadline passed)",
-                        path: self.display_path(location),
-                        source: std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            "the save's deadline passed before this object was written",
-                        ),
-                    },
-                ));
+                return Err(StorageError::Io {
+                    op: "PUT (save deadline passed)",
+                    path: self.display_path(location),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "the save's deadline passed before this object was written",
+                    ),
+                });
             }
             _ => {}
         }
