@@ -31,8 +31,8 @@ use crate::error::{Error, Result};
 use crate::storage::remote::generation::{self, PointerState};
 use crate::storage::remote::require_conditional_writes;
 pub use crate::storage::remote::{
-    Condition, GcReport, ManifestEntry, RemoteError, RemoteOptions, RemoteStore, Resolved, gc,
-    is_url, probe, resolve,
+    Condition, GcOptions, GcReport, ManifestEntry, RemoteError, RemoteOptions, RemoteStore,
+    Resolved, gc, gc_with, is_url, probe, resolve,
 };
 
 /// Where a save on an object store stages its files and whether it may replace a checkpoint.
@@ -73,6 +73,8 @@ enum Start {
 enum Uploaded {
     Ok(Vec<ManifestEntry>),
     Fail(String),
+    /// Stopped early by another rank's abort marker (that rank's failure is reported).
+    Abandoned(String),
 }
 
 fn staging_root(t: &SaveTarget) -> PathBuf {
@@ -196,9 +198,10 @@ pub fn save_to_url<R>(
         .filter(|(i, _)| i % world == rank)
         .map(|(_, f)| f)
         .collect();
-    let mine = generation::upload_files(&store, &generation, &staging, &share);
+    let mine = generation::upload_files_as(&store, &generation, Some(rank), &staging, &share);
     let report = match &mine {
         Ok(entries) => Uploaded::Ok(entries.clone()),
+        Err(e @ RemoteError::Abandoned { .. }) => Uploaded::Abandoned(e.to_string()),
         Err(e) => Uploaded::Fail(e.to_string()),
     };
     let gathered = comm.all_gather(&serde_json::to_vec(&report).expect("serialises"))?;
@@ -207,20 +210,33 @@ pub fn save_to_url<R>(
         .map(|m| (m.len(), m.iter().map(|e| e.size).sum()))
         .unwrap_or_default();
     let mut all = Vec::new();
+    // The first failure in rank order that is not a stop on another rank's abort marker
+    // (that rank's own failure is reported, naming it); else the first such stop.
+    let mut failure: Option<(usize, String)> = None;
+    let mut abandoned: Option<(usize, String)> = None;
     for (r, g) in gathered.iter().enumerate() {
         match serde_json::from_slice::<Uploaded>(g) {
             Ok(Uploaded::Ok(entries)) => all.extend(entries),
             Ok(Uploaded::Fail(m)) => {
-                if rank == 0 {
-                    let _ = std::fs::remove_dir_all(&staging_parent);
-                }
-                return Err(match mine {
-                    Err(e) if r == rank => e.into(),
-                    _ => rank_failure(r, m),
-                });
+                failure.get_or_insert((r, m));
             }
-            Err(e) => return Err(rank_failure(r, format!("malformed upload report: {e}"))),
+            Ok(Uploaded::Abandoned(m)) => {
+                abandoned.get_or_insert((r, m));
+            }
+            Err(e) => {
+                failure.get_or_insert((r, format!("malformed upload report: {e}")));
+            }
         }
+    }
+    if let Some((r, m)) = failure.or(abandoned) {
+        if rank == 0 {
+            let _ = std::fs::remove_dir_all(&staging_parent);
+        }
+        return Err(match mine {
+            Err(e) if r == rank => e.into(),
+            Err(RemoteError::Abandoned { rank: Some(f), .. }) => rank_failure(f, m),
+            _ => rank_failure(r, m),
+        });
     }
     // Rank 0 commits and tells the others.
     let outcome = if rank == 0 {

@@ -159,7 +159,8 @@ impl RemoteTarget {
     ) -> Result<(u64, u64)> {
         let t0 = Instant::now();
         let (rank, url) = (comm.rank(), self.url.as_str());
-        let writer = GenerationWriter::new(&self.store, &self.start.generation, self.deadline);
+        let writer = GenerationWriter::new(&self.store, &self.start.generation, self.deadline)
+            .with_rank(rank);
         let written = write_groups(&writer, rank, plan, objects)
             .and_then(|()| write_tensors(&writer, Path::new(url)))
             .and_then(|(data, files)| match objects {

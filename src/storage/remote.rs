@@ -4,20 +4,27 @@
 //! written with put-if-absent once every object is durable, and a pointer moved with
 //! put-if-match. Readers resolve the pointer and trust only the manifest.
 
+pub mod abort;
+pub mod base;
 pub mod client;
 pub mod error;
 pub mod generation;
+pub mod multipart;
 pub mod probe;
 pub mod prune;
 pub mod store;
+pub mod upload;
 pub mod url;
 pub mod writer;
 
+pub use abort::{ABORT, AbortMarker, AbortWatch};
 pub use client::{Condition, PutOutcome, RemoteStore};
 pub use error::RemoteError;
 pub use generation::{
-    GcReport, Manifest, ManifestEntry, Pointer, PointerState, Resolved, gc, resolve,
+    GcOptions, GcReport, Manifest, ManifestEntry, Pointer, PointerState, Resolved, gc, gc_with,
+    resolve,
 };
+pub use multipart::{UPLOADS, UploadRecord};
 pub use probe::{ProbeResult, probe, require_conditional_writes};
 pub use url::{RemoteOptions, RemoteUrl, Scheme, is_url};
 pub use writer::GenerationWriter;

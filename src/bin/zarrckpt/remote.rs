@@ -127,11 +127,31 @@ pub struct GcArgs {
     /// Only print what would be removed.
     #[arg(long)]
     dry_run: bool,
+    /// Also remove generations newer than the committed one whose id is at least this many
+    /// seconds old (saves killed before they committed), aborting their recorded multipart
+    /// uploads. Only safe when no save of this checkpoint that started that long ago can still
+    /// be running. Without it such generations stay unless their save failed (abort marker).
+    #[arg(long, value_name = "SECS")]
+    abandoned_after: Option<f64>,
 }
 
 pub fn gc(a: &GcArgs) -> anyhow::Result<ExitCode> {
     let store = RemoteStore::open(&a.url, &options())?;
-    let r = remote::gc(&store, a.keep.max(1), a.dry_run)?;
+    let abandoned_after = a
+        .abandoned_after
+        .map(|s| {
+            std::time::Duration::try_from_secs_f64(s)
+                .map_err(|_| anyhow::anyhow!("--abandoned-after {s}: not a number of seconds"))
+        })
+        .transpose()?;
+    let r = remote::gc_with(
+        &store,
+        &remote::GcOptions {
+            keep: a.keep.max(1),
+            dry_run: a.dry_run,
+            abandoned_after,
+        },
+    )?;
     let verb = if a.dry_run { "would remove" } else { "removed" };
     match &r.current {
         Some(c) => println!("{}: committed generation {c}; kept {:?}", a.url, r.kept),
@@ -146,6 +166,11 @@ pub fn gc(a: &GcArgs) -> anyhow::Result<ExitCode> {
         r.objects,
         r.bytes as f64 / 1e9,
         r.removed
+    );
+    let verb = if a.dry_run { "would abort" } else { "aborted" };
+    println!(
+        "{verb} {} recorded multipart upload(s) left open",
+        r.uploads_aborted
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -4,18 +4,19 @@
 //! checked against their size and crc32c.
 
 use std::hash::{BuildHasher, RandomState};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use futures::StreamExt;
+use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjPath;
-use object_store::{ObjectStore, PutMode, PutOptions, PutPayload, UpdateVersion, WriteMultipart};
+use object_store::{ObjectStore, PutMode, PutOptions, PutPayload, UpdateVersion};
 
 use super::error::RemoteError;
-use super::url::{RemoteOptions, RemoteUrl, build_store};
+use super::url::{RemoteOptions, RemoteUrl, build_stores};
 
 /// The runtime every store shares (object stores are async; the engines are not).
 fn runtime() -> &'static tokio::runtime::Runtime {
@@ -56,6 +57,7 @@ pub enum Condition {
 #[derive(Clone)]
 pub struct RemoteStore {
     store: Arc<dyn ObjectStore>,
+    multipart: Option<Arc<dyn MultipartStore>>,
     url: RemoteUrl,
     endpoint: String,
     opts: RemoteOptions,
@@ -74,28 +76,47 @@ impl RemoteStore {
     /// Opens the store a URL names (no request is made).
     ///
     /// # Errors
-    /// See [`RemoteUrl::parse`] and [`build_store`].
+    /// See [`RemoteUrl::parse`] and [`super::url::build_store`].
     pub fn open(url: &str, opts: &RemoteOptions) -> Result<Self, RemoteError> {
         let url = RemoteUrl::parse(url)?;
-        let (store, endpoint) = build_store(&url, opts)?;
+        let built = build_stores(&url, opts)?;
         Ok(Self {
-            store,
+            store: built.store,
+            multipart: built.multipart,
             url,
-            endpoint,
+            endpoint: built.endpoint,
             opts: opts.clone(),
         })
     }
 
-    /// Wraps an existing store (tests: a store behind a failure-injecting wrapper).
+    /// Wraps an existing store (tests: a store behind a failure-injecting wrapper). It has no
+    /// explicit multipart API until [`RemoteStore::with_multipart_store`] gives it one, so its
+    /// large objects go through `put_multipart` unrecorded (see [`super::multipart`]).
     #[must_use]
     pub fn from_store(store: Arc<dyn ObjectStore>, url: RemoteUrl, opts: &RemoteOptions) -> Self {
         let endpoint = url.root.clone();
         Self {
             store,
+            multipart: None,
             url,
             endpoint,
             opts: opts.clone(),
         }
+    }
+
+    /// The same store with `multipart` as its explicit multipart API (the same bucket seen
+    /// through `object_store`'s [`MultipartStore`]): multipart uploads are then recorded
+    /// under the generation, so that `gc` can abort those a crash left open.
+    #[must_use]
+    pub fn with_multipart_store(mut self, multipart: Arc<dyn MultipartStore>) -> Self {
+        self.multipart = Some(multipart);
+        self
+    }
+
+    /// The store's explicit multipart API, when it has one.
+    #[must_use]
+    pub fn multipart_store(&self) -> Option<&Arc<dyn MultipartStore>> {
+        self.multipart.as_ref()
     }
 
     /// The parsed URL.
@@ -146,7 +167,12 @@ impl RemoteStore {
         }
     }
 
-    fn err(&self, op: &'static str, key: &str) -> impl Fn(object_store::Error) -> RemoteError + '_ {
+    /// Maps an `object_store` error of `op` on `key` to [`RemoteError::Request`].
+    pub(crate) fn err(
+        &self,
+        op: &'static str,
+        key: &str,
+    ) -> impl Fn(object_store::Error) -> RemoteError + '_ {
         let key = self.url.url_of(key);
         move |source| RemoteError::Request {
             op,
@@ -376,98 +402,6 @@ impl RemoteStore {
         })
     }
 
-    /// Uploads the local file `src` as `key`: one PUT (if-absent unless
-    /// `allow_unconditional`) below the multipart threshold, else a multipart upload of
-    /// `part_size` parts with at most `parts_in_flight` in flight, read from the file as they
-    /// go (memory: about `parts_in_flight x part_size`). Returns `(size, crc32c)` of what was
-    /// sent. A failed multipart upload is aborted.
-    ///
-    /// # Errors
-    /// [`RemoteError::Io`] reading `src`; [`RemoteError::Request`] naming the key;
-    /// [`RemoteError::Corrupt`] when the key exists already (a generation key reused).
-    pub async fn upload_file(&self, key: &str, src: &Path) -> Result<(u64, u32), RemoteError> {
-        let size = std::fs::metadata(src)
-            .map_err(|e| RemoteError::io(src, e))?
-            .len();
-        let path = self.path(key);
-        if size < self.opts.multipart_threshold {
-            let data = tokio::task::block_in_place(|| std::fs::read(src))
-                .map_err(|e| RemoteError::io(src, e))?;
-            let crc = crc32c::crc32c(&data);
-            let len = data.len() as u64;
-            let mode = if self.opts.allow_unconditional {
-                PutMode::Overwrite
-            } else {
-                PutMode::Create
-            };
-            match self
-                .put_resolved(&path, Bytes::from(data), mode)
-                .await
-                .map_err(self.err("PUT", key))?
-            {
-                PutOutcome::Written(_) => Ok((len, crc)),
-                PutOutcome::Exists | PutOutcome::Changed => Err(RemoteError::Corrupt {
-                    key: self.url.url_of(key),
-                    detail: "the object exists already: a generation key was reused".into(),
-                }),
-            }
-        } else {
-            let upload = self
-                .store
-                .put_multipart(&path)
-                .await
-                .map_err(self.err("multipart PUT", key))?;
-            let part = self.opts.part_size.max(5 << 20);
-            let mut w = WriteMultipart::new_with_chunk_size(upload, part);
-            match self.stream_parts(&mut w, src, part).await {
-                Ok((len, crc)) => match w.finish().await {
-                    Ok(_) => Ok((len, crc)),
-                    // The completion's answer was lost and its retry found the upload gone
-                    // (completed by the first try): the object is there with every byte.
-                    // The key is fresh in this save's generation, so only this upload
-                    // can have written it.
-                    Err(e) => match self.store.head(&path).await {
-                        Ok(m) if m.size == len => Ok((len, crc)),
-                        _ => Err(self.err("multipart PUT", key)(e)),
-                    },
-                },
-                Err(e) => {
-                    let _ = w.abort().await;
-                    Err(e)
-                }
-            }
-        }
-    }
-
-    async fn stream_parts(
-        &self,
-        w: &mut WriteMultipart,
-        src: &Path,
-        part: usize,
-    ) -> Result<(u64, u32), RemoteError> {
-        let mut f = std::fs::File::open(src).map_err(|e| RemoteError::io(src, e))?;
-        let mut buf = vec![0u8; part];
-        let (mut len, mut crc) = (0u64, 0u32);
-        loop {
-            w.wait_for_capacity(self.opts.parts_in_flight.max(1).saturating_sub(1))
-                .await
-                .map_err(|e| RemoteError::Request {
-                    op: "multipart PUT",
-                    key: src.display().to_string(),
-                    source: e,
-                })?;
-            let n = tokio::task::block_in_place(|| read_full(&mut f, &mut buf))
-                .map_err(|e| RemoteError::io(src, e))?;
-            if n == 0 {
-                break;
-            }
-            crc = crc32c::crc32c_append(crc, &buf[..n]);
-            len += n as u64;
-            w.write(&buf[..n]);
-        }
-        Ok((len, crc))
-    }
-
     /// Downloads `key` into the local file `dst`, streamed, checking its size and crc32c
     /// against what the commit recorded.
     ///
@@ -566,17 +500,4 @@ fn is_transport(e: &object_store::Error) -> bool {
         chain = s.source();
     }
     true
-}
-
-fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match f.read(&mut buf[n..]) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(n)
 }

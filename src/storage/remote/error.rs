@@ -92,6 +92,26 @@ pub enum RemoteError {
         #[source]
         source: std::io::Error,
     },
+    /// Another rank's upload into this generation failed for good (its abort marker was
+    /// found): this rank stopped before finishing its own uploads.
+    #[error(
+        "generation {generation} abandoned: rank {} failed for good on {key} (HTTP status {}): {error}; \
+         this rank stopped its own uploads early",
+        rank.map_or_else(|| "?".to_string(), |r| r.to_string()),
+        status.map_or_else(|| "unknown".to_string(), |s| s.to_string())
+    )]
+    Abandoned {
+        /// The generation being written.
+        generation: String,
+        /// The failed rank (when its writer knew it).
+        rank: Option<usize>,
+        /// The URL of the object whose upload failed.
+        key: String,
+        /// Its last HTTP status, when the server answered.
+        status: Option<u16>,
+        /// Its error, as text.
+        error: String,
+    },
     /// A rank failed during a collective object-store operation.
     #[error("rank {rank}: {message}")]
     Rank {
@@ -103,6 +123,16 @@ pub enum RemoteError {
 }
 
 impl RemoteError {
+    /// The rank another rank's abort marker names, for [`RemoteError::Abandoned`] (`None`
+    /// for every other error, and for a marker of a writer that did not know its rank).
+    #[must_use]
+    pub fn failed_rank(&self) -> Option<usize> {
+        match self {
+            Self::Abandoned { rank, .. } => *rank,
+            _ => None,
+        }
+    }
+
     pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> Self {
         Self::Io {
             path: path.to_path_buf(),

@@ -81,15 +81,8 @@ pub fn valid_generation(id: &str) -> bool {
     !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
-/// The key of `rel` in generation `generation`.
-#[must_use]
-pub fn generation_key(generation: &str, rel: &str) -> String {
-    if rel.is_empty() {
-        format!("{GENERATIONS}/{generation}")
-    } else {
-        format!("{GENERATIONS}/{generation}/{rel}")
-    }
-}
+use super::base::error_chain;
+pub use super::base::generation_key;
 
 /// Reads the pointer (`None`: no checkpoint committed here).
 ///
@@ -151,21 +144,82 @@ pub fn local_files(dir: &Path) -> Result<Vec<String>, RemoteError> {
 }
 
 /// Uploads `files` (relative to `dir`) into generation `generation`, at most
-/// `concurrency` at once; returns their manifest entries.
+/// `concurrency` at once; returns their manifest entries. See [`upload_files_as`].
 ///
 /// # Errors
-/// The first failed upload's error (the others are finished or dropped; nothing is deleted).
+/// As [`upload_files_as`].
 pub fn upload_files(
     store: &RemoteStore,
     generation: &str,
     dir: &Path,
     files: &[String],
 ) -> Result<Vec<ManifestEntry>, RemoteError> {
+    upload_files_as(store, generation, None, dir, files)
+}
+
+/// Uploads `files` (relative to `dir`) into generation `generation` as rank `rank` of a save,
+/// at most `concurrency` at once; returns their manifest entries. Multipart uploads are
+/// recorded while open ([`super::multipart`]). An upload that fails for good puts this rank's
+/// abort marker, and another rank's marker (looked for before each object and between parts,
+/// at most once per `abort_check_interval`) stops this rank early ([`super::abort`]).
+/// Progress (bytes done of the total) is logged at most every
+/// [`super::base::PROGRESS_EVERY`].
+///
+/// # Errors
+/// The first failed upload's error (the others are dropped: their multipart uploads stay
+/// recorded for `gc`; nothing is deleted); [`RemoteError::Abandoned`] when another rank
+/// failed first.
+pub fn upload_files_as(
+    store: &RemoteStore,
+    generation: &str,
+    rank: Option<usize>,
+    dir: &Path,
+    files: &[String],
+) -> Result<Vec<ManifestEntry>, RemoteError> {
+    use std::sync::atomic::{AtomicU64, Ordering};
     let n = store.options().concurrency.max(1);
+    let watch = super::abort::AbortWatch::new(store, generation, rank);
+    let total: u64 = files
+        .iter()
+        .filter_map(|f| std::fs::metadata(dir.join(f)).ok())
+        .map(|m| m.len())
+        .sum();
+    let done = AtomicU64::new(0);
+    let last = std::sync::Mutex::new(std::time::Instant::now());
+    let (watch, done, last) = (&watch, &done, &last);
     store.block_on(async {
         let mut tasks = futures::stream::iter(files.iter().map(|rel| async move {
             let key = generation_key(generation, rel);
-            let (size, crc32c) = store.upload_file(&key, &dir.join(rel)).await?;
+            let r = store
+                .upload_file_watched(&key, &dir.join(rel), Some(watch), rank)
+                .await;
+            match &r {
+                Err(e @ RemoteError::Abandoned { .. }) => {
+                    tracing::debug!(error = %e, "upload stopped early");
+                }
+                Err(e) => {
+                    watch
+                        .raise(&store.url().url_of(&key), &error_chain(e))
+                        .await
+                }
+                Ok((size, _)) => {
+                    let sofar = done.fetch_add(*size, Ordering::Relaxed) + size;
+                    let mut l = last
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
+                    if l.elapsed() >= super::base::PROGRESS_EVERY {
+                        *l = std::time::Instant::now();
+                        tracing::info!(
+                            rank = ?rank,
+                            generation,
+                            bytes = sofar,
+                            total,
+                            "save: upload progress (bytes durable of this rank's total)"
+                        );
+                    }
+                }
+            }
+            let (size, crc32c) = r?;
             Ok::<_, RemoteError>(ManifestEntry {
                 key: rel.clone(),
                 size,
@@ -404,21 +458,83 @@ pub struct GcReport {
     pub objects: usize,
     /// Their bytes.
     pub bytes: u64,
+    /// Recorded multipart uploads aborted (left open by killed or failed writers; an upload
+    /// that had completed counts too, its abort being a no-op).
+    pub uploads_aborted: usize,
 }
 
-/// Removes old generations: every generation whose id sorts before the committed one (older
-/// saves, saves that lost a race or crashed), except the `keep - 1` newest of them that were
-/// committed (have a root `zarr.json`). Generations newer than the committed one (a save in
-/// progress) are left alone. Leftover probe keys are removed too. With `dry_run` nothing is
-/// deleted.
+/// What [`gc_with`] removes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GcOptions {
+    /// Committed generations to keep, the current one included (at least 1).
+    pub keep: usize,
+    /// Only report; delete and abort nothing.
+    pub dry_run: bool,
+    /// A generation newer than the committed one (or any, when nothing is committed) whose
+    /// id is at least this old is taken for abandoned (its writer killed) and removed, its
+    /// recorded uploads aborted. `None`: such generations are left alone unless an abort
+    /// marker says their save failed. Only safe when no save of the checkpoint can have
+    /// started longer ago than this and still be running.
+    pub abandoned_after: Option<std::time::Duration>,
+}
+
+impl Default for GcOptions {
+    fn default() -> Self {
+        Self {
+            keep: 1,
+            dry_run: false,
+            abandoned_after: None,
+        }
+    }
+}
+
+/// [`gc_with`] with `keep` and `dry_run`, leaving generations newer than the committed one
+/// alone unless their save failed (an abort marker).
 ///
-/// Multipart uploads a crashed writer left open are not visible through `object_store`; give
-/// the bucket a lifecycle rule that aborts incomplete multipart uploads after a day (S3
-/// `AbortIncompleteMultipartUpload`); uploads that fail while the writer lives are aborted by it.
+/// # Errors
+/// As [`gc_with`].
+pub fn gc(store: &RemoteStore, keep: usize, dry_run: bool) -> Result<GcReport, RemoteError> {
+    gc_with(
+        store,
+        &GcOptions {
+            keep,
+            dry_run,
+            abandoned_after: None,
+        },
+    )
+}
+
+/// The age of a generation from its id's timestamp (`None` for an id without one).
+fn age_of(generation: &str) -> Option<std::time::Duration> {
+    let ms: u64 = generation.get(..13)?.parse().ok()?;
+    let born = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
+    Some(
+        std::time::SystemTime::now()
+            .duration_since(born)
+            .unwrap_or_default(),
+    )
+}
+
+/// Removes old and dead generations and aborts the multipart uploads they left open:
+/// - every generation whose id sorts before the committed one (older saves, saves that lost a
+///   race or crashed), except the `keep - 1` newest of them that were committed (have a root
+///   `zarr.json`);
+/// - generations newer than the committed one (or any, when nothing is committed) whose save
+///   failed (an abort marker `abort/<rank>`), or, with `abandoned_after`, whose id is at
+///   least that old. Others newer than the committed one (a save in progress) are left alone.
+///
+/// Before a generation's objects are deleted, every multipart upload recorded under its
+/// `uploads/` is aborted (spec: upload records); the kept generations' stray records (of
+/// completed uploads whose record delete failed) are aborted and deleted too. Leftover probe
+/// keys are removed. With `dry_run` nothing is deleted or aborted.
+///
+/// An upload a writer started but had not recorded yet when it was killed (one request's
+/// window) is invisible here: give the bucket a lifecycle rule that aborts incomplete
+/// multipart uploads after a day (S3 `AbortIncompleteMultipartUpload`) as a backstop.
 ///
 /// # Errors
 /// [`RemoteError::Request`]; [`RemoteError::Corrupt`] for a malformed pointer.
-pub fn gc(store: &RemoteStore, keep: usize, dry_run: bool) -> Result<GcReport, RemoteError> {
+pub fn gc_with(store: &RemoteStore, o: &GcOptions) -> Result<GcReport, RemoteError> {
     let current = read_pointer(store)?.map(|p| p.pointer.generation);
     let objects = store.list(GENERATIONS)?;
     let mut by_gen: std::collections::BTreeMap<String, Vec<(String, u64)>> = Default::default();
@@ -438,25 +554,40 @@ pub fn gc(store: &RemoteStore, keep: usize, dry_run: bool) -> Result<GcReport, R
         current: current.clone(),
         ..GcReport::default()
     };
-    let Some(cur) = current else {
-        // Nothing committed: nothing is known to be old.
-        return Ok(report);
+    let has = |objs: &[(String, u64)], folder: &str| {
+        objs.iter()
+            .any(|(rel, _)| rel.strip_prefix(folder).is_some_and(|r| r.starts_with('/')))
     };
-    let older: Vec<&String> = by_gen
-        .keys()
-        .filter(|g| g.as_str() < cur.as_str())
-        .collect();
     let mut committed_kept = 0usize;
-    for g in older.into_iter().rev() {
-        let objs = &by_gen[g];
-        let committed = objs.iter().any(|(rel, _)| rel == ROOT);
-        if committed && committed_kept + 1 < keep {
-            committed_kept += 1;
-            report.kept.push(g.clone());
+    for (g, objs) in by_gen.iter().rev() {
+        let older = current.as_deref().is_some_and(|c| g.as_str() < c);
+        let remove = if current.as_deref() == Some(g.as_str()) {
+            false
+        } else if older {
+            let committed = objs.iter().any(|(rel, _)| rel == ROOT);
+            if committed && committed_kept + 1 < o.keep {
+                committed_kept += 1;
+                report.kept.push(g.clone());
+                false
+            } else {
+                true
+            }
+        } else {
+            has(objs, super::abort::ABORT)
+                || o.abandoned_after
+                    .zip(age_of(g))
+                    .is_some_and(|(limit, age)| age >= limit)
+        };
+        let in_progress = !older && current.as_deref() != Some(g.as_str()) && !remove;
+        if in_progress {
+            continue;
+        }
+        report.uploads_aborted += abort_recorded_uploads(store, g, objs, o.dry_run)?;
+        if !remove {
             continue;
         }
         for (rel, size) in objs {
-            if !dry_run {
+            if !o.dry_run {
                 store.delete(&generation_key(g, rel))?;
             }
             report.objects += 1;
@@ -465,10 +596,135 @@ pub fn gc(store: &RemoteStore, keep: usize, dry_run: bool) -> Result<GcReport, R
         report.removed.push(g.clone());
     }
     for key in store.list_level()?.1 {
-        if key.starts_with(super::PROBE_PREFIX) && !dry_run {
+        if key.starts_with(super::PROBE_PREFIX) && !o.dry_run {
             store.delete(&key)?;
         }
     }
+    report.kept.sort();
     report.removed.sort();
     Ok(report)
+}
+
+/// Aborts every upload recorded under generation `g` (`objs`: its objects) and deletes the
+/// records; returns how many were recorded.
+fn abort_recorded_uploads(
+    store: &RemoteStore,
+    g: &str,
+    objs: &[(String, u64)],
+    dry_run: bool,
+) -> Result<usize, RemoteError> {
+    use super::multipart::{UPLOADS, UploadRecord, abort_recorded};
+    let mut n = 0;
+    for (rel, _) in objs {
+        if !rel
+            .strip_prefix(UPLOADS)
+            .is_some_and(|r| r.starts_with('/'))
+        {
+            continue;
+        }
+        n += 1;
+        if dry_run {
+            continue;
+        }
+        let key = generation_key(g, rel);
+        let Some((bytes, _)) = store.get(&key)? else {
+            continue;
+        };
+        match serde_json::from_slice::<UploadRecord>(&bytes) {
+            Ok(record) => {
+                if !store.block_on(abort_recorded(store, g, &record))? {
+                    tracing::warn!(
+                        record = %store.url().url_of(&key),
+                        "this store has no multipart API here: the upload is left to the bucket's lifecycle rule"
+                    );
+                }
+            }
+            Err(e) => tracing::warn!(
+                record = %store.url().url_of(&key),
+                error = %e,
+                "an upload record that does not parse: deleted, its upload left to the lifecycle rule"
+            ),
+        }
+        store.delete(&key)?;
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::remote::RemoteOptions;
+
+    #[test]
+    fn staged_uploads_put_a_marker_when_they_fail_and_stop_on_another_ranks_marker() {
+        let s = RemoteStore::open("memory://staged-abort/ckpt", &RemoteOptions::builtin()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("a"), b"hello").unwrap();
+        let g = "0000000000001-x";
+        // Rank 2's upload fails (its file is gone): it puts its marker, naming it.
+        let e = upload_files_as(&s, g, Some(2), dir.path(), &["missing".into()]).unwrap_err();
+        assert!(matches!(e, RemoteError::Io { .. }), "{e}");
+        let (marker, _) = s
+            .get(&generation_key(g, "abort/2"))
+            .unwrap()
+            .expect("rank 2's abort marker");
+        let m: crate::storage::remote::AbortMarker = serde_json::from_slice(&marker).unwrap();
+        assert_eq!(m.rank, Some(2));
+        assert!(
+            m.key.ends_with(&format!("generations/{g}/missing")),
+            "{m:?}"
+        );
+        // Rank 0 finds it before its first object and uploads nothing.
+        let e = upload_files_as(&s, g, Some(0), dir.path(), &["a".into()]).unwrap_err();
+        assert_eq!(e.failed_rank(), Some(2), "{e}");
+        assert!(s.head(&generation_key(g, "a")).unwrap().is_none());
+        // gc takes the failed save's generation for dead, whatever its age.
+        let r = gc(&s, 1, false).unwrap();
+        assert_eq!(r.removed, vec![g.to_string()]);
+        assert!(s.list(GENERATIONS).unwrap().is_empty());
+    }
+
+    #[test]
+    fn gc_aborts_the_uploads_recorded_in_an_abandoned_generation_and_leaves_a_live_one() {
+        use crate::storage::remote::multipart::{RecordedUpload, UploadRecord};
+        let s = RemoteStore::open("memory://gc-records/ckpt", &RemoteOptions::builtin()).unwrap();
+        let g = "0000000000003-c";
+        let mut up = s
+            .block_on(RecordedUpload::begin(
+                &s,
+                &generation_key(g, "a/c/0"),
+                Some(1),
+            ))
+            .unwrap()
+            .unwrap();
+        s.block_on(up.write(&vec![7u8; 6 << 20])).unwrap();
+        drop(up); // its writer "killed": the upload stays open, recorded
+        let records = s.list(&generation_key(g, "uploads")).unwrap();
+        assert_eq!(records.len(), 1);
+        let rec: UploadRecord =
+            serde_json::from_slice(&s.get(&records[0].0).unwrap().unwrap().0).unwrap();
+        // A plain gc leaves a newer generation alone (it may be a live save).
+        let r = gc(&s, 1, false).unwrap();
+        assert_eq!((r.uploads_aborted, r.removed.len()), (0, 0));
+        let r = gc_with(
+            &s,
+            &GcOptions {
+                abandoned_after: Some(std::time::Duration::ZERO),
+                ..GcOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            (r.uploads_aborted, r.removed.clone()),
+            (1, vec![g.to_string()])
+        );
+        assert!(s.list(GENERATIONS).unwrap().is_empty());
+        // The upload is gone from the store: completing it now fails.
+        let mp = std::sync::Arc::clone(s.multipart_store().unwrap());
+        let path = s.path(&generation_key(g, &rec.key));
+        assert!(
+            s.block_on(mp.complete_multipart(&path, &rec.upload_id, Vec::new()))
+                .is_err()
+        );
+    }
 }

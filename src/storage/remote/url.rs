@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use object_store::ObjectStore;
 use object_store::memory::InMemory;
+use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjPath;
 
 use super::error::RemoteError;
@@ -64,6 +65,7 @@ impl Scheme {
 /// | `max_backoff` | 10 s | `ZARRCKPT_REMOTE_BACKOFF_MAX` (seconds) |
 /// | `request_timeout` | 120 s | `ZARRCKPT_REMOTE_REQUEST_TIMEOUT` (seconds) |
 /// | `retry_timeout` | 300 s | `ZARRCKPT_REMOTE_RETRY_TIMEOUT` (seconds) |
+/// | `abort_check_interval` | 1 s | `ZARRCKPT_REMOTE_ABORT_CHECK` (seconds) |
 ///
 /// A malformed variable is ignored by `default()` and reported by [`build_store`] (opening a
 /// store), naming the variable.
@@ -100,10 +102,15 @@ pub struct RemoteOptions {
     /// The deadline of one request including its retries: after it no retry starts, and the
     /// error names the key and the last HTTP status.
     pub retry_timeout: Duration,
+    /// How often, at most, a writer looks for another rank's abort marker (spec "Object-store
+    /// profile of the commit": a rank whose upload failed for good puts
+    /// `generations/<id>/abort/<rank>`, and the others stop at their next look). One LIST of
+    /// that folder per look and rank.
+    pub abort_check_interval: Duration,
 }
 
 /// The environment variables [`RemoteOptions::default`] reads, with the field each sets.
-pub const OPTION_VARIABLES: [&str; 9] = [
+pub const OPTION_VARIABLES: [&str; 10] = [
     "ZARRCKPT_REMOTE_MULTIPART_THRESHOLD",
     "ZARRCKPT_REMOTE_PART_SIZE",
     "ZARRCKPT_REMOTE_PARTS_IN_FLIGHT",
@@ -113,6 +120,7 @@ pub const OPTION_VARIABLES: [&str; 9] = [
     "ZARRCKPT_REMOTE_BACKOFF_MAX",
     "ZARRCKPT_REMOTE_REQUEST_TIMEOUT",
     "ZARRCKPT_REMOTE_RETRY_TIMEOUT",
+    "ZARRCKPT_REMOTE_ABORT_CHECK",
 ];
 
 impl RemoteOptions {
@@ -131,6 +139,7 @@ impl RemoteOptions {
             max_backoff: Duration::from_secs(10),
             request_timeout: Duration::from_secs(120),
             retry_timeout: Duration::from_secs(300),
+            abort_check_interval: Duration::from_secs(1),
         }
     }
 
@@ -166,6 +175,7 @@ impl RemoteOptions {
                 "ZARRCKPT_REMOTE_BACKOFF_INIT" => self.init_backoff = secs()?,
                 "ZARRCKPT_REMOTE_BACKOFF_MAX" => self.max_backoff = secs()?,
                 "ZARRCKPT_REMOTE_REQUEST_TIMEOUT" => self.request_timeout = secs()?,
+                "ZARRCKPT_REMOTE_ABORT_CHECK" => self.abort_check_interval = secs()?,
                 _ => self.retry_timeout = secs()?,
             }
         }
@@ -287,11 +297,41 @@ pub fn build_store(
     url: &RemoteUrl,
     opts: &RemoteOptions,
 ) -> Result<(Arc<dyn ObjectStore>, String), RemoteError> {
+    build_stores(url, opts).map(|b| (b.store, b.endpoint))
+}
+
+/// A store as [`build_stores`] builds it.
+pub(crate) struct Built {
+    pub store: Arc<dyn ObjectStore>,
+    /// The same store's explicit multipart API (every backend here has one).
+    pub multipart: Option<Arc<dyn MultipartStore>>,
+    pub endpoint: String,
+}
+
+impl Built {
+    #[cfg(any(feature = "s3", feature = "gcs", feature = "azure"))]
+    fn of<S: ObjectStore + MultipartStore>(store: S, endpoint: String) -> Self {
+        let store = Arc::new(store);
+        Self {
+            store: Arc::clone(&store) as Arc<dyn ObjectStore>,
+            multipart: Some(store as Arc<dyn MultipartStore>),
+            endpoint,
+        }
+    }
+}
+
+/// [`build_store`], keeping the store's [`MultipartStore`] face too (the recorded multipart
+/// uploads of [`super::multipart`]).
+pub(crate) fn build_stores(url: &RemoteUrl, opts: &RemoteOptions) -> Result<Built, RemoteError> {
     match url.scheme {
-        Scheme::Memory => Ok((
-            memory_store(&url.root) as Arc<dyn ObjectStore>,
-            url.root.clone(),
-        )),
+        Scheme::Memory => {
+            let m = memory_store(&url.root);
+            Ok(Built {
+                store: Arc::clone(&m) as Arc<dyn ObjectStore>,
+                multipart: Some(m as Arc<dyn MultipartStore>),
+                endpoint: url.root.clone(),
+            })
+        }
         Scheme::S3 => check_env(url).and_then(|()| build_s3(url, opts)),
         Scheme::Gcs => check_env(url).and_then(|()| build_gcs(url, opts)),
         Scheme::Azure => check_env(url).and_then(|()| build_azure(url, opts)),
@@ -386,10 +426,7 @@ fn check_env(url: &RemoteUrl) -> Result<(), RemoteError> {
 }
 
 #[cfg(feature = "s3")]
-fn build_s3(
-    url: &RemoteUrl,
-    opts: &RemoteOptions,
-) -> Result<(Arc<dyn ObjectStore>, String), RemoteError> {
+fn build_s3(url: &RemoteUrl, opts: &RemoteOptions) -> Result<Built, RemoteError> {
     use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey, S3ConditionalPut};
     let b = configured(url, opts, |b: AmazonS3Builder| {
         // `AWS_ENDPOINT_URL` (the AWS CLI's and SDKs' name) when `AWS_ENDPOINT` is not set.
@@ -407,54 +444,39 @@ fn build_s3(
         .with_conditional_put(S3ConditionalPut::ETagMatch)
         .build()
         .map_err(configure_err(url))?;
-    Ok((Arc::new(store), endpoint))
+    Ok(Built::of(store, endpoint))
 }
 
 #[cfg(feature = "gcs")]
-fn build_gcs(
-    url: &RemoteUrl,
-    opts: &RemoteOptions,
-) -> Result<(Arc<dyn ObjectStore>, String), RemoteError> {
+fn build_gcs(url: &RemoteUrl, opts: &RemoteOptions) -> Result<Built, RemoteError> {
     let b = configured(
         url,
         opts,
         |b: object_store::gcp::GoogleCloudStorageBuilder| b,
     )?;
     let store = b.build().map_err(configure_err(url))?;
-    Ok((Arc::new(store), url.root.clone()))
+    Ok(Built::of(store, url.root.clone()))
 }
 
 #[cfg(feature = "azure")]
-fn build_azure(
-    url: &RemoteUrl,
-    opts: &RemoteOptions,
-) -> Result<(Arc<dyn ObjectStore>, String), RemoteError> {
+fn build_azure(url: &RemoteUrl, opts: &RemoteOptions) -> Result<Built, RemoteError> {
     let b = configured(url, opts, |b: object_store::azure::MicrosoftAzureBuilder| b)?;
     let store = b.build().map_err(configure_err(url))?;
-    Ok((Arc::new(store), url.root.clone()))
+    Ok(Built::of(store, url.root.clone()))
 }
 
 #[cfg(not(feature = "s3"))]
-fn build_s3(
-    url: &RemoteUrl,
-    _: &RemoteOptions,
-) -> Result<(Arc<dyn ObjectStore>, String), RemoteError> {
+fn build_s3(url: &RemoteUrl, _: &RemoteOptions) -> Result<Built, RemoteError> {
     Err(not_built(url, "s3"))
 }
 
 #[cfg(not(feature = "gcs"))]
-fn build_gcs(
-    url: &RemoteUrl,
-    _: &RemoteOptions,
-) -> Result<(Arc<dyn ObjectStore>, String), RemoteError> {
+fn build_gcs(url: &RemoteUrl, _: &RemoteOptions) -> Result<Built, RemoteError> {
     Err(not_built(url, "gcs"))
 }
 
 #[cfg(not(feature = "azure"))]
-fn build_azure(
-    url: &RemoteUrl,
-    _: &RemoteOptions,
-) -> Result<(Arc<dyn ObjectStore>, String), RemoteError> {
+fn build_azure(url: &RemoteUrl, _: &RemoteOptions) -> Result<Built, RemoteError> {
     Err(not_built(url, "azure"))
 }
 

@@ -10,6 +10,13 @@
 //! flight. The size and crc32c of every completed object are recorded for the manifest
 //! ([`GenerationWriter::take_entries`]). A deadline, when set, fails every write that starts
 //! after it with an error naming the object.
+//!
+//! Objects streamed as multipart uploads are recorded under the generation while open
+//! ([`super::multipart`]), so that `gc` can abort those a killed writer left. A write that
+//! fails for good puts this rank's abort marker, and every write first looks (at a bounded
+//! rate) for another rank's marker, stopping early when it finds one ([`super::abort`]).
+//! Progress (bytes and objects durable) is logged per rank at most every
+//! [`PROGRESS_EVERY`], so a stalled rank is visible.
 
 use std::io::IoSlice;
 use std::ops::Range;
@@ -18,8 +25,12 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use super::abort::AbortWatch;
+use super::base::{PROGRESS_EVERY, error_chain, generation_key};
 use super::client::RemoteStore;
-use super::generation::{ManifestEntry, generation_key};
+use super::error::RemoteError;
+use super::generation::ManifestEntry;
+use super::multipart::RecordedUpload;
 use crate::storage::error::StorageError;
 use crate::storage::store::{
     Capabilities, ListResult, MultipartWrite, ObjectMeta, PutMode, PutResult, Store, check_location,
@@ -30,9 +41,12 @@ use crate::storage::store::{
 pub struct GenerationWriter<'a> {
     store: &'a RemoteStore,
     generation: String,
+    rank: Option<usize>,
     deadline: Option<Instant>,
     entries: Mutex<Vec<ManifestEntry>>,
     bytes: AtomicU64,
+    watch: AbortWatch,
+    last_progress: Mutex<Instant>,
 }
 
 impl<'a> GenerationWriter<'a> {
@@ -43,10 +57,23 @@ impl<'a> GenerationWriter<'a> {
         GenerationWriter {
             store,
             generation: generation.to_owned(),
+            rank: None,
             deadline,
             entries: Mutex::new(Vec::new()),
             bytes: AtomicU64::new(0),
+            watch: AbortWatch::new(store, generation, None),
+            last_progress: Mutex::new(Instant::now()),
         }
+    }
+
+    /// The same writer for rank `rank` of the save: its abort marker is
+    /// `generations/<id>/abort/<rank>` and names the rank, its upload records and progress
+    /// lines too (without it, a random token names the writer).
+    #[must_use]
+    pub fn with_rank(mut self, rank: usize) -> Self {
+        self.rank = Some(rank);
+        self.watch = AbortWatch::new(self.store, &self.generation, Some(rank));
+        self
     }
 
     /// The generation written.
@@ -72,18 +99,46 @@ impl<'a> GenerationWriter<'a> {
         generation_key(&self.generation, location)
     }
 
-    fn check_deadline(&self, location: &str) -> Result<(), StorageError> {
+    /// Before a write: the deadline, then another rank's abort marker. A passed deadline puts
+    /// no marker: every rank has the same deadline and stops on it by itself.
+    fn check(&self, location: &str) -> Result<(), StorageError> {
         match self.deadline {
-            Some(d) if Instant::now() > d => Err(StorageError::Io {
-                op: "PUT (save deadline passed)",
-                path: self.display_path(location),
-                source: std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "the save's deadline passed before this object was written",
-                ),
-            }),
-            _ => Ok(()),
+            Some(d) if Instant::now() > d => {
+                return Err(StorageError::Io {
+                    op: "PUT (save deadline passed)",
+                    path: self.display_path(location),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "the save's deadline passed before this object was written",
+                    ),
+                });
+            }
+            _ => {}
         }
+        self.watch
+            .check_blocking()
+            .map_err(|e| self.storage_err("PUT (generation abandoned)", location, e))
+    }
+
+    fn storage_err(&self, op: &'static str, location: &str, e: RemoteError) -> StorageError {
+        StorageError::Io {
+            op,
+            path: self.display_path(location),
+            source: std::io::Error::other(e),
+        }
+    }
+
+    /// A write that failed for good: this rank's abort marker goes up (unless the failure is
+    /// another rank's marker), then the error is returned.
+    fn failed(&self, location: &str, e: StorageError) -> StorageError {
+        let abandoned = matches!(&e, StorageError::Io { source, .. }
+            if source.get_ref().and_then(|s| s.downcast_ref::<RemoteError>())
+                .is_some_and(|r| matches!(r, RemoteError::Abandoned { .. })));
+        if !abandoned {
+            let key = self.display_path(location).display().to_string();
+            self.watch.raise_blocking(&key, &error_chain(&e));
+        }
+        e
     }
 
     fn record(&self, location: &str, size: u64, crc32c: u32) {
@@ -93,15 +148,27 @@ impl<'a> GenerationWriter<'a> {
             size,
             "object durable"
         );
-        self.bytes.fetch_add(size, Ordering::Relaxed);
-        self.entries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(ManifestEntry {
+        let total = self.bytes.fetch_add(size, Ordering::Relaxed) + size;
+        let objects = {
+            let mut e = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+            e.push(ManifestEntry {
                 key: location.to_owned(),
                 size,
                 crc32c,
             });
+            e.len()
+        };
+        let mut last = self.last_progress.lock().unwrap_or_else(|p| p.into_inner());
+        if last.elapsed() >= PROGRESS_EVERY {
+            *last = Instant::now();
+            tracing::info!(
+                rank = ?self.rank,
+                generation = %self.generation,
+                bytes = total,
+                objects,
+                "save: progress (bytes durable on this rank)"
+            );
+        }
     }
 
     fn put_mode(&self) -> PutMode {
@@ -125,8 +192,9 @@ impl Store for GenerationWriter<'_> {
         _mode: PutMode,
     ) -> Result<PutResult, StorageError> {
         check_location(location)?;
-        self.check_deadline(location)?;
-        let r = Store::put_opts(self.store, &self.key(location), payload, self.put_mode())?;
+        self.check(location)?;
+        let r = Store::put_opts(self.store, &self.key(location), payload, self.put_mode())
+            .map_err(|e| self.failed(location, e))?;
         let (size, crc) = payload.iter().fold((0u64, 0u32), |(n, c), p| {
             (n + p.len() as u64, crc32c::crc32c_append(c, p))
         });
@@ -136,7 +204,7 @@ impl Store for GenerationWriter<'_> {
 
     fn put_multipart(&self, location: &str) -> Result<Box<dyn MultipartWrite + '_>, StorageError> {
         check_location(location)?;
-        self.check_deadline(location)?;
+        self.check(location)?;
         Ok(Box::new(ObjectUpload {
             owner: self,
             location: location.to_owned(),
@@ -177,13 +245,20 @@ impl Store for GenerationWriter<'_> {
     }
 }
 
+/// The multipart upload of one large object: recorded through the store's explicit multipart
+/// API when it has one, else `put_multipart` (unrecorded).
+enum Upload<'w> {
+    Recorded(Box<RecordedUpload>),
+    Plain(Box<dyn MultipartWrite + 'w>),
+}
+
 /// One object of a generation being written: held in memory below the multipart threshold,
 /// streamed as a multipart upload above it.
 struct ObjectUpload<'w> {
     owner: &'w GenerationWriter<'w>,
     location: String,
     held: Vec<u8>,
-    upload: Option<Box<dyn MultipartWrite + 'w>>,
+    upload: Option<Upload<'w>>,
     written: u64,
     crc: u32,
 }
@@ -192,26 +267,36 @@ impl ObjectUpload<'_> {
     fn threshold(&self) -> u64 {
         self.owner.store.options().multipart_threshold.max(1)
     }
-}
 
-impl MultipartWrite for ObjectUpload<'_> {
-    fn write_vectored(&mut self, parts: &[IoSlice<'_>]) -> Result<(), StorageError> {
-        self.owner.check_deadline(&self.location)?;
-        let n: u64 = parts.iter().map(|p| p.len() as u64).sum();
-        for p in parts {
-            self.crc = crc32c::crc32c_append(self.crc, p);
+    fn start(&mut self) -> Result<(), StorageError> {
+        let store = self.owner.store;
+        let key = self.owner.key(&self.location);
+        let recorded = store
+            .block_on(RecordedUpload::begin(store, &key, self.owner.rank))
+            .map_err(|e| self.owner.storage_err("multipart PUT", &self.location, e))?;
+        self.upload = Some(match recorded {
+            Some(r) => Upload::Recorded(Box::new(r)),
+            None => Upload::Plain(Store::put_multipart(store, &key)?),
+        });
+        if !self.held.is_empty() {
+            let held = std::mem::take(&mut self.held);
+            self.send(&[IoSlice::new(&held)])?;
         }
-        self.written += n;
-        if self.upload.is_none() && self.written >= self.threshold() {
-            let key = self.owner.key(&self.location);
-            let mut up = Store::put_multipart(self.owner.store, &key)?;
-            if !self.held.is_empty() {
-                up.write(&std::mem::take(&mut self.held))?;
-            }
-            self.upload = Some(up);
-        }
+        Ok(())
+    }
+
+    fn send(&mut self, parts: &[IoSlice<'_>]) -> Result<(), StorageError> {
+        let store = self.owner.store;
         match &mut self.upload {
-            Some(up) => up.write_vectored(parts),
+            Some(Upload::Recorded(up)) => {
+                for p in parts {
+                    store
+                        .block_on(up.write(p))
+                        .map_err(|e| self.owner.storage_err("multipart PUT", &self.location, e))?;
+                }
+                Ok(())
+            }
+            Some(Upload::Plain(up)) => up.write_vectored(parts),
             None => {
                 for p in parts {
                     self.held.extend_from_slice(p);
@@ -220,30 +305,68 @@ impl MultipartWrite for ObjectUpload<'_> {
             }
         }
     }
+}
+
+impl MultipartWrite for ObjectUpload<'_> {
+    fn write_vectored(&mut self, parts: &[IoSlice<'_>]) -> Result<(), StorageError> {
+        self.owner.check(&self.location)?;
+        let n: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        for p in parts {
+            self.crc = crc32c::crc32c_append(self.crc, p);
+        }
+        self.written += n;
+        let r = if self.upload.is_none() && self.written >= self.threshold() {
+            self.start().and_then(|()| self.send(parts))
+        } else {
+            self.send(parts)
+        };
+        r.map_err(|e| self.owner.failed(&self.location, e))
+    }
 
     fn written(&self) -> u64 {
         self.written
     }
 
     fn finish(mut self: Box<Self>) -> Result<PutResult, StorageError> {
-        self.owner.check_deadline(&self.location)?;
+        self.owner.check(&self.location)?;
+        let store = self.owner.store;
         let r = match self.upload.take() {
-            Some(up) => up.finish()?,
+            Some(Upload::Recorded(up)) => store
+                .block_on((*up).finish())
+                .map(|_| PutResult {
+                    e_tag: None,
+                    version: None,
+                })
+                .map_err(|e| self.owner.storage_err("multipart PUT", &self.location, e)),
+            Some(Upload::Plain(up)) => up.finish(),
             None => Store::put_opts(
-                self.owner.store,
+                store,
                 &self.owner.key(&self.location),
                 &[&self.held],
                 self.owner.put_mode(),
-            )?,
-        };
+            ),
+        }
+        .map_err(|e| self.owner.failed(&self.location, e))?;
         self.owner.record(&self.location, self.written, self.crc);
         Ok(r)
     }
 
     fn abort(mut self: Box<Self>) -> Result<(), StorageError> {
         match self.upload.take() {
-            Some(up) => up.abort(),
+            Some(Upload::Recorded(up)) => {
+                self.owner.store.block_on((*up).abort());
+                Ok(())
+            }
+            Some(Upload::Plain(up)) => up.abort(),
             None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ObjectUpload<'_> {
+    fn drop(&mut self) {
+        if let Some(Upload::Recorded(up)) = self.upload.take() {
+            self.owner.store.block_on((*up).abort());
         }
     }
 }

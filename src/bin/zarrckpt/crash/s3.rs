@@ -3,7 +3,8 @@
 //! with generation 2 straight to the store (3 in-process ranks) and kills it with SIGKILL at a
 //! random moment, then checks that the checkpoint at the URL is generation 1 or 2, loaded
 //! bit-exactly and verified (never neither, never a mix), and that after the next overwrite
-//! commits `gc` leaves only the committed generation. Endpoint and credentials come from the
+//! commits `gc` leaves only the committed generation. After each kill, `gc` (told that the
+//! writer is dead) aborts the multipart uploads the killed save recorded and leaves no record. Endpoint and credentials come from the
 //! environment (`AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, ...).
 
 use std::process::ExitCode;
@@ -62,6 +63,7 @@ struct Tally {
     old_kept: usize,
     finished: usize,
     collected: usize,
+    uploads_aborted: usize,
 }
 
 fn trial(url: &str, size: u64, delay: Duration, tally: &mut Tally) -> anyhow::Result<()> {
@@ -82,9 +84,29 @@ fn trial(url: &str, size: u64, delay: Duration, tally: &mut Tally) -> anyhow::Re
         }
     }
     // The killed save's generation is newer than the committed one when the old checkpoint
-    // was kept: gc leaves it (it cannot tell a dead writer from a live one) until a later
-    // commit makes it older.
-    tally.collected += remote::gc(&open(url)?, 1, false)?.removed.len();
+    // was kept: a plain gc leaves it (it cannot tell a dead writer from a live one); here the
+    // writer is known dead, so gc takes every newer generation for abandoned and aborts the
+    // multipart uploads it recorded. No upload record may be left.
+    let store = open(url)?;
+    let r = remote::gc_with(
+        &store,
+        &remote::GcOptions {
+            abandoned_after: Some(Duration::ZERO),
+            ..remote::GcOptions::default()
+        },
+    )?;
+    tally.collected += r.removed.len();
+    tally.uploads_aborted += r.uploads_aborted;
+    let records: Vec<String> = store
+        .list("generations")?
+        .into_iter()
+        .map(|(k, _)| k)
+        .filter(|k| k.contains(&format!("/{}/", zarrckpt::storage::remote::UPLOADS)))
+        .collect();
+    ensure!(
+        records.is_empty(),
+        "{url}: upload records left after gc: {records:?}"
+    );
     save_generation(Kind::Overwrite, path, 3, size)?;
     ensure!(committed(url, size, &[3])? == 3);
     tally.collected += collect(url)?;
@@ -132,13 +154,14 @@ pub(super) fn run(a: &Args, url: &str) -> anyhow::Result<ExitCode> {
         remove_all(&t)?;
     }
     println!(
-        "passed {}/{} (new committed {}, previous kept {}, finished before the kill {}, generations removed by gc {})",
+        "passed {}/{} (new committed {}, previous kept {}, finished before the kill {}, generations removed by gc {}, recorded multipart uploads aborted by gc {})",
         tally.passed,
         a.trials,
         tally.new_committed,
         tally.old_kept,
         tally.finished,
-        tally.collected
+        tally.collected,
+        tally.uploads_aborted
     );
     Ok(if failures == 0 {
         ExitCode::SUCCESS
