@@ -985,8 +985,9 @@ fn cli_vllm_options_do_what_they_say() {
         "unknown unit",
     );
     // DCP: a folder that is not a DCP checkpoint (no .metadata) is named, nothing written;
-    // --megatron needs the Python package and names its command (tests/dcp_import.rs imports
-    // real DCP checkpoints).
+    // with --megatron, a folder that is no Megatron `torch_dist` checkpoint (no
+    // metadata.json) likewise (tests/dcp_import.rs and tests/megatron_import.rs import real
+    // ones).
     let o = bin()
         .args(["import", "--dcp"])
         .arg(&hf)
@@ -1006,7 +1007,7 @@ fn cli_vllm_options_do_what_they_say() {
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
-        !o.status.success() && err.contains("python -m zarrckpt.migrate"),
+        !o.status.success() && err.contains("metadata.json") && err.contains("not a Megatron"),
         "{err}"
     );
     assert!(!tmp.path().join("dcp").exists());
