@@ -775,7 +775,7 @@ impl Background {
         id: SaveId,
     ) -> Result<(u64, u64)> {
         let (plan, tasks, opts) = (&self.plan.plan, &self.tasks, &self.opts);
-        let pool = writer_pool(opts.io_threads, self.lower_priority)?;
+        let pool = writer_pool(steps::writer_threads(store, opts), self.lower_priority)?;
         let arrays = pool.install(|| steps::Arrays::start(store, root, plan, tasks, opts, id))?;
         let (mut data, mut files, mut done) = (0u64, 0u64, 0usize);
         for round in rx {

@@ -14,13 +14,18 @@ use crate::plan::rule::{Summary, Template, World};
 /// Called with a number of bytes each time that many more bytes are done.
 pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
 
+/// The number of CPUs, at most 8: the threads of a pool asked for with 0.
+pub(crate) fn default_threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(2, std::num::NonZero::get)
+        .min(8)
+}
+
 /// A builder of a pool of `threads` threads, or of the number of CPUs (at most 8) when 0,
 /// named `zarrckpt-<what>-<i>`.
 pub(crate) fn pool_builder(threads: usize, what: &'static str) -> rayon::ThreadPoolBuilder {
     let n = if threads == 0 {
-        std::thread::available_parallelism()
-            .map_or(2, std::num::NonZero::get)
-            .min(8)
+        default_threads()
     } else {
         threads
     };

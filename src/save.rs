@@ -32,7 +32,7 @@ use crate::storage::{CheckpointMeta, Compression, TensorEntry, commit};
 
 pub use crate::coord::Progress;
 use files::write_files_to;
-pub(crate) use files::{Arrays, Destination};
+pub(crate) use files::{Arrays, Destination, writer_threads};
 pub use request::SaveRequest;
 
 /// How to save.

@@ -386,6 +386,59 @@ fn a_reader_decodes_each_shard_index_once() {
 }
 
 #[test]
+fn a_shards_end_or_a_whole_shard_costs_one_ranged_get() {
+    let url = "memory://s3-read-suffix/ckpt";
+    let (rows, cols) = (256u64, 512u64); // subchunks of 32 rows
+    let full = save_rows(url, rows, cols, 2);
+    let key = TensorKey::new("w").unwrap();
+    let shape = [rows, cols];
+    // (rows, ranged gets a fresh reader makes): the end of shard 0, the whole of shard 1, the
+    // start of shard 0 (index, then data), and a box across both (the end of shard 0 in one,
+    // the start of shard 1 in two).
+    for ((at, n), gets) in [((64, 64), 1), ((128, 128), 1), ((0, 64), 2), ((96, 64), 3)] {
+        let ck = Checkpoint::open(url).unwrap();
+        let r = Region::new(vec![at, 0], vec![n, cols]).unwrap();
+        let mut buf = vec![0u8; crate_usize(n * cols * 4)];
+        ck.read_region(&key, &r, &mut buf).unwrap();
+        assert!(buf == cut(&full, &shape, &r, 4), "rows {at}..{}", at + n);
+        assert_eq!(ck.reader().ranged_gets(), gets, "rows {at}..{}", at + n);
+    }
+}
+
+#[test]
+fn shards_with_absent_subchunks_read_back_whole() {
+    // Zero rows leave subchunks absent, so the object is shorter than every subchunk and a
+    // guess at offsets from the end would be wrong: the read must not guess.
+    let url = "memory://s3-read-absent/ckpt";
+    let (rows, cols) = (256u64, 512u64); // subchunks of 32 rows
+    let shape = vec![rows, cols];
+    let mut full = tensor_bytes(9, &shape, DType::Float32);
+    full[..crate_usize(32 * cols * 4)].fill(0);
+    let key = TensorKey::new("w").unwrap();
+    for r in run_local(1, Duration::from_secs(60), |comm| {
+        let piece = ShardedTensor::new(
+            key.clone(),
+            DType::Float32,
+            shape.clone(),
+            Region::new(vec![0, 0], shape.clone()).unwrap(),
+            0,
+            &full,
+        )
+        .unwrap();
+        save(&[piece], Path::new(url), &comm, &SaveOptions::default())
+    }) {
+        r.unwrap();
+    }
+    for (at, n) in [(0u64, 256u64), (100, 156), (16, 32)] {
+        let ck = Checkpoint::open(url).unwrap();
+        let r = Region::new(vec![at, 0], vec![n, cols]).unwrap();
+        let mut buf = vec![1u8; crate_usize(n * cols * 4)];
+        ck.read_region(&key, &r, &mut buf).unwrap();
+        assert!(buf == cut(&full, &shape, &r, 4), "rows {at}..{}", at + n);
+    }
+}
+
+#[test]
 fn ranks_that_resolved_different_generations_refuse_to_load() {
     let url = "memory://s3-read-generations/ckpt";
     let _local = save_both(url, &RemoteOptions::default(), 2, 1);

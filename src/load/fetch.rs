@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::model::copy::DisjointBuf;
 use crate::model::{Region, TensorKey};
-use crate::plan::load::{ShardRead, StoredGeometry};
+use crate::plan::load::{ShardRead, StoredGeometry, SubchunkRead};
 use crate::storage::read::{
     FetchedIndex, ReadCounters, decode_shard_tail, read_shard_from, shard_tail_bytes, timed,
 };
@@ -31,6 +31,9 @@ pub(crate) const BATCH_BYTES: u64 = 32 << 20;
 /// when read again.
 pub(crate) const INDEX_CACHE_BYTES: u64 = 64 << 20;
 
+/// Bytes of a shard fetched together with its index: where they start, and them.
+type Head = (u64, Vec<u8>);
+
 /// A shard: its tensor and grid index.
 type ShardId = (TensorKey, Vec<u64>);
 
@@ -40,12 +43,18 @@ pub(crate) struct IndexCache {
     map: Mutex<HashMap<ShardId, Arc<FetchedIndex>>>,
     bytes: AtomicU64,
     decoded: AtomicU64,
+    gets: AtomicU64,
 }
 
 impl IndexCache {
     /// How many shard indexes were fetched and decoded so far.
     pub(crate) fn decoded(&self) -> u64 {
         self.decoded.load(Ordering::Relaxed)
+    }
+
+    /// How many ranged gets of shard bytes (each of one or more ranges) were made so far.
+    pub(crate) fn gets(&self) -> u64 {
+        self.gets.load(Ordering::Relaxed)
     }
 }
 
@@ -92,18 +101,37 @@ impl Fetcher {
             })?;
         let n: u64 = got.iter().map(|b| b.len() as u64).sum();
         counters.bytes.fetch_add(n, Ordering::Relaxed);
+        self.cache.gets.fetch_add(1, Ordering::Relaxed);
         Ok(got)
     }
 
-    /// The decoded index of the shard at `chunk`: from the cache, else by one ranged get of
-    /// its tail.
+    /// The size of the shard object at `location`: from the committed manifest, else a `HEAD`.
+    fn size(&self, arr: &TensorArray, chunk: &[u64], location: &str) -> Result<u64, StorageError> {
+        match self.sizes.as_ref().and_then(|s| s.get(location)) {
+            Some(&n) => Ok(n),
+            None => match self.store.head(location) {
+                Ok(m) => Ok(m.size),
+                Err(StorageError::NotFound { .. }) => Err(missing(arr, chunk)),
+                Err(e) => Err(e),
+            },
+        }
+    }
+
+    /// The decoded index of the shard `shard` reads: from the cache, else by one ranged get of
+    /// its tail. When the subchunks `shard` needs are the last ones of an uncompressed shard
+    /// laid out as zarrckpt writes it (every subchunk present, in C order, each with its
+    /// crc32c: the object's size says so), that one get starts at the first of them instead,
+    /// and the bytes before the tail come back too (`(offset, bytes)`): a read of a shard's
+    /// end, or of a whole shard, costs one request, not two. The offsets are a guess until the
+    /// index is decoded; what it does not cover is fetched as usual.
     fn index(
         &self,
         arr: &TensorArray,
         geom: &StoredGeometry,
-        chunk: &[u64],
+        shard: &ShardRead,
         counters: &ReadCounters,
-    ) -> Result<Arc<FetchedIndex>, StorageError> {
+    ) -> Result<(Arc<FetchedIndex>, Option<Head>), StorageError> {
+        let chunk = shard.chunk.as_slice();
         let id = (arr.key().clone(), chunk.to_vec());
         let cached = self
             .cache
@@ -113,34 +141,42 @@ impl Fetcher {
             .get(&id)
             .cloned();
         if let Some(i) = cached {
-            return Ok(i);
+            return Ok((i, None));
         }
         let location = self.location(arr, chunk);
-        let size = match self.sizes.as_ref().and_then(|s| s.get(&location)) {
-            Some(&n) => n,
-            None => match self.store.head(&location) {
-                Ok(m) => m.size,
-                Err(StorageError::NotFound { .. }) => return Err(missing(arr, chunk)),
-                Err(e) => return Err(e),
-            },
-        };
+        let size = timed(&counters.open_ns, || self.size(arr, chunk, &location))?;
         let tail = shard_tail_bytes(arr);
-        let bytes = if size < tail {
+        let start = suffix_start(arr, geom, shard, size, tail).unwrap_or(size.saturating_sub(tail));
+        // A get that brings data counts as a read, a get of the tail alone as opening.
+        let clock = if start < size.saturating_sub(tail) {
+            &counters.read_ns
+        } else {
+            &counters.open_ns
+        };
+        let mut bytes = if size < tail {
             Vec::new()
         } else {
-            let whole_tail = size - tail..size;
-            match self.get(
-                arr,
-                chunk,
-                &location,
-                std::slice::from_ref(&whole_tail),
-                counters,
-            ) {
+            let whole_tail = start..size;
+            match timed(clock, || {
+                self.get(
+                    arr,
+                    chunk,
+                    &location,
+                    std::slice::from_ref(&whole_tail),
+                    counters,
+                )
+            }) {
                 Ok(mut b) => b.pop().unwrap_or_default(),
                 Err(e) => return Err(self.explain(arr, chunk, &location, size, e)),
             }
         };
-        let index = Arc::new(decode_shard_tail(arr, geom, chunk, size, &bytes)?);
+        let at = bytes
+            .len()
+            .saturating_sub(usize::try_from(tail).unwrap_or(usize::MAX));
+        let index = timed(&counters.open_ns, || {
+            decode_shard_tail(arr, geom, chunk, size, &bytes[at..])
+        })
+        .map(Arc::new)?;
         self.cache.decoded.fetch_add(1, Ordering::Relaxed);
         let added = index.memory_bytes();
         if self.cache.bytes.fetch_add(added, Ordering::Relaxed) + added <= INDEX_CACHE_BYTES {
@@ -152,7 +188,9 @@ impl Fetcher {
         } else {
             self.cache.bytes.fetch_sub(added, Ordering::Relaxed);
         }
-        Ok(index)
+        bytes.truncate(at);
+        let head = (!bytes.is_empty()).then_some((start, bytes));
+        Ok((index, head))
     }
 
     /// A failed tail read of an object the manifest sized: a typed error when the object's
@@ -193,20 +231,42 @@ impl Fetcher {
         dest: DisjointBuf<'_>,
         counters: &ReadCounters,
     ) -> Result<(), StorageError> {
-        let index = timed(&counters.open_ns, || {
-            self.index(arr, geom, &shard.chunk, counters)
-        })?;
+        let (index, head) = self.index(arr, geom, shard, counters)?;
         let location = self.location(arr, &shard.chunk);
-        for (ranges, subs) in batches(shard, &index) {
+        // What came with the index is read from it; the rest as usual.
+        let rest = match &head {
+            None => std::borrow::Cow::Borrowed(shard),
+            Some((start, bytes)) => {
+                let end = start.saturating_add(bytes.len() as u64);
+                let (with, rest): (Vec<SubchunkRead>, Vec<SubchunkRead>) =
+                    shard.subchunks.iter().cloned().partition(|s| {
+                        index
+                            .entry(s.linear)
+                            .is_some_and(|(off, n)| off >= *start && off.saturating_add(n) <= end)
+                    });
+                let part = ShardRead {
+                    chunk: shard.chunk.clone(),
+                    subchunks: with,
+                };
+                let fetched = [(*start, bytes.as_slice())];
+                // SAFETY: forwarded to the caller.
+                unsafe { read_shard_from(arr, geom, &part, &index, &fetched, dest, counters) }?;
+                std::borrow::Cow::Owned(ShardRead {
+                    chunk: shard.chunk.clone(),
+                    subchunks: rest,
+                })
+            }
+        };
+        for (ranges, subs) in batches(&rest, &index) {
             let part = ShardRead {
-                chunk: shard.chunk.clone(),
-                subchunks: subs.iter().map(|&i| shard.subchunks[i].clone()).collect(),
+                chunk: rest.chunk.clone(),
+                subchunks: subs.iter().map(|&i| rest.subchunks[i].clone()).collect(),
             };
             let bufs = if ranges.is_empty() {
                 Vec::new()
             } else {
                 timed(&counters.read_ns, || {
-                    self.get(arr, &shard.chunk, &location, &ranges, counters)
+                    self.get(arr, &rest.chunk, &location, &ranges, counters)
                 })?
             };
             let fetched: Vec<(u64, &[u8])> = ranges
@@ -269,6 +329,31 @@ impl Fetcher {
         }
         Ok(())
     }
+}
+
+/// Where the tail's ranged get of `shard` starts when the subchunks it needs end the shard (see
+/// [`Fetcher::index`]): the guessed offset of the first of them, when the array is
+/// uncompressed, the object's `size` is exactly every subchunk (with its crc32c) plus the
+/// `tail`, the last subchunk in C order is needed, and the get stays within [`BATCH_BYTES`].
+fn suffix_start(
+    arr: &TensorArray,
+    geom: &StoredGeometry,
+    shard: &ShardRead,
+    size: u64,
+    tail: u64,
+) -> Option<u64> {
+    if !arr.uncompressed() {
+        return None;
+    }
+    let count: u64 = geom.subchunks_per_shard().iter().product();
+    let stored = geom.subchunk_bytes().checked_add(4)?;
+    if count.checked_mul(stored)?.checked_add(tail)? != size {
+        return None;
+    }
+    let first = shard.subchunks.iter().map(|s| s.linear).min()?;
+    let last = shard.subchunks.iter().map(|s| s.linear).max()?;
+    let start = first.checked_mul(stored)?;
+    (last + 1 == count && size - start <= BATCH_BYTES.saturating_add(tail)).then_some(start)
 }
 
 /// One batch of a shard's reads: the byte ranges fetched together, and the positions in the

@@ -226,6 +226,14 @@ impl Reader {
         self.fetcher.as_ref().map_or(0, |f| f.cache.decoded())
     }
 
+    /// Ranged gets of shard bytes this reader made so far (0 for a reader of local files):
+    /// a read of a shard's end, or of a whole shard, is one (index and data together), a read
+    /// of another part two (index, then data), while its index is cached one.
+    #[must_use]
+    pub fn ranged_gets(&self) -> u64 {
+        self.fetcher.as_ref().map_or(0, |f| f.cache.gets())
+    }
+
     /// Where this checkpoint's object values are read from: its directory, or its store.
     pub(crate) fn values(&self) -> crate::storage::object::ValueSource<'_> {
         use crate::storage::object::ValueSource;

@@ -104,6 +104,23 @@ fn write_and_commit_local(
     Ok(totals)
 }
 
+/// The threads writing this rank's files through `store`: `opts.io_threads` when given; else
+/// on a store without local files (an object store, where a writing thread mostly waits for
+/// its request) enough for the store's requests in flight
+/// ([`crate::storage::remote::RemoteOptions::concurrency`]) and at least one per CPU; else one
+/// per CPU (at most 8). Each thread holds at most one object below the multipart threshold
+/// in memory, so this is also the save's memory bound on such a store.
+pub(crate) fn writer_threads(store: &dyn Store, opts: &SaveOptions) -> usize {
+    if opts.io_threads != 0 || store.capabilities().local_files {
+        return opts.io_threads;
+    }
+    #[cfg(feature = "object-store")]
+    let requests = opts.remote.concurrency;
+    #[cfg(not(feature = "object-store"))]
+    let requests = 0;
+    crate::coord::default_threads().max(requests)
+}
+
 /// The arrays this rank writes documents or chunks of (by tensor index), and their prefixes.
 pub(crate) struct Arrays {
     arrays: HashMap<usize, TensorArray>,
@@ -212,7 +229,7 @@ pub(crate) fn write_files_to(
     id: SaveId,
 ) -> Result<(u64, u64)> {
     let (plan, tasks) = (&agreed.plan.plan, &agreed.plan.tasks);
-    let pool = io_pool(opts.io_threads)?;
+    let pool = io_pool(writer_threads(store, opts))?;
     pool.install(|| -> Result<(u64, u64)> {
         let arrays = Arrays::start(store, root, plan, tasks, opts, id)?;
         let totals = tasks
@@ -228,4 +245,37 @@ pub(crate) fn write_files_to(
         arrays.sync_prefixes(store)?;
         Ok(totals)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writers_on_object_stores_have_a_thread_per_request_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let local = LocalStore::new(dir.path());
+        let mut opts = SaveOptions::default();
+        // Local files: the CPU default (0 asks the pool for one per CPU, at most 8).
+        assert_eq!(writer_threads(&local, &opts), 0);
+        opts.io_threads = 3;
+        assert_eq!(writer_threads(&local, &opts), 3);
+        #[cfg(feature = "object-store")]
+        {
+            let remote = crate::storage::remote::RemoteStore::open(
+                "memory://threads/ckpt",
+                &crate::storage::remote::RemoteOptions::default(),
+            )
+            .unwrap();
+            assert_eq!(writer_threads(&remote, &opts), 3, "asked for: kept");
+            opts.io_threads = 0;
+            opts.remote.concurrency = 24;
+            assert_eq!(writer_threads(&remote, &opts), 24);
+            opts.remote.concurrency = 1;
+            assert_eq!(
+                writer_threads(&remote, &opts),
+                crate::coord::default_threads()
+            );
+        }
+    }
 }

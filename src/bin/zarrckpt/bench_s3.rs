@@ -17,8 +17,9 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::json;
 use zarrckpt::comm::run_local;
+use zarrckpt::load::{Reader, load_with_reader};
 use zarrckpt::remote::{self, RemoteOptions, RemoteStore, SaveTarget};
-use zarrckpt::{Communicator, LoadOptions, SaveOptions, load, save};
+use zarrckpt::{Communicator, LoadOptions, LoadReport, SaveOptions, load, save};
 
 #[path = "../../../tests/common/proxy.rs"]
 mod proxy;
@@ -67,6 +68,15 @@ pub struct Args {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+    /// Measure the older staged path instead of the front door: a local save into a staging
+    /// directory, then uploads (`remote::save_to_url`, as `zarrckpt cp`); every object fetched
+    /// into a local directory, then a local load (`remote::fetch_url`).
+    #[arg(long)]
+    staged: bool,
+    /// Reading threads per loading rank (`LoadOptions::io_threads`; 0: the reader's default
+    /// for object stores).
+    #[arg(long, default_value_t = 0)]
+    load_io_threads: usize,
 }
 
 /// One round's times.
@@ -75,6 +85,18 @@ struct Round {
     load: f64,
     raw_put: f64,
     raw_get: f64,
+    /// CPU seconds of the load and of the raw GETs: (this process, the rest of the machine).
+    load_cpu: (f64, f64),
+    raw_get_cpu: (f64, f64),
+}
+
+/// CPU seconds `f` took: (this process, the rest of the machine: the server when local).
+fn cpu_of<T>(f: impl FnOnce() -> T) -> (T, (f64, f64)) {
+    let (own0, all0) = rss::cpu_seconds();
+    let out = f();
+    let (own1, all1) = rss::cpu_seconds();
+    let own = own1 - own0;
+    (out, (own, ((all1 - all0) - own).max(0.0)))
 }
 
 fn gb_s(bytes: u64, secs: f64) -> f64 {
@@ -123,13 +145,14 @@ fn wait_ready(url: &str, ropts: &RemoteOptions) -> anyhow::Result<()> {
 }
 
 /// Parallel raw PUTs of `objects` under `prefix`, then parallel raw GETs of them, `n` in
-/// flight, one request each (the server's limit for these objects): `(put s, get s)`.
+/// flight, one request each (the server's limit for these objects): `(put s, get s, get CPU
+/// s)`, the CPU as [`cpu_of`] gives it.
 fn raw_limits(
     store: &RemoteStore,
     prefix: &str,
     objects: &[(String, Bytes)],
     n: usize,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<(f64, f64, (f64, f64))> {
     let inner = Arc::clone(store.inner());
     let path = |k: &str| store.path(&format!("{prefix}/{k}"));
     let t0 = Instant::now();
@@ -146,56 +169,127 @@ fn raw_limits(
     })?;
     let put = t0.elapsed().as_secs_f64();
     let t0 = Instant::now();
-    let got = store.block_on(async {
-        let mut s = futures::stream::iter(objects.iter().map(|(k, _)| {
-            let (inner, p) = (Arc::clone(&inner), path(k));
-            async move { inner.get(&p).await?.bytes().await }
-        }))
-        .buffer_unordered(n);
-        let mut total = 0u64;
-        while let Some(r) = s.next().await {
-            total += r.context("raw GET")?.len() as u64;
-        }
-        anyhow::Ok(total)
-    })?;
+    let (got, cpu) = cpu_of(|| {
+        store.block_on(async {
+            let mut s = futures::stream::iter(objects.iter().map(|(k, _)| {
+                let (inner, p) = (Arc::clone(&inner), path(k));
+                async move { inner.get(&p).await?.bytes().await }
+            }))
+            .buffer_unordered(n);
+            let mut total = 0u64;
+            while let Some(r) = s.next().await {
+                total += r.context("raw GET")?.len() as u64;
+            }
+            anyhow::Ok(total)
+        })
+    });
+    let got = got?;
     let get = t0.elapsed().as_secs_f64();
     let want: u64 = objects.iter().map(|(_, b)| b.len() as u64).sum();
     if got != want {
         bail!("raw GET returned {got} bytes, {want} were put");
     }
-    Ok((put, get))
+    Ok((put, get, cpu))
 }
 
-/// Loads `url` with `ranks` ranks (fetch, then the collective load), checking every byte:
-/// the wall time and the checkpoint's committed bytes.
+/// A timed load: seconds, the checkpoint's committed bytes, each rank's report, and CPU
+/// seconds as [`cpu_of`] gives them.
+type Loaded = (f64, u64, Vec<LoadReport>, (f64, f64));
+
+/// Loads `url` with `ranks` ranks, checking every byte: the wall time and the checkpoint's
+/// committed bytes. Straight from the store (each rank opens a reader with `ropts` and reads
+/// what it needs with ranged GETs, the front door), or with `staged` the older path: fetch
+/// every object into a local directory, then load that.
 fn load_s3(
     url: &str,
     ropts: &RemoteOptions,
     model: &SynthModel,
     ranks: u64,
-) -> anyhow::Result<(f64, u64)> {
+    staged: bool,
+    io_threads: usize,
+) -> anyhow::Result<Loaded> {
     let topo = Topology { tp: ranks, dp: 1 };
     let mut wanted: Vec<Wanted> = (0..ranks)
         .map(|r| Wanted::allocate(model, topo, r))
         .collect();
+    let cpu0 = rss::cpu_seconds();
     let t0 = Instant::now();
-    let fetched = remote::fetch_url(url, ropts, None)?;
+    let fetched = if staged {
+        Some(remote::fetch_url(url, ropts, None)?)
+    } else {
+        None
+    };
     let slots: Vec<std::sync::Mutex<&mut Wanted>> =
         wanted.iter_mut().map(std::sync::Mutex::new).collect();
     let results = run_local(usize::try_from(ranks)?, Duration::from_secs(600), |comm| {
         let mut w = slots[comm.rank()].lock().expect("one rank per slot");
         let mut targets = w.targets(model);
-        load(&mut targets, fetched.dir(), &comm, &LoadOptions::default()).map(|_| ())
+        let opts = LoadOptions {
+            io_threads,
+            ..LoadOptions::default()
+        };
+        match &fetched {
+            Some(f) => load(&mut targets, f.dir(), &comm, &opts),
+            None => {
+                let t0 = Instant::now();
+                let reader = Reader::open_url(url, ropts)?;
+                let mut r = load_with_reader(&mut targets, None, &reader, &comm, &opts)?;
+                r.phases.plan += t0
+                    .elapsed()
+                    .saturating_sub(r.phases.plan + r.phases.read + r.phases.exchange);
+                Ok(r)
+            }
+        }
     });
     let secs = t0.elapsed().as_secs_f64();
-    for r in results {
-        r?;
-    }
+    let cpu1 = rss::cpu_seconds();
+    let own = cpu1.0 - cpu0.0;
+    let cpu = (own, ((cpu1.1 - cpu0.1) - own).max(0.0));
+    let reports = results.into_iter().collect::<zarrckpt::Result<Vec<_>>>()?;
     drop(slots);
     for w in &wanted {
         w.check(model).map_err(anyhow::Error::msg)?;
     }
-    Ok((secs, fetched.resolved().bytes()))
+    let store = RemoteStore::open(url, ropts)?;
+    Ok((secs, remote::resolve(&store)?.bytes(), reports, cpu))
+}
+
+/// Saves `held` to `url` with one rank per entry: straight to the store (the URL as the
+/// save's path, the front door), or with `staged` the older path (a local save into a staging
+/// directory, then each rank uploads its share). Returns the bytes the ranks wrote.
+fn save_s3(
+    url: &str,
+    ropts: &RemoteOptions,
+    model: &SynthModel,
+    held: &[Held],
+    staging: &std::path::Path,
+    staged: bool,
+) -> anyhow::Result<u64> {
+    let results = run_local(held.len(), Duration::from_secs(600), |comm| {
+        let h = &held[comm.rank()];
+        let pieces = h.sharded(model);
+        if staged {
+            let target = SaveTarget {
+                overwrite: false,
+                staging_root: Some(staging.to_owned()),
+            };
+            remote::save_to_url(url, &comm, ropts, &target, |dir| {
+                save(&pieces, dir, &comm, &SaveOptions::default())
+            })
+            .map(|s| s.bytes)
+        } else {
+            let opts = SaveOptions {
+                remote: ropts.clone(),
+                ..SaveOptions::default()
+            };
+            save(&pieces, std::path::Path::new(url), &comm, &opts).map(|r| r.file_bytes)
+        }
+    });
+    let mut bytes = 0;
+    for r in results {
+        bytes += r?;
+    }
+    Ok(bytes)
 }
 
 /// `zarrckpt bench` on the local disk, same state and ranks (`--cold` where that build has it).
@@ -273,36 +367,32 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     for round in 0..a.rounds.max(1) {
         let url = format!("s3://{bucket}/{prefix}/ckpt-{round}");
         // Save through S3 (timed); the first one's peak memory above what the ranks hold.
-        let target = SaveTarget {
-            overwrite: false,
-            staging_root: Some(a.dir.join("staging")),
-        };
         if round == 0 {
             before = rss::current();
             reset = rss::reset_peak();
         }
         let t0 = Instant::now();
-        let results = run_local(
-            usize::try_from(a.save_ranks)?,
-            Duration::from_secs(600),
-            |comm| {
-                let h = &held[comm.rank()];
-                remote::save_to_url(&url, &comm, &ropts, &target, |dir| {
-                    save(&h.sharded(&model), dir, &comm, &SaveOptions::default())
-                })
-                .map(|s| s.bytes)
-            },
-        );
+        committed = save_s3(
+            &url,
+            &ropts,
+            &model,
+            &held,
+            &a.dir.join("staging"),
+            a.staged,
+        )?;
         let save_secs = t0.elapsed().as_secs_f64();
         if round == 0 && reset {
             peak = rss::peak();
         }
-        committed = 0;
-        for r in results {
-            committed += r?;
-        }
         // Load through S3 with another split (timed, straight to the server).
-        let (load_secs, bytes) = load_s3(&url, &ropts, &model, a.load_ranks)?;
+        let (load_secs, bytes, _, load_cpu) = load_s3(
+            &url,
+            &ropts,
+            &model,
+            a.load_ranks,
+            a.staged,
+            a.load_io_threads,
+        )?;
         ckpt_bytes = bytes;
         // The server's limit for the same objects: parallel raw PUT and GET, same round.
         let store = RemoteStore::open(&url, &ropts)?;
@@ -325,12 +415,15 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             })
             .collect::<anyhow::Result<_>>()?;
         objects_n = objects.len();
-        let (raw_put, raw_get) = raw_limits(&store, &format!("raw-{round}"), &objects, in_flight)?;
+        let (raw_put, raw_get, raw_get_cpu) =
+            raw_limits(&store, &format!("raw-{round}"), &objects, in_flight)?;
         rounds.push(Round {
             save: save_secs,
             load: load_secs,
             raw_put,
             raw_get,
+            load_cpu,
+            raw_get_cpu,
         });
     }
     drop(held);
@@ -341,8 +434,32 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         config: options(&counter.endpoint(), own).config,
         ..ropts.clone()
     };
-    load_s3(&url, &via_proxy, &model, a.load_ranks)?;
+    let (_, _, reports, _) = load_s3(
+        &url,
+        &via_proxy,
+        &model,
+        a.load_ranks,
+        a.staged,
+        a.load_io_threads,
+    )?;
     let fetched_bytes = counter.get_bytes();
+    let get_requests = counter.requests();
+    let slowest = reports
+        .iter()
+        .max_by_key(|r| r.phases.plan + r.phases.read + r.phases.exchange)
+        .cloned()
+        .unwrap_or_default();
+    let phases = json!({
+        "plan_s": slowest.phases.plan.as_secs_f64(),
+        "read_s": slowest.phases.read.as_secs_f64(),
+        "exchange_s": slowest.phases.exchange.as_secs_f64(),
+        "threads_open_s": slowest.phases.io.open.as_secs_f64(),
+        "threads_read_s": slowest.phases.io.read.as_secs_f64(),
+        "threads_checksum_s": slowest.phases.io.checksum.as_secs_f64(),
+        "threads_copy_s": slowest.phases.io.copy.as_secs_f64(),
+        "bytes_read": reports.iter().map(|r| r.bytes_read).sum::<u64>(),
+        "bytes_exchanged": reports.iter().map(|r| r.bytes_received).sum::<u64>(),
+    });
     let amplification = ratio(fetched_bytes, ckpt_bytes);
     let save_secs = median(rounds.iter().map(|r| r.save).collect());
     let load_secs = median(rounds.iter().map(|r| r.load).collect());
@@ -369,12 +486,13 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     let _ = std::fs::remove_dir_all(&a.dir);
 
     let out = json!({
+        "path": if a.staged { "staged" } else { "direct" },
         "state_bytes": state_bytes,
         "committed_bytes": committed,
         "objects": objects_n,
         "save_ranks": a.save_ranks,
         "load_ranks": a.load_ranks,
-        "rounds": rounds.iter().map(|r| json!({"save_s": r.save, "raw_put_s": r.raw_put, "load_s": r.load, "raw_get_s": r.raw_get})).collect::<Vec<_>>(),
+        "rounds": rounds.iter().map(|r| json!({"save_s": r.save, "raw_put_s": r.raw_put, "load_s": r.load, "raw_get_s": r.raw_get, "load_cpu_s": {"client": r.load_cpu.0, "rest": r.load_cpu.1}, "raw_get_cpu_s": {"client": r.raw_get_cpu.0, "rest": r.raw_get_cpu.1}})).collect::<Vec<_>>(),
         "save_s": save_secs,
         "save_gb_s": gb_s(ckpt_bytes, save_secs),
         "raw_put_s": raw_put,
@@ -387,6 +505,8 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         "load_vs_raw_get": load_ratio,
         "reshard_get_bytes": fetched_bytes,
         "read_amplification": amplification,
+        "reshard_requests": get_requests,
+        "reshard_phases": phases,
         "save_peak_rss_growth": grown,
         "save_memory_bound": bound,
         "rss_measured": reset,
@@ -397,11 +517,16 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
     } else {
         let pass = |ok: bool| if ok { "met" } else { "MISSED" };
         println!(
-            "state {:.3} GB in {objects_n} objects, {} save ranks, {} load ranks, S3 at {endpoint}, medians of {} rounds",
+            "state {:.3} GB in {objects_n} objects, {} save ranks, {} load ranks, S3 at {endpoint}, medians of {} rounds, {}",
             gb_s(state_bytes, 1.0),
             a.save_ranks,
             a.load_ranks,
-            rounds.len()
+            rounds.len(),
+            if a.staged {
+                "staged (local save, then upload; fetch, then local load)"
+            } else {
+                "straight to the store (save to the URL; ranged reads)"
+            }
         );
         println!(
             "save through S3   {save_secs:7.2} s {:6.3} GB/s | raw parallel PUT {raw_put:7.2} s {:6.3} GB/s | {:5.1}% of raw (target >= 80%: {})",
@@ -417,11 +542,32 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             load_ratio * 100.0,
             pass(load_ratio >= 0.8)
         );
+        let cpu = |f: fn(&Round) -> (f64, f64)| {
+            (
+                median(rounds.iter().map(|r| f(r).0).collect()),
+                median(rounds.iter().map(|r| f(r).1).collect()),
+            )
+        };
+        let (lc, rc) = (cpu(|r| r.load_cpu), cpu(|r| r.raw_get_cpu));
+        println!(
+            "CPU seconds (this process + the rest of the machine, the server when local): load {:.2} + {:.2}, raw GET {:.2} + {:.2}",
+            lc.0, lc.1, rc.0, rc.1
+        );
         println!(
             "reshard load ({} -> {} ranks): {fetched_bytes} bytes GET at the proxy for {ckpt_bytes} committed: amplification {amplification:.4} (target <= 1.05: {})",
             a.save_ranks,
             a.load_ranks,
             pass(amplification <= 1.05)
+        );
+        println!(
+            "reshard load through the proxy, {get_requests} requests; slowest rank: plan {:.3} s, read {:.3} s, exchange {:.3} s; its reading threads: index {:.3} s, GETs {:.3} s, checksum {:.3} s, copy {:.3} s",
+            slowest.phases.plan.as_secs_f64(),
+            slowest.phases.read.as_secs_f64(),
+            slowest.phases.exchange.as_secs_f64(),
+            slowest.phases.io.open.as_secs_f64(),
+            slowest.phases.io.read.as_secs_f64(),
+            slowest.phases.io.checksum.as_secs_f64(),
+            slowest.phases.io.copy.as_secs_f64(),
         );
         if reset {
             println!(

@@ -20,6 +20,9 @@ use crate::storage::store::{
     Capabilities, ListResult, MultipartWrite, ObjectMeta, PutMode, PutResult, Store, check_location,
 };
 
+/// The most bytes one ranged GET asks for: a longer range is fetched as several pieces at once.
+const GET_PIECE: u64 = 64 << 20;
+
 fn io(op: &'static str, path: PathBuf) -> impl FnOnce(object_store::Error) -> StorageError {
     move |e| match e {
         object_store::Error::NotFound { .. } => StorageError::NotFound { path },
@@ -40,20 +43,17 @@ fn meta_of(store: &RemoteStore, m: &object_store::ObjectMeta) -> ObjectMeta {
     }
 }
 
-impl Store for RemoteStore {
-    fn display_path(&self, location: &str) -> PathBuf {
-        PathBuf::from(self.url().url_of(location))
-    }
-
-    fn put_opts(
+impl RemoteStore {
+    /// [`Store::put_opts`] of bytes the caller hands over (no copy: an object a writer held
+    /// in memory goes out as it is).
+    pub(crate) fn put_owned(
         &self,
         location: &str,
-        payload: &[&[u8]],
+        data: Bytes,
         mode: PutMode,
     ) -> Result<PutResult, StorageError> {
         check_location(location)?;
         let path = self.display_path(location);
-        let data: PutPayload = payload.iter().map(|p| Bytes::copy_from_slice(p)).collect();
         let expected = match &mode {
             PutMode::Update(v) => v.e_tag.clone().unwrap_or_default(),
             _ => String::new(),
@@ -70,8 +70,7 @@ impl Store for RemoteStore {
         if !matches!(om, object_store::PutMode::Overwrite) {
             // Conditional: retried and, after a lost answer, settled by reading back (see
             // `RemoteStore::put_resolved`): bytes equal to the object's count as written.
-            let whole = Bytes::from(payload.concat());
-            return match self.block_on(self.put_resolved(&key, whole, om)) {
+            return match self.block_on(self.put_resolved(&key, data, om)) {
                 Ok(PutOutcome::Written(e_tag)) => Ok(PutResult {
                     e_tag,
                     version: None,
@@ -85,7 +84,10 @@ impl Store for RemoteStore {
                 Err(e) => Err(io("PUT", path)(e)),
             };
         }
-        let r = self.block_on(self.inner().put_opts(&key, data, om.into()));
+        let r = self.block_on(
+            self.inner()
+                .put_opts(&key, PutPayload::from(data), om.into()),
+        );
         match r {
             Ok(r) => Ok(PutResult {
                 e_tag: r.e_tag,
@@ -110,6 +112,26 @@ impl Store for RemoteStore {
             }
             Err(e) => Err(io("PUT", path)(e)),
         }
+    }
+}
+
+impl Store for RemoteStore {
+    fn display_path(&self, location: &str) -> PathBuf {
+        PathBuf::from(self.url().url_of(location))
+    }
+
+    fn put_opts(
+        &self,
+        location: &str,
+        payload: &[&[u8]],
+        mode: PutMode,
+    ) -> Result<PutResult, StorageError> {
+        // One copy into the request's body, whatever the number of slices.
+        let data = match payload {
+            [one] => Bytes::copy_from_slice(one),
+            many => Bytes::from(many.concat()),
+        };
+        self.put_owned(location, data, mode)
     }
 
     fn put_multipart(&self, location: &str) -> Result<Box<dyn MultipartWrite + '_>, StorageError> {
@@ -136,10 +158,57 @@ impl Store for RemoteStore {
         check_location(location)?;
         let path = self.display_path(location);
         let key = self.path(location);
-        let got = self
-            .block_on(self.inner().get_ranges(&key, ranges))
-            .map_err(io("GET", path))?;
-        Ok(got.into_iter().map(|b| b.to_vec()).collect())
+        // Each range exactly as asked (callers coalesce to their own gap), cut into pieces of
+        // at most GET_PIECE bytes, up to `concurrency` pieces in flight, in order, so that one
+        // large range is fetched as fast as many small ones.
+        let pieces: Vec<(usize, Range<u64>)> = ranges
+            .iter()
+            .enumerate()
+            .flat_map(|(i, r)| {
+                (r.start..r.end)
+                    .step_by(usize::try_from(GET_PIECE).unwrap_or(usize::MAX))
+                    .map(move |at| (i, at..r.end.min(at.saturating_add(GET_PIECE))))
+            })
+            .collect();
+        let inner = self.inner();
+        let n = self.options().concurrency.max(1);
+        let mut out: Vec<Vec<u8>> = ranges.iter().map(|_| Vec::new()).collect();
+        self.block_on(async {
+            let mut got = futures::stream::iter(pieces.iter().map(|(i, r)| {
+                let key = &key;
+                async move { inner.get_range(key, r.clone()).await.map(|b| (*i, r, b)) }
+            }))
+            .buffered(n);
+            while let Some(piece) = got.next().await {
+                let (i, r, b) = piece.map_err(io("GET", path.clone()))?;
+                if b.len() as u64 != r.end - r.start {
+                    return Err(StorageError::Io {
+                        op: "GET",
+                        path: path.clone(),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            format!(
+                                "asked for bytes {}..{}, got {} bytes",
+                                r.start,
+                                r.end,
+                                b.len()
+                            ),
+                        ),
+                    });
+                }
+                let whole = &ranges[i];
+                if out[i].is_empty() && r.end == whole.end {
+                    out[i] = Vec::from(b); // the range in one piece: no copy when unshared
+                } else {
+                    if out[i].is_empty() {
+                        out[i].reserve_exact(usize::try_from(whole.end - whole.start).unwrap_or(0));
+                    }
+                    out[i].extend_from_slice(&b);
+                }
+            }
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     fn head(&self, location: &str) -> Result<ObjectMeta, StorageError> {
@@ -274,6 +343,27 @@ mod tests {
     use super::*;
     use crate::storage::remote::RemoteOptions;
     use crate::storage::store::UpdateVersion;
+
+    #[test]
+    fn long_ranges_come_back_whole_from_pieces_fetched_at_once() {
+        let s = RemoteStore::open("memory://pieces/ckpt", &RemoteOptions::default()).unwrap();
+        let n = usize::try_from(2 * GET_PIECE + 12345).unwrap();
+        let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+        Store::put(&s, "big", &[&data]).unwrap();
+        let whole = 0..n as u64;
+        let across = GET_PIECE - 7..2 * GET_PIECE + 100;
+        let got = Store::get_ranges(&s, "big", &[whole, 3..3, across.clone(), 10..20]).unwrap();
+        assert_eq!(got[0], data);
+        assert!(got[1].is_empty());
+        let at =
+            |r: &Range<u64>| usize::try_from(r.start).unwrap()..usize::try_from(r.end).unwrap();
+        assert_eq!(got[2], data[at(&across)]);
+        assert_eq!(got[3], data[10..20]);
+        // A range past the end is an error naming the object, not short data.
+        let past = n as u64 - 5..n as u64 + 5;
+        let e = Store::get_ranges(&s, "big", std::slice::from_ref(&past)).unwrap_err();
+        assert!(e.to_string().contains("memory://pieces/ckpt/big"), "{e}");
+    }
 
     #[test]
     fn the_seam_on_an_in_memory_object_store() {

@@ -339,10 +339,9 @@ impl MultipartWrite for ObjectUpload<'_> {
                 })
                 .map_err(|e| self.owner.storage_err("multipart PUT", &self.location, e)),
             Some(Upload::Plain(up)) => up.finish(),
-            None => Store::put_opts(
-                store,
+            None => store.put_owned(
                 &self.owner.key(&self.location),
-                &[&self.held],
+                bytes::Bytes::from(std::mem::take(&mut self.held)),
                 self.owner.put_mode(),
             ),
         }
