@@ -589,7 +589,7 @@ fn large_subchunks_are_checked_piece_by_piece() {
 fn short_column_strips_through_scratch_are_checked() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");
-    let shape = [512u64, 2048];
+    let shape = [1024u64, 2048];
     let data = tensor_bytes(13, &shape, DType::Float32);
     let key = TensorKey::new("bands").unwrap();
     let res = run_local(2, T, |comm| {

@@ -532,7 +532,7 @@ pub fn checked_grid(
     Err(last)
 }
 
-/// The subchunk size target for an outer chunk of `chunk_bytes`: a sixteenth of the chunk,
+/// The subchunk size target for an outer chunk of `chunk_bytes`: a thirty-second of the chunk,
 /// clamped to `[min(64 KiB, max_target), max_target]` (`max_target` itself at most
 /// [`MAX_SUBCHUNK_BYTES`]). Small enough that a load splitting a
 /// chunk reads little it does not need, large enough to keep the index and syscalls few.
@@ -540,7 +540,7 @@ pub fn checked_grid(
 pub fn subchunk_target(chunk_bytes: u64, max_target: u64) -> u64 {
     let max_target = max_target.min(MAX_SUBCHUNK_BYTES);
     let lo = (64u64 << 10).min(max_target);
-    (chunk_bytes / 16).clamp(lo, max_target.max(1))
+    (chunk_bytes / 32).clamp(lo, max_target.max(1))
 }
 
 /// The inner subchunk shape for an outer chunk of a tensor of `global_shape`.
@@ -732,18 +732,23 @@ mod tests {
         // columns split (row-parallel weight): thin in columns
         assert_eq!(
             subchunk_shape(&[2048, 512], &[2048, 2048], 2, M),
-            vec![2048, 32]
+            vec![2048, 16]
         );
-        // 2 MiB chunk split along rows: 128 KiB subchunks
+        // 2 MiB chunk split along rows: 64 KiB subchunks (a thirty-second, the floor)
         assert_eq!(
             subchunk_shape(&[512, 2048], &[2048, 2048], 2, M),
+            vec![16, 2048]
+        );
+        // 8 MiB chunk: 256 KiB subchunks
+        assert_eq!(
+            subchunk_shape(&[1024, 2048], &[4096, 2048], 4, M),
             vec![32, 2048]
         );
         assert_eq!(subchunk_shape(&[10], &[10], 4, M), vec![10]);
         assert_eq!(subchunk_shape(&[], &[], 4, M), Vec::<u64>::new());
         assert_eq!(
             subchunk_shape(&[3, 1 << 20], &[3, 1 << 20], 2, M),
-            vec![1, 1 << 17]
+            vec![1, 1 << 16]
         );
         assert_eq!(subchunk_target(1 << 30, M), M);
         assert_eq!(subchunk_target(1 << 10, M), 64 << 10);
@@ -797,7 +802,7 @@ mod tests {
         let one = r(&[0], &[p]);
         let g = checked_grid(&[p], &[(&one, 0)], 4, p * 4, &GridOptions::default()).unwrap();
         assert_eq!(g.chunk_shape, vec![1 << 22]);
-        assert_eq!(g.subchunk_shape, vec![1 << 18]);
+        assert_eq!(g.subchunk_shape, vec![1 << 17]);
         assert!(!g.aligned);
         assert_eq!(
             check_geometry(&[p], &g.chunk_shape, &g.subchunk_shape, 4),
