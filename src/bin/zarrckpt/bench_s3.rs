@@ -85,7 +85,10 @@ struct Round {
     load: f64,
     raw_put: f64,
     raw_get: f64,
-    /// CPU seconds of the load and of the raw GETs: (this process, the rest of the machine).
+    /// CPU seconds of the save, the raw PUTs, the load and the raw GETs: (this process, the
+    /// rest of the machine).
+    save_cpu: (f64, f64),
+    raw_put_cpu: (f64, f64),
     load_cpu: (f64, f64),
     raw_get_cpu: (f64, f64),
 }
@@ -152,21 +155,24 @@ fn raw_limits(
     prefix: &str,
     objects: &[(String, Bytes)],
     n: usize,
-) -> anyhow::Result<(f64, f64, (f64, f64))> {
+) -> anyhow::Result<RawTimes> {
     let inner = Arc::clone(store.inner());
     let path = |k: &str| store.path(&format!("{prefix}/{k}"));
     let t0 = Instant::now();
-    store.block_on(async {
-        let mut s = futures::stream::iter(objects.iter().map(|(k, b)| {
-            let (inner, p) = (Arc::clone(&inner), path(k));
-            async move { inner.put(&p, b.clone().into()).await }
-        }))
-        .buffer_unordered(n);
-        while let Some(r) = s.next().await {
-            r.context("raw PUT")?;
-        }
-        anyhow::Ok(())
-    })?;
+    let (put, put_cpu) = cpu_of(|| {
+        store.block_on(async {
+            let mut s = futures::stream::iter(objects.iter().map(|(k, b)| {
+                let (inner, p) = (Arc::clone(&inner), path(k));
+                async move { inner.put(&p, b.clone().into()).await }
+            }))
+            .buffer_unordered(n);
+            while let Some(r) = s.next().await {
+                r.context("raw PUT")?;
+            }
+            anyhow::Ok(())
+        })
+    });
+    put?;
     let put = t0.elapsed().as_secs_f64();
     let t0 = Instant::now();
     let (got, cpu) = cpu_of(|| {
@@ -189,7 +195,21 @@ fn raw_limits(
     if got != want {
         bail!("raw GET returned {got} bytes, {want} were put");
     }
-    Ok((put, get, cpu))
+    Ok(RawTimes {
+        put,
+        get,
+        put_cpu,
+        get_cpu: cpu,
+    })
+}
+
+/// The raw reference of one round: seconds and CPU seconds (as [`cpu_of`] gives them) of the
+/// parallel PUTs and GETs.
+struct RawTimes {
+    put: f64,
+    get: f64,
+    put_cpu: (f64, f64),
+    get_cpu: (f64, f64),
 }
 
 /// A timed load: seconds, the checkpoint's committed bytes, each rank's report, and CPU
@@ -372,14 +392,17 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             reset = rss::reset_peak();
         }
         let t0 = Instant::now();
-        committed = save_s3(
-            &url,
-            &ropts,
-            &model,
-            &held,
-            &a.dir.join("staging"),
-            a.staged,
-        )?;
+        let (saved, save_cpu) = cpu_of(|| {
+            save_s3(
+                &url,
+                &ropts,
+                &model,
+                &held,
+                &a.dir.join("staging"),
+                a.staged,
+            )
+        });
+        committed = saved?;
         let save_secs = t0.elapsed().as_secs_f64();
         if round == 0 && reset {
             peak = rss::peak();
@@ -415,15 +438,16 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
             })
             .collect::<anyhow::Result<_>>()?;
         objects_n = objects.len();
-        let (raw_put, raw_get, raw_get_cpu) =
-            raw_limits(&store, &format!("raw-{round}"), &objects, in_flight)?;
+        let raw = raw_limits(&store, &format!("raw-{round}"), &objects, in_flight)?;
         rounds.push(Round {
             save: save_secs,
             load: load_secs,
-            raw_put,
-            raw_get,
+            raw_put: raw.put,
+            raw_get: raw.get,
+            save_cpu,
+            raw_put_cpu: raw.put_cpu,
             load_cpu,
-            raw_get_cpu,
+            raw_get_cpu: raw.get_cpu,
         });
     }
     drop(held);
@@ -492,7 +516,7 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
         "objects": objects_n,
         "save_ranks": a.save_ranks,
         "load_ranks": a.load_ranks,
-        "rounds": rounds.iter().map(|r| json!({"save_s": r.save, "raw_put_s": r.raw_put, "load_s": r.load, "raw_get_s": r.raw_get, "load_cpu_s": {"client": r.load_cpu.0, "rest": r.load_cpu.1}, "raw_get_cpu_s": {"client": r.raw_get_cpu.0, "rest": r.raw_get_cpu.1}})).collect::<Vec<_>>(),
+        "rounds": rounds.iter().map(|r| json!({"save_s": r.save, "raw_put_s": r.raw_put, "load_s": r.load, "raw_get_s": r.raw_get, "save_cpu_s": {"client": r.save_cpu.0, "rest": r.save_cpu.1}, "raw_put_cpu_s": {"client": r.raw_put_cpu.0, "rest": r.raw_put_cpu.1}, "load_cpu_s": {"client": r.load_cpu.0, "rest": r.load_cpu.1}, "raw_get_cpu_s": {"client": r.raw_get_cpu.0, "rest": r.raw_get_cpu.1}})).collect::<Vec<_>>(),
         "save_s": save_secs,
         "save_gb_s": gb_s(ckpt_bytes, save_secs),
         "raw_put_s": raw_put,
@@ -548,10 +572,11 @@ pub fn run(a: &Args) -> anyhow::Result<ExitCode> {
                 median(rounds.iter().map(|r| f(r).1).collect()),
             )
         };
+        let (sc, pc) = (cpu(|r| r.save_cpu), cpu(|r| r.raw_put_cpu));
         let (lc, rc) = (cpu(|r| r.load_cpu), cpu(|r| r.raw_get_cpu));
         println!(
-            "CPU seconds (this process + the rest of the machine, the server when local): load {:.2} + {:.2}, raw GET {:.2} + {:.2}",
-            lc.0, lc.1, rc.0, rc.1
+            "CPU seconds (this process + the rest of the machine, the server when local): save {:.2} + {:.2}, raw PUT {:.2} + {:.2}, load {:.2} + {:.2}, raw GET {:.2} + {:.2}",
+            sc.0, sc.1, pc.0, pc.1, lc.0, lc.1, rc.0, rc.1
         );
         println!(
             "reshard load ({} -> {} ranks): {fetched_bytes} bytes GET at the proxy for {ckpt_bytes} committed: amplification {amplification:.4} (target <= 1.05: {})",
