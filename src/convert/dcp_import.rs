@@ -63,6 +63,45 @@ pub(super) struct Tensor<'a> {
     pub(super) pieces: Vec<Piece<'a>>,
 }
 
+impl<'a> Tensor<'a> {
+    /// A tensor held whole: one piece, its full box.
+    pub(super) fn whole(
+        key: TensorKey,
+        dtype: DType,
+        shape: Vec<u64>,
+        data: impl Into<Cow<'a, [u8]>>,
+    ) -> Self {
+        let r = Region::full(&shape);
+        Tensor {
+            key,
+            dtype,
+            shape,
+            pieces: vec![(r, data.into())],
+        }
+    }
+
+    /// The tensor a DCP tensor entry (`fqn`: `dtype`, `size`, `declared` chunks) describes,
+    /// its pieces read from the `.distcp` files in `src` ([`read_tensor`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn stored(
+        src: &Path,
+        md: &DcpMetadata,
+        files: &'a Files,
+        fqn: &str,
+        key: TensorKey,
+        dtype: DType,
+        size: &[u64],
+        declared: usize,
+    ) -> Result<Self, FormatError> {
+        Ok(Tensor {
+            key,
+            dtype,
+            shape: size.to_vec(),
+            pieces: read_tensor(src, md, files, fqn, dtype, size, declared)?,
+        })
+    }
+}
+
 pub(super) fn bad(path: &Path, item: &str, msg: impl Into<String>) -> FormatError {
     FormatError::Dcp {
         path: path.to_owned(),
@@ -168,31 +207,14 @@ pub fn import_dcp(
                 size,
                 chunks,
             } => {
-                let t = read_tensor(src, &md, &files, fqn, *dtype, size, chunks.len())?;
-                tensors.insert(
-                    fqn.clone(),
-                    Tensor {
-                        key: tkey,
-                        dtype: *dtype,
-                        shape: size.clone(),
-                        pieces: t,
-                    },
-                );
+                let t = Tensor::stored(src, &md, &files, fqn, tkey, *dtype, size, chunks.len())?;
+                tensors.insert(fqn.clone(), t);
             }
             DcpEntry::Bytes => {
                 let (p, bytes) = bytes_item(src, &md, &files, fqn)?;
                 match read_item(&p, fqn, bytes)? {
                     ItemValue::Tensor { dtype, shape, data } => {
-                        let r = Region::full(&shape);
-                        tensors.insert(
-                            fqn.clone(),
-                            Tensor {
-                                key: tkey,
-                                dtype,
-                                shape,
-                                pieces: vec![(r, data)],
-                            },
-                        );
+                        tensors.insert(fqn.clone(), Tensor::whole(tkey, dtype, shape, data));
                     }
                     ItemValue::Other(Value::Bytes(b)) => {
                         objects.push((tkey, ObjectValue::Bytes(b)))
@@ -252,7 +274,7 @@ pub(super) fn bytes_item<'a>(
 
 /// Every chunk of tensor `fqn`, checked against the metadata: same shapes, inside the tensor,
 /// covering it exactly (by volume; the save checks overlaps).
-pub(super) fn read_tensor<'a>(
+fn read_tensor<'a>(
     src: &Path,
     md: &DcpMetadata,
     files: &'a Files,

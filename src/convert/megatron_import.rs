@@ -22,12 +22,12 @@ use memmap2::Mmap;
 use super::dcp::{DcpEntry, DcpMetadata, TorchSave};
 use super::dcp_import::{
     DcpImportOptions, DcpImportReport, Files, Marks, Tensor, bad, bytes_item, check_options,
-    read_tensor, resplit, write,
+    resplit, write,
 };
 use super::error::FormatError;
 use super::megatron_value::{MEGATRON_ALLOW, encode};
 use super::pickle::Value;
-use crate::{ObjectValue, Region, TensorKey};
+use crate::{ObjectValue, TensorKey};
 
 /// The folder of a zarrckpt-backed Megatron checkpoint that holds the zarrckpt checkpoint.
 pub const MEGATRON_SUBDIR: &str = "zarrckpt";
@@ -70,16 +70,8 @@ pub fn import_megatron(
                 size,
                 chunks,
             } => {
-                let pieces = read_tensor(src, &md, &files, fqn, *dtype, size, chunks.len())?;
-                tensors.insert(
-                    fqn.clone(),
-                    Tensor {
-                        key,
-                        dtype: *dtype,
-                        shape: size.clone(),
-                        pieces,
-                    },
-                );
+                let t = Tensor::stored(src, &md, &files, fqn, key, *dtype, size, chunks.len())?;
+                tensors.insert(fqn.clone(), t);
             }
             DcpEntry::Bytes => {
                 let (p, bytes) = bytes_item(src, &md, &files, fqn)?;
@@ -89,16 +81,7 @@ pub fn import_megatron(
                         module, name, args, ..
                     } if module == "torch._utils" && name == "_rebuild_tensor_v2" => {
                         let (dtype, shape, data) = ts.tensor(args)?;
-                        let r = Region::full(&shape);
-                        tensors.insert(
-                            fqn.clone(),
-                            Tensor {
-                                key,
-                                dtype,
-                                shape,
-                                pieces: vec![(r, data)],
-                            },
-                        );
+                        tensors.insert(fqn.clone(), Tensor::whole(key, dtype, shape, data));
                     }
                     Value::List(values) if !values.is_empty() => {
                         // Copies of one value: Megatron's loader hands out the first.

@@ -111,23 +111,15 @@ impl RemoteStore {
         src: &Path,
         watch: Option<&AbortWatch>,
     ) -> Result<(u64, u32), RemoteError> {
-        let mut f = std::fs::File::open(src).map_err(|e| RemoteError::io(src, e))?;
-        let mut buf = vec![0u8; self.options().part_size.max(5 << 20)];
-        let (mut len, mut crc) = (0u64, 0u32);
+        let mut parts = FileParts::open(src, self.options().part_size.max(5 << 20))?;
         loop {
             if let Some(w) = watch {
                 w.check().await?;
             }
-            let n = tokio::task::block_in_place(|| read_full(&mut f, &mut buf))
-                .map_err(|e| RemoteError::io(src, e))?;
-            if n == 0 {
-                break;
-            }
-            crc = crc32c::crc32c_append(crc, &buf[..n]);
-            len += n as u64;
-            up.write(&buf[..n]).await?;
+            let Some(part) = parts.next()? else { break };
+            up.write(part).await?;
         }
-        Ok((len, crc))
+        Ok(parts.totals())
     }
 
     async fn stream_parts(
@@ -136,9 +128,7 @@ impl RemoteStore {
         src: &Path,
         part: usize,
     ) -> Result<(u64, u32), RemoteError> {
-        let mut f = std::fs::File::open(src).map_err(|e| RemoteError::io(src, e))?;
-        let mut buf = vec![0u8; part];
-        let (mut len, mut crc) = (0u64, 0u32);
+        let mut parts = FileParts::open(src, part)?;
         loop {
             w.wait_for_capacity(self.options().parts_in_flight.max(1).saturating_sub(1))
                 .await
@@ -147,16 +137,51 @@ impl RemoteStore {
                     key: src.display().to_string(),
                     source: e,
                 })?;
-            let n = tokio::task::block_in_place(|| read_full(&mut f, &mut buf))
-                .map_err(|e| RemoteError::io(src, e))?;
-            if n == 0 {
-                break;
-            }
-            crc = crc32c::crc32c_append(crc, &buf[..n]);
-            len += n as u64;
-            w.write(&buf[..n]);
+            let Some(part) = parts.next()? else { break };
+            w.write(part);
         }
-        Ok((len, crc))
+        Ok(parts.totals())
+    }
+}
+
+/// A local file read a part at a time into one reused buffer, its length and crc32c summed
+/// as it goes.
+struct FileParts<'p> {
+    src: &'p Path,
+    f: std::fs::File,
+    buf: Vec<u8>,
+    len: u64,
+    crc: u32,
+}
+
+impl<'p> FileParts<'p> {
+    fn open(src: &'p Path, part: usize) -> Result<Self, RemoteError> {
+        Ok(FileParts {
+            src,
+            f: std::fs::File::open(src).map_err(|e| RemoteError::io(src, e))?,
+            buf: vec![0u8; part.max(1)],
+            len: 0,
+            crc: 0,
+        })
+    }
+
+    /// The next part (full unless it is the last), `None` at the end of the file. Reads on
+    /// the runtime's blocking allowance.
+    fn next(&mut self) -> Result<Option<&[u8]>, RemoteError> {
+        let n = tokio::task::block_in_place(|| read_full(&mut self.f, &mut self.buf))
+            .map_err(|e| RemoteError::io(self.src, e))?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let part = &self.buf[..n];
+        self.crc = crc32c::crc32c_append(self.crc, part);
+        self.len += n as u64;
+        Ok(Some(part))
+    }
+
+    /// (bytes, crc32c) of what was read.
+    fn totals(&self) -> (u64, u32) {
+        (self.len, self.crc)
     }
 }
 
