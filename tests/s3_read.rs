@@ -406,6 +406,56 @@ fn a_shards_end_or_a_whole_shard_costs_one_ranged_get() {
 }
 
 #[test]
+fn a_column_band_at_a_shards_end_fetches_only_its_subchunks() {
+    // Rows of 2 MiB cut into 32 subchunks of 64 KiB: the last column block of every row is the
+    // end of the shard in C order but 31 subchunks (about 2 MiB) apart, so fetching from the
+    // first of them to the end would read the whole shard for an eighth of a MiB a row.
+    let url = "memory://s3-read-band/ckpt";
+    let (rows, cols) = (8u64, 524_288u64);
+    let shape = vec![rows, cols];
+    let full = tensor_bytes(11, &shape, DType::Float32);
+    let key = TensorKey::new("w").unwrap();
+    for r in run_local(1, Duration::from_secs(60), |comm| {
+        let piece = ShardedTensor::new(
+            key.clone(),
+            DType::Float32,
+            shape.clone(),
+            Region::new(vec![0, 0], shape.clone()).unwrap(),
+            0,
+            &full,
+        )
+        .unwrap();
+        let opts = SaveOptions {
+            grid: zarrckpt::GridOptions {
+                subchunk_target_bytes: 64 << 10,
+                ..zarrckpt::GridOptions::default()
+            },
+            ..SaveOptions::default()
+        };
+        save(&[piece], Path::new(url), &comm, &opts)
+    }) {
+        r.unwrap();
+    }
+    let ck = Checkpoint::open(url).unwrap();
+    assert_eq!(ck.tensor(&key).unwrap().subchunk_shape, vec![1, 16_384]);
+    let band = Region::new(vec![0, cols - 16_384], vec![rows, 16_384]).unwrap();
+    let mut buf = vec![0u8; crate_usize(rows * 16_384 * 4)];
+    let report = ck.read_region(&key, &band, &mut buf).unwrap();
+    assert!(buf == cut(&full, &shape, &band, 4));
+    let needed = buf.len() as u64;
+    assert!(
+        report.bytes_read < needed + (64 << 10),
+        "read {} bytes for {needed}",
+        report.bytes_read
+    );
+    assert_eq!(
+        ck.reader().ranged_gets(),
+        2,
+        "the tail, then the band's subchunks"
+    );
+}
+
+#[test]
 fn shards_with_absent_subchunks_read_back_whole() {
     // Zero rows leave subchunks absent, so the object is shorter than every subchunk and a
     // guess at offsets from the end would be wrong: the read must not guess.

@@ -350,10 +350,17 @@ fn suffix_start(
     if count.checked_mul(stored)?.checked_add(tail)? != size {
         return None;
     }
-    let first = shard.subchunks.iter().map(|s| s.linear).min()?;
-    let last = shard.subchunks.iter().map(|s| s.linear).max()?;
+    let mut linear: Vec<u64> = shard.subchunks.iter().map(|s| s.linear).collect();
+    linear.sort_unstable();
+    let (first, last) = (*linear.first()?, *linear.last()?);
+    // One run as the usual batches would coalesce it: no gap between needed subchunks wider
+    // than COALESCE_GAP (a column band of a 2-D subchunk grid may have wide ones).
+    let one_run = linear
+        .windows(2)
+        .all(|w| (w[1] - w[0]).saturating_sub(1).saturating_mul(stored) <= COALESCE_GAP);
     let start = first.checked_mul(stored)?;
-    (last + 1 == count && size - start <= BATCH_BYTES.saturating_add(tail)).then_some(start)
+    (one_run && last + 1 == count && size - start <= BATCH_BYTES.saturating_add(tail))
+        .then_some(start)
 }
 
 /// One batch of a shard's reads: the byte ranges fetched together, and the positions in the
