@@ -405,6 +405,20 @@ fn a_shards_end_or_a_whole_shard_costs_one_ranged_get() {
     }
 }
 
+/// Saves `full`, the float32 tensor `w` of `shape`, whole from one rank to `url`.
+fn save_whole(url: &str, shape: &[u64], full: &[u8], opts: &SaveOptions) {
+    let key = TensorKey::new("w").unwrap();
+    for r in run_local(1, Duration::from_secs(60), |comm| {
+        let region = Region::new(vec![0; shape.len()], shape.to_vec()).unwrap();
+        let piece =
+            ShardedTensor::new(key.clone(), DType::Float32, shape.to_vec(), region, 0, full)
+                .unwrap();
+        save(&[piece], Path::new(url), &comm, opts)
+    }) {
+        r.unwrap();
+    }
+}
+
 #[test]
 fn a_column_band_at_a_shards_end_fetches_only_its_subchunks() {
     // Rows of 2 MiB cut into 32 subchunks of 64 KiB: the last column block of every row is the
@@ -415,27 +429,14 @@ fn a_column_band_at_a_shards_end_fetches_only_its_subchunks() {
     let shape = vec![rows, cols];
     let full = tensor_bytes(11, &shape, DType::Float32);
     let key = TensorKey::new("w").unwrap();
-    for r in run_local(1, Duration::from_secs(60), |comm| {
-        let piece = ShardedTensor::new(
-            key.clone(),
-            DType::Float32,
-            shape.clone(),
-            Region::new(vec![0, 0], shape.clone()).unwrap(),
-            0,
-            &full,
-        )
-        .unwrap();
-        let opts = SaveOptions {
-            grid: zarrckpt::GridOptions {
-                subchunk_target_bytes: 64 << 10,
-                ..zarrckpt::GridOptions::default()
-            },
-            ..SaveOptions::default()
-        };
-        save(&[piece], Path::new(url), &comm, &opts)
-    }) {
-        r.unwrap();
-    }
+    let opts = SaveOptions {
+        grid: zarrckpt::GridOptions {
+            subchunk_target_bytes: 64 << 10,
+            ..zarrckpt::GridOptions::default()
+        },
+        ..SaveOptions::default()
+    };
+    save_whole(url, &shape, &full, &opts);
     let ck = Checkpoint::open(url).unwrap();
     assert_eq!(ck.tensor(&key).unwrap().subchunk_shape, vec![1, 16_384]);
     let band = Region::new(vec![0, cols - 16_384], vec![rows, 16_384]).unwrap();
@@ -465,20 +466,7 @@ fn shards_with_absent_subchunks_read_back_whole() {
     let mut full = tensor_bytes(9, &shape, DType::Float32);
     full[..crate_usize(32 * cols * 4)].fill(0);
     let key = TensorKey::new("w").unwrap();
-    for r in run_local(1, Duration::from_secs(60), |comm| {
-        let piece = ShardedTensor::new(
-            key.clone(),
-            DType::Float32,
-            shape.clone(),
-            Region::new(vec![0, 0], shape.clone()).unwrap(),
-            0,
-            &full,
-        )
-        .unwrap();
-        save(&[piece], Path::new(url), &comm, &SaveOptions::default())
-    }) {
-        r.unwrap();
-    }
+    save_whole(url, &shape, &full, &SaveOptions::default());
     for (at, n) in [(0u64, 256u64), (100, 156), (16, 32)] {
         let ck = Checkpoint::open(url).unwrap();
         let r = Region::new(vec![at, 0], vec![n, cols]).unwrap();
