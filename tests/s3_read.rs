@@ -7,6 +7,8 @@
 //! is printed and bounded; a reader decodes each shard index once.
 
 mod common;
+#[path = "common/proxy.rs"]
+mod proxy;
 
 use std::path::Path;
 use std::time::Duration;
@@ -582,4 +584,199 @@ fn a_converting_read_goes_through_the_same_fetch() {
         }
     }
     assert!(checked > n / 2, "only {checked} finite values of {n}");
+}
+
+/// The tensors of [`save_six`]: `t0` to `t5`.
+const SIX: usize = 6;
+
+fn six_key(i: usize) -> TensorKey {
+    TensorKey::new(format!("t{i}")).unwrap()
+}
+
+/// Saves six float32 tensors `t0` to `t5`, each 512 x 1024 and split by rows over 2 ranks (a
+/// shard of 256 x 1024 per rank and tensor, subchunks of 16 rows), to `url`: straight to the
+/// store (each rank writes its shards and a tails object, spec 20.7), or `staged` through a
+/// local directory and an upload (no tails objects). Returns the tensors' bytes.
+fn save_six(url: &str, ropts: &RemoteOptions, staged: bool) -> Vec<Vec<u8>> {
+    let shape = vec![512u64, 1024];
+    let fulls: Vec<Vec<u8>> = (0..SIX as u64)
+        .map(|i| tensor_bytes(20 + i, &shape, DType::Float32))
+        .collect();
+    let staging = tempfile::tempdir().unwrap();
+    for r in run_local(2, Duration::from_secs(60), |comm| {
+        let region = common::piece(&shape, 0, 2, comm.rank() as u64);
+        let bytes: Vec<Vec<u8>> = fulls.iter().map(|f| cut(f, &shape, &region, 4)).collect();
+        let pieces: Vec<ShardedTensor<'_>> = bytes
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                ShardedTensor::new(
+                    six_key(i),
+                    DType::Float32,
+                    shape.clone(),
+                    region.clone(),
+                    0,
+                    b,
+                )
+                .unwrap()
+            })
+            .collect();
+        if staged {
+            let target = SaveTarget {
+                overwrite: false,
+                staging_root: Some(staging.path().to_path_buf()),
+            };
+            remote::save_to_url(url, &comm, ropts, &target, |d| {
+                save(&pieces, d, &comm, &SaveOptions::default())
+            })
+            .map(|_| ())
+        } else {
+            let opts = SaveOptions {
+                remote: ropts.clone(),
+                ..SaveOptions::default()
+            };
+            save(&pieces, Path::new(url), &comm, &opts).map(|_| ())
+        }
+    }) {
+        r.unwrap();
+    }
+    fulls
+}
+
+/// One rank loads, in one load through `reader`, 16 rows from the middle of one shard of each
+/// of the six tensors (`t<i>`: rows 32.. of shard `i % 2`, the third of its 16 subchunks), and
+/// checks them against `fulls`.
+fn load_six_middles(reader: &Reader, fulls: &[Vec<u8>]) {
+    let shape = [512u64, 1024];
+    let region =
+        |i: usize| Region::new(vec![32 + 256 * (i as u64 % 2), 0], vec![16, 1024]).unwrap();
+    let mut got = run_local(1, Duration::from_secs(60), |comm| {
+        let mut bufs: Vec<Vec<u8>> = vec![vec![0u8; 16 * 1024 * 4]; SIX];
+        let mut targets: Vec<LoadTarget<'_>> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| {
+                LoadTarget::new(six_key(i), DType::Float32, shape.to_vec(), region(i), b).unwrap()
+            })
+            .collect();
+        zarrckpt::load::load_with_reader(
+            &mut targets,
+            None,
+            reader,
+            &comm,
+            &LoadOptions::default(),
+        )?;
+        drop(targets);
+        Ok::<_, Error>(bufs)
+    });
+    let bufs = got.pop().unwrap().unwrap();
+    for (i, (b, f)) in bufs.iter().zip(fulls).enumerate() {
+        assert!(*b == cut(f, &shape, &region(i), 4), "t{i} differs");
+    }
+}
+
+#[test]
+fn tail_copies_spare_a_get_per_shard_and_a_damaged_copy_only_costs_requests() {
+    let url = "memory://s3-read-tails/ckpt";
+    let fulls = save_six(url, &RemoteOptions::default(), false);
+    let reader = Reader::open(url).unwrap();
+    assert_eq!(
+        reader.meta().tensors[&six_key(0)].subchunk_shape,
+        vec![16, 1024]
+    );
+    load_six_middles(&reader, &fulls);
+    assert_eq!(
+        reader.ranged_gets(),
+        2 + 6,
+        "one get of each writer's tail copies, then one per shard"
+    );
+    // Saved without tails objects (the staged path): the tail of every shard, then its data.
+    let staged = "memory://s3-read-tails/staged";
+    let staged_fulls = save_six(staged, &RemoteOptions::default(), true);
+    let reader = Reader::open(staged).unwrap();
+    load_six_middles(&reader, &staged_fulls);
+    assert_eq!(reader.ranged_gets(), 2 * 6);
+    // A damaged tails object (rank 0's, zeroed; the manifest unchanged): its copies fail their
+    // checks and those shards' own tails are read instead; the bytes are the same.
+    let store = RemoteStore::open(url, &RemoteOptions::default()).unwrap();
+    let resolved = remote::resolve(&store).unwrap();
+    let objects = &resolved.manifest.objects;
+    let tails = objects
+        .iter()
+        .find(|e| e.key == "tails/0")
+        .unwrap_or_else(|| panic!("no tails/0 in {objects:?}"));
+    let copies = |k: &str| {
+        objects
+            .iter()
+            .filter(|e| e.tail.as_ref().is_some_and(|t| t.key == k))
+            .count()
+    };
+    assert_eq!((copies("tails/0"), copies("tails/1")), (SIX, SIX));
+    let k = format!("generations/{}/tails/0", resolved.generation);
+    let zeros = vec![0u8; crate_usize(tails.size)];
+    store
+        .put(&k, zeros.into(), &remote::Condition::None)
+        .unwrap();
+    let reader = Reader::open(url).unwrap();
+    load_six_middles(&reader, &fulls);
+    assert_eq!(reader.ranged_gets(), 2 + 3 * 2 + 3);
+}
+
+#[test]
+fn s3_a_load_asks_for_the_pointer_manifest_index_tails_and_data_only() {
+    if s3::skipped("s3_a_load_asks_for_the_pointer_manifest_index_tails_and_data_only") {
+        return;
+    }
+    let url = s3::url("read-requests");
+    let fulls = save_six(&url, &s3::options(), false);
+    let counter = proxy::Proxy::start(s3::shared().port, Vec::new(), Duration::from_secs(300));
+    let via = s3::options_for(&format!("http://127.0.0.1:{}", counter.port));
+    let reader = Reader::open_url(&url, &via).unwrap();
+    load_six_middles(&reader, &fulls);
+    let seen = counter.seen();
+    // The pointer, the manifest, the root zarr.json; both tails objects; one ranged get per
+    // shard. No HEAD (sizes come from the manifest), and no array zarr.json (the manifest
+    // lists each with the size and crc32c of the document its index entry prescribes).
+    assert!(seen.iter().all(|r| r.starts_with("GET ")), "{seen:#?}");
+    assert!(
+        !seen
+            .iter()
+            .any(|r| r.contains("/tensors/") && r.ends_with("/zarr.json")),
+        "{seen:#?}"
+    );
+    assert_eq!(
+        seen.iter().filter(|r| r.contains("/tails/")).count(),
+        2,
+        "{seen:#?}"
+    );
+    assert_eq!(seen.len(), 3 + 2 + 6, "{seen:#?}");
+}
+
+#[test]
+fn a_root_document_that_is_not_the_committed_one_is_refused() {
+    let url = "memory://s3-read-root/ckpt";
+    save_six(url, &RemoteOptions::default(), false);
+    let store = RemoteStore::open(url, &RemoteOptions::default()).unwrap();
+    let resolved = remote::resolve(&store).unwrap();
+    let k = format!("generations/{}/zarr.json", resolved.generation);
+    let (good, _) = store.get(&k).unwrap().unwrap();
+    // Valid JSON, same size, one space moved: still a checkpoint index, but not the bytes the
+    // manifest committed.
+    let text = String::from_utf8(good.to_vec()).unwrap();
+    let at = text.find(": ").unwrap();
+    let changed = format!("{} :{}", &text[..at], &text[at + 2..]);
+    assert_eq!(changed.len(), text.len());
+    store
+        .put(&k, changed.into_bytes().into(), &remote::Condition::None)
+        .unwrap();
+    let err = Reader::open(url).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(&err, Error::Storage(StorageError::Malformed { path, .. })
+            if path.to_string_lossy().ends_with("zarr.json")),
+        "{err:?}"
+    );
+    assert!(msg.contains("not the committed one"), "{msg}");
+    store.put(&k, good, &remote::Condition::None).unwrap();
+    Reader::open(url).unwrap();
 }

@@ -1,5 +1,7 @@
 //! Reads over a store without local files (object stores, in-memory stores): each shard's
-//! tail (index and footer) by one ranged get, decoded once and kept; then the needed
+//! tail (index and footer) from the writer's tails object when the committed manifest locates
+//! a copy (many in one ranged get, before a load's reads: [`Fetcher::prefetch_tails`]), else
+//! by one ranged get of the shard's end, decoded once and kept; then the needed
 //! subchunks by ranged gets coalesced on subchunk boundaries, a bounded batch at a time,
 //! checked and copied by the same code as a local read
 //! ([`crate::storage::read::read_shard_from`]).
@@ -58,15 +60,38 @@ impl IndexCache {
     }
 }
 
-/// Where shards are fetched from: a store, the checkpoint's prefix in it, the objects' sizes
-/// when a committed manifest gives them (no `HEAD` per shard then), and the index cache.
+/// What a committed manifest says of one object: its size and crc32c, and for a shard where a copy of
+/// its tail is (the tails object's location and the offset of the copy in it; spec 20.7).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Listed {
+    pub(crate) size: u64,
+    pub(crate) crc32c: u32,
+    pub(crate) tail: Option<(String, u64)>,
+}
+
+/// Where shards are fetched from: a store, the checkpoint's prefix in it, the objects as a
+/// committed manifest lists them, by location (no `HEAD` per shard then), and the index
+/// cache.
 #[derive(Debug)]
 pub(crate) struct Fetcher {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) prefix: String,
-    pub(crate) sizes: Option<HashMap<String, u64>>,
+    pub(crate) listed: Option<HashMap<String, Listed>>,
     pub(crate) cache: IndexCache,
 }
+
+impl crate::storage::object::CheckpointObjects for Fetcher {
+    fn shown(&self, rel: &str) -> std::path::PathBuf {
+        self.store.display_path(&join(&self.prefix, rel))
+    }
+
+    fn whole(&self, rel: &str, max: u64) -> Result<Vec<u8>, StorageError> {
+        Fetcher::whole(self, &join(&self.prefix, rel), max)
+    }
+}
+
+/// One shard a rank is about to read: its array, stored geometry and shard read.
+pub(crate) type Planned<'a> = (&'a TensorArray, &'a StoredGeometry, &'a ShardRead);
 
 fn missing(arr: &TensorArray, chunk: &[u64]) -> StorageError {
     StorageError::MissingChunk {
@@ -77,6 +102,81 @@ fn missing(arr: &TensorArray, chunk: &[u64]) -> StorageError {
 }
 
 impl Fetcher {
+    /// The object at `location` read whole (at most `max` bytes): one get of the size the
+    /// committed manifest gives, the bytes checked against its size and crc32c (spec 20.2);
+    /// without a manifest, as [`Store::get`].
+    ///
+    /// # Errors
+    /// [`StorageError::Malformed`] naming the object when the bytes are not the committed
+    /// ones; [`StorageError::TooLarge`]; as [`Store::get_ranges`].
+    pub(crate) fn whole(&self, location: &str, max: u64) -> Result<Vec<u8>, StorageError> {
+        let Some(l) = self.listed.as_ref().and_then(|m| m.get(location)) else {
+            return self.store.get(location, max);
+        };
+        if l.size > max {
+            return Err(StorageError::TooLarge {
+                key: location.to_owned(),
+                path: self.store.display_path(location),
+                bytes: l.size,
+                reason: format!("larger than the limit of {max} bytes for this object"),
+            });
+        }
+        let all = 0..l.size;
+        let bytes = if l.size == 0 {
+            Vec::new()
+        } else {
+            self.store
+                .get_ranges(location, std::slice::from_ref(&all))?
+                .pop()
+                .unwrap_or_default()
+        };
+        if !self.committed_as(location, &bytes) {
+            return Err(StorageError::Malformed {
+                path: self.store.display_path(location),
+                reason: format!(
+                    "the object ({} bytes, crc32c {:#010x}) is not the committed one ({} bytes, crc32c {:#010x}, by the manifest)",
+                    bytes.len(),
+                    crc32c::crc32c(&bytes),
+                    l.size,
+                    l.crc32c
+                ),
+            });
+        }
+        Ok(bytes)
+    }
+
+    /// Whether the committed manifest lists `location` with the size and crc32c of `bytes`.
+    fn committed_as(&self, location: &str, bytes: &[u8]) -> bool {
+        self.listed
+            .as_ref()
+            .and_then(|m| m.get(location))
+            .is_some_and(|l| l.size == bytes.len() as u64 && l.crc32c == crc32c::crc32c(bytes))
+    }
+
+    /// Opens the array of `key` (index entry `entry`, the index's `save_id`) and checks its
+    /// `zarr.json` (spec 6.3). When the committed manifest lists that document with the size
+    /// and crc32c of the document prescribed for the entry, it is that document, and it is
+    /// not fetched (spec 20.2); otherwise it is read whole and checked.
+    ///
+    /// # Errors
+    /// As [`TensorArray::open_for`], naming the object; as [`Fetcher::whole`].
+    pub(crate) fn open_array(
+        &self,
+        key: &TensorKey,
+        entry: &crate::storage::meta::TensorEntry,
+        save_id: Option<crate::storage::footer::SaveId>,
+    ) -> Result<TensorArray, StorageError> {
+        let location = join(&self.prefix, &format!("{}/zarr.json", entry.path));
+        let prescribed = crate::storage::array::array_metadata_bytes(key, entry, save_id);
+        let bytes = if self.committed_as(&location, &prescribed) {
+            prescribed
+        } else {
+            self.whole(&location, crate::storage::meta::MAX_ARRAY_JSON_BYTES)?
+        };
+        let root = self.store.display_path(&self.prefix);
+        TensorArray::from_json(&root, key, entry, &bytes, save_id)
+    }
+
     /// The store location of the shard at `chunk`.
     fn location(&self, arr: &TensorArray, chunk: &[u64]) -> String {
         join(&self.prefix, &arr.chunk_location(chunk))
@@ -107,8 +207,8 @@ impl Fetcher {
 
     /// The size of the shard object at `location`: from the committed manifest, else a `HEAD`.
     fn size(&self, arr: &TensorArray, chunk: &[u64], location: &str) -> Result<u64, StorageError> {
-        match self.sizes.as_ref().and_then(|s| s.get(location)) {
-            Some(&n) => Ok(n),
+        match self.listed.as_ref().and_then(|s| s.get(location)) {
+            Some(l) => Ok(l.size),
             None => match self.store.head(location) {
                 Ok(m) => Ok(m.size),
                 Err(StorageError::NotFound { .. }) => Err(missing(arr, chunk)),
@@ -177,6 +277,14 @@ impl Fetcher {
             decode_shard_tail(arr, geom, chunk, size, &bytes[at..])
         })
         .map(Arc::new)?;
+        self.keep(id, &index);
+        bytes.truncate(at);
+        let head = (!bytes.is_empty()).then_some((start, bytes));
+        Ok((index, head))
+    }
+
+    /// Counts a decoded index and keeps it while the cache has room.
+    fn keep(&self, id: ShardId, index: &Arc<FetchedIndex>) -> bool {
         self.cache.decoded.fetch_add(1, Ordering::Relaxed);
         let added = index.memory_bytes();
         if self.cache.bytes.fetch_add(added, Ordering::Relaxed) + added <= INDEX_CACHE_BYTES {
@@ -184,13 +292,126 @@ impl Fetcher {
                 .map
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .insert(id, Arc::clone(&index));
+                .insert(id, Arc::clone(index));
+            true
         } else {
             self.cache.bytes.fetch_sub(added, Ordering::Relaxed);
+            false
         }
-        bytes.truncate(at);
-        let head = (!bytes.is_empty()).then_some((start, bytes));
-        Ok((index, head))
+    }
+
+    /// Before `shards` are read: fetches the copies of their tails that the manifest locates
+    /// (spec 20.7), one coalesced ranged get per tails object, and decodes them into the
+    /// index cache, so that each shard then costs only its data's gets, not a get of its tail
+    /// first. Shards whose index is cached, whose one get of their end brings their index
+    /// anyway (see [`Fetcher::index`]), or that have no copy are left alone; so is everything
+    /// when fewer than two shards would gain. At most the cache's room is fetched. A copy that
+    /// cannot be fetched or does not decode and check is skipped (logged): its shard's own
+    /// tail is read as usual, and checked as always.
+    pub(crate) fn prefetch_tails(&self, shards: &[Planned<'_>], counters: &ReadCounters) {
+        let Some(listed) = &self.listed else { return };
+        let mut seen = std::collections::HashSet::new();
+        let mut by_object: HashMap<&str, Vec<(Planned<'_>, u64, u64, u64)>> = HashMap::new();
+        let mut budget = INDEX_CACHE_BYTES.saturating_sub(self.cache.bytes.load(Ordering::Relaxed));
+        let mut count = 0usize;
+        {
+            let map = self
+                .cache
+                .map
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for &(arr, geom, shard) in shards {
+                let id = (arr.key().clone(), shard.chunk.clone());
+                if map.contains_key(&id) || !seen.insert(id) {
+                    continue;
+                }
+                let Some(l) = listed.get(&self.location(arr, &shard.chunk)) else {
+                    continue;
+                };
+                let Some((object, offset)) = &l.tail else {
+                    continue;
+                };
+                let tail = shard_tail_bytes(arr);
+                if suffix_start(arr, geom, shard, l.size, tail).is_some() || tail > budget {
+                    continue;
+                }
+                budget -= tail;
+                count += 1;
+                by_object.entry(object.as_str()).or_default().push((
+                    (arr, geom, shard),
+                    l.size,
+                    *offset,
+                    tail,
+                ));
+            }
+        }
+        if count < 2 {
+            return;
+        }
+        let fetch_one = |(object, mut copies): (&str, Vec<(Planned<'_>, u64, u64, u64)>)| {
+            copies.sort_unstable_by_key(|c| c.2);
+            let object_size = listed.get(object).map_or(0, |l| l.size);
+            copies.retain(|c| c.2.checked_add(c.3).is_some_and(|end| end <= object_size));
+            let mut ranges: Vec<Range<u64>> = Vec::new();
+            for c in &copies {
+                let (start, end) = (c.2, c.2 + c.3);
+                match ranges.last_mut() {
+                    Some(r) if start.saturating_sub(r.end) <= COALESCE_GAP => {
+                        r.end = r.end.max(end);
+                    }
+                    _ => ranges.push(start..end),
+                }
+            }
+            if ranges.is_empty() {
+                return;
+            }
+            let got = timed(&counters.open_ns, || self.store.get_ranges(object, &ranges));
+            let bufs = match got {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!(object, error = %e, "tail copies not fetched; reading shard tails instead");
+                    return;
+                }
+            };
+            self.cache.gets.fetch_add(1, Ordering::Relaxed);
+            let n: u64 = bufs.iter().map(|b| b.len() as u64).sum();
+            counters.bytes.fetch_add(n, Ordering::Relaxed);
+            for ((arr, geom, shard), size, offset, tail) in copies {
+                let Some((r, b)) = ranges
+                    .iter()
+                    .zip(&bufs)
+                    .find(|(r, _)| r.start <= offset && offset + tail <= r.end)
+                else {
+                    continue;
+                };
+                let at = usize::try_from(offset - r.start).unwrap_or(usize::MAX);
+                let Some(copy) =
+                    b.get(at..at.saturating_add(usize::try_from(tail).unwrap_or(usize::MAX)))
+                else {
+                    continue;
+                };
+                let decoded = timed(&counters.open_ns, || {
+                    decode_shard_tail(arr, geom, &shard.chunk, size, copy)
+                });
+                match decoded {
+                    Ok(index) => {
+                        self.keep((arr.key().clone(), shard.chunk.clone()), &Arc::new(index));
+                    }
+                    Err(e) => tracing::warn!(
+                        object,
+                        error = %e,
+                        "a tail copy does not check; reading the shard's own tail instead"
+                    ),
+                }
+            }
+        };
+        let groups: Vec<_> = by_object.into_iter().collect();
+        if groups.len() == 1 {
+            groups.into_iter().for_each(fetch_one);
+        } else {
+            use rayon::prelude::*;
+            groups.into_par_iter().for_each(fetch_one);
+        }
     }
 
     /// A failed tail read of an object the manifest sized: a typed error when the object's

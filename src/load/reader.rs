@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use rayon::prelude::*;
 
-use super::fetch::{Fetcher, IndexCache};
+use super::fetch::{Fetcher, IndexCache, Listed};
 use super::{LoadReport, Request, ShardSource, cast, read_item, stored_geometry};
 use crate::coord::{Progress, io_pool};
 use crate::error::{Error, Result};
@@ -100,13 +100,21 @@ impl Reader {
         let store = RemoteStore::open(url, ropts)?;
         let resolved = generation::resolve(&store)?;
         let prefix = generation::generation_key(&resolved.generation, "");
-        let sizes = resolved
+        let listed = resolved
             .manifest
             .objects
             .iter()
-            .map(|e| (join(&prefix, &e.key), e.size))
+            .map(|e| {
+                let tail = e.tail.as_ref().map(|t| (join(&prefix, &t.key), t.offset));
+                let l = Listed {
+                    size: e.size,
+                    crc32c: e.crc32c,
+                    tail,
+                };
+                (join(&prefix, &e.key), l)
+            })
             .collect();
-        Self::fetching(Arc::new(store), prefix, Some(sizes))
+        Self::fetching(Arc::new(store), prefix, Some(listed))
     }
 
     /// Opens the checkpoint committed under `prefix` in `store` (its root `zarr.json` there):
@@ -127,11 +135,17 @@ impl Reader {
     fn fetching(
         store: Arc<dyn Store>,
         prefix: String,
-        sizes: Option<std::collections::HashMap<String, u64>>,
+        listed: Option<std::collections::HashMap<String, Listed>>,
     ) -> Result<Self> {
         let dir = store.display_path(&prefix);
         let root = join(&prefix, "zarr.json");
-        let bytes = match store.get(&root, crate::storage::meta::MAX_ROOT_JSON_BYTES) {
+        let fetcher = Fetcher {
+            store,
+            prefix,
+            listed,
+            cache: IndexCache::default(),
+        };
+        let bytes = match fetcher.whole(&root, crate::storage::meta::MAX_ROOT_JSON_BYTES) {
             Ok(b) => b,
             Err(StorageError::NotFound { .. }) => {
                 return Err(StorageError::NotACheckpoint {
@@ -142,14 +156,9 @@ impl Reader {
             }
             Err(e) => return Err(e.into()),
         };
-        let meta = CheckpointMeta::from_root_json(&bytes, &store.display_path(&root))?;
+        let meta = CheckpointMeta::from_root_json(&bytes, &fetcher.store.display_path(&root))?;
         let mut r = Self::from_index(dir, meta);
-        r.fetcher = Some(Fetcher {
-            store,
-            prefix,
-            sizes,
-            cache: IndexCache::default(),
-        });
+        r.fetcher = Some(fetcher);
         Ok(r)
     }
 
@@ -228,7 +237,8 @@ impl Reader {
 
     /// Ranged gets of shard bytes this reader made so far (0 for a reader of local files):
     /// a read of a shard's end, or of a whole shard, is one (index and data together), a read
-    /// of another part two (index, then data), while its index is cached one.
+    /// of another part two (index, then data), while its index is cached one; a get of tail
+    /// copies from a tails object (spec 20.7) counts one.
     #[must_use]
     pub fn ranged_gets(&self) -> u64 {
         self.fetcher.as_ref().map_or(0, |f| f.cache.gets())
@@ -239,7 +249,7 @@ impl Reader {
         use crate::storage::object::ValueSource;
         match &self.fetcher {
             None => ValueSource::Dir(&self.dir),
-            Some(f) => ValueSource::Store(&*f.store, &f.prefix),
+            Some(f) => ValueSource::Store(f),
         }
     }
 
@@ -251,7 +261,7 @@ impl Reader {
     ) -> std::result::Result<TensorArray, StorageError> {
         match &self.fetcher {
             None => TensorArray::open_for(&self.dir, key, entry, self.meta.save_id),
-            Some(f) => TensorArray::open_in(&*f.store, &f.prefix, key, entry, self.meta.save_id),
+            Some(f) => f.open_array(key, entry, self.meta.save_id),
         }
     }
 
@@ -466,6 +476,20 @@ impl Reader {
             None => ShardSource::Files(self.read_method),
             Some(f) => ShardSource::Fetch(f),
         };
+        // Tail copies pay off from two shards on (one get for both tails, not two).
+        if let Some(f) = &self.fetcher
+            && reads.len() >= 2
+        {
+            let planned: Vec<_> = reads
+                .iter()
+                .filter_map(|(i, shard)| {
+                    let a = opened[*i].as_deref()?;
+                    Some((&a.arr, &a.geom, shard))
+                })
+                .collect();
+            self.pool()?
+                .install(|| f.prefetch_tails(&planned, counters));
+        }
         let one = |(i, shard): &(usize, ShardRead)| -> Result<()> {
             let Some(a) = &opened[*i] else {
                 return Err(self.absent(&requests[*i].key));

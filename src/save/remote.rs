@@ -172,7 +172,8 @@ impl RemoteTarget {
                     ))
                 }
                 None => Ok((data, files)),
-            });
+            })
+            .and_then(|t| writer.write_tails().map(|()| t).map_err(Into::into));
         if let Err(e) = &written {
             tracing::warn!(rank, url, error = %e, "save: this rank's write failed");
         }

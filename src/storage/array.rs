@@ -61,6 +61,13 @@ pub fn array_metadata(key: &TensorKey, e: &TensorEntry) -> Value {
     array_metadata_for(key, e, None)
 }
 
+/// The bytes of [`array_metadata_for`] as zarrckpt writes them (pretty-printed JSON).
+#[must_use]
+pub fn array_metadata_bytes(key: &TensorKey, e: &TensorEntry, save_id: Option<SaveId>) -> Vec<u8> {
+    // Invariant: serializing a JSON value (string keys only) cannot fail.
+    serde_json::to_vec_pretty(&array_metadata_for(key, e, save_id)).unwrap_or_default()
+}
+
 /// The `zarr.json` document of a tensor's array, exactly as zarrckpt writes it; the save id
 /// (format 1.1) goes into the `zarrckpt` attribute.
 #[must_use]
@@ -326,8 +333,8 @@ impl TensorArray {
     }
 
     /// The array whose `zarr.json` holds `bytes`, checked against the index entry (and the
-    /// save id of the index, when it has one).
-    fn from_json(
+    /// save id of the index, when it has one); `root` names the checkpoint in messages.
+    pub(crate) fn from_json(
         root: &Path,
         key: &TensorKey,
         entry: &TensorEntry,

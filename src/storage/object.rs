@@ -365,8 +365,23 @@ pub fn read_value(
 pub enum ValueSource<'a> {
     /// A local directory.
     Dir(&'a Path),
-    /// A store and the checkpoint's prefix in it.
-    Store(&'a dyn Store, &'a str),
+    /// The objects of a checkpoint in a store, by location relative to its root.
+    Store(&'a dyn CheckpointObjects),
+}
+
+/// The whole objects of one checkpoint in a store without local files, by location relative
+/// to the checkpoint's root: how object values are read there (a reader over a committed
+/// manifest checks each against the manifest's size and crc32c).
+pub trait CheckpointObjects: std::fmt::Debug + Sync {
+    /// How the object at `rel` is named in messages.
+    fn shown(&self, rel: &str) -> std::path::PathBuf;
+
+    /// The whole object at `rel`, of at most `max` bytes.
+    ///
+    /// # Errors
+    /// [`StorageError::TooLarge`] when it is larger; [`StorageError::NotFound`] when absent;
+    /// I/O errors naming it.
+    fn whole(&self, rel: &str, max: u64) -> Result<Vec<u8>, StorageError>;
 }
 
 impl ValueSource<'_> {
@@ -374,7 +389,7 @@ impl ValueSource<'_> {
     fn shown(&self, rel: &str) -> std::path::PathBuf {
         match self {
             ValueSource::Dir(d) => d.join(rel),
-            ValueSource::Store(s, prefix) => s.display_path(&join(prefix, rel)),
+            ValueSource::Store(s) => s.shown(rel),
         }
     }
 
@@ -383,7 +398,7 @@ impl ValueSource<'_> {
     fn get(&self, rel: &str, max: u64) -> Result<Vec<u8>, StorageError> {
         match self {
             ValueSource::Dir(d) => super::doc::read_metadata_file(&d.join(rel), max),
-            ValueSource::Store(s, prefix) => s.get(&join(prefix, rel), max),
+            ValueSource::Store(s) => s.whole(rel, max),
         }
     }
 }

@@ -98,7 +98,8 @@ impl Pending<'_> {
 
 /// Writes the shard holding `chunk_box` (the full, unclipped chunk) to `out`, taking the data
 /// from `src`, a C-order buffer holding `src_box` (which contains `chunk_box`). Does not
-/// finish `out`. Returns the bytes written.
+/// finish `out`. Returns the bytes written and the shard's tail (footer and index, its last
+/// bytes).
 ///
 /// # Errors
 /// Encoding or I/O errors (naming the tensor, chunk and object).
@@ -111,7 +112,7 @@ pub fn write_shard(
     src_box: &Region,
     chunk_box: &Region,
     spec: &ShardSpec<'_>,
-) -> Result<u64, StorageError> {
+) -> Result<(u64, Vec<u8>), StorageError> {
     let (subchunk_shape, elem) = (spec.subchunk_shape, spec.elem);
     let per_shard: Vec<u64> = chunk_box
         .shape()
@@ -224,11 +225,12 @@ pub fn write_shard(
     p.flush(out)?;
     let crc = crc32c(&index);
     index.extend_from_slice(&crc.to_le_bytes());
-    let foot = spec
+    let mut tail = spec
         .footer
         .map_or_else(Vec::new, |f| super::footer::encode(f.0, f.1, f.2, &crcs));
-    out.write_vectored(&[IoSlice::new(&foot), IoSlice::new(&index)])?;
-    Ok(offset + foot.len() as u64 + index.len() as u64)
+    tail.extend_from_slice(&index);
+    out.write(&tail)?;
+    Ok((offset + tail.len() as u64, tail))
 }
 
 #[cfg(test)]
@@ -248,10 +250,14 @@ mod tests {
         spec: &ShardSpec<'_>,
     ) -> Vec<u8> {
         let mut w = store.put_multipart(loc).unwrap();
-        let n = write_shard(&mut *w, src, src_box, chunk_box, spec).unwrap();
+        let (n, tail) = write_shard(&mut *w, src, src_box, chunk_box, spec).unwrap();
         w.finish().unwrap();
         let bytes = store.get(loc, u64::MAX).unwrap();
         assert_eq!(n as usize, bytes.len());
+        assert!(
+            bytes.ends_with(&tail),
+            "the tail returned is the object's end"
+        );
         bytes
     }
 

@@ -242,6 +242,13 @@ pub trait Store: Debug + Send + Sync {
         self.put_opts(location, payload, PutMode::Update(expected.clone()))
     }
 
+    /// Told, once the shard object at `location` is written whole, its tail (footer and
+    /// index, its last bytes). A store that keeps copies of shard tails for readers (the
+    /// object-store profile's tail copies, spec section 20.7) keeps this one; others ignore it.
+    fn shard_tail(&self, location: &str, tail: &[u8]) {
+        let _ = (location, tail);
+    }
+
     /// A streaming writer for one object.
     ///
     /// # Errors

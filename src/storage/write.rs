@@ -23,9 +23,7 @@ pub fn write_array_metadata(arr: &TensorArray) -> Result<(), StorageError> {
 /// I/O errors naming the object.
 pub fn write_array_metadata_to(store: &dyn Store, arr: &TensorArray) -> Result<(), StorageError> {
     store.create_prefix(&arr.entry().path)?;
-    let doc = super::array::array_metadata_for(arr.key(), arr.entry(), arr.save_id());
-    // Invariant: serializing a JSON value (string keys only) cannot fail.
-    let bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
+    let bytes = super::array::array_metadata_bytes(arr.key(), arr.entry(), arr.save_id());
     let loc = arr.metadata_location();
     let mut w = store.put_multipart(&loc)?;
     w.write(&bytes)?;
@@ -62,7 +60,8 @@ pub fn write_shard(
 
 /// [`write_shard`] into `store` (holding the checkpoint at its root). On stores with
 /// [`super::store::Capabilities::explicit_sync`] the shard is durable after
-/// [`Store::sync`] of [`TensorArray::chunk_location`].
+/// [`Store::sync`] of [`TensorArray::chunk_location`]. Once written, the shard's tail goes to
+/// [`Store::shard_tail`].
 ///
 /// # Errors
 /// Encoding or I/O errors naming the tensor, chunk and object.
@@ -81,10 +80,12 @@ pub fn write_shard_to(
         encode: (!arr.uncompressed()).then_some(&encode as EncodeSubchunk),
         footer: arr.save_id().map(|id| (id, arr.key(), chunk)),
     };
-    let mut w = store.put_multipart(&arr.chunk_location(chunk))?;
+    let location = arr.chunk_location(chunk);
+    let mut w = store.put_multipart(&location)?;
     match super::shard::write_shard(&mut *w, src, src_box, chunk_box, &spec) {
-        Ok(n) => {
+        Ok((n, tail)) => {
             w.finish()?;
+            store.shard_tail(&location, &tail);
             Ok(n)
         }
         Err(e) => {

@@ -107,6 +107,7 @@ struct Shared {
     get_bytes: AtomicU64,
     put_bytes: AtomicU64,
     log: Mutex<Vec<String>>,
+    seen: Mutex<Vec<String>>,
 }
 
 /// A running proxy; dropping it stops it (open connections finish their request).
@@ -146,6 +147,7 @@ impl Proxy {
             get_bytes: AtomicU64::new(0),
             put_bytes: AtomicU64::new(0),
             log: Mutex::new(Vec::new()),
+            seen: Mutex::new(Vec::new()),
         });
         let stop = Arc::new(AtomicBool::new(false));
         let (sh, st) = (Arc::clone(&shared), Arc::clone(&stop));
@@ -204,10 +206,18 @@ impl Proxy {
         self.shared.put_bytes.load(Ordering::SeqCst)
     }
 
-    /// Sets the byte counters to zero.
+    /// Sets the byte and request counters to zero and forgets the requests seen.
     pub fn reset_counters(&self) {
         self.shared.get_bytes.store(0, Ordering::SeqCst);
         self.shared.put_bytes.store(0, Ordering::SeqCst);
+        self.shared.requests.store(0, Ordering::SeqCst);
+        self.shared.seen.lock().unwrap().clear();
+    }
+
+    /// `METHOD target` of every request received (since the last reset), in order of arrival.
+    #[must_use]
+    pub fn seen(&self) -> Vec<String> {
+        self.shared.seen.lock().unwrap().clone()
     }
 
     /// `METHOD target -> fault` for every injection so far.
@@ -334,6 +344,10 @@ fn serve(sh: &Shared, conn: TcpStream) -> std::io::Result<()> {
         return Ok(());
     };
     sh.requests.fetch_add(1, Ordering::SeqCst);
+    sh.seen
+        .lock()
+        .unwrap()
+        .push(format!("{} {}", req.method, req.target));
     if matches!(req.method.as_str(), "PUT" | "POST") {
         sh.put_bytes
             .fetch_add(req.body.len() as u64, Ordering::SeqCst);

@@ -232,41 +232,39 @@ fn load_s3(
     let mut wanted: Vec<Wanted> = (0..ranks)
         .map(|r| Wanted::allocate(model, topo, r))
         .collect();
-    let cpu0 = rss::cpu_seconds();
     let t0 = Instant::now();
-    let fetched = if staged {
-        Some(remote::fetch_url(url, ropts, None)?)
-    } else {
-        None
-    };
-    let slots: Vec<std::sync::Mutex<&mut Wanted>> =
-        wanted.iter_mut().map(std::sync::Mutex::new).collect();
-    let results = run_local(usize::try_from(ranks)?, Duration::from_secs(600), |comm| {
-        let mut w = slots[comm.rank()].lock().expect("one rank per slot");
-        let mut targets = w.targets(model);
-        let opts = LoadOptions {
-            io_threads,
-            ..LoadOptions::default()
+    let (results, cpu) = cpu_of(|| -> anyhow::Result<_> {
+        let fetched = if staged {
+            Some(remote::fetch_url(url, ropts, None)?)
+        } else {
+            None
         };
-        match &fetched {
-            Some(f) => load(&mut targets, f.dir(), &comm, &opts),
-            None => {
-                let t0 = Instant::now();
-                let reader = Reader::open_url(url, ropts)?;
-                let mut r = load_with_reader(&mut targets, None, &reader, &comm, &opts)?;
-                r.phases.plan += t0
-                    .elapsed()
-                    .saturating_sub(r.phases.plan + r.phases.read + r.phases.exchange);
-                Ok(r)
+        let slots: Vec<std::sync::Mutex<&mut Wanted>> =
+            wanted.iter_mut().map(std::sync::Mutex::new).collect();
+        let results = run_local(usize::try_from(ranks)?, Duration::from_secs(600), |comm| {
+            let mut w = slots[comm.rank()].lock().expect("one rank per slot");
+            let mut targets = w.targets(model);
+            let opts = LoadOptions {
+                io_threads,
+                ..LoadOptions::default()
+            };
+            match &fetched {
+                Some(f) => load(&mut targets, f.dir(), &comm, &opts),
+                None => {
+                    let t0 = Instant::now();
+                    let reader = Reader::open_url(url, ropts)?;
+                    let mut r = load_with_reader(&mut targets, None, &reader, &comm, &opts)?;
+                    r.phases.plan += t0
+                        .elapsed()
+                        .saturating_sub(r.phases.plan + r.phases.read + r.phases.exchange);
+                    Ok(r)
+                }
             }
-        }
+        });
+        Ok(results)
     });
     let secs = t0.elapsed().as_secs_f64();
-    let cpu1 = rss::cpu_seconds();
-    let own = cpu1.0 - cpu0.0;
-    let cpu = (own, ((cpu1.1 - cpu0.1) - own).max(0.0));
-    let reports = results.into_iter().collect::<zarrckpt::Result<Vec<_>>>()?;
-    drop(slots);
+    let reports = results?.into_iter().collect::<zarrckpt::Result<Vec<_>>>()?;
     for w in &wanted {
         w.check(model).map_err(anyhow::Error::msg)?;
     }

@@ -69,6 +69,12 @@ pub struct AbortWatch {
 }
 
 impl AbortWatch {
+    /// This writer's name: its rank, or its random token.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
     /// A watch of generation `generation` for a writer of rank `rank` (`None`: unknown; its
     /// marker is then named by a random token).
     #[must_use]

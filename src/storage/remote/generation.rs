@@ -51,6 +51,20 @@ pub struct ManifestEntry {
     pub size: u64,
     /// The crc32c of its bytes.
     pub crc32c: u32,
+    /// For a shard object: where a copy of its tail (footer and index) is (spec 20.7).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tail: Option<TailCopy>,
+}
+
+/// Where a copy of a shard's tail is: the tails object (a key of the same generation, listed
+/// in the manifest) and the offset of the copy in it; the copy is as long as the shard's
+/// tail (its array's index and footer bytes).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TailCopy {
+    /// The tails object's key, relative to the generation's folder (`tails/0`).
+    pub key: String,
+    /// Where the copy starts in it.
+    pub offset: u64,
 }
 
 /// The manifest: every object of a generation but the manifest itself.
@@ -224,6 +238,7 @@ pub fn upload_files_as(
                 key: rel.clone(),
                 size,
                 crc32c,
+                tail: None,
             })
         }))
         .buffer_unordered(n);
@@ -256,6 +271,7 @@ pub fn commit_generation(
         key: ROOT.to_string(),
         size: root.len() as u64,
         crc32c: crc32c::crc32c(&root),
+        tail: None,
     });
     entries.sort_by(|a, b| a.key.cmp(&b.key));
     let manifest = Manifest {

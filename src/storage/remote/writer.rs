@@ -29,12 +29,15 @@ use super::abort::AbortWatch;
 use super::base::{PROGRESS_EVERY, error_chain, generation_key};
 use super::client::RemoteStore;
 use super::error::RemoteError;
-use super::generation::ManifestEntry;
+use super::generation::{ManifestEntry, TailCopy};
 use super::multipart::RecordedUpload;
 use crate::storage::error::StorageError;
 use crate::storage::store::{
     Capabilities, ListResult, MultipartWrite, ObjectMeta, PutMode, PutResult, Store, check_location,
 };
+
+/// Where a generation's tails objects are (spec 20.7), relative to its folder.
+pub const TAILS: &str = "tails";
 
 /// Writes one generation of a checkpoint through the storage seam (see the module docs).
 #[derive(Debug)]
@@ -44,6 +47,8 @@ pub struct GenerationWriter<'a> {
     rank: Option<usize>,
     deadline: Option<Instant>,
     entries: Mutex<Vec<ManifestEntry>>,
+    tails: Mutex<Vec<(String, Vec<u8>)>>,
+    spare: Mutex<Vec<Vec<u8>>>,
     bytes: AtomicU64,
     watch: AbortWatch,
     last_progress: Mutex<Instant>,
@@ -60,6 +65,8 @@ impl<'a> GenerationWriter<'a> {
             rank: None,
             deadline,
             entries: Mutex::new(Vec::new()),
+            tails: Mutex::new(Vec::new()),
+            spare: Mutex::new(Vec::new()),
             bytes: AtomicU64::new(0),
             watch: AbortWatch::new(store, generation, None),
             last_progress: Mutex::new(Instant::now()),
@@ -86,6 +93,41 @@ impl<'a> GenerationWriter<'a> {
     #[must_use]
     pub fn bytes(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
+    }
+
+    /// Writes the tails object of this writer (spec 20.7): a copy of the tail of every shard
+    /// it wrote, one after another in key order, at `tails/<rank>` (the abort marker's name),
+    /// and notes each copy's place in its shard's manifest entry. Call once every shard is
+    /// written and before [`GenerationWriter::take_entries`]; a writer that wrote no shard
+    /// writes nothing.
+    ///
+    /// # Errors
+    /// As [`Store::put_opts`].
+    pub fn write_tails(&self) -> Result<(), StorageError> {
+        let mut tails = std::mem::take(&mut *self.tails.lock().unwrap_or_else(|p| p.into_inner()));
+        if tails.is_empty() {
+            return Ok(());
+        }
+        tails.sort_by(|a, b| a.0.cmp(&b.0));
+        let key = format!("{TAILS}/{}", self.watch.name());
+        let mut at = 0u64;
+        let mut places = std::collections::HashMap::with_capacity(tails.len());
+        for (loc, t) in &tails {
+            places.insert(loc.as_str(), at);
+            at += t.len() as u64;
+        }
+        let payload: Vec<&[u8]> = tails.iter().map(|(_, t)| t.as_slice()).collect();
+        Store::put_opts(self, &key, &payload, PutMode::Create)?;
+        let mut entries = self.entries.lock().unwrap_or_else(|p| p.into_inner());
+        for e in entries.iter_mut() {
+            if let Some(&offset) = places.get(e.key.as_str()) {
+                e.tail = Some(TailCopy {
+                    key: key.clone(),
+                    offset,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The manifest entries of every completed object, sorted by key (and forgets them).
@@ -155,6 +197,7 @@ impl<'a> GenerationWriter<'a> {
                 key: location.to_owned(),
                 size,
                 crc32c,
+                tail: None,
             });
             e.len()
         };
@@ -168,6 +211,32 @@ impl<'a> GenerationWriter<'a> {
                 objects,
                 "save: progress (bytes durable on this rank)"
             );
+        }
+    }
+
+    /// An empty buffer to hold an object in: one a finished object gave back when there is
+    /// one. Reusing them spares the kernel's page faults and zeroing of fresh memory for every
+    /// object, which cost this process more than all its other work on the bytes.
+    fn buffer(&self) -> Vec<u8> {
+        self.spare
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .unwrap_or_default()
+    }
+
+    /// Takes back a buffer for the next object: at most one per request in flight are kept
+    /// (so buffers kept and buffers in use stay within the memory bound of the module docs),
+    /// none larger than the multipart threshold.
+    fn give_back(&self, mut buf: Vec<u8>) {
+        let o = self.store.options();
+        if buf.capacity() == 0 || buf.capacity() as u64 > o.multipart_threshold {
+            return;
+        }
+        buf.clear();
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < o.concurrency.max(1) {
+            spare.push(buf);
         }
     }
 
@@ -202,13 +271,20 @@ impl Store for GenerationWriter<'_> {
         Ok(r)
     }
 
+    fn shard_tail(&self, location: &str, tail: &[u8]) {
+        self.tails
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((location.to_owned(), tail.to_vec()));
+    }
+
     fn put_multipart(&self, location: &str) -> Result<Box<dyn MultipartWrite + '_>, StorageError> {
         check_location(location)?;
         self.check(location)?;
         Ok(Box::new(ObjectUpload {
             owner: self,
             location: location.to_owned(),
-            held: Vec::new(),
+            held: self.buffer(),
             upload: None,
             written: 0,
             crc: 0,
@@ -281,6 +357,7 @@ impl ObjectUpload<'_> {
         if !self.held.is_empty() {
             let held = std::mem::take(&mut self.held);
             self.send(&[IoSlice::new(&held)])?;
+            self.owner.give_back(held);
         }
         Ok(())
     }
@@ -339,11 +416,19 @@ impl MultipartWrite for ObjectUpload<'_> {
                 })
                 .map_err(|e| self.owner.storage_err("multipart PUT", &self.location, e)),
             Some(Upload::Plain(up)) => up.finish(),
-            None => store.put_owned(
-                &self.owner.key(&self.location),
-                bytes::Bytes::from(std::mem::take(&mut self.held)),
-                self.owner.put_mode(),
-            ),
+            None => {
+                let body = bytes::Bytes::from(std::mem::take(&mut self.held));
+                let r = store.put_owned(
+                    &self.owner.key(&self.location),
+                    body.clone(),
+                    self.owner.put_mode(),
+                );
+                // The request is over: the body is ours alone again, and so is its buffer.
+                if let Ok(buf) = body.try_into_mut() {
+                    self.owner.give_back(Vec::from(buf));
+                }
+                r
+            }
         }
         .map_err(|e| self.owner.failed(&self.location, e))?;
         self.owner.record(&self.location, self.written, self.crc);
@@ -364,6 +449,7 @@ impl MultipartWrite for ObjectUpload<'_> {
 
 impl Drop for ObjectUpload<'_> {
     fn drop(&mut self) {
+        self.owner.give_back(std::mem::take(&mut self.held));
         if let Some(Upload::Recorded(up)) = self.upload.take() {
             self.owner.store.block_on((*up).abort());
         }
