@@ -152,7 +152,7 @@ fn load_impl(
 ) -> Result<LoadReport> {
     collective::note_step();
     let t0 = Instant::now();
-    let reader = agree(comm, Reader::open(dir))?.with_io(opts.io_threads, opts.read_method);
+    let reader = Reader::open_shared(dir, comm)?.with_io(opts.io_threads, opts.read_method);
     let index = t0.elapsed();
     let mut report = load_with_reader(targets, objects, &reader, comm, opts)?;
     report.phases.plan += index;

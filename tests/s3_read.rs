@@ -780,3 +780,44 @@ fn a_root_document_that_is_not_the_committed_one_is_refused() {
     store.put(&k, good, &remote::Condition::None).unwrap();
     Reader::open(url).unwrap();
 }
+
+#[test]
+fn s3_ranks_opening_together_ask_for_pointer_manifest_and_index_once() {
+    if s3::skipped("s3_ranks_opening_together_ask_for_pointer_manifest_and_index_once") {
+        return;
+    }
+    let url = s3::url("read-open-shared");
+    let fulls = save_six(&url, &s3::options(), false);
+    let counter = proxy::Proxy::start(s3::shared().port, Vec::new(), Duration::from_secs(300));
+    let via = s3::options_for(&format!("http://127.0.0.1:{}", counter.port));
+    let dirs = run_local(4, Duration::from_secs(60), |comm| {
+        let r = Reader::open_url_shared(&url, &via, &comm)?;
+        Ok::<_, Error>((r.dir().to_path_buf(), r.meta().tensors.len()))
+    });
+    let dirs: Vec<_> = dirs.into_iter().map(Result::unwrap).collect();
+    assert!(dirs.iter().all(|d| *d == dirs[0]), "{dirs:?}");
+    assert_eq!(dirs[0].1, SIX);
+    let seen = counter.seen();
+    assert_eq!(
+        seen.len(),
+        3,
+        "rank 0 alone: pointer, manifest, root: {seen:#?}"
+    );
+    // The readers the others built from rank 0's broadcast read as rank 0's does.
+    counter.reset_counters();
+    let reader = run_local(2, Duration::from_secs(60), |comm| {
+        Reader::open_url_shared(&url, &via, &comm)
+    })
+    .pop()
+    .unwrap()
+    .unwrap();
+    load_six_middles(&reader, &fulls);
+    // Nothing committed at the URL: every rank gets rank 0's error.
+    let none = s3::url("read-open-shared-none");
+    for r in run_local(3, Duration::from_secs(60), |comm| {
+        Reader::open_url_shared(&none, &via, &comm).map(|_| ())
+    }) {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("rank 0") || e.contains("pointer"), "{e}");
+    }
+}

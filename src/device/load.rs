@@ -183,7 +183,7 @@ fn load_device_impl(
 ) -> Result<DeviceLoadReport> {
     collective::note_step();
     // A directory or an object-store URL (read by ranged gets).
-    let reader = agree(comm, Reader::open(dir))?.with_io(opts.io_threads, opts.read_method);
+    let reader = Reader::open_shared(dir, comm)?.with_io(opts.io_threads, opts.read_method);
     reader.agree_generation(comm)?;
     let meta = reader.meta();
     let cap = staging.buffer_bytes;

@@ -130,6 +130,22 @@ impl Fetcher {
                 .pop()
                 .unwrap_or_default()
         };
+        self.committed(location, bytes)
+    }
+
+    /// `bytes`, given as the object at `location`, when the committed manifest lists it with
+    /// their size and crc32c (or does not list it: no manifest to check against).
+    ///
+    /// # Errors
+    /// [`StorageError::Malformed`] naming the object when they are not the committed bytes.
+    pub(crate) fn committed(
+        &self,
+        location: &str,
+        bytes: Vec<u8>,
+    ) -> Result<Vec<u8>, StorageError> {
+        let Some(l) = self.listed.as_ref().and_then(|m| m.get(location)) else {
+            return Ok(bytes);
+        };
         if !self.committed_as(location, &bytes) {
             return Err(StorageError::Malformed {
                 path: self.store.display_path(location),

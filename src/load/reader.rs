@@ -99,6 +99,96 @@ impl Reader {
         use crate::storage::remote::{RemoteStore, generation};
         let store = RemoteStore::open(url, ropts)?;
         let resolved = generation::resolve(&store)?;
+        Ok(Self::resolved(store, &resolved, None)?.0)
+    }
+
+    /// [`Reader::open`] on every rank of `comm` at once (collective): a URL is resolved by
+    /// rank 0 alone (pointer, manifest, root `zarr.json`), which sends the manifest and the
+    /// index to the others in one broadcast, so a job asks the store for them once, not once
+    /// per rank (a large checkpoint's manifest is megabytes); every rank then reads the same
+    /// generation. A directory is opened by every rank, as [`Reader::open`] does. Every rank
+    /// gets the same outcome.
+    ///
+    /// # Errors
+    /// As [`Reader::open`] (rank 0's failure on every rank, naming it); [`Error::Comm`].
+    pub fn open_shared(
+        dir: impl AsRef<Path>,
+        comm: &dyn crate::comm::Communicator,
+    ) -> Result<Self> {
+        let dir = dir.as_ref();
+        #[cfg(feature = "object-store")]
+        if let Some(url) = dir.to_str().filter(|s| crate::storage::remote::is_url(s)) {
+            let ropts = crate::storage::remote::RemoteOptions::default();
+            return Self::open_url_shared(url, &ropts, comm);
+        }
+        crate::coord::agree(comm, Self::open(dir))
+    }
+
+    /// [`Reader::open_shared`] of `url` with the store options `ropts`.
+    ///
+    /// # Errors
+    /// As [`Reader::open_shared`].
+    #[cfg(feature = "object-store")]
+    pub fn open_url_shared(
+        url: &str,
+        ropts: &crate::storage::remote::RemoteOptions,
+        comm: &dyn crate::comm::Communicator,
+    ) -> Result<Self> {
+        use crate::storage::remote::{RemoteStore, generation};
+        let store = crate::coord::agree(comm, RemoteStore::open(url, ropts).map_err(Error::from))?;
+        // Rank 0: the manifest (as JSON) and the root document's bytes, framed by the
+        // manifest's length.
+        let first = if comm.rank() == 0 {
+            generation::resolve(&store)
+                .map_err(Error::from)
+                .and_then(|resolved| {
+                    let (reader, root) = Self::resolved(store.clone(), &resolved, None)?;
+                    let manifest = serde_json::to_vec(&resolved.manifest).unwrap_or_default();
+                    let mut msg = (manifest.len() as u64).to_le_bytes().to_vec();
+                    msg.extend_from_slice(&manifest);
+                    msg.extend_from_slice(&root);
+                    Ok((Some(reader), msg))
+                })
+        } else {
+            Ok((None, Vec::new()))
+        };
+        let (mine, msg) = crate::coord::agree(comm, first)?;
+        let got = comm.broadcast(0, &msg)?;
+        if let Some(r) = mine {
+            return crate::coord::agree(comm, Ok(r));
+        }
+        let rebuilt = (|| {
+            let bad = |reason: String| StorageError::NotACheckpoint {
+                path: std::path::PathBuf::from(url),
+                reason,
+            };
+            let n = got
+                .get(..8)
+                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|&n| 8 + n <= got.len())
+                .ok_or_else(|| bad("rank 0 sent a malformed manifest frame".into()))?;
+            let manifest: generation::Manifest = serde_json::from_slice(&got[8..8 + n])
+                .map_err(|e| bad(format!("rank 0 sent a malformed manifest: {e}")))?;
+            let resolved = generation::Resolved {
+                generation: manifest.generation.clone(),
+                manifest,
+            };
+            Self::resolved(store, &resolved, Some(got[8 + n..].to_vec())).map(|(r, _)| r)
+        })();
+        crate::coord::agree(comm, rebuilt)
+    }
+
+    /// A reader of the resolved generation `resolved` of the checkpoint `store` holds, its
+    /// root document given (`root`, checked against the manifest) or fetched; and the root
+    /// document's bytes.
+    #[cfg(feature = "object-store")]
+    fn resolved(
+        store: crate::storage::remote::RemoteStore,
+        resolved: &crate::storage::remote::generation::Resolved,
+        root: Option<Vec<u8>>,
+    ) -> Result<(Self, Vec<u8>)> {
+        use crate::storage::remote::generation;
         let prefix = generation::generation_key(&resolved.generation, "");
         let listed = resolved
             .manifest
@@ -114,7 +204,7 @@ impl Reader {
                 (join(&prefix, &e.key), l)
             })
             .collect();
-        Self::fetching(Arc::new(store), prefix, Some(listed))
+        Self::fetching(Arc::new(store), prefix, Some(listed), root)
     }
 
     /// Opens the checkpoint committed under `prefix` in `store` (its root `zarr.json` there):
@@ -127,7 +217,7 @@ impl Reader {
     pub fn open_store(store: Arc<dyn Store>, prefix: &str) -> Result<Self> {
         match store.local_path(prefix) {
             Some(dir) => Self::open(dir),
-            None => Self::fetching(store, prefix.to_owned(), None),
+            None => Ok(Self::fetching(store, prefix.to_owned(), None, None)?.0),
         }
     }
 
@@ -136,7 +226,8 @@ impl Reader {
         store: Arc<dyn Store>,
         prefix: String,
         listed: Option<std::collections::HashMap<String, Listed>>,
-    ) -> Result<Self> {
+        root_bytes: Option<Vec<u8>>,
+    ) -> Result<(Self, Vec<u8>)> {
         let dir = store.display_path(&prefix);
         let root = join(&prefix, "zarr.json");
         let fetcher = Fetcher {
@@ -145,7 +236,11 @@ impl Reader {
             listed,
             cache: IndexCache::default(),
         };
-        let bytes = match fetcher.whole(&root, crate::storage::meta::MAX_ROOT_JSON_BYTES) {
+        let got = match root_bytes {
+            Some(b) => fetcher.committed(&root, b),
+            None => fetcher.whole(&root, crate::storage::meta::MAX_ROOT_JSON_BYTES),
+        };
+        let bytes = match got {
             Ok(b) => b,
             Err(StorageError::NotFound { .. }) => {
                 return Err(StorageError::NotACheckpoint {
@@ -159,7 +254,7 @@ impl Reader {
         let meta = CheckpointMeta::from_root_json(&bytes, &fetcher.store.display_path(&root))?;
         let mut r = Self::from_index(dir, meta);
         r.fetcher = Some(fetcher);
-        Ok(r)
+        Ok((r, bytes))
     }
 
     /// A reader of the local directory `dir` against an index already read.

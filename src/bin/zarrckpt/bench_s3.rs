@@ -252,7 +252,7 @@ fn load_s3(
                 Some(f) => load(&mut targets, f.dir(), &comm, &opts),
                 None => {
                     let t0 = Instant::now();
-                    let reader = Reader::open_url(url, ropts)?;
+                    let reader = Reader::open_url_shared(url, ropts, &comm)?;
                     let mut r = load_with_reader(&mut targets, None, &reader, &comm, &opts)?;
                     r.phases.plan += t0
                         .elapsed()
