@@ -722,15 +722,22 @@ fn tail_copies_spare_a_get_per_shard_and_a_damaged_copy_only_costs_requests() {
     assert_eq!(reader.ranged_gets(), 2 + 3 * 2 + 3);
 }
 
+/// [`save_six`] on SeaweedFS at `s3://<bucket>/<name>`, and a counting proxy in front of the
+/// server with the options that reach it: (URL, the tensors' bytes, proxy, options).
+fn six_behind_a_counter(name: &str) -> (String, Vec<Vec<u8>>, proxy::Proxy, RemoteOptions) {
+    let url = s3::url(name);
+    let fulls = save_six(&url, &s3::options(), false);
+    let counter = proxy::Proxy::start(s3::shared().port, Vec::new(), Duration::from_secs(300));
+    let via = s3::options_for(&format!("http://127.0.0.1:{}", counter.port));
+    (url, fulls, counter, via)
+}
+
 #[test]
 fn s3_a_load_asks_for_the_pointer_manifest_index_tails_and_data_only() {
     if s3::skipped("s3_a_load_asks_for_the_pointer_manifest_index_tails_and_data_only") {
         return;
     }
-    let url = s3::url("read-requests");
-    let fulls = save_six(&url, &s3::options(), false);
-    let counter = proxy::Proxy::start(s3::shared().port, Vec::new(), Duration::from_secs(300));
-    let via = s3::options_for(&format!("http://127.0.0.1:{}", counter.port));
+    let (url, fulls, counter, via) = six_behind_a_counter("read-requests");
     let reader = Reader::open_url(&url, &via).unwrap();
     load_six_middles(&reader, &fulls);
     let seen = counter.seen();
@@ -786,10 +793,7 @@ fn s3_ranks_opening_together_ask_for_pointer_manifest_and_index_once() {
     if s3::skipped("s3_ranks_opening_together_ask_for_pointer_manifest_and_index_once") {
         return;
     }
-    let url = s3::url("read-open-shared");
-    let fulls = save_six(&url, &s3::options(), false);
-    let counter = proxy::Proxy::start(s3::shared().port, Vec::new(), Duration::from_secs(300));
-    let via = s3::options_for(&format!("http://127.0.0.1:{}", counter.port));
+    let (url, fulls, counter, via) = six_behind_a_counter("read-open-shared");
     let dirs = run_local(4, Duration::from_secs(60), |comm| {
         let r = Reader::open_url_shared(&url, &via, &comm)?;
         Ok::<_, Error>((r.dir().to_path_buf(), r.meta().tensors.len()))
