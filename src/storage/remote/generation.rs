@@ -402,8 +402,9 @@ pub fn resolve(store: &RemoteStore) -> Result<Resolved, RemoteError> {
     })
 }
 
-/// Downloads every object of a resolved generation into `dest` (created; must not exist),
-/// checking each against its manifest size and crc32c, at most `concurrency` at once. The
+/// Downloads every object of a resolved generation but its tails objects (spec 20.7) into
+/// `dest` (created; must not exist), checking each against its manifest size and crc32c, at
+/// most `concurrency` at once. The
 /// objects go into a temporary sibling first, renamed to `dest` once all arrived, so `dest`
 /// never holds part of a generation.
 ///
@@ -428,9 +429,16 @@ pub fn download(store: &RemoteStore, resolved: &Resolved, dest: &Path) -> Result
 
 fn download_into(store: &RemoteStore, resolved: &Resolved, tmp: &Path) -> Result<(), RemoteError> {
     std::fs::create_dir_all(tmp).map_err(|e| RemoteError::io(tmp, e))?;
-    let mut dirs: Vec<PathBuf> = resolved
+    // The tails objects (spec 20.7) are the object-store profile's reading aid, no part of
+    // the checkpoint: a local copy goes without them.
+    let tails = format!("{}/", super::writer::TAILS);
+    let objects: Vec<&ManifestEntry> = resolved
         .manifest
         .objects
+        .iter()
+        .filter(|e| !e.key.starts_with(&tails))
+        .collect();
+    let mut dirs: Vec<PathBuf> = objects
         .iter()
         .filter_map(|e| tmp.join(&e.key).parent().map(Path::to_path_buf))
         .collect();
@@ -442,18 +450,17 @@ fn download_into(store: &RemoteStore, resolved: &Resolved, tmp: &Path) -> Result
     let n = store.options().concurrency.max(1);
     let generation = &resolved.generation;
     store.block_on(async {
-        let mut tasks =
-            futures::stream::iter(resolved.manifest.objects.iter().map(|e| async move {
-                store
-                    .download_file(
-                        &generation_key(generation, &e.key),
-                        &tmp.join(&e.key),
-                        e.size,
-                        e.crc32c,
-                    )
-                    .await
-            }))
-            .buffer_unordered(n);
+        let mut tasks = futures::stream::iter(objects.iter().map(|e| async move {
+            store
+                .download_file(
+                    &generation_key(generation, &e.key),
+                    &tmp.join(&e.key),
+                    e.size,
+                    e.crc32c,
+                )
+                .await
+        }))
+        .buffer_unordered(n);
         while let Some(r) = tasks.next().await {
             r?;
         }
