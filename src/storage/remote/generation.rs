@@ -24,6 +24,9 @@ pub const MANIFEST: &str = "zarrckpt.manifest.json";
 /// The root document of a generation (the checkpoint's index), written last.
 pub const ROOT: &str = "zarr.json";
 
+/// Where a generation's tails objects are (spec 20.7), relative to its folder.
+pub const TAILS: &str = "tails";
+
 /// The pointer's content.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Pointer {
@@ -431,7 +434,7 @@ fn download_into(store: &RemoteStore, resolved: &Resolved, tmp: &Path) -> Result
     std::fs::create_dir_all(tmp).map_err(|e| RemoteError::io(tmp, e))?;
     // The tails objects (spec 20.7) are the object-store profile's reading aid, no part of
     // the checkpoint: a local copy goes without them.
-    let tails = format!("{}/", super::writer::TAILS);
+    let tails = format!("{TAILS}/");
     let objects: Vec<&ManifestEntry> = resolved
         .manifest
         .objects

@@ -29,15 +29,12 @@ use super::abort::AbortWatch;
 use super::base::{PROGRESS_EVERY, error_chain, generation_key};
 use super::client::RemoteStore;
 use super::error::RemoteError;
-use super::generation::{ManifestEntry, TailCopy};
+use super::generation::{ManifestEntry, TAILS, TailCopy};
 use super::multipart::RecordedUpload;
 use crate::storage::error::StorageError;
 use crate::storage::store::{
     Capabilities, ListResult, MultipartWrite, ObjectMeta, PutMode, PutResult, Store, check_location,
 };
-
-/// Where a generation's tails objects are (spec 20.7), relative to its folder.
-pub const TAILS: &str = "tails";
 
 /// Writes one generation of a checkpoint through the storage seam (see the module docs).
 #[derive(Debug)]
