@@ -93,6 +93,31 @@ impl crate::storage::object::CheckpointObjects for Fetcher {
 /// One shard a rank is about to read: its array, stored geometry and shard read.
 pub(crate) type Planned<'a> = (&'a TensorArray, &'a StoredGeometry, &'a ShardRead);
 
+/// A copy of one shard's tail in a tails object (spec 20.7), about to be fetched.
+struct TailAt<'a> {
+    /// The shard.
+    shard: Planned<'a>,
+    /// The shard object's committed size.
+    size: u64,
+    /// Where the copy starts in the tails object, and its length.
+    at: Range<u64>,
+}
+
+/// Whether a byte range starting at `start` joins the range `last` in one get: at most
+/// [`COALESCE_GAP`] bytes after its end.
+fn joins(last: &Range<u64>, start: u64) -> bool {
+    start.saturating_sub(last.end) <= COALESCE_GAP
+}
+
+/// Adds `next` to `ranges` (sorted by start): joined to the last one when [`joins`], else
+/// as a range of its own.
+fn coalesce(ranges: &mut Vec<Range<u64>>, next: Range<u64>) {
+    match ranges.last_mut() {
+        Some(r) if joins(r, next.start) => r.end = r.end.max(next.end),
+        _ => ranges.push(next),
+    }
+}
+
 fn missing(arr: &TensorArray, chunk: &[u64]) -> StorageError {
     StorageError::MissingChunk {
         key: arr.key().to_string(),
@@ -146,13 +171,13 @@ impl Fetcher {
         let Some(l) = self.listed.as_ref().and_then(|m| m.get(location)) else {
             return Ok(bytes);
         };
-        if !self.committed_as(location, &bytes) {
+        let crc = crc32c::crc32c(&bytes);
+        if l.size != bytes.len() as u64 || l.crc32c != crc {
             return Err(StorageError::Malformed {
                 path: self.store.display_path(location),
                 reason: format!(
-                    "the object ({} bytes, crc32c {:#010x}) is not the committed one ({} bytes, crc32c {:#010x}, by the manifest)",
+                    "the object ({} bytes, crc32c {crc:#010x}) is not the committed one ({} bytes, crc32c {:#010x}, by the manifest)",
                     bytes.len(),
-                    crc32c::crc32c(&bytes),
                     l.size,
                     l.crc32c
                 ),
@@ -300,7 +325,7 @@ impl Fetcher {
     }
 
     /// Counts a decoded index and keeps it while the cache has room.
-    fn keep(&self, id: ShardId, index: &Arc<FetchedIndex>) -> bool {
+    fn keep(&self, id: ShardId, index: &Arc<FetchedIndex>) {
         self.cache.decoded.fetch_add(1, Ordering::Relaxed);
         let added = index.memory_bytes();
         if self.cache.bytes.fetch_add(added, Ordering::Relaxed) + added <= INDEX_CACHE_BYTES {
@@ -309,10 +334,8 @@ impl Fetcher {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .insert(id, Arc::clone(index));
-            true
         } else {
             self.cache.bytes.fetch_sub(added, Ordering::Relaxed);
-            false
         }
     }
 
@@ -327,7 +350,7 @@ impl Fetcher {
     pub(crate) fn prefetch_tails(&self, shards: &[Planned<'_>], counters: &ReadCounters) {
         let Some(listed) = &self.listed else { return };
         let mut seen = std::collections::HashSet::new();
-        let mut by_object: HashMap<&str, Vec<(Planned<'_>, u64, u64, u64)>> = HashMap::new();
+        let mut by_object: HashMap<&str, Vec<TailAt<'_>>> = HashMap::new();
         let mut budget = INDEX_CACHE_BYTES.saturating_sub(self.cache.bytes.load(Ordering::Relaxed));
         let mut count = 0usize;
         {
@@ -351,32 +374,29 @@ impl Fetcher {
                 if suffix_start(arr, geom, shard, l.size, tail).is_some() || tail > budget {
                     continue;
                 }
+                let Some(end) = offset.checked_add(tail) else {
+                    continue;
+                };
                 budget -= tail;
                 count += 1;
-                by_object.entry(object.as_str()).or_default().push((
-                    (arr, geom, shard),
-                    l.size,
-                    *offset,
-                    tail,
-                ));
+                by_object.entry(object.as_str()).or_default().push(TailAt {
+                    shard: (arr, geom, shard),
+                    size: l.size,
+                    at: *offset..end,
+                });
             }
         }
         if count < 2 {
             return;
         }
-        let fetch_one = |(object, mut copies): (&str, Vec<(Planned<'_>, u64, u64, u64)>)| {
-            copies.sort_unstable_by_key(|c| c.2);
+        let fetch_one = |(object, mut copies): (&str, Vec<TailAt<'_>>)| {
+            copies.sort_unstable_by_key(|c| c.at.start);
             let object_size = listed.get(object).map_or(0, |l| l.size);
-            copies.retain(|c| c.2.checked_add(c.3).is_some_and(|end| end <= object_size));
+            // A copy that would end past its object is no copy.
+            copies.retain(|c| c.at.end <= object_size);
             let mut ranges: Vec<Range<u64>> = Vec::new();
             for c in &copies {
-                let (start, end) = (c.2, c.2 + c.3);
-                match ranges.last_mut() {
-                    Some(r) if start.saturating_sub(r.end) <= COALESCE_GAP => {
-                        r.end = r.end.max(end);
-                    }
-                    _ => ranges.push(start..end),
-                }
+                coalesce(&mut ranges, c.at.clone());
             }
             if ranges.is_empty() {
                 return;
@@ -392,18 +412,22 @@ impl Fetcher {
             self.cache.gets.fetch_add(1, Ordering::Relaxed);
             let n: u64 = bufs.iter().map(|b| b.len() as u64).sum();
             counters.bytes.fetch_add(n, Ordering::Relaxed);
-            for ((arr, geom, shard), size, offset, tail) in copies {
+            for TailAt {
+                shard: (arr, geom, shard),
+                size,
+                at,
+            } in copies
+            {
                 let Some((r, b)) = ranges
                     .iter()
                     .zip(&bufs)
-                    .find(|(r, _)| r.start <= offset && offset + tail <= r.end)
+                    .find(|(r, _)| r.start <= at.start && at.end <= r.end)
                 else {
                     continue;
                 };
-                let at = usize::try_from(offset - r.start).unwrap_or(usize::MAX);
-                let Some(copy) =
-                    b.get(at..at.saturating_add(usize::try_from(tail).unwrap_or(usize::MAX)))
-                else {
+                let from = usize::try_from(at.start - r.start).unwrap_or(usize::MAX);
+                let to = usize::try_from(at.end - r.start).unwrap_or(usize::MAX);
+                let Some(copy) = b.get(from..to) else {
                     continue;
                 };
                 let decoded = timed(&counters.open_ns, || {
@@ -623,7 +647,7 @@ fn batches(shard: &ShardRead, index: &FetchedIndex) -> Vec<Batch> {
     for (start, end, i) in present {
         let (ranges, subs) = out.last_mut().expect("never empty");
         let grow = match ranges.last() {
-            Some(r) if start.saturating_sub(r.end) <= COALESCE_GAP => end.saturating_sub(r.end),
+            Some(r) if joins(r, start) => end.saturating_sub(r.end),
             _ => end - start,
         };
         if !ranges.is_empty() && held.saturating_add(grow) > BATCH_BYTES {
@@ -631,10 +655,7 @@ fn batches(shard: &ShardRead, index: &FetchedIndex) -> Vec<Batch> {
             held = end - start;
             continue;
         }
-        match ranges.last_mut() {
-            Some(r) if start.saturating_sub(r.end) <= COALESCE_GAP => r.end = r.end.max(end),
-            _ => ranges.push(start..end),
-        }
+        coalesce(ranges, start..end);
         subs.push(i);
         held = held.saturating_add(grow);
     }

@@ -136,16 +136,20 @@ impl Reader {
     ) -> Result<Self> {
         use crate::storage::remote::{RemoteStore, generation};
         let store = crate::coord::agree(comm, RemoteStore::open(url, ropts).map_err(Error::from))?;
-        // Rank 0: the manifest (as JSON) and the root document's bytes, framed by the
-        // manifest's length.
+        // Rank 0: the generation, the manifest's bytes as fetched and the root document's,
+        // each framed by its length; the others check them as rank 0 did.
         let first = if comm.rank() == 0 {
-            generation::resolve(&store)
+            generation::resolve_with_bytes(&store)
                 .map_err(Error::from)
-                .and_then(|resolved| {
+                .and_then(|(resolved, manifest)| {
                     let (reader, root) = Self::resolved(store.clone(), &resolved, None)?;
-                    let manifest = serde_json::to_vec(&resolved.manifest).unwrap_or_default();
-                    let mut msg = (manifest.len() as u64).to_le_bytes().to_vec();
-                    msg.extend_from_slice(&manifest);
+                    let mut msg = Vec::with_capacity(
+                        16 + resolved.generation.len() + manifest.len() + root.len(),
+                    );
+                    for part in [resolved.generation.as_bytes(), &manifest] {
+                        msg.extend_from_slice(&(part.len() as u64).to_le_bytes());
+                        msg.extend_from_slice(part);
+                    }
                     msg.extend_from_slice(&root);
                     Ok((Some(reader), msg))
                 })
@@ -158,23 +162,30 @@ impl Reader {
             return crate::coord::agree(comm, Ok(r));
         }
         let rebuilt = (|| {
-            let bad = |reason: String| StorageError::NotACheckpoint {
+            let bad = || StorageError::NotACheckpoint {
                 path: std::path::PathBuf::from(url),
-                reason,
+                reason: "rank 0 sent a malformed resolution of the checkpoint".into(),
             };
-            let n = got
-                .get(..8)
-                .map(|b| u64::from_le_bytes(b.try_into().unwrap_or([0; 8])))
-                .and_then(|n| usize::try_from(n).ok())
-                .filter(|&n| 8 + n <= got.len())
-                .ok_or_else(|| bad("rank 0 sent a malformed manifest frame".into()))?;
-            let manifest: generation::Manifest = serde_json::from_slice(&got[8..8 + n])
-                .map_err(|e| bad(format!("rank 0 sent a malformed manifest: {e}")))?;
+            let mut rest = got.as_slice();
+            let mut frame = || -> Option<&[u8]> {
+                let n =
+                    usize::try_from(u64::from_le_bytes(rest.get(..8)?.try_into().ok()?)).ok()?;
+                let part = rest.get(8..8usize.checked_add(n)?)?;
+                rest = &rest[8 + n..];
+                Some(part)
+            };
+            let generation = frame()
+                .and_then(|g| std::str::from_utf8(g).ok())
+                .ok_or_else(bad)?
+                .to_owned();
+            let manifest = frame().ok_or_else(bad)?;
+            let manifest = generation::parse_manifest(&store, &generation, manifest)?;
+            let root = rest.to_vec();
             let resolved = generation::Resolved {
-                generation: manifest.generation.clone(),
+                generation,
                 manifest,
             };
-            Self::resolved(store, &resolved, Some(got[8 + n..].to_vec())).map(|(r, _)| r)
+            Self::resolved(store, &resolved, Some(root)).map(|(r, _)| r)
         })();
         crate::coord::agree(comm, rebuilt)
     }

@@ -361,6 +361,15 @@ impl Resolved {
 /// [`RemoteError::NotFound`] without a pointer; [`RemoteError::Corrupt`] for a manifest that
 /// is missing, does not parse, names another generation, or has unsafe keys.
 pub fn resolve(store: &RemoteStore) -> Result<Resolved, RemoteError> {
+    resolve_with_bytes(store).map(|(r, _)| r)
+}
+
+/// As [`resolve`], with the manifest's bytes as fetched (what a rank that resolved for the
+/// others sends them: [`parse_manifest`] reads them back).
+///
+/// # Errors
+/// As [`resolve`].
+pub(crate) fn resolve_with_bytes(store: &RemoteStore) -> Result<(Resolved, Vec<u8>), RemoteError> {
     let Some(p) = read_pointer(store)? else {
         return Err(RemoteError::NotFound {
             url: store.url().url(),
@@ -369,16 +378,37 @@ pub fn resolve(store: &RemoteStore) -> Result<Resolved, RemoteError> {
     };
     let generation = p.pointer.generation;
     let key = generation_key(&generation, MANIFEST);
+    let Some((bytes, _)) = store.get(&key)? else {
+        return Err(RemoteError::Corrupt {
+            key: store.url().url_of(&key),
+            detail: "the pointer names a generation without a manifest".into(),
+        });
+    };
+    let manifest = parse_manifest(store, &generation, &bytes)?;
+    Ok((
+        Resolved {
+            generation,
+            manifest,
+        },
+        Vec::from(bytes),
+    ))
+}
+
+/// The manifest of `generation` in `bytes`, checked: version 1, of that generation, every key
+/// safe, a root document listed.
+///
+/// # Errors
+/// [`RemoteError::Corrupt`] naming the manifest's URL otherwise.
+pub(crate) fn parse_manifest(
+    store: &RemoteStore,
+    generation: &str,
+    bytes: &[u8],
+) -> Result<Manifest, RemoteError> {
     let corrupt = |detail: String| RemoteError::Corrupt {
-        key: store.url().url_of(&key),
+        key: store.url().url_of(&generation_key(generation, MANIFEST)),
         detail,
     };
-    let Some((bytes, _)) = store.get(&key)? else {
-        return Err(corrupt(
-            "the pointer names a generation without a manifest".into(),
-        ));
-    };
-    let manifest: Manifest = serde_json::from_slice(&bytes)
+    let manifest: Manifest = serde_json::from_slice(bytes)
         .map_err(|e| corrupt(format!("not a zarrckpt manifest: {e}")))?;
     if manifest.zarrckpt_manifest != 1 || manifest.generation != generation {
         return Err(corrupt(format!(
@@ -399,10 +429,7 @@ pub fn resolve(store: &RemoteStore) -> Result<Resolved, RemoteError> {
     if !manifest.objects.iter().any(|e| e.key == ROOT) {
         return Err(corrupt("the manifest lists no root zarr.json".into()));
     }
-    Ok(Resolved {
-        generation,
-        manifest,
-    })
+    Ok(manifest)
 }
 
 /// Downloads every object of a resolved generation but its tails objects (spec 20.7) into
