@@ -192,6 +192,29 @@ impl RemoteStore {
         runtime().block_on(f)
     }
 
+    /// Runs a future as a task of the shared runtime's workers and waits for its output. A
+    /// future that receives response bodies should run so: its body chunks are then taken
+    /// where the connections are driven, and the calling thread wakes once, at the end, not
+    /// once per chunk (which costs a context switch each when many threads wait on reads).
+    ///
+    /// # Panics
+    /// When the future panics (the panic goes on in the caller).
+    pub fn run<F>(&self, f: F) -> F::Output
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let rt = runtime();
+        match rt.block_on(rt.spawn(f)) {
+            Ok(v) => v,
+            Err(e) => match e.try_into_panic() {
+                Ok(p) => std::panic::resume_unwind(p),
+                // Invariant: the runtime is never shut down and the task never aborted.
+                Err(e) => panic!("object-store task ended without a result: {e}"),
+            },
+        }
+    }
+
     /// Reads a whole object: `None` when absent, else its bytes and ETag.
     ///
     /// # Errors

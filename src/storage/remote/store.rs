@@ -170,13 +170,14 @@ impl Store for RemoteStore {
                     .map(move |at| (i, at..r.end.min(at.saturating_add(GET_PIECE))))
             })
             .collect();
-        let inner = self.inner();
+        let inner = std::sync::Arc::clone(self.inner());
         let n = self.options().concurrency.max(1);
-        let mut out: Vec<Vec<u8>> = ranges.iter().map(|_| Vec::new()).collect();
-        self.block_on(async {
-            let mut got = futures::stream::iter(pieces.iter().map(|(i, r)| {
-                let key = &key;
-                async move { inner.get_range(key, r.clone()).await.map(|b| (*i, r, b)) }
+        let ranges = ranges.to_vec();
+        self.run(async move {
+            let mut out: Vec<Vec<u8>> = ranges.iter().map(|_| Vec::new()).collect();
+            let mut got = futures::stream::iter(pieces.into_iter().map(|(i, r)| {
+                let (inner, key) = (&inner, &key);
+                async move { inner.get_range(key, r.clone()).await.map(|b| (i, r, b)) }
             }))
             .buffered(n);
             while let Some(piece) = got.next().await {
@@ -206,9 +207,8 @@ impl Store for RemoteStore {
                     out[i].extend_from_slice(&b);
                 }
             }
-            Ok(())
-        })?;
-        Ok(out)
+            Ok(out)
+        })
     }
 
     fn head(&self, location: &str) -> Result<ObjectMeta, StorageError> {
