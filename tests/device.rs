@@ -267,20 +267,24 @@ fn load_strips(dir: &std::path::Path, world: usize, cap: usize, transpose: bool)
 
 #[test]
 fn loads_column_strips_into_strided_device_views_in_bounded_rounds() {
-    let dir = tempfile::tempdir().unwrap();
-    save_host(dir.path(), 2);
+    let tmp = tempfile::tempdir().unwrap();
+    // In a folder of its own: the lock file beside it goes with the temporary folder.
+    let dir = tmp.path().join("ckpt");
+    save_host(&dir, 2);
     // A cap far below every tensor: many rounds, tensors cut into slabs.
-    load_strips(dir.path(), 3, 256, false);
+    load_strips(&dir, 3, 256, false);
     // A cap above everything: one round.
-    load_strips(dir.path(), 3, 1 << 20, false);
+    load_strips(&dir, 3, 1 << 20, false);
     // Transposed device layout (2-D / 3-D pitched copies with permuted strides).
-    load_strips(dir.path(), 2, 512, true);
+    load_strips(&dir, 2, 512, true);
 }
 
 #[test]
 fn host_and_device_targets_load_in_one_call() {
-    let dir = tempfile::tempdir().unwrap();
-    save_host(dir.path(), 2);
+    let tmp = tempfile::tempdir().unwrap();
+    // In a folder of its own: the lock file beside it goes with the temporary folder.
+    let dir = tmp.path().join("ckpt");
+    save_host(&dir, 2);
     let ts = tensors();
     let results = run_local(2, Duration::from_secs(30), |comm| {
         let dev = Arc::new(SimDevice::new());
@@ -312,7 +316,7 @@ fn host_and_device_targets_load_in_one_call() {
             &mut ht,
             &[dt],
             &mut staging,
-            dir_path(&comm, dir.path()),
+            dir_path(&comm, &dir),
             &comm,
             &LoadOptions::default(),
         )
@@ -329,8 +333,10 @@ fn host_and_device_targets_load_in_one_call() {
 /// does not have.
 #[test]
 fn a_rank_without_device_targets_keeps_step_with_one_that_has_them() {
-    let dir = tempfile::tempdir().unwrap();
-    save_host(dir.path(), 2);
+    let tmp = tempfile::tempdir().unwrap();
+    // In a folder of its own: the lock file beside it goes with the temporary folder.
+    let dir = tmp.path().join("ckpt");
+    save_host(&dir, 2);
     let ts = tensors();
     let results = run_local(2, Duration::from_secs(30), |comm| {
         let dev = Arc::new(SimDevice::new());
@@ -366,7 +372,7 @@ fn a_rank_without_device_targets_keeps_step_with_one_that_has_them() {
             &mut ht,
             &device,
             &mut staging,
-            dir_path(&comm, dir.path()),
+            dir_path(&comm, &dir),
             &comm,
             &LoadOptions::default(),
         )
@@ -389,8 +395,10 @@ fn dir_path<'a>(_comm: &dyn Communicator, p: &'a std::path::Path) -> &'a std::pa
 
 #[test]
 fn bad_device_requests_fail_on_every_rank() {
-    let dir = tempfile::tempdir().unwrap();
-    save_host(dir.path(), 1);
+    let tmp = tempfile::tempdir().unwrap();
+    // In a folder of its own: the lock file beside it goes with the temporary folder.
+    let dir = tmp.path().join("ckpt");
+    save_host(&dir, 1);
     // A key the checkpoint lacks, on one rank only: every rank fails, naming it.
     let results = run_local(2, Duration::from_secs(30), |comm| {
         let dev = Arc::new(SimDevice::new());
@@ -410,7 +418,7 @@ fn bad_device_requests_fail_on_every_rank() {
             &mut [],
             &[t],
             &mut staging,
-            dir.path(),
+            &dir,
             &comm,
             &LoadOptions::default(),
         )
@@ -438,7 +446,7 @@ fn bad_device_requests_fail_on_every_rank() {
             &mut [],
             &[t],
             &mut staging,
-            dir.path(),
+            &dir,
             &comm,
             &LoadOptions::default(),
         )
@@ -473,7 +481,7 @@ fn bad_device_requests_fail_on_every_rank() {
             &mut [],
             &[mk("nope", a), mk("b.i64", b)],
             &mut staging,
-            dir.path(),
+            &dir,
             &comm,
             &opts,
         )

@@ -68,7 +68,9 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
 #[test]
 fn loads_into_device_column_strips() {
     let Some(dev) = gpu() else { return };
-    let dir = tempfile::tempdir().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // In a folder of its own: the lock file beside it goes with the temporary folder.
+    let dir = tmp.path().join("ckpt");
     let (rows, cols) = (300u64, 257u64);
     let full = pattern((rows * cols * 4) as usize, 7);
     let key = TensorKey::new("w").unwrap();
@@ -79,7 +81,7 @@ fn loads_into_device_column_strips() {
             &full[(r * rows / 2 * cols * 4) as usize..((r + 1) * rows / 2 * cols * 4) as usize];
         let p = ShardedTensor::new(key.clone(), DType::Float32, vec![rows, cols], reg, 0, bytes)
             .unwrap();
-        save(&[p], dir.path(), &comm, &SaveOptions::default()).unwrap();
+        save(&[p], &dir, &comm, &SaveOptions::default()).unwrap();
     });
     // Columns 100..200 into a [rows, 128] device matrix at column 5.
     let pitch = 128u64;
@@ -94,7 +96,7 @@ fn loads_into_device_column_strips() {
         &mut [],
         &[t],
         &mut staging,
-        dir.path(),
+        &dir,
         &comm,
         &LoadOptions::default(),
     )
