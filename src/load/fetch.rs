@@ -17,7 +17,7 @@ use crate::plan::load::{ShardRead, StoredGeometry, SubchunkRead};
 use crate::storage::read::{
     FetchedIndex, ReadCounters, decode_shard_tail, read_shard_from, shard_tail_bytes, timed,
 };
-use crate::storage::store::{Store, join};
+use crate::storage::store::{GET_RANGE_BYTES, Store, join};
 use crate::storage::{StorageError, TensorArray};
 
 /// Subchunks of one shard at most this many bytes apart are fetched by one ranged get (the
@@ -33,8 +33,9 @@ pub(crate) const BATCH_BYTES: u64 = 32 << 20;
 /// when read again.
 pub(crate) const INDEX_CACHE_BYTES: u64 = 64 << 20;
 
-/// Bytes of a shard fetched together with its index: where they start, and them.
-type Head = (u64, Vec<u8>);
+/// Bytes of a shard fetched together with its index: where each piece starts, and its bytes,
+/// in order.
+type Head = Vec<(u64, Vec<u8>)>;
 
 /// A shard: its tensor and grid index.
 type ShardId = (TensorKey, Vec<u64>);
@@ -103,17 +104,19 @@ struct TailAt<'a> {
     at: Range<u64>,
 }
 
-/// Whether a byte range starting at `start` joins the range `last` in one get: at most
-/// [`COALESCE_GAP`] bytes after its end.
-fn joins(last: &Range<u64>, start: u64) -> bool {
-    start.saturating_sub(last.end) <= COALESCE_GAP
+/// Whether the byte range `next` joins the range `last` in one range of a get: it starts at
+/// most [`COALESCE_GAP`] bytes after `last` ends, and the two together stay within
+/// [`GET_RANGE_BYTES`] (so that a store fetches the range as one request, with nothing to join).
+fn joins(last: &Range<u64>, next: &Range<u64>) -> bool {
+    next.start.saturating_sub(last.end) <= COALESCE_GAP
+        && next.end.max(last.end).saturating_sub(last.start) <= GET_RANGE_BYTES
 }
 
 /// Adds `next` to `ranges` (sorted by start): joined to the last one when [`joins`], else
 /// as a range of its own.
 fn coalesce(ranges: &mut Vec<Range<u64>>, next: Range<u64>) {
     match ranges.last_mut() {
-        Some(r) if joins(r, next.start) => r.end = r.end.max(next.end),
+        Some(r) if joins(r, &next) => r.end = r.end.max(next.end),
         _ => ranges.push(next),
     }
 }
@@ -294,34 +297,40 @@ impl Fetcher {
         } else {
             &counters.open_ns
         };
-        let mut bytes = if size < tail {
+        // The get, cut on the guessed subchunk boundaries into ranges of at most
+        // GET_RANGE_BYTES (each one request; the last one holds the tail).
+        let stored = arr
+            .uncompressed()
+            .then(|| geom.subchunk_bytes().saturating_add(4));
+        let ranges = suffix_ranges(stored, start, size, tail);
+        let mut bufs = if size < tail {
             Vec::new()
         } else {
-            let whole_tail = start..size;
-            match timed(clock, || {
-                self.get(
-                    arr,
-                    chunk,
-                    &location,
-                    std::slice::from_ref(&whole_tail),
-                    counters,
-                )
-            }) {
-                Ok(mut b) => b.pop().unwrap_or_default(),
+            match timed(clock, || self.get(arr, chunk, &location, &ranges, counters)) {
+                Ok(b) => b,
                 Err(e) => return Err(self.explain(arr, chunk, &location, size, e)),
             }
         };
-        let at = bytes
+        let last = bufs.pop().unwrap_or_default();
+        let at = last
             .len()
             .saturating_sub(usize::try_from(tail).unwrap_or(usize::MAX));
         let index = timed(&counters.open_ns, || {
-            decode_shard_tail(arr, geom, chunk, size, &bytes[at..])
+            decode_shard_tail(arr, geom, chunk, size, &last[at..])
         })
         .map(Arc::new)?;
         self.keep(id, &index);
-        bytes.truncate(at);
-        let head = (!bytes.is_empty()).then_some((start, bytes));
-        Ok((index, head))
+        bufs.push(last);
+        if let Some(b) = bufs.last_mut() {
+            b.truncate(at);
+        }
+        let head: Head = ranges
+            .iter()
+            .map(|r| r.start)
+            .zip(bufs)
+            .filter(|(_, b)| !b.is_empty())
+            .collect();
+        Ok((index, (!head.is_empty()).then_some(head)))
     }
 
     /// Counts a decoded index and keeps it while the cache has room.
@@ -497,19 +506,22 @@ impl Fetcher {
         // What came with the index is read from it; the rest as usual.
         let rest = match &head {
             None => std::borrow::Cow::Borrowed(shard),
-            Some((start, bytes)) => {
-                let end = start.saturating_add(bytes.len() as u64);
+            Some(pieces) => {
                 let (with, rest): (Vec<SubchunkRead>, Vec<SubchunkRead>) =
                     shard.subchunks.iter().cloned().partition(|s| {
-                        index
-                            .entry(s.linear)
-                            .is_some_and(|(off, n)| off >= *start && off.saturating_add(n) <= end)
+                        index.entry(s.linear).is_some_and(|(off, n)| {
+                            pieces.iter().any(|(start, b)| {
+                                off >= *start
+                                    && off.saturating_add(n) <= start.saturating_add(b.len() as u64)
+                            })
+                        })
                     });
                 let part = ShardRead {
                     chunk: shard.chunk.clone(),
                     subchunks: with,
                 };
-                let fetched = [(*start, bytes.as_slice())];
+                let fetched: Vec<(u64, &[u8])> =
+                    pieces.iter().map(|(s, b)| (*s, b.as_slice())).collect();
                 // SAFETY: forwarded to the caller.
                 unsafe { read_shard_from(arr, geom, &part, &index, &fetched, dest, counters) }?;
                 std::borrow::Cow::Owned(ShardRead {
@@ -624,6 +636,27 @@ fn suffix_start(
         .then_some(start)
 }
 
+/// The ranges of the get [`Fetcher::index`] makes of a shard's bytes from `start` to its
+/// end (`size`, its last `tail` bytes the tail): `start..size` cut where the guessed subchunk
+/// boundaries keep each range within [`GET_RANGE_BYTES`] (every subchunk `stored` bytes from
+/// `start`, as [`suffix_start`] found; `None`: compressed, no such guess). One range when only
+/// the tail is read; the last range always holds the whole tail.
+fn suffix_ranges(stored: Option<u64>, start: u64, size: u64, tail: u64) -> Vec<Range<u64>> {
+    let data_end = size.saturating_sub(tail);
+    let Some(stored) = stored.filter(|&s| s > 0 && start < data_end) else {
+        return std::iter::once(start..size).collect();
+    };
+    let per = (GET_RANGE_BYTES / stored).max(1).saturating_mul(stored);
+    let mut out = Vec::new();
+    let mut at = start;
+    while data_end.saturating_sub(at) > per {
+        out.push(at..at + per);
+        at += per;
+    }
+    out.push(at..size);
+    out
+}
+
 /// One batch of a shard's reads: the byte ranges fetched together, and the positions in the
 /// shard read's subchunks of the subchunks they hold.
 type Batch = (Vec<Range<u64>>, Vec<usize>);
@@ -647,7 +680,7 @@ fn batches(shard: &ShardRead, index: &FetchedIndex) -> Vec<Batch> {
     for (start, end, i) in present {
         let (ranges, subs) = out.last_mut().expect("never empty");
         let grow = match ranges.last() {
-            Some(r) if joins(r, start) => end.saturating_sub(r.end),
+            Some(r) if joins(r, &(start..end)) => end.saturating_sub(r.end),
             _ => end - start,
         };
         if !ranges.is_empty() && held.saturating_add(grow) > BATCH_BYTES {
@@ -660,4 +693,58 @@ fn batches(shard: &ShardRead, index: &FetchedIndex) -> Vec<Batch> {
         held = held.saturating_add(grow);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suffix_reads_are_cut_on_subchunk_boundaries_within_the_range_limit() {
+        let mib = 1u64 << 20;
+        // Only the tail: one range.
+        assert_eq!(suffix_ranges(Some(mib), 100, 164, 64), vec![100..164]);
+        assert_eq!(suffix_ranges(None, 0, 30 * mib, 64), vec![0..30 * mib]);
+        // 20 subchunks of 1 MiB + 4 bytes from 0, a 100-byte tail: 7 per range (7 x (1 MiB +
+        // 4) <= 8 MiB < 8 x (1 MiB + 4)); the last range holds the rest and the tail.
+        let stored = mib + 4;
+        let size = 20 * stored + 100;
+        let r = suffix_ranges(Some(stored), 0, size, 100);
+        assert_eq!(
+            r,
+            vec![0..7 * stored, 7 * stored..14 * stored, 14 * stored..size]
+        );
+        assert!(r.iter().all(|r| r.end - r.start <= GET_RANGE_BYTES + 100));
+        // From the middle of the shard, every cut on a subchunk boundary from `start`.
+        let r = suffix_ranges(Some(stored), 3 * stored, size, 100);
+        assert_eq!(r.first().map(|r| r.start), Some(3 * stored));
+        assert!(r.iter().all(|r| (r.start - 3 * stored).is_multiple_of(stored)));
+        assert_eq!(r.last().map(|r| r.end), Some(size));
+        // Subchunks larger than the limit: one per range.
+        let big = 9 * mib;
+        let r = suffix_ranges(Some(big), 0, 3 * big + 10, 10);
+        assert_eq!(r, vec![0..big, big..2 * big, 2 * big..3 * big + 10]);
+    }
+
+    #[test]
+    fn ranges_join_within_the_gap_and_the_range_limit() {
+        let mut ranges = Vec::new();
+        coalesce(&mut ranges, 0..100);
+        coalesce(&mut ranges, 100 + COALESCE_GAP..200 + COALESCE_GAP);
+        assert_eq!(ranges, vec![0..200 + COALESCE_GAP]);
+        coalesce(&mut ranges, 201 + 2 * COALESCE_GAP..300 + 2 * COALESCE_GAP);
+        assert_eq!(
+            ranges.len(),
+            2,
+            "a gap wider than COALESCE_GAP starts a range"
+        );
+        let start = ranges[1].start;
+        coalesce(&mut ranges, start + 10..start + GET_RANGE_BYTES);
+        assert_eq!(ranges.len(), 2);
+        coalesce(
+            &mut ranges,
+            start + GET_RANGE_BYTES..start + GET_RANGE_BYTES + 1,
+        );
+        assert_eq!(ranges.len(), 3, "no range longer than GET_RANGE_BYTES");
+    }
 }

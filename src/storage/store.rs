@@ -151,6 +151,11 @@ pub enum LockMode {
     Existing,
 }
 
+/// The most bytes one range of a [`Store::get_ranges`] should ask for. An object store fetches
+/// a range as one request up to this length, and a longer one as pieces of it, fetched at once
+/// and joined into one buffer afterwards (a copy into fresh memory).
+pub const GET_RANGE_BYTES: u64 = 8 << 20;
+
 /// A held lock ([`Store::try_lock`]); released when dropped.
 pub trait StoreLock: Debug + Send + Sync {
     /// The lock object's location.
@@ -255,7 +260,9 @@ pub trait Store: Debug + Send + Sync {
     /// I/O errors naming the object.
     fn put_multipart(&self, location: &str) -> Result<Box<dyn MultipartWrite + '_>, StorageError>;
 
-    /// Reads the byte ranges `ranges` of an object, one buffer per range, in order.
+    /// Reads the byte ranges `ranges` of an object, one buffer per range, in order. A store
+    /// may fetch a range longer than [`GET_RANGE_BYTES`] in pieces and join them (a copy):
+    /// callers that can cut their ranges shorter should.
     ///
     /// # Errors
     /// [`StorageError::NotFound`] when it is absent; [`StorageError::Io`] (unexpected end of

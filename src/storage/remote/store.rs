@@ -21,7 +21,7 @@ use crate::storage::store::{
 };
 
 /// The most bytes one ranged GET asks for: a longer range is fetched as several pieces at once.
-const GET_PIECE: u64 = 8 << 20;
+const GET_PIECE: u64 = crate::storage::store::GET_RANGE_BYTES;
 
 fn io(op: &'static str, path: PathBuf) -> impl FnOnce(object_store::Error) -> StorageError {
     move |e| match e {
