@@ -265,9 +265,10 @@ impl Fetcher {
     /// its tail. When the subchunks `shard` needs are the last ones of an uncompressed shard
     /// laid out as zarrckpt writes it (every subchunk present, in C order, each with its
     /// crc32c: the object's size says so), that one get starts at the first of them instead,
-    /// and the bytes before the tail come back too (`(offset, bytes)`): a read of a shard's
-    /// end, or of a whole shard, costs one request, not two. The offsets are a guess until the
-    /// index is decoded; what it does not cover is fetched as usual.
+    /// and the bytes before the tail come back too, in pieces of at most [`GET_RANGE_BYTES`]
+    /// (`(offset, bytes)` each, see [`suffix_ranges`]): a read of a shard's end, or of a whole
+    /// shard, costs one get, not two. The offsets are a guess until the index is decoded; what
+    /// the pieces do not cover is fetched as usual.
     fn index(
         &self,
         arr: &TensorArray,
@@ -718,7 +719,10 @@ mod tests {
         // From the middle of the shard, every cut on a subchunk boundary from `start`.
         let r = suffix_ranges(Some(stored), 3 * stored, size, 100);
         assert_eq!(r.first().map(|r| r.start), Some(3 * stored));
-        assert!(r.iter().all(|r| (r.start - 3 * stored).is_multiple_of(stored)));
+        assert!(
+            r.iter()
+                .all(|r| (r.start - 3 * stored).is_multiple_of(stored))
+        );
         assert_eq!(r.last().map(|r| r.end), Some(size));
         // Subchunks larger than the limit: one per range.
         let big = 9 * mib;
