@@ -12,7 +12,6 @@
 mod fuzz_checks;
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use fuzz_checks::{assert_names_file, copy_dir, cut};
 use proptest::prelude::*;
@@ -108,19 +107,12 @@ fn save_fixture(dir: &Path, compression: Compression) {
     save(&pieces, dir, &LocalComm::single(), &opts).unwrap();
 }
 
-/// A fresh copy of the pristine checkpoint for `compression`.
+/// A fresh checkpoint for `compression`, in a temporary folder of its own (saved for each
+/// test: a fixture kept in a static would never be removed, statics are not dropped).
 fn fixture(compression: Compression) -> (tempfile::TempDir, PathBuf) {
-    static PRISTINE: OnceLock<tempfile::TempDir> = OnceLock::new();
-    let root = PRISTINE.get_or_init(|| {
-        let t = tempfile::tempdir().unwrap();
-        for c in [Compression::None, Compression::Zstd, Compression::Blosc] {
-            save_fixture(&t.path().join(format!("{c:?}")), c);
-        }
-        t
-    });
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");
-    copy_dir(&root.path().join(format!("{compression:?}")), &dir);
+    save_fixture(&dir, compression);
     (tmp, dir)
 }
 
