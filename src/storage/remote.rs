@@ -9,6 +9,7 @@ pub mod base;
 pub mod client;
 pub mod error;
 pub mod generation;
+mod memory;
 pub mod multipart;
 pub mod probe;
 pub mod prune;

@@ -1,12 +1,10 @@
 //! Checkpoint URLs (`s3://bucket/prefix`, `gs://`, `az://`, `memory://`) and the stores built
 //! from them, their options and the usual environment variables.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use object_store::ObjectStore;
-use object_store::memory::InMemory;
 use object_store::multipart::MultipartStore;
 use object_store::path::Path as ObjPath;
 
@@ -274,20 +272,6 @@ impl RemoteUrl {
     }
 }
 
-/// The in-process stores behind `memory://name`, one per name.
-fn memory_store(name: &str) -> Arc<InMemory> {
-    static STORES: OnceLock<Mutex<HashMap<String, Arc<InMemory>>>> = OnceLock::new();
-    let mut stores = STORES
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    Arc::clone(
-        stores
-            .entry(name.to_string())
-            .or_insert_with(|| Arc::new(InMemory::new())),
-    )
-}
-
 /// Builds the store for `url`: `(store, endpoint named in messages)`.
 ///
 /// # Errors
@@ -325,10 +309,10 @@ impl Built {
 pub(crate) fn build_stores(url: &RemoteUrl, opts: &RemoteOptions) -> Result<Built, RemoteError> {
     match url.scheme {
         Scheme::Memory => {
-            let m = memory_store(&url.root);
+            let (store, parts) = super::memory::memory_store(&url.root);
             Ok(Built {
-                store: Arc::clone(&m) as Arc<dyn ObjectStore>,
-                multipart: Some(m as Arc<dyn MultipartStore>),
+                store: store as Arc<dyn ObjectStore>,
+                multipart: Some(parts as Arc<dyn MultipartStore>),
                 endpoint: url.root.clone(),
             })
         }
