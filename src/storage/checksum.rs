@@ -6,3 +6,26 @@ pub fn crc32c(data: &[u8]) -> u32 {
     // Crc32Iscsi is CRC-32C; the result fits in 32 bits.
     u32::try_from(crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, data)).unwrap_or(0)
 }
+
+/// crc32c of the concatenation of `parts`, without joining them.
+#[must_use]
+pub fn crc32c_of_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
+    let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    for p in parts {
+        d.update(p);
+    }
+    u32::try_from(d.finalize()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_give_the_crc_of_their_concatenation() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i * 31 % 251) as u8).collect();
+        let parts = [&data[..1], &data[1..4096], &data[4096..4096], &data[4096..]];
+        assert_eq!(crc32c_of_parts(parts), crc32c(&data));
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+    }
+}

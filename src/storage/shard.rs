@@ -58,6 +58,10 @@ pub struct ShardSpec<'a> {
 enum Seg {
     /// A contiguous range of the source, and its crc32c.
     Src(usize, usize, [u8; 4]),
+    /// A range of the source, one run of a subchunk handed over without gathering.
+    Run(usize, usize),
+    /// The crc32c ending a subchunk handed over as runs.
+    Crc([u8; 4]),
     /// A range of the staging buffer, and its crc32c.
     Staged(usize, usize, [u8; 4]),
     /// An encoded subchunk, its crc32c included.
@@ -81,6 +85,8 @@ impl Pending<'_> {
                     iov.push(IoSlice::new(&self.src[*a..*b]));
                     iov.push(IoSlice::new(crc));
                 }
+                Seg::Run(a, b) => iov.push(IoSlice::new(&self.src[*a..*b])),
+                Seg::Crc(crc) => iov.push(IoSlice::new(crc)),
                 Seg::Staged(a, b, crc) => {
                     iov.push(IoSlice::new(&self.staging[*a..*b]));
                     iov.push(IoSlice::new(crc));
@@ -93,6 +99,35 @@ impl Pending<'_> {
         self.staging.clear();
         self.held = 0;
         Ok(())
+    }
+}
+
+/// A shard's index as it is built: each subchunk's place, and the crc32c list of the footer
+/// when the shard has one.
+struct IndexBuilder {
+    bytes: Vec<u8>,
+    crcs: Option<Vec<u32>>,
+    /// Where the next subchunk starts.
+    offset: u64,
+}
+
+impl IndexBuilder {
+    /// Enters the next subchunk: empty when it is all zero, else `len` bytes at the offset,
+    /// which moves past them.
+    fn place(&mut self, all_zero: bool, len: usize, crc: u32) {
+        let (at, n, crc) = if all_zero {
+            (u64::MAX, u64::MAX, 0)
+        } else {
+            (self.offset, len as u64, crc)
+        };
+        self.bytes.extend_from_slice(&at.to_le_bytes());
+        self.bytes.extend_from_slice(&n.to_le_bytes());
+        if !all_zero {
+            self.offset += len as u64;
+        }
+        if let Some(c) = &mut self.crcs {
+            c.push(crc);
+        }
     }
 }
 
@@ -125,15 +160,25 @@ pub fn write_shard(
     // The crc32c of an all-zero subchunk, to skip the zero test of most subchunks.
     let zero_crc = (sub_bytes <= 1 << 20).then(|| crc32c(&vec![0u8; sub_bytes]));
 
-    let mut index: Vec<u8> = Vec::with_capacity(n_sub * 16 + 4);
-    let mut offset: u64 = 0;
-    let mut crcs: Vec<u32> = Vec::with_capacity(if spec.footer.is_some() { n_sub } else { 0 });
+    let mut index = IndexBuilder {
+        bytes: Vec::with_capacity(n_sub * 16 + 4),
+        crcs: spec.footer.map(|_| Vec::with_capacity(n_sub)),
+        offset: 0,
+    };
     let mut p = Pending {
         src,
-        staging: Vec::with_capacity(STAGING_BYTES.min(n_sub * sub_bytes)),
+        staging: Vec::new(),
         segs: Vec::new(),
         held: 0,
     };
+    if spec.encode.is_none() {
+        // At most every subchunk with its crc32c, then the index and the footer.
+        let footer = spec.footer.map_or(Some(0), |(_, _, chunk)| {
+            super::footer::footer_len(chunk.len(), n_sub as u64)
+        });
+        let most = footer.map(|f| (n_sub * (sub_bytes + 4 + 16) + 4) as u64 + f);
+        out.reserve(most.unwrap_or(0));
+    }
 
     let mut sub_indices = Vec::with_capacity(n_sub);
     grid::for_each_index(&vec![0; per_shard.len()], &per_shard, |s| {
@@ -154,9 +199,31 @@ pub fn write_shard(
         for_each_run(src_box, &sub_box, &sub_box, elem, |so, _, len| {
             runs.push((so, len));
         });
+        if runs.len() > 1 && spec.encode.is_none() && out.copies_parts() {
+            // The writer copies what it is given: the runs go to it as they are, not through
+            // the staging buffer (a second copy, into fresh memory).
+            let run = |&(so, len): &(usize, usize)| &src[so..so + len];
+            let crc = super::checksum::crc32c_of_parts(runs.iter().map(run));
+            let zero = zero_crc.is_none_or(|z| z == crc)
+                && runs.iter().all(|r| run(r).iter().all(|&x| x == 0));
+            index.place(zero, sub_bytes + 4, crc);
+            if !zero {
+                p.segs
+                    .extend(runs.iter().map(|&(so, len)| Seg::Run(so, so + len)));
+                p.segs.push(Seg::Crc(crc.to_le_bytes()));
+                if p.segs.len() >= MAX_SEGS {
+                    p.flush(out)?;
+                }
+            }
+            continue;
+        }
         let (a, b, staged) = if let [(so, len)] = runs[..] {
             (so, so + len, false)
         } else {
+            if p.staging.capacity() == 0 {
+                p.staging
+                    .reserve_exact(STAGING_BYTES.min(n_sub * sub_bytes));
+            }
             if p.staging.len() + sub_bytes > p.staging.capacity() && !p.staging.is_empty() {
                 p.flush(out)?;
             }
@@ -197,22 +264,12 @@ pub fn write_shard(
                 }
             }
         };
+        index.place(all_zero, len, crc);
         if all_zero {
             if staged {
                 p.staging.truncate(a);
             }
-            index.extend_from_slice(&u64::MAX.to_le_bytes());
-            index.extend_from_slice(&u64::MAX.to_le_bytes());
-            if spec.footer.is_some() {
-                crcs.push(0);
-            }
             continue;
-        }
-        index.extend_from_slice(&offset.to_le_bytes());
-        index.extend_from_slice(&(len as u64).to_le_bytes());
-        offset += len as u64;
-        if spec.footer.is_some() {
-            crcs.push(crc);
         }
         if let Seg::Encoded(_) = seg {
             p.held += len;
@@ -223,11 +280,17 @@ pub fn write_shard(
         }
     }
     p.flush(out)?;
+    let IndexBuilder {
+        bytes: mut index,
+        crcs,
+        offset,
+    } = index;
     let crc = crc32c(&index);
     index.extend_from_slice(&crc.to_le_bytes());
-    let mut tail = spec
-        .footer
-        .map_or_else(Vec::new, |f| super::footer::encode(f.0, f.1, f.2, &crcs));
+    let mut tail = match (spec.footer, crcs) {
+        (Some(f), Some(crcs)) => super::footer::encode(f.0, f.1, f.2, &crcs),
+        _ => Vec::new(),
+    };
     tail.extend_from_slice(&index);
     out.write(&tail)?;
     Ok((offset + tail.len() as u64, tail))
@@ -352,5 +415,91 @@ mod tests {
         let a = write_to(&store, "a", &src, &piece, &chunk_box, &spec);
         let b = write_to(&store, "b", &expect, &chunk_box, &chunk_box, &spec);
         assert_eq!(a, b);
+    }
+
+    /// An object held in memory, as an object-store writer below the multipart threshold
+    /// holds it; `copies` says whether it offers to take pieces ungathered.
+    struct Held {
+        bytes: Vec<u8>,
+        copies: bool,
+        /// Pieces given, and the room the writer was told to reserve.
+        pieces: usize,
+        reserved: u64,
+    }
+
+    impl MultipartWrite for Held {
+        fn write_vectored(&mut self, parts: &[IoSlice<'_>]) -> Result<(), StorageError> {
+            for p in parts {
+                self.bytes.extend_from_slice(p);
+            }
+            self.pieces += parts.len();
+            Ok(())
+        }
+        fn written(&self) -> u64 {
+            self.bytes.len() as u64
+        }
+        fn copies_parts(&self) -> bool {
+            self.copies
+        }
+        fn reserve(&mut self, additional: u64) {
+            self.reserved += additional;
+        }
+        fn finish(self: Box<Self>) -> Result<crate::storage::store::PutResult, StorageError> {
+            unreachable!("not finished here")
+        }
+        fn abort(self: Box<Self>) -> Result<(), StorageError> {
+            Ok(())
+        }
+    }
+
+    /// Thin columns of a larger piece, some subchunks all zero, with a footer: a writer that
+    /// takes the runs ungathered gets the same bytes as one that is given gathered
+    /// subchunks, and as a file; the hint reserved room for all of them at once.
+    #[test]
+    fn runs_handed_over_ungathered_make_the_same_shard() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = LocalStore::new(tmp.path());
+        let piece = Region::new(vec![0, 0], vec![8, 12]).unwrap();
+        let elem = 2;
+        let mut src: Vec<u8> = (0..8 * 12 * elem)
+            .map(|i| (i * 7 % 253) as u8 + 1)
+            .collect();
+        // The first subchunk (rows 0-1, columns 4-6) is all zero.
+        for r in 0..2 {
+            src[(r * 12 + 4) * elem..(r * 12 + 7) * elem].fill(0);
+        }
+        let chunk_box = Region::new(vec![0, 4], vec![8, 6]).unwrap();
+        let key = TensorKey::new("w").unwrap();
+        let id = SaveId::random();
+        let spec = ShardSpec {
+            subchunk_shape: &[2, 3],
+            elem,
+            encode: None,
+            footer: Some((id, &key, &[0, 1])),
+        };
+        let file = write_to(&store, "f", &src, &piece, &chunk_box, &spec);
+        let mut outs = Vec::new();
+        for copies in [false, true] {
+            let mut held = Held {
+                bytes: Vec::new(),
+                copies,
+                pieces: 0,
+                reserved: 0,
+            };
+            let (n, tail) = write_shard(&mut held, &src, &piece, &chunk_box, &spec).unwrap();
+            assert_eq!(n as usize, held.bytes.len());
+            assert!(held.bytes.ends_with(&tail));
+            assert!(held.reserved >= n, "the hint covers the shard: {copies}");
+            outs.push((held.bytes, held.pieces));
+        }
+        assert_eq!(outs[0].0, file);
+        assert_eq!(outs[1].0, file);
+        // Gathered: each subchunk and its crc32c (and the tail); ungathered: its two rows too.
+        assert_eq!(outs[0].1, 7 * 2 + 1);
+        assert_eq!(outs[1].1, 7 * 3 + 1);
+        // 8 subchunks, one empty: 7 written with their crc32c.
+        let index_at = file.len() - (8 * 16 + 4);
+        assert_eq!(&file[index_at..index_at + 16], &[0xff; 16]);
+        assert!(file.len() > 7 * (2 * 3 * elem + 4));
     }
 }

@@ -184,6 +184,20 @@ pub trait MultipartWrite: Send {
     /// Bytes appended so far.
     fn written(&self) -> u64;
 
+    /// True when [`MultipartWrite::write_vectored`] now copies the parts it is given into
+    /// memory of its own (an object held for one request): a caller may then hand it many
+    /// small pieces rather than gathering them into a buffer first. False (the default) where
+    /// each part costs a system call or a wait.
+    fn copies_parts(&self) -> bool {
+        false
+    }
+
+    /// A hint that about `additional` more bytes will be appended, so that a writer holding
+    /// the object in memory can allocate it once. The default ignores it.
+    fn reserve(&mut self, additional: u64) {
+        let _ = additional;
+    }
+
     /// Completes the object.
     ///
     /// # Errors

@@ -214,17 +214,18 @@ impl<'a> GenerationWriter<'a> {
     /// An empty buffer to hold an object in: one a finished object gave back when there is
     /// one. Reusing them spares the kernel's page faults and zeroing of fresh memory for every
     /// object, which cost this process more than all its other work on the bytes.
+    ///
+    /// The largest one kept is taken (the object's size is not known yet): a small buffer
+    /// handed to a large shard would grow page by page like a fresh one.
     fn buffer(&self) -> Vec<u8> {
-        self.spare
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop()
-            .unwrap_or_default()
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        let largest = (0..spare.len()).max_by_key(|&i| spare[i].capacity());
+        largest.map(|i| spare.swap_remove(i)).unwrap_or_default()
     }
 
     /// Takes back a buffer for the next object: at most one per request in flight are kept
     /// (so buffers kept and buffers in use stay within the memory bound of the module docs),
-    /// none larger than the multipart threshold.
+    /// none larger than the multipart threshold; when that many are kept, the smallest goes.
     fn give_back(&self, mut buf: Vec<u8>) {
         let o = self.store.options();
         if buf.capacity() == 0 || buf.capacity() as u64 > o.multipart_threshold {
@@ -234,6 +235,12 @@ impl<'a> GenerationWriter<'a> {
         let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
         if spare.len() < o.concurrency.max(1) {
             spare.push(buf);
+        } else if let Some(smallest) = spare
+            .iter_mut()
+            .min_by_key(|b| b.capacity())
+            .filter(|b| b.capacity() < buf.capacity())
+        {
+            *smallest = buf;
         }
     }
 
@@ -401,6 +408,19 @@ impl MultipartWrite for ObjectUpload<'_> {
         self.written
     }
 
+    fn copies_parts(&self) -> bool {
+        // Held for one PUT: appended to `held`. A multipart upload waits per part.
+        self.upload.is_none()
+    }
+
+    fn reserve(&mut self, additional: u64) {
+        if self.upload.is_none() && self.written.saturating_add(additional) < self.threshold() {
+            // Below the threshold, so within `usize`.
+            self.held
+                .reserve_exact(usize::try_from(additional).unwrap_or(0));
+        }
+    }
+
     fn finish(mut self: Box<Self>) -> Result<PutResult, StorageError> {
         self.owner.check(&self.location)?;
         let store = self.owner.store;
@@ -499,5 +519,39 @@ mod tests {
         let e = Store::put(&late, "x", &[b"1"]).unwrap_err().to_string();
         assert!(e.contains("memory://gw/ckpt/generations/g2/x"), "{e}");
         assert!(e.contains("deadline"), "{e}");
+    }
+
+    #[test]
+    fn spare_buffers_go_largest_first_and_the_smallest_make_room() {
+        let opts = RemoteOptions {
+            concurrency: 2,
+            multipart_threshold: 1 << 20,
+            ..RemoteOptions::default()
+        };
+        let s = RemoteStore::open("memory://gw-spare/ckpt", &opts).unwrap();
+        let w = GenerationWriter::new(&s, "g1", None);
+        for cap in [100, 5000, 300, 2 << 20] {
+            w.give_back(Vec::with_capacity(cap));
+        }
+        // Two kept (one per request in flight), none above the threshold: 5000 and 300.
+        let a = w.buffer();
+        let b = w.buffer();
+        assert!(
+            a.capacity() >= 5000 && a.capacity() < 1 << 20,
+            "{}",
+            a.capacity()
+        );
+        assert!((300..5000).contains(&b.capacity()), "{}", b.capacity());
+        assert_eq!(w.buffer().capacity(), 0);
+        // Full: a larger buffer replaces the smallest, a smaller one is dropped.
+        w.give_back(a);
+        w.give_back(b);
+        w.give_back(Vec::with_capacity(9000));
+        w.give_back(Vec::with_capacity(10));
+        let caps = [w.buffer().capacity(), w.buffer().capacity()];
+        assert!(
+            caps[0] >= 9000 && (5000..9000).contains(&caps[1]),
+            "{caps:?}"
+        );
     }
 }
