@@ -7,14 +7,28 @@ pub fn crc32c(data: &[u8]) -> u32 {
     u32::try_from(crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, data)).unwrap_or(0)
 }
 
+/// A running crc32c (Castagnoli): feed it with `update`, read it with [`crc32c_value`].
+#[must_use]
+pub fn crc32c_digest() -> crc_fast::Digest {
+    crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi)
+}
+
+/// The crc32c a [`crc32c_digest`] computed. Invariant: a CRC32 digest's value fits 32 bits
+/// (`crc_fast` widens it to `u64`), so the cast keeps every bit.
+#[must_use]
+#[allow(clippy::cast_possible_truncation)]
+pub fn crc32c_value(digest: &crc_fast::Digest) -> u32 {
+    digest.finalize() as u32
+}
+
 /// crc32c of the concatenation of `parts`, without joining them.
 #[must_use]
 pub fn crc32c_of_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
-    let mut d = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    let mut d = crc32c_digest();
     for p in parts {
         d.update(p);
     }
-    u32::try_from(d.finalize()).unwrap_or(0)
+    crc32c_value(&d)
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::array::TensorArray;
+use super::checksum::{crc32c_digest, crc32c_value};
 use super::error::StorageError;
 use super::meta::Compression;
 use crate::model::copy::{DisjointBuf as Dest, for_each_run};
@@ -135,13 +136,6 @@ fn corrupt(arr: &TensorArray, chunk: &[u64], detail: String) -> StorageError {
         path: arr.chunk_path(chunk),
         detail,
     }
-}
-
-/// The CRC32C a digest computed. Invariant: a CRC32 digest's value fits 32 bits (`crc_fast`
-/// widens it to `u64`), so the cast keeps every bit.
-#[allow(clippy::cast_possible_truncation)]
-fn crc32_value(digest: &crc_fast::Digest) -> u32 {
-    digest.finalize() as u32
 }
 
 /// `(offset, nbytes)` of every subchunk of a shard; `None` for absent (all-zero) ones.
@@ -549,7 +543,7 @@ unsafe fn pread_subchunks(
         {
             // One large subchunk: read a piece at a time, each checksummed right after it
             // is read, while it is still in cache (not in a second pass over memory).
-            let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+            let mut digest = crc32c_digest();
             let mut crc = [0u8; 4];
             let mut at = 0usize;
             while at < sub_bytes {
@@ -580,7 +574,7 @@ unsafe fn pread_subchunks(
             }
             counters.add(sub_bytes as u64 + 4);
             batch.clear();
-            return check_crc_value(arr, shard, linear, crc32_value(&digest), crc, footer);
+            return check_crc_value(arr, shard, linear, crc32c_value(&digest), crc, footer);
         }
         let mut crcs = vec![[0u8; 4]; batch.len()];
         let mut iovs = Vec::with_capacity(batch.len() * 2);
@@ -728,12 +722,12 @@ unsafe fn pread_runs(
     // The runs of a whole subchunk follow each other in its stored bytes: their crc, in
     // order, is the stored bytes' crc, computed over the bytes delivered.
     timed(&counters.checksum_ns, || {
-        let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+        let mut digest = crc32c_digest();
         for &(_, d, len) in runs {
             // SAFETY: as above; the read has completed.
             digest.update(unsafe { dest.slice(d, len) });
         }
-        check_crc_value(arr, shard, linear, crc32_value(&digest), crc, footer)
+        check_crc_value(arr, shard, linear, crc32c_value(&digest), crc, footer)
     })
 }
 
@@ -1148,12 +1142,12 @@ unsafe fn read_shard_mapped(
                 if s.direct {
                     // SAFETY: disjoint destination ranges (caller's contract).
                     let out = unsafe { dest.slice(dest.offset_of(s.needed.offset()), slot - 4) };
-                    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+                    let mut digest = crc32c_digest();
                     for (o, d) in out.chunks_mut(CRC_BAND).zip(data.chunks(CRC_BAND)) {
                         o.copy_from_slice(d);
                         digest.update(o);
                     }
-                    let computed = crc32_value(&digest);
+                    let computed = crc32c_value(&digest);
                     check_crc_value(arr, shard, s.linear, computed, crc, footer)?;
                 } else if s.needed == s.stored {
                     whole.push((s, at(off), crc));
@@ -1207,10 +1201,7 @@ unsafe fn scatter_checked(
     let band = (CRC_BAND / longest.max(1)).max(1);
     // No subchunks: no bands to run.
     let most = lists.iter().map(Vec::len).max().unwrap_or(0);
-    let mut digests: Vec<crc_fast::Digest> = subs
-        .iter()
-        .map(|_| crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi))
-        .collect();
+    let mut digests: Vec<crc_fast::Digest> = subs.iter().map(|_| crc32c_digest()).collect();
     let mut i = 0;
     while i < most {
         for (list, digest) in lists.iter().zip(digests.iter_mut()) {
@@ -1228,7 +1219,7 @@ unsafe fn scatter_checked(
         i += band;
     }
     for (&(s, _, stored), digest) in subs.iter().zip(&digests) {
-        let computed = crc32_value(digest);
+        let computed = crc32c_value(digest);
         check_crc_value(arr, shard, s.linear, computed, stored, footer)?;
     }
     Ok(())
