@@ -312,7 +312,7 @@ impl Fetcher {
                 Err(e) => return Err(self.explain(arr, chunk, &location, size, e)),
             }
         };
-        let last = bufs.pop().unwrap_or_default();
+        let mut last = bufs.pop().unwrap_or_default();
         let at = last
             .len()
             .saturating_sub(usize::try_from(tail).unwrap_or(usize::MAX));
@@ -321,10 +321,9 @@ impl Fetcher {
         })
         .map(Arc::new)?;
         self.keep(id, &index);
+        // The tail is decoded: what is left of the last range is data, like the others.
+        last.truncate(at);
         bufs.push(last);
-        if let Some(b) = bufs.last_mut() {
-            b.truncate(at);
-        }
         let head: Head = ranges
             .iter()
             .map(|r| r.start)
