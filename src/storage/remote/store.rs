@@ -17,11 +17,9 @@ use object_store::{PutPayload, WriteMultipart};
 use super::client::{PutOutcome, RemoteStore};
 use crate::storage::error::StorageError;
 use crate::storage::store::{
-    Capabilities, ListResult, MultipartWrite, ObjectMeta, PutMode, PutResult, Store, check_location,
+    Capabilities, GET_RANGE_BYTES, ListResult, MultipartWrite, ObjectMeta, PutMode, PutResult,
+    Store, check_location,
 };
-
-/// The most bytes one ranged GET asks for: a longer range is fetched as several pieces at once.
-const GET_PIECE: u64 = crate::storage::store::GET_RANGE_BYTES;
 
 fn io(op: &'static str, path: PathBuf) -> impl FnOnce(object_store::Error) -> StorageError {
     move |e| match e {
@@ -159,15 +157,15 @@ impl Store for RemoteStore {
         let path = self.display_path(location);
         let key = self.path(location);
         // Each range exactly as asked (callers coalesce to their own gap), cut into pieces of
-        // at most GET_PIECE bytes, up to `concurrency` pieces in flight, in order, so that one
+        // at most GET_RANGE_BYTES bytes, up to `concurrency` pieces in flight, in order, so that one
         // large range is fetched as fast as many small ones.
         let pieces: Vec<(usize, Range<u64>)> = ranges
             .iter()
             .enumerate()
             .flat_map(|(i, r)| {
                 (r.start..r.end)
-                    .step_by(usize::try_from(GET_PIECE).unwrap_or(usize::MAX))
-                    .map(move |at| (i, at..r.end.min(at.saturating_add(GET_PIECE))))
+                    .step_by(usize::try_from(GET_RANGE_BYTES).unwrap_or(usize::MAX))
+                    .map(move |at| (i, at..r.end.min(at.saturating_add(GET_RANGE_BYTES))))
             })
             .collect();
         let inner = std::sync::Arc::clone(self.inner());
@@ -347,11 +345,11 @@ mod tests {
     #[test]
     fn long_ranges_come_back_whole_from_pieces_fetched_at_once() {
         let s = RemoteStore::open("memory://pieces/ckpt", &RemoteOptions::default()).unwrap();
-        let n = usize::try_from(2 * GET_PIECE + 12345).unwrap();
+        let n = usize::try_from(2 * GET_RANGE_BYTES + 12345).unwrap();
         let data: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
         Store::put(&s, "big", &[&data]).unwrap();
         let whole = 0..n as u64;
-        let across = GET_PIECE - 7..2 * GET_PIECE + 100;
+        let across = GET_RANGE_BYTES - 7..2 * GET_RANGE_BYTES + 100;
         let got = Store::get_ranges(&s, "big", &[whole, 3..3, across.clone(), 10..20]).unwrap();
         assert_eq!(got[0], data);
         assert!(got[1].is_empty());
