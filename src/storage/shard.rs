@@ -102,6 +102,16 @@ impl Pending<'_> {
     }
 }
 
+/// Whether the bytes of `parts`, whose crc32c is `crc`, are all zero. `zero_crc`, the crc32c
+/// of an all-zero subchunk when known, rules out most subchunks before any byte is looked at.
+fn all_zero<'a>(
+    zero_crc: Option<u32>,
+    crc: u32,
+    mut parts: impl Iterator<Item = &'a [u8]>,
+) -> bool {
+    zero_crc.is_none_or(|z| z == crc) && parts.all(|p| p.iter().all(|&x| x == 0))
+}
+
 /// A shard's index as it is built: each subchunk's place, and the crc32c list of the footer
 /// when the shard has one.
 struct IndexBuilder {
@@ -204,8 +214,7 @@ pub fn write_shard(
             // the staging buffer (a second copy, into fresh memory).
             let run = |&(so, len): &(usize, usize)| &src[so..so + len];
             let crc = super::checksum::crc32c_of_parts(runs.iter().map(run));
-            let zero = zero_crc.is_none_or(|z| z == crc)
-                && runs.iter().all(|r| run(r).iter().all(|&x| x == 0));
+            let zero = all_zero(zero_crc, crc, runs.iter().map(run));
             index.place(zero, sub_bytes + 4, crc);
             if !zero {
                 p.segs
@@ -237,7 +246,7 @@ pub fn write_shard(
         let (all_zero, seg, crc, len) = match spec.encode {
             None => {
                 let crc = crc32c(data);
-                let zero = zero_crc.is_none_or(|z| z == crc) && data.iter().all(|&x| x == 0);
+                let zero = all_zero(zero_crc, crc, std::iter::once(data));
                 let seg = if staged {
                     Seg::Staged(a, b, crc.to_le_bytes())
                 } else {
